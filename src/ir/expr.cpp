@@ -161,9 +161,17 @@ bool expr_equal(const Expr& a, const Expr& b) {
   return true;
 }
 
+static std::string print(const Expr& e, bool parens);
+
+// `//`, `%` and `*` share one precedence level and group to the left, so a
+// quotient inside a product, and a product or quotient on the right of `//`
+// or `%`, need parentheses to parse back as the same tree.
+static std::string print_operand(const Expr& e, bool wrap_mul) {
+  bool wrap = e->kind == ExprNode::FloorDiv || e->kind == ExprNode::Mod || (wrap_mul && e->kind == ExprNode::Mul);
+  return wrap ? "(" + print(e, false) + ")" : print(e, true);
+}
+
 static std::string print(const Expr& e, bool parens) {
-  auto leaf = [](const ExprNode& n) { return n.name; };
-  (void)leaf;
   switch (e->kind) {
     case ExprNode::Const: {
       std::string s = std::to_string(e->value);
@@ -177,11 +185,11 @@ static std::string print(const Expr& e, bool parens) {
     }
     case ExprNode::Mul: {
       std::string s;
-      for (size_t i = 0; i < e->args.size(); ++i) s += (i ? "*" : "") + print(e->args[i], true);
+      for (size_t i = 0; i < e->args.size(); ++i) s += (i ? "*" : "") + print_operand(e->args[i], false);
       return s;
     }
-    case ExprNode::FloorDiv: return print(e->args[0], true) + "//" + print(e->args[1], true);
-    case ExprNode::Mod: return print(e->args[0], true) + "%" + print(e->args[1], true);
+    case ExprNode::FloorDiv: return print(e->args[0], true) + "//" + print_operand(e->args[1], true);
+    case ExprNode::Mod: return print(e->args[0], true) + "%" + print_operand(e->args[1], true);
     case ExprNode::Min: return "min(" + print(e->args[0], false) + ", " + print(e->args[1], false) + ")";
     case ExprNode::Max: return "max(" + print(e->args[0], false) + ", " + print(e->args[1], false) + ")";
   }
