@@ -95,6 +95,18 @@ Expr operator*(const Expr& a, const Expr& b) {
     if (x->kind == ExprNode::Mul) factors.insert(factors.end(), x->args.begin(), x->args.end());
     else factors.push_back(x);
   }
+  // Products distribute over sums, so that every polynomial has exactly one
+  // form (7*(s0 + 1)*s1 and (7*s0 + 7)*s1 are both 7*s0*s1 + 7*s1) and like
+  // terms can merge.
+  for (size_t i = 0; i < factors.size(); ++i) {
+    if (factors[i]->kind != ExprNode::Add) continue;
+    Expr rest = cst(1);
+    for (size_t j = 0; j < factors.size(); ++j)
+      if (j != i) rest = rest * factors[j];
+    Expr sum = cst(0);
+    for (const Expr& t : factors[i]->args) sum = sum + t * rest;
+    return sum;
+  }
   int64_t c = 1;
   std::vector<Expr> out;
   for (const Expr& f : factors) {
@@ -102,12 +114,6 @@ Expr operator*(const Expr& a, const Expr& b) {
     else out.push_back(f);
   }
   if (c == 0) return cst(0);
-  // Distribute a constant over a sum so that like terms can merge.
-  if (out.size() == 1 && out[0]->kind == ExprNode::Add && c != 1) {
-    Expr sum = cst(0);
-    for (const Expr& t : out[0]->args) sum = sum + cst(c) * t;
-    return sum;
-  }
   std::sort(out.begin(), out.end(), less);
   if (out.empty()) return cst(c);
   if (c != 1) out.insert(out.begin(), cst(c));
