@@ -14,6 +14,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -222,7 +223,13 @@ class Parser {
       std::string num = s_.substr(i_, j - i_);
       i_ = j;
       try {
-        if (is_float) return std::stod(num);
+        if (is_float) {
+          // strtod, not stod: stod rejects subnormals (ERANGE) that print_graph writes.
+          char* end = nullptr;
+          double v = std::strtod(num.c_str(), &end);
+          if (end != num.c_str() + num.size()) fail("bad number '" + num + "'");
+          return v;
+        }
         return static_cast<int64_t>(std::stoll(num));
       } catch (...) {
         fail("bad number '" + num + "'");
