@@ -1,0 +1,49 @@
+// The C-like emitter: prints a kernel's statements as C++. The CPU emitter
+// subclasses it with OpenMP loops and host types; the CUDA emitter (next)
+// with thread indexing and device types. Statement printing is shared.
+#pragma once
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "codegen/kernel_ir.h"
+
+namespace opfuse {
+
+// How each stride of each strided (graph-input) buffer is specialised:
+// '0' (broadcast or size 1), '1' (unit) or 'x' (passed at run time).
+struct StrideSignature {
+  std::vector<std::string> classes;  // per strided buffer, one char per dim
+  std::string key() const;
+};
+
+class CEmitter {
+ public:
+  virtual ~CEmitter() = default;
+  // The whole kernel as one function.
+  virtual std::string emit(const KernelIR& k, const StrideSignature& sig) = 0;
+
+ protected:
+  const KernelIR* k_ = nullptr;
+  const StrideSignature* sig_ = nullptr;
+  std::ostringstream out_;
+  int indent_ = 0;
+
+  void line(const std::string& s);
+  virtual std::string storage_type(DType t) const;  // element type in memory
+  virtual std::string value_type(DType t) const;    // type of a compute value
+  virtual std::string load(int buffer, const std::string& offset) const;
+  virtual std::string store(int buffer, const std::string& offset, const std::string& v) const;
+  virtual std::string literal(double v, DType t) const;
+  std::string value(int id) const { return "v" + std::to_string(id); }
+  std::string size_c(const Expr& e) const;          // a size or index expression in C
+  std::string offset(int buffer, const std::vector<Expr>& idx) const;
+  void statement(const KStmt& s, const KStage& stage);
+  void accumulator_init(const KAccumulator& a);
+  void accumulator_finish(const KAccumulator& a);
+  std::string acc_name(const KAccumulator& a, const char* part = "") const;
+  // Shared preamble of a kernel body: size symbols and buffer pointers.
+  void bind_arguments();
+};
+
+}  // namespace opfuse

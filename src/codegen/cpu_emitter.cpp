@@ -1,0 +1,144 @@
+#include "codegen/cpu_emitter.h"
+
+#include <algorithm>
+
+namespace opfuse {
+
+#include "prelude_cpu.inc"
+
+const char* cpu_prelude() { return prelude_cpu; }
+
+namespace {
+bool is_one(const Expr& e) {
+  int64_t c;
+  return is_const(e, &c) && c == 1;
+}
+}  // namespace
+
+std::string CpuEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
+  k_ = &k;
+  sig_ = &sig;
+  out_.str("");
+  indent_ = 0;
+  line("extern \"C\" void " + k.name + "(void* const* bufs, const int64_t* syms, const int64_t* strides) {");
+  ++indent_;
+  bind_arguments();
+  if (k.row) row_body();
+  else pointwise_body();
+  --indent_;
+  line("}");
+  return out_.str();
+}
+
+// Sets the loop variables of `axes` (last fastest) from a linear index.
+void CpuEmitter::decompose(const std::string& linear, const std::vector<size_t>& axes) {
+  line("int64_t rem_ = " + linear + ";");
+  for (size_t i = axes.size(); i-- > 0;) {
+    size_t a = axes[i];
+    if (is_one(k_->domain[a])) continue;
+    std::string x = "x" + std::to_string(a), n = size_c(k_->domain[a]);
+    if (i == 0) line("const int64_t " + x + " = rem_;");
+    else {
+      line("const int64_t " + x + " = rem_ % " + n + ";");
+      line("rem_ /= " + n + ";");
+    }
+  }
+  line("(void)rem_;");
+}
+
+void CpuEmitter::pointwise_body() {
+  const KStage& st = k_->stages.at(0);
+  size_t n = k_->domain.size();
+  if (n == 0) {
+    for (auto& s : st.pre) statement(s, st);
+    for (auto& s : st.loop) statement(s, st);
+    return;
+  }
+  std::vector<size_t> outer;
+  Expr outer_n = cst(1);
+  for (size_t a = 0; a + 1 < n; ++a) { outer.push_back(a); outer_n = outer_n * k_->domain[a]; }
+  std::string last = "x" + std::to_string(n - 1);
+  line("const int64_t n_last = " + size_c(k_->domain[n - 1]) + ";");
+  line("const int64_t chunk = 8192;");
+  line("const int64_t nchunks = (n_last + chunk - 1) / chunk;");
+  line("const int64_t tasks = " + size_c(outer_n) + " * nchunks;");
+  line("#pragma omp parallel for schedule(static) if (tasks * opf_imin(n_last, chunk) > 65536)");
+  line("for (int64_t t = 0; t < tasks; ++t) {");
+  ++indent_;
+  line("const int64_t lo = (t % nchunks) * chunk;");
+  line("const int64_t hi = opf_imin(lo + chunk, n_last);");
+  decompose("t / nchunks", outer);
+  for (auto& s : st.pre) statement(s, st);
+  line("#pragma omp simd");
+  line("for (int64_t " + last + " = lo; " + last + " < hi; ++" + last + ") {");
+  ++indent_;
+  for (auto& s : st.loop) statement(s, st);
+  --indent_;
+  line("}");
+  --indent_;
+  line("}");
+}
+
+void CpuEmitter::stage_loop(const KStage& st, const std::vector<size_t>& axes, const std::string& count) {
+  for (auto& s : st.pre) statement(s, st);
+  for (auto& a : st.accs) accumulator_init(a);
+  if (!st.loop.empty()) {
+    // Sums vectorise as an OpenMP simd reduction; other combiners run as
+    // plain loops (their NaN rules do not fit OpenMP's built-in ones).
+    bool simd = !st.accs.empty();
+    std::string clause;
+    for (auto& a : st.accs) {
+      if (a.combiner == "sum") clause += " reduction(+:" + acc_name(a) + ")";
+      else simd = false;
+    }
+    if (st.accs.empty()) simd = true;
+    if (simd) line("#pragma omp simd" + clause);
+    bool single = axes.size() == 1;
+    std::string iv = single ? "x" + std::to_string(axes[0]) : "c_";
+    line("for (int64_t " + iv + " = 0; " + iv + " < " + count + "; ++" + iv + ") {");
+    ++indent_;
+    if (!single) decompose("c_", axes);
+    for (auto& s : st.loop) statement(s, st);
+    --indent_;
+    line("}");
+  }
+  for (auto& a : st.accs) accumulator_finish(a);
+  for (auto& s : st.post) statement(s, st);
+}
+
+void CpuEmitter::row_body() {
+  std::vector<size_t> kept, red;
+  Expr rows = cst(1), cols = cst(1);
+  for (size_t a = 0; a < k_->domain.size(); ++a) {
+    bool r = std::find(k_->reduce_axes.begin(), k_->reduce_axes.end(), static_cast<int64_t>(a)) != k_->reduce_axes.end();
+    (r ? red : kept).push_back(a);
+    (r ? cols : rows) = (r ? cols : rows) * k_->domain[a];
+  }
+  // Size-1 reduce axes have no variable; drop them from the column loop.
+  std::vector<size_t> red_loop;
+  for (size_t a : red)
+    if (!is_one(k_->domain[a])) red_loop.push_back(a);
+  line("const int64_t rows = " + size_c(rows) + ";");
+  line("const int64_t cols = " + size_c(cols) + ";");
+  line("#pragma omp parallel for schedule(static) if (rows * cols > 32768)");
+  line("for (int64_t row_ = 0; row_ < rows; ++row_) {");
+  ++indent_;
+  decompose("row_", kept);
+  // Stages share the row's scope: values finished in one are read by the next.
+  for (const KStage& st : k_->stages) {
+    if (red_loop.empty()) {
+      // A reduction over size-1 axes: the loop body runs once.
+      for (auto& s : st.pre) statement(s, st);
+      for (auto& a : st.accs) accumulator_init(a);
+      for (auto& s : st.loop) statement(s, st);
+      for (auto& a : st.accs) accumulator_finish(a);
+      for (auto& s : st.post) statement(s, st);
+    } else {
+      stage_loop(st, red_loop, "cols");
+    }
+  }
+  --indent_;
+  line("}");
+}
+
+}  // namespace opfuse

@@ -1,0 +1,22 @@
+// Host C++ for one kernel: OpenMP threads over rows (or over chunks of a
+// pointwise domain) and a simd inner loop the host compiler vectorises.
+#pragma once
+#include "codegen/c_emitter.h"
+
+namespace opfuse {
+
+class CpuEmitter : public CEmitter {
+ public:
+  std::string emit(const KernelIR& k, const StrideSignature& sig) override;
+
+ private:
+  void pointwise_body();
+  void row_body();
+  void decompose(const std::string& linear, const std::vector<size_t>& axes);
+  void stage_loop(const KStage& st, const std::vector<size_t>& axes, const std::string& count);
+};
+
+// The helper code every generated CPU source starts with.
+const char* cpu_prelude();
+
+}  // namespace opfuse

@@ -1,0 +1,27 @@
+// Graph-to-graph passes run before planning, in the order of `graph_passes()`.
+// Each is a function from graph to graph; the pipeline can dump the graph
+// after each one by name (OPFUSE_DUMP).
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ir/graph.h"
+
+namespace opfuse {
+
+// Replaces every composite op (softmax, norms, their backward ops) by its
+// primitives, so that the planner sees one vocabulary.
+Graph decompose_composites(const Graph& g);
+
+// Merges nodes with the same op, inputs and attributes, and drops nodes no
+// output depends on. Graph inputs are kept, in order, even when unused.
+Graph eliminate_common_subexpressions(const Graph& g);
+
+struct GraphPass {
+  const char* name;
+  Graph (*run)(const Graph&);
+};
+const std::vector<GraphPass>& graph_passes();
+
+}  // namespace opfuse

@@ -1,0 +1,52 @@
+// The fusion plan: which graph nodes are computed by which kernel.
+//
+// A node is "realized" (has its own value in memory or in a kernel's
+// registers) when it is a graph output or a reduction; every other node is
+// inlined, i.e. recomputed inside each kernel that needs it. Each kernel
+// iterates one domain: a Pointwise kernel its output shape, a Row kernel the
+// input shape of its reductions with `reduce_axes` as the inner loops.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "ir/graph.h"
+
+namespace opfuse {
+
+struct KernelGroup {
+  enum class Kind { Pointwise, Row } kind = Kind::Pointwise;
+  Shape domain;
+  std::vector<int64_t> reduce_axes;  // Row only, sorted
+  std::vector<int> roots;            // realized nodes computed here, ascending
+  std::vector<int> stores;           // roots written to memory: outputs or read by other kernels
+  std::vector<int> reads;            // realized nodes of other kernels and graph inputs it loads
+};
+
+struct KernelCost {
+  double bytes = 0, flops = 0, seconds = 0;
+};
+
+struct FusionPlan {
+  Graph graph;                     // the graph after the passes
+  std::vector<KernelGroup> kernels;  // in an order that respects dependencies
+  std::vector<int> kernel_of;      // node id -> kernel index (realized nodes), else -1
+
+  std::string to_string() const;   // the groupings, one kernel a line (golden tests)
+};
+
+struct PlannerOptions {
+  bool fuse = true;                 // false: one kernel per realized node (for comparisons)
+  double bandwidth_bytes_per_s = 20e9;
+  double flops_per_s = 100e9;
+  double launch_seconds = 3e-6;
+  int64_t symbol_hint = 1024;       // value assumed for size symbols when costing
+};
+
+// Runs the graph passes and groups the realized nodes into kernels.
+FusionPlan plan_fusion(const Graph& g, const PlannerOptions& opt = {});
+
+// The roofline estimate of one kernel: bytes read and written, flops, and
+// max(bytes / bandwidth, flops / rate) + launch overhead.
+KernelCost estimate_cost(const FusionPlan& plan, const KernelGroup& k, const PlannerOptions& opt);
+
+}  // namespace opfuse

@@ -1,0 +1,214 @@
+#include "runtime/compiled_graph.h"
+
+#include <algorithm>
+#include <set>
+#include <stdexcept>
+
+#include "codegen/cpu_emitter.h"
+#include "codegen/lower.h"
+#include "ir/ops.h"
+#include "runtime/compile_cache.h"
+#include "runtime/hash.h"
+
+namespace opfuse {
+namespace {
+
+// The ops a kernel computes, for names and reports.
+std::vector<std::string> member_ops(const FusionPlan& plan, const KernelGroup& k) {
+  const Graph& g = plan.graph;
+  std::set<int> seen;
+  std::vector<int> stack(k.roots.begin(), k.roots.end());
+  std::vector<int> members;
+  while (!stack.empty()) {
+    int id = stack.back();
+    stack.pop_back();
+    if (!seen.insert(id).second) continue;
+    members.push_back(id);
+    for (int i : g.node(id).inputs) {
+      const Node& in = g.node(i);
+      if (in.op == "input" || in.op == "scalar") continue;
+      int ki = plan.kernel_of[static_cast<size_t>(i)];
+      if (ki >= 0 && std::find(k.roots.begin(), k.roots.end(), i) == k.roots.end()) continue;
+      stack.push_back(i);
+    }
+  }
+  std::sort(members.begin(), members.end());
+  std::vector<std::string> ops;
+  for (int id : members) ops.push_back(g.node(id).op);
+  return ops;
+}
+
+std::string kernel_name(size_t index, const std::vector<std::string>& ops) {
+  std::string name = "opfuse_k" + std::to_string(index);
+  std::vector<std::string> distinct;
+  for (auto& o : ops)
+    if (std::find(distinct.begin(), distinct.end(), o) == distinct.end() && o != "cast") distinct.push_back(o);
+  for (size_t i = 0; i < distinct.size() && i < 4; ++i) name += "_" + distinct[i];
+  return name;
+}
+
+}  // namespace
+
+CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) {
+  verify(g);
+  plan_ = plan_fusion(g, opt.planner);
+  const Graph& pg = plan_.graph;
+  input_nodes_ = pg.input_ids();
+  for (int id : input_nodes_) {
+    const Node& n = pg.node(id);
+    buffers_.push_back({id, n.dtype, n.shape, true});
+  }
+  std::map<int, int> buffer_of;
+  for (size_t i = 0; i < input_nodes_.size(); ++i) buffer_of[input_nodes_[i]] = static_cast<int>(i);
+  for (auto& k : plan_.kernels)
+    for (int s : k.stores) {
+      buffer_of[s] = static_cast<int>(buffers_.size());
+      const Node& n = pg.node(s);
+      buffers_.push_back({s, n.dtype, n.shape, false});
+    }
+  for (int o : pg.outputs) output_buffers_.push_back(buffer_of.at(o));
+
+  // Every size symbol must be the size of some input dim.
+  std::set<std::string> bound;
+  for (int id : input_nodes_)
+    for (auto& d : pg.node(id).shape)
+      if (d->kind == ExprNode::Sym) bound.insert(d->name);
+  std::set<std::string> all;
+  for (auto& n : pg.nodes) {
+    std::vector<std::string> syms;
+    for (auto& d : n.shape) collect_symbols(d, &syms);
+    for (auto& s : syms) all.insert(s);
+  }
+  for (auto& s : all)
+    if (!bound.count(s)) throw GraphError("size symbol " + s + " is not the size of any input dim");
+  symbols_.assign(all.begin(), all.end());
+
+  for (size_t i = 0; i < plan_.kernels.size(); ++i) {
+    const KernelGroup& k = plan_.kernels[i];
+    KernelInfo info;
+    info.ops = member_ops(plan_, k);
+    info.name = kernel_name(i, info.ops);
+    info.cost = estimate_cost(plan_, k, opt.planner);
+    info.row = k.kind == KernelGroup::Kind::Row;
+    kernels_.push_back(lower_kernel(plan_, k, info.name));
+    Launch l;
+    for (auto& b : kernels_.back().buffers) {
+      l.buffers.push_back(buffer_of.at(b.node));
+      if (b.strided) l.strided_inputs.push_back(buffer_of.at(b.node));
+    }
+    for (auto& s : kernels_.back().symbols)
+      l.symbols.push_back(static_cast<int>(std::find(symbols_.begin(), symbols_.end(), s) - symbols_.begin()));
+    launches_.push_back(l);
+    info_.push_back(info);
+  }
+}
+
+std::vector<int64_t> CompiledGraph::bind(const std::vector<std::vector<int64_t>>& shapes) const {
+  if (shapes.size() != input_nodes_.size())
+    throw std::invalid_argument("expected " + std::to_string(input_nodes_.size()) + " inputs, got " + std::to_string(shapes.size()));
+  SymbolValues env = bind_symbols(plan_.graph, shapes);
+  std::vector<int64_t> v;
+  for (auto& s : symbols_) v.push_back(env.at(s));
+  return v;
+}
+
+std::vector<int64_t> CompiledGraph::buffer_shape(int b, const std::vector<int64_t>& values) const {
+  std::map<std::string, int64_t> env;
+  for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = values[i];
+  std::vector<int64_t> shape;
+  for (auto& d : buffers_[static_cast<size_t>(b)].shape) shape.push_back(evaluate(d, env));
+  return shape;
+}
+
+std::string CompiledGraph::signature(const std::vector<std::vector<int64_t>>& shapes,
+                                     const std::vector<std::vector<int64_t>>& strides,
+                                     std::vector<StrideSignature>* per_kernel) const {
+  std::vector<std::string> cls;
+  std::string key;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    std::string c;
+    for (size_t d = 0; d < shapes[i].size(); ++d)
+      c += (shapes[i][d] == 1 || strides[i][d] == 0) ? '0' : strides[i][d] == 1 ? '1' : 'x';
+    cls.push_back(c);
+    key += c + "/";
+  }
+  if (per_kernel) {
+    per_kernel->clear();
+    for (auto& l : launches_) {
+      StrideSignature s;
+      for (int b : l.strided_inputs) s.classes.push_back(cls[static_cast<size_t>(b)]);
+      per_kernel->push_back(s);
+    }
+  }
+  return key;
+}
+
+int CompiledGraph::variant(const std::vector<std::vector<int64_t>>& shapes, const std::vector<std::vector<int64_t>>& strides,
+                           bool* compiled, bool* cache_hit) {
+  if (compiled) *compiled = false;
+  if (cache_hit) *cache_hit = false;
+  std::string key = signature(shapes, strides, nullptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = variant_index_.find(key);
+  if (it != variant_index_.end()) return it->second;
+  std::vector<StrideSignature> sigs;
+  signature(shapes, strides, &sigs);
+  std::string src = cpu_prelude();
+  src += "\n";
+  for (size_t i = 0; i < kernels_.size(); ++i) {
+    CpuEmitter e;
+    src += e.emit(kernels_[i], sigs[i]) + "\n";
+  }
+  const HostCompiler& hc = host_compiler();
+  std::string flags;
+  for (auto& f : hc.flags) flags += f + " ";
+  std::string entry = content_hash(src + "\n" + flags + "\n" + hc.identity);
+  auto v = std::make_unique<Variant>();
+  v->key = key;
+  v->source = src;
+  CacheLookup found = cache_get_or_build("cpu", entry, ".so", [&](const std::string& out) { compile_shared_object(src, out); });
+  try {
+    v->lib = load_library(found.path);
+  } catch (const std::exception&) {
+    // A cached file that passed its checksum but still does not load: rebuild once.
+    cache_evict(found.path);
+    found = cache_get_or_build("cpu", entry, ".so", [&](const std::string& out) { compile_shared_object(src, out); });
+    v->lib = load_library(found.path);
+  }
+  for (auto& k : kernels_) v->fns.push_back(reinterpret_cast<KernelFn>(v->lib.symbol(k.name)));
+  v->take_error = reinterpret_cast<int (*)()>(v->lib.symbol("opfuse_take_error"));
+  if (compiled) *compiled = true;
+  if (cache_hit) *cache_hit = found.hit;
+  variants_.push_back(std::move(v));
+  int index = static_cast<int>(variants_.size()) - 1;
+  variant_index_[key] = index;
+  return index;
+}
+
+std::string CompiledGraph::source(int variant) const { return variants_.at(static_cast<size_t>(variant))->source; }
+
+void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+                        const std::vector<std::vector<int64_t>>& input_strides) const {
+  const Variant& v = *variants_.at(static_cast<size_t>(variant));
+  std::vector<void*> bufs;
+  std::vector<int64_t> syms, strides;
+  for (size_t i = 0; i < kernels_.size(); ++i) {
+    const Launch& l = launches_[i];
+    bufs.clear();
+    syms.clear();
+    strides.clear();
+    for (int b : l.buffers) bufs.push_back(ptrs[static_cast<size_t>(b)]);
+    for (int s : l.symbols) syms.push_back(symbol_values[static_cast<size_t>(s)]);
+    for (int b : l.strided_inputs) {
+      auto& st = input_strides[static_cast<size_t>(b)];
+      strides.insert(strides.end(), st.begin(), st.end());
+    }
+    v.fns[i](bufs.data(), syms.data(), strides.data());
+  }
+  if (int e = v.take_error()) {
+    (void)e;
+    throw std::domain_error("ZeroDivisionError");
+  }
+}
+
+}  // namespace opfuse

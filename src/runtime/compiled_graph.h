@@ -1,0 +1,96 @@
+// A graph compiled for the CPU: its fusion plan, its kernels in kernel IR,
+// and one compiled variant per input stride signature (the in-memory cache;
+// sizes are run-time arguments, so a variant serves every size).
+#pragma once
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "codegen/c_emitter.h"
+#include "codegen/kernel_ir.h"
+#include "fusion/plan.h"
+#include "ir/evaluate.h"
+#include "runtime/host_compiler.h"
+
+namespace opfuse {
+
+struct CompileOptions {
+  PlannerOptions planner;
+};
+
+// One buffer of a run: a graph input (any strides) or a stored node
+// (contiguous, allocated by the caller).
+struct BufferSpec {
+  int node = -1;
+  DType dtype = DType::Float32;
+  Shape shape;
+  bool is_input = false;
+};
+
+struct KernelInfo {
+  std::string name;
+  std::vector<std::string> ops;  // the graph ops it computes
+  KernelCost cost;
+  bool row = false;
+};
+
+class CompiledGraph {
+ public:
+  CompiledGraph(const Graph& g, const CompileOptions& opt);
+
+  const FusionPlan& plan() const { return plan_; }
+  const std::vector<BufferSpec>& buffers() const { return buffers_; }
+  const std::vector<int>& output_buffers() const { return output_buffers_; }  // per graph output
+  const std::vector<KernelIR>& kernels() const { return kernels_; }
+  const std::vector<KernelInfo>& kernel_info() const { return info_; }
+  const std::vector<std::string>& symbols() const { return symbols_; }
+
+  // Size symbols from the inputs' shapes (in symbols() order).
+  std::vector<int64_t> bind(const std::vector<std::vector<int64_t>>& input_shapes) const;
+  std::vector<int64_t> buffer_shape(int buffer, const std::vector<int64_t>& symbol_values) const;
+
+  // The variant for these input strides, compiled (or loaded from the disk
+  // cache) on first use. Returns its index; *cache_hit tells if it was on disk.
+  int variant(const std::vector<std::vector<int64_t>>& input_shapes, const std::vector<std::vector<int64_t>>& input_strides,
+              bool* compiled = nullptr, bool* cache_hit = nullptr);
+  std::string source(int variant) const;
+
+  // Runs every kernel. `ptrs` holds one pointer per buffer (buffers());
+  // `input_strides` the strides of each graph input, in elements.
+  void run(int variant, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+           const std::vector<std::vector<int64_t>>& input_strides) const;
+
+ private:
+  using KernelFn = void (*)(void* const*, const int64_t*, const int64_t*);
+  struct Variant {
+    std::string key;
+    std::string source;
+    LoadedLibrary lib;
+    std::vector<KernelFn> fns;
+    int (*take_error)() = nullptr;
+  };
+  struct Launch {
+    std::vector<int> buffers;       // global buffer index per kernel buffer
+    std::vector<int> symbols;       // index into symbols_ per kernel symbol
+    std::vector<int> strided_inputs;  // input number of each strided kernel buffer
+  };
+
+  FusionPlan plan_;
+  std::vector<KernelIR> kernels_;
+  std::vector<KernelInfo> info_;
+  std::vector<Launch> launches_;
+  std::vector<BufferSpec> buffers_;
+  std::vector<int> output_buffers_;
+  std::vector<int> input_nodes_;
+  std::vector<std::string> symbols_;
+  std::map<std::string, int> variant_index_;
+  std::vector<std::unique_ptr<Variant>> variants_;
+  mutable std::mutex mu_;
+
+  std::string signature(const std::vector<std::vector<int64_t>>& shapes, const std::vector<std::vector<int64_t>>& strides,
+                        std::vector<StrideSignature>* per_kernel) const;
+};
+
+}  // namespace opfuse
