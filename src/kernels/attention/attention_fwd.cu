@@ -1,0 +1,546 @@
+// opfuse attention forward: a FlashAttention-2 style kernel (mma.sync, sm_80+).
+//
+// Compiled at run time by NVRTC. It includes NO header: NVRTC on the target
+// machines finds no CUDA headers, so every device helper below is inline PTX.
+//
+//   O[b, h, i, :] = softmax_j(scale * Q[b, h, i, :] . K[b, h / G, j, :]) V[b, h / G, j, :]
+//   LSE[b, h, i]  = log sum_j exp(scale * Q[b, h, i, :] . K[b, h / G, j, :])   (natural log, float32)
+//
+// with G = Hq / Hkv (GQA / MQA) and, when IS_CAUSAL, the mask aligned to the
+// bottom-right corner (query i sees key j iff j <= i + Sk - Sq), as PyTorch and
+// FlashAttention >= 2.1. Rows that see no key at all give O = 0 and LSE = -inf.
+// The CPU reference with the same semantics is attention_reference.{h,cpp}.
+//
+// Design (docs/attention.md has the numbers):
+// - one CTA computes BLOCK_M query rows of one (batch, head); NUM_WARPS warps
+//   each own BLOCK_M / NUM_WARPS rows (16 or 32: one or two m16 tiles);
+// - K and V tiles of BLOCK_N keys stream through shared memory with cp.async,
+//   two stages deep: the tile for the next iteration is in flight while the
+//   current one is used; one __syncthreads per iteration;
+// - S = Q K^T and O += P V with mma.sync.m16n8k16 (float32 accumulators);
+//   P stays in registers: the accumulator layout of S is the A-operand layout
+//   of the second product; V is read with ldmatrix.trans;
+// - online softmax in float32 on log2(e)-prescaled scores with ex2.approx;
+// - key blocks are visited from the last to the first, so the blocks that
+//   need a mask (the ragged end of Sk, the causal diagonal) come first and the
+//   rest run unmasked; key blocks that are entirely masked are never visited;
+// - shared-memory rows are padded by 16 bytes (an odd number of 16-byte
+//   chunks per row) so that ldmatrix and cp.async are free of bank conflicts
+//   for every head dim, 96 included.
+//
+// Entry points: attention_fwd<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N,
+// NUM_WARPS, MIN_BLOCKS>, obtained through NVRTC name expressions such as
+//   "opfuse_attn::attention_fwd<opfuse_attn::bf16, 128, true, 128, 64, 4, 2>"
+// Launch: grid (ceil(Sq / BLOCK_M), Hq, B), block NUM_WARPS * 32 threads,
+// dynamic shared memory FwdTile<...>::kSmemBytes (over 48 KB: raise
+// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first), one argument:
+// AttnFwdParams by value. Requirements checked by the launcher: pointers
+// 16-byte aligned, last dim contiguous, all other strides multiples of 8
+// elements, Hq % Hkv == 0, softmax_scale > 0.
+
+namespace opfuse_attn {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+// Element tags. The kernel never does arithmetic on elements itself: they
+// only travel through cp.async / ldmatrix and the tensor cores.
+struct bf16 { u16 bits; };
+struct f16 { u16 bits; };
+
+// Kernel argument. The layout is part of the launch ABI (mirrored by the
+// Python harness with ctypes and by the C++ runtime): only append fields.
+struct AttnFwdParams {
+  const void* q;  // [B, Hq, Sq, D]
+  const void* k;  // [B, Hkv, Sk, D]
+  const void* v;  // [B, Hkv, Sk, D]
+  void* o;        // [B, Hq, Sq, D], same dtype as q
+  float* lse;     // [B, Hq, Sq] float32, or null to skip
+  // strides in elements; the last dim of q, k, v, o is contiguous
+  i64 q_batch_stride, q_head_stride, q_row_stride;
+  i64 k_batch_stride, k_head_stride, k_row_stride;
+  i64 v_batch_stride, v_head_stride, v_row_stride;
+  i64 o_batch_stride, o_head_stride, o_row_stride;
+  i64 lse_batch_stride, lse_head_stride;
+  int batch, heads_q, heads_kv, q_per_kv;  // q_per_kv = heads_q / heads_kv
+  int seqlen_q, seqlen_k;
+  float softmax_scale;  // > 0
+  float scale_log2;     // softmax_scale * log2(e)
+};
+static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is a launch ABI");
+
+// ---------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float neg_inf() {
+  float r;
+  asm("mov.b32 %0, 0xff800000;" : "=f"(r));
+  return r;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float lg2(float x) {
+  float r;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float rcp(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float fmax2(float a, float b) {
+  float r;
+  asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
+  float r;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(x), "r"(lane_mask));
+  return r;
+}
+
+// Returns x unchanged, but the compiler cannot see through it.
+__device__ __forceinline__ i64 opaque(i64 x) {
+  i64 r;
+  asm volatile("mov.b64 %0, %1;" : "=l"(r) : "l"(x));
+  return r;
+}
+
+__device__ __forceinline__ void syncwarp() { asm volatile("bar.warp.sync 0xffffffff;" ::: "memory"); }
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16-byte async copy global -> shared; when !valid the destination is
+// zero-filled and nothing is read (src must still be a mapped address).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void copy16_shared_to_global(void* dst, u32 src) {
+  u32 a, b, c, d;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(src) : "memory");
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void store_zero16_global(void* dst) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(dst), "r"(0u) : "memory");
+}
+__device__ __forceinline__ void store_f32_global(float* dst, float v) {
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(dst), "f"(v) : "memory");
+}
+
+// Per-element-type pieces: packing two floats into the A operand and the mma.
+template <typename Elem>
+struct ElemOps;
+
+template <>
+struct ElemOps<bf16> {
+  // lo goes to the low half (the lower column index), as the mma expects.
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct ElemOps<f16> {
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Tile geometry (shared by the kernel and, through the formulas in
+// docs/attention.md, the launchers)
+// ---------------------------------------------------------------------------
+
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+struct FwdTile {
+  static constexpr int kThreads = NUM_WARPS * 32;
+  static constexpr int kRowsPerWarp = BLOCK_M / NUM_WARPS;
+  static constexpr int kMTiles = kRowsPerWarp / 16;     // m16 tiles per warp
+  static constexpr int kNTiles = BLOCK_N / 8;           // n8 tiles of S per warp row-tile
+  static constexpr int kDTiles = HEAD_DIM / 8;          // n8 tiles of O
+  static constexpr int kChunksPerRow = HEAD_DIM / 8;    // 16-byte chunks per row
+  static constexpr int kStride = HEAD_DIM + 8;          // smem row stride, elements
+  static constexpr int kStrideBytes = kStride * 2;
+  static constexpr int kQBytes = BLOCK_M * kStrideBytes;
+  static constexpr int kKVTileBytes = BLOCK_N * kStrideBytes;
+  static constexpr int kStages = 2;
+  // smem: Q | K stage 0 | V stage 0 | K stage 1 | V stage 1
+  static constexpr int kSmemBytes = kQBytes + kStages * 2 * kKVTileBytes;
+  // Q fragments stay in registers for the whole kernel when they are few.
+  static constexpr bool kQInRegs = kMTiles == 1 && HEAD_DIM <= 128;
+
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256,
+                "HEAD_DIM must be 64, 96, 128 or 256");
+  static_assert(BLOCK_M % NUM_WARPS == 0 && kRowsPerWarp % 16 == 0 && kMTiles >= 1 && kMTiles <= 2,
+                "each warp owns 16 or 32 query rows");
+  static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 128, "BLOCK_N must be a multiple of 16 in [16, 128]");
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+  static_assert((kStride / 8) % 2 == 1, "row stride must be an odd number of 16-byte chunks");
+};
+
+// ---------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------
+
+template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS>
+__global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(const AttnFwdParams p) {
+  using Tile = FwdTile<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
+  using Ops = ElemOps<Elem>;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kMT = Tile::kMTiles;
+  constexpr int kNT = Tile::kNTiles;
+  constexpr int kDT = Tile::kDTiles;
+  constexpr int kChunks = Tile::kChunksPerRow;
+  constexpr int kSB = Tile::kStrideBytes;
+  constexpr bool kQInRegs = Tile::kQInRegs;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  // Causal: the heaviest query blocks (the last ones) are launched first.
+  const int m_block = IS_CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int head_kv = head / p.q_per_kv;
+  const int Sq = p.seqlen_q;
+  const int Sk = p.seqlen_k;
+
+  const char* q_base = (const char*)p.q + 2 * (batch * p.q_batch_stride + head * p.q_head_stride);
+  const char* k_base = (const char*)p.k + 2 * (batch * p.k_batch_stride + head_kv * p.k_head_stride);
+  const char* v_base = (const char*)p.v + 2 * (batch * p.v_batch_stride + head_kv * p.v_head_stride);
+  char* o_base = (char*)p.o + 2 * (batch * p.o_batch_stride + head * p.o_head_stride);
+  const i64 q_rs = 2 * p.q_row_stride, k_rs = 2 * p.k_row_stride, v_rs = 2 * p.v_row_stride,
+            o_rs = 2 * p.o_row_stride;
+  float* lse_base = p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride : nullptr;
+
+  const int m_start = m_block * BLOCK_M;
+  const int m_end = (m_start + BLOCK_M < Sq) ? m_start + BLOCK_M : Sq;
+  // Keys [0, key_end) are visible to at least one row of this block.
+  int key_end = Sk;
+  if (IS_CAUSAL) key_end = (m_end + Sk - Sq < Sk) ? m_end + Sk - Sq : Sk;
+
+  if (key_end <= 0) {
+    // Every row of the block sees no key: O = 0, LSE = -inf.
+    for (int c = tid; c < BLOCK_M * kChunks; c += kThreads) {
+      const int row = m_start + c / kChunks;
+      if (row < Sq) store_zero16_global(o_base + row * o_rs + (c % kChunks) * 16);
+    }
+    if (lse_base)
+      for (int r = tid; r < BLOCK_M; r += kThreads)
+        if (m_start + r < Sq) store_f32_global(lse_base + m_start + r, neg_inf());
+    return;
+  }
+  const int n_block_max = (key_end + BLOCK_N - 1) / BLOCK_N;
+  // Keys [0, full_end) are visible to every row of the block: key blocks
+  // below n_mask_start need no mask.
+  int full_end = Sk;
+  if (IS_CAUSAL) full_end = (m_start + Sk - Sq + 1 < Sk) ? m_start + Sk - Sq + 1 : Sk;
+  const int n_mask_start = full_end > 0 ? full_end / BLOCK_N : 0;
+
+  const u32 sQ = smem_u32(smem);
+  const u32 sKV = sQ + Tile::kQBytes;  // stage s: K at sKV + s * 2 * tile, V right after it
+
+  // ---- async tile loads -------------------------------------------------
+  // Thread t copies chunk t % kChunksP2 of rows t / kChunksP2 + i * kRowsPerPass
+  // (chunks past the row end, for HEAD_DIM 96, are idle lanes). Every address
+  // is then a per-thread base plus a row times the stride.
+  constexpr int kChunksP2 = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
+  constexpr int kRowsPerPass = kThreads / kChunksP2;
+  static_assert(kThreads % kChunksP2 == 0 && BLOCK_M % kRowsPerPass == 0 && BLOCK_N % kRowsPerPass == 0,
+                "tile rows must split evenly into passes");
+  const int ld_row = tid / kChunksP2;
+  const int ld_ch = tid % kChunksP2;
+  const bool ld_lane = ld_ch < kChunks;
+  const u32 ld_soff = (u32)(ld_row * kSB + ld_ch * 16);
+  const char* k_thr = k_base + ld_ch * 16;
+  const char* v_thr = v_base + ld_ch * 16;
+
+  auto load_q = [&]() {
+    const char* q_thr = q_base + ld_ch * 16;
+#pragma unroll
+    for (int i = 0; i < BLOCK_M / kRowsPerPass; ++i) {
+      const int row = m_start + ld_row + i * kRowsPerPass;
+      const bool valid = row < Sq;
+      if (ld_lane) cp_async_16(sQ + ld_soff + i * kRowsPerPass * kSB, q_thr + (valid ? row * q_rs : 0), valid);
+    }
+  };
+  auto load_kv = [&](int n_block, int stage) {
+    const u32 sK = sKV + stage * 2 * Tile::kKVTileBytes + ld_soff;
+    const u32 sV = sK + Tile::kKVTileBytes;
+    const int row0 = n_block * BLOCK_N + ld_row;
+    // The strides pass through an opaque move so that the compiler computes
+    // each address here instead of hoisting one 64-bit address per pass out
+    // of the loop (which costs registers and, at 255, spills).
+    const i64 krs = opaque(k_rs), vrs = opaque(v_rs);
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / kRowsPerPass; ++i) {
+      const int row = row0 + i * kRowsPerPass;
+      const bool valid = row < Sk;
+      const int r = valid ? row : 0;
+      if (ld_lane) {
+        cp_async_16(sK + i * kRowsPerPass * kSB, k_thr + r * krs, valid);
+        cp_async_16(sV + i * kRowsPerPass * kSB, v_thr + r * vrs, valid);
+      }
+    }
+  };
+
+  // ---- per-lane ldmatrix offsets -------------------------------------------
+  // A operand (Q) and B operand via .trans (V): matrices ordered
+  // (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15).
+  const int row_a = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int col_a = (lane >> 4) * 8;
+  // B operand (K, non-trans): (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15).
+  const int row_b = (lane & 7) + (lane >> 4) * 8;
+  const int col_b = ((lane >> 3) & 1) * 8;
+  const int warp_row0 = warp * Tile::kRowsPerWarp;
+  const u32 q_lane = sQ + (warp_row0 + row_a) * kSB + col_a * 2;
+  const u32 k_lane = (u32)(row_b * kSB + col_b * 2);
+  const u32 v_lane = (u32)(row_a * kSB + col_a * 2);
+
+  // ---- prologue: Q, then the first K/V tile ---------------------------------
+  load_q();
+  cp_async_commit();
+  load_kv(n_block_max - 1, 0);
+  cp_async_commit();
+
+  u32 q_frag[kQInRegs ? kMT : 1][kQInRegs ? HEAD_DIM / 16 : 1][4];
+  if (kQInRegs) {
+    cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / 16; ++ks) ldmatrix_x4(q_frag[mt][ks], q_lane + mt * 16 * kSB + ks * 32);
+  }
+
+  // Per-thread rows: for m-tile mt and half h, row warp_row0 + mt * 16 + lane / 4 + 8 * h.
+  float row_max[kMT][2];
+  float row_sum[kMT][2];
+  float acc_o[kMT][kDT][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_max[mt][h] = neg_inf();
+      row_sum[mt][h] = 0.f;
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+  }
+  const float scale_log2 = p.scale_log2;
+
+  // ---- main loop over key blocks, last to first -----------------------------
+  int stage = 0;
+  for (int n_block = n_block_max - 1; n_block >= 0; --n_block, stage ^= 1) {
+    cp_async_wait<0>();
+    // Makes this stage's tile visible to all warps and guarantees that every
+    // warp is done with the other stage (read in the previous iteration).
+    __syncthreads();
+    if (n_block > 0) load_kv(n_block - 1, stage ^ 1);
+    cp_async_commit();
+
+    const u32 sK = sKV + stage * 2 * Tile::kKVTileBytes;
+    const u32 sV = sK + Tile::kKVTileBytes;
+
+    // S = Q K^T
+    float acc_s[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+
+#pragma unroll
+    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+      u32 a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        if (kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[kQInRegs ? mt : 0][kQInRegs ? ks : 0][e];
+        } else {
+          ldmatrix_x4(a[mt], q_lane + mt * 16 * kSB + ks * 32);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < kNT / 2; ++np) {
+        u32 b[4];
+        ldmatrix_x4(b, sK + k_lane + np * 16 * kSB + ks * 32);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Ops::mma(acc_s[mt][2 * np], a[mt], b[0], b[1]);
+          Ops::mma(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    // Mask: the ragged end of Sk and, when causal, keys past the diagonal.
+    if (n_block >= n_mask_start) {
+      const int col0 = n_block * BLOCK_N + 2 * (lane & 3);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m_start + warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
+          int col_end = Sk;
+          if (IS_CAUSAL) col_end = (row + Sk - Sq + 1 < Sk) ? row + Sk - Sq + 1 : Sk;
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (col0 + nt * 8 + e >= col_end) acc_s[mt][nt][2 * h + e] = neg_inf();
+        }
+    }
+
+    // Online softmax (float32, base 2).
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[mt][h];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) mx = fmax2(mx, fmax2(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
+        mx = fmax2(mx, shfl_xor(mx, 1));
+        mx = fmax2(mx, shfl_xor(mx, 2));
+        // A row that has seen only masked keys keeps max -inf; subtracting 0
+        // instead keeps exp2(-inf - x) = 0 and avoids inf - inf.
+        const float m_scaled = (mx == neg_inf()) ? 0.f : mx * scale_log2;
+        const float corr = ex2(row_max[mt][h] * scale_log2 - m_scaled);
+        row_max[mt][h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = ex2(acc_s[mt][nt][2 * h + e] * scale_log2 - m_scaled);
+            acc_s[mt][nt][2 * h + e] = pv;
+            sum += pv;
+          }
+        row_sum[mt][h] = row_sum[mt][h] * corr + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          acc_o[mt][dt][2 * h] *= corr;
+          acc_o[mt][dt][2 * h + 1] *= corr;
+        }
+      }
+
+    // O += P V, P converted to the element type straight from the S registers.
+#pragma unroll
+    for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
+      u32 a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = Ops::pack(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
+        a[mt][1] = Ops::pack(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
+        a[mt][2] = Ops::pack(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
+        a[mt][3] = Ops::pack(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDT / 2; ++dp) {
+        u32 b[4];
+        ldmatrix_x4_trans(b, sV + v_lane + ks * 16 * kSB + dp * 32);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          Ops::mma(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
+          Ops::mma(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalise, stage O through this warp's rows of sQ, store ----
+  float inv_sum[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float s = row_sum[mt][h];
+      s += shfl_xor(s, 1);
+      s += shfl_xor(s, 2);
+      inv_sum[mt][h] = (s > 0.f) ? rcp(s) : 0.f;
+      const int row = m_start + warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
+      if (lse_base && (lane & 3) == 0 && row < Sq) {
+        const float lse = (s > 0.f) ? row_max[mt][h] * p.softmax_scale + lg2(s) * 0.69314718055994531f : neg_inf();
+        store_f32_global(lse_base + row, lse);
+      }
+    }
+
+  // Only this warp ever read these rows of sQ, so a warp barrier suffices.
+  syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u32 srow = sQ + (warp_row0 + mt * 16 + (lane >> 2) + 8 * h) * kSB + (lane & 3) * 4;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+        st_shared_u32(srow + dt * 16, Ops::pack(acc_o[mt][dt][2 * h] * inv_sum[mt][h],
+                                                 acc_o[mt][dt][2 * h + 1] * inv_sum[mt][h]));
+    }
+  syncwarp();
+#pragma unroll
+  for (int i = 0; i < Tile::kRowsPerWarp * kChunks / 32; ++i) {
+    const int c = lane + i * 32;
+    const int r = warp_row0 + c / kChunks, ch = c % kChunks;
+    if (m_start + r < Sq) copy16_shared_to_global(o_base + (m_start + r) * o_rs + ch * 16, sQ + r * kSB + ch * 16);
+  }
+}
+
+}  // namespace opfuse_attn

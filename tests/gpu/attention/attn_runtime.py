@@ -1,0 +1,484 @@
+"""Run-time compilation and launch of src/kernels/attention/attention_fwd.cu.
+
+A stand-in for opfuse's C++ runtime (dlopen of libnvrtc / libcuda, a disk
+cache of cubins, launches on PyTorch's current stream) so the attention kernel
+can be tested and timed before that runtime exists. Only ctypes: no pip
+package beyond torch, no CUDA headers.
+
+    fwd = AttentionForward()                 # needs torch with CUDA
+    o, lse = fwd(q, k, v, causal=True)       # q [B,Hq,Sq,D], k/v [B,Hkv,Sk,D]
+
+Compilation alone (no GPU, no torch) goes through `Nvrtc` and `compile_kernel`;
+`python attn_runtime.py precompile --arch sm_90 --out DIR` fills a cubin cache
+that a GPU machine can reuse (OPFUSE_ATTN_CUBIN_DIR=DIR).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import pathlib
+import re
+import site
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+KERNEL_SOURCE = REPO / "src" / "kernels" / "attention" / "attention_fwd.cu"
+
+# ---------------------------------------------------------------------------
+# Kernel configurations
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    min_blocks: int  # __launch_bounds__ minimum CTAs per SM (register cap)
+
+    def tag(self) -> str:
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}b{self.min_blocks}"
+
+    @staticmethod
+    def parse(tag: str) -> "FwdConfig":
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)b(\d+)", tag)
+        if not m:
+            raise ValueError(f"bad config tag {tag!r} (want e.g. 128x64w4b2)")
+        return FwdConfig(*(int(g) for g in m.groups()))
+
+
+# Default tile per head dim (see docs/attention.md for why).
+DEFAULT_CONFIGS = {
+    64: FwdConfig(128, 64, 4, 2),
+    96: FwdConfig(128, 64, 4, 2),
+    128: FwdConfig(128, 64, 4, 2),
+    256: FwdConfig(128, 64, 8, 1),
+}
+
+# Variants the benchmark may time beside the default (and CI compiles).
+VARIANT_CONFIGS = {
+    64: [FwdConfig(128, 128, 4, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 1)],
+    96: [FwdConfig(128, 64, 8, 1)],
+    128: [FwdConfig(128, 32, 4, 2), FwdConfig(128, 64, 8, 1), FwdConfig(128, 128, 8, 1)],
+    256: [FwdConfig(128, 32, 8, 1), FwdConfig(64, 64, 4, 1)],
+}
+
+HEAD_DIMS = (64, 96, 128, 256)
+ELEMENTS = ("bf16", "f16")
+
+
+def smem_bytes(head_dim: int, cfg: FwdConfig) -> int:
+    """Dynamic shared memory of one CTA (FwdTile::kSmemBytes)."""
+    stride_bytes = (head_dim + 8) * 2
+    return cfg.block_m * stride_bytes + 2 * 2 * cfg.block_n * stride_bytes
+
+
+def name_expression(elem: str, head_dim: int, causal: bool, cfg: FwdConfig) -> str:
+    return (
+        f"opfuse_attn::attention_fwd<opfuse_attn::{elem}, {head_dim}, {'true' if causal else 'false'}, "
+        f"{cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.min_blocks}>"
+    )
+
+
+def all_instantiations(include_variants: bool = True):
+    """(elem, head_dim, causal, cfg) for every instantiation we ship."""
+    out = []
+    for d in HEAD_DIMS:
+        cfgs = [DEFAULT_CONFIGS[d]] + (VARIANT_CONFIGS[d] if include_variants else [])
+        for cfg in cfgs:
+            for elem in ELEMENTS:
+                for causal in (False, True):
+                    out.append((elem, d, causal, cfg))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Library lookup
+# ---------------------------------------------------------------------------
+
+
+def _site_dirs():
+    dirs = []
+    try:
+        dirs += site.getsitepackages()
+    except Exception:
+        pass
+    try:
+        dirs.append(site.getusersitepackages())
+    except Exception:
+        pass
+    dirs += [p for p in sys.path if p.endswith("site-packages")]
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def _try_noload(names):
+    mode = getattr(os, "RTLD_NOLOAD", 4) | getattr(os, "RTLD_GLOBAL", 0x100)
+    for n in names:
+        try:
+            return ctypes.CDLL(n, mode=mode), n + " (already loaded)"
+        except OSError:
+            pass
+    return None, None
+
+
+def load_nvrtc():
+    """Returns (CDLL, path) or raises OSError listing what was tried."""
+    tried = []
+    env = os.environ.get("OPFUSE_NVRTC_LIB")
+    if env:
+        return ctypes.CDLL(env, mode=getattr(os, "RTLD_GLOBAL", 0)), env
+    lib, where = _try_noload(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"])
+    if lib is not None:
+        return lib, where
+    paths = []
+    for sp in _site_dirs():
+        for pat in ("nvidia/cu13/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*"):
+            paths += sorted(glob.glob(os.path.join(sp, pat)), reverse=True)
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            paths += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")), reverse=True)
+    paths += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    for p in paths:
+        try:
+            return ctypes.CDLL(p, mode=getattr(os, "RTLD_GLOBAL", 0)), p
+        except OSError as e:
+            tried.append(f"{p}: {e}")
+    raise OSError("libnvrtc not found; tried:\n  " + "\n  ".join(tried))
+
+
+# ---------------------------------------------------------------------------
+# NVRTC
+# ---------------------------------------------------------------------------
+
+
+class NvrtcError(RuntimeError):
+    pass
+
+
+class Nvrtc:
+    def __init__(self):
+        self.lib, self.path = load_nvrtc()
+        L = self.lib
+        L.nvrtcGetErrorString.restype = ctypes.c_char_p
+        L.nvrtcCreateProgram.argtypes = [
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int,
+            ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)]
+        L.nvrtcAddNameExpression.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        L.nvrtcCompileProgram.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        L.nvrtcGetProgramLogSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        L.nvrtcGetProgramLog.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        L.nvrtcGetCUBINSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        L.nvrtcGetCUBIN.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        L.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
+        L.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(L.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        self.version = (major.value, minor.value)
+
+    def _check(self, rc, what, log=""):
+        if rc != 0:
+            msg = self.lib.nvrtcGetErrorString(rc).decode()
+            raise NvrtcError(f"{what} failed: {msg}\n{log}")
+
+    def compile(self, source: str, name: str, options, name_expressions):
+        """Returns (cubin bytes, log text, {expression: lowered name})."""
+        L = self.lib
+        prog = ctypes.c_void_p()
+        self._check(L.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
+                    "nvrtcCreateProgram")
+        try:
+            for e in name_expressions:
+                self._check(L.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression")
+            opts = [o.encode() for o in options]
+            arr = (ctypes.c_char_p * len(opts))(*opts)
+            rc = L.nvrtcCompileProgram(prog, len(opts), arr)
+            size = ctypes.c_size_t()
+            L.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            L.nvrtcGetProgramLog(prog, buf)
+            log = buf.value.decode(errors="replace")
+            self._check(rc, "nvrtcCompileProgram", log)
+            lowered = {}
+            for e in name_expressions:
+                p = ctypes.c_char_p()
+                self._check(L.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(p)), "nvrtcGetLoweredName")
+                lowered[e] = p.value.decode()
+            self._check(L.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(L.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return cubin.raw, log, lowered
+        finally:
+            L.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def compile_options(arch: str):
+    return [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v", "-lineinfo"]
+
+
+_PTXAS_RE = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def parse_ptxas(log: str):
+    """Resource use from a single-kernel ptxas -v log."""
+    out = {}
+    for key, rx in _PTXAS_RE.items():
+        m = rx.search(log)
+        out[key] = int(m.group(1)) if m else None
+    return out
+
+
+def cache_dir() -> pathlib.Path:
+    d = os.environ.get("OPFUSE_ATTN_CUBIN_DIR") or os.path.join(
+        os.environ.get("OPFUSE_CACHE_DIR", os.path.expanduser("~/.cache/opfuse")), "attention")
+    return pathlib.Path(d)
+
+
+def compile_kernel(nvrtc: Nvrtc, arch: str, elem: str, head_dim: int, causal: bool, cfg: FwdConfig,
+                   source: str | None = None, use_cache: bool = True):
+    """Compiles one instantiation. Returns dict(cubin, lowered, log, resources, cached)."""
+    if source is None:
+        source = KERNEL_SOURCE.read_text()
+    expr = name_expression(elem, head_dim, causal, cfg)
+    opts = compile_options(arch)
+    key = hashlib.sha256("\0".join([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()).hexdigest()[:32]
+    cdir = cache_dir()
+    cubin_path, meta_path = cdir / f"{key}.cubin", cdir / f"{key}.json"
+    if use_cache and cubin_path.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        return dict(cubin=cubin_path.read_bytes(), cached=True, **meta)
+    cubin, log, lowered = nvrtc.compile(source, "attention_fwd.cu", opts, [expr])
+    meta = dict(lowered=lowered[expr], log=log, resources=parse_ptxas(log), expression=expr, arch=arch)
+    if use_cache:
+        try:
+            cdir.mkdir(parents=True, exist_ok=True)
+            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(cubin)
+            tmp.replace(cubin_path)
+            meta_path.write_text(json.dumps(meta))
+        except OSError:
+            pass
+    return dict(cubin=cubin, cached=False, **meta)
+
+
+# ---------------------------------------------------------------------------
+# CUDA driver + launch (needs torch with CUDA)
+# ---------------------------------------------------------------------------
+
+
+class AttnFwdParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("q_batch_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64), ("q_row_stride", ctypes.c_int64),
+        ("k_batch_stride", ctypes.c_int64), ("k_head_stride", ctypes.c_int64), ("k_row_stride", ctypes.c_int64),
+        ("v_batch_stride", ctypes.c_int64), ("v_head_stride", ctypes.c_int64), ("v_row_stride", ctypes.c_int64),
+        ("o_batch_stride", ctypes.c_int64), ("o_head_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
+        ("lse_batch_stride", ctypes.c_int64), ("lse_head_stride", ctypes.c_int64),
+        ("batch", ctypes.c_int32), ("heads_q", ctypes.c_int32), ("heads_kv", ctypes.c_int32),
+        ("q_per_kv", ctypes.c_int32), ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
+        ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
+    ]
+
+
+assert ctypes.sizeof(AttnFwdParams) == 184, ctypes.sizeof(AttnFwdParams)
+assert AttnFwdParams.batch.offset == 152
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class CudaDriver:
+    def __init__(self):
+        lib, _ = _try_noload(["libcuda.so.1", "libcuda.so"])
+        self.lib = lib or ctypes.CDLL("libcuda.so.1")
+        L = self.lib
+        L.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        L.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        L.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        L.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        L.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
+        L.cuLaunchKernel.argtypes = [
+            ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+            ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+            ctypes.POINTER(ctypes.c_void_p)]
+        L.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.check(L.cuInit(0), "cuInit")
+
+    def check(self, rc, what):
+        if rc != 0:
+            s = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, ctypes.byref(s))
+            raise CudaError(f"{what} failed: {rc} {s.value.decode() if s.value else ''}")
+
+    def current_context(self):
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        return ctx.value
+
+    def load_function(self, cubin: bytes, name: str, dyn_smem: int):
+        mod = ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
+        fn = ctypes.c_void_p()
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), "cuModuleGetFunction")
+        if dyn_smem > 48 * 1024:
+            self.check(self.lib.cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dyn_smem),
+                       "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+        return mod, fn
+
+    def func_attribute(self, fn, attr: int) -> int:
+        v = ctypes.c_int()
+        self.check(self.lib.cuFuncGetAttribute(ctypes.byref(v), attr, fn), "cuFuncGetAttribute")
+        return v.value
+
+    def launch(self, fn, grid, block, smem, stream, params: ctypes.Structure):
+        args = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(params), ctypes.c_void_p))
+        self.check(self.lib.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                                           ctypes.c_void_p(stream), args, None), "cuLaunchKernel")
+
+
+class AttentionForward:
+    """Callable: (q, k, v, causal, scale, config) -> (o, lse) on torch's current stream."""
+
+    def __init__(self, arch: str | None = None):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("AttentionForward needs a CUDA device")
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # makes the primary context current on this thread
+        if arch is None:
+            major, minor = torch.cuda.get_device_capability()
+            arch = f"sm_{major}{minor}"
+        self.arch = arch
+        self.nvrtc = Nvrtc()
+        self.driver = CudaDriver()
+        self.source = KERNEL_SOURCE.read_text()
+        self._functions = {}
+        self.compile_info = {}
+
+    def function(self, elem, head_dim, causal, cfg):
+        key = (self.driver.current_context(), elem, head_dim, causal, cfg)
+        fn = self._functions.get(key)
+        if fn is None:
+            info = compile_kernel(self.nvrtc, self.arch, elem, head_dim, causal, cfg, source=self.source)
+            _, fn = self.driver.load_function(info["cubin"], info["lowered"], smem_bytes(head_dim, cfg))
+            self._functions[key] = fn
+            self.compile_info[(elem, head_dim, causal, cfg)] = info
+        return fn
+
+    def __call__(self, q, k, v, causal=False, scale=None, config: FwdConfig | None = None, out=None, lse=None,
+                 want_lse=True):
+        import torch
+
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise ValueError("q, k, v must be [B, H, S, D]")
+        B, Hq, Sq, D = q.shape
+        Bk, Hkv, Sk, Dk = k.shape
+        if v.shape != k.shape or Bk != B or Dk != D:
+            raise ValueError(f"shape mismatch q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
+        if Hq % Hkv != 0:
+            raise ValueError(f"heads_q ({Hq}) must be a multiple of heads_kv ({Hkv})")
+        if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError("q, k, v must all be bfloat16 or all float16")
+        if D not in HEAD_DIMS:
+            raise ValueError(f"head dim {D} not in {HEAD_DIMS}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name}: last dim must be contiguous")
+            if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
+                raise ValueError(f"{name}: needs 16-byte aligned data and strides that are multiples of 8")
+            if not t.is_cuda:
+                raise ValueError(f"{name} must be a CUDA tensor")
+        if scale is None:
+            scale = 1.0 / math.sqrt(D)
+        if not scale > 0:
+            raise ValueError("softmax scale must be > 0")
+        elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
+        cfg = config or DEFAULT_CONFIGS[D]
+        if out is None:
+            out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+        if want_lse and lse is None:
+            lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+        if out.stride(-1) != 1 or out.data_ptr() % 16 or any(s % 8 for s in out.stride()[:3]):
+            raise ValueError("out: needs a contiguous last dim, 16-byte alignment, strides multiple of 8")
+        if B == 0 or Hq == 0 or Sq == 0:
+            return out, lse
+        fn = self.function(elem, D, bool(causal), cfg)
+        p = AttnFwdParams()
+        p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        p.lse = lse.data_ptr() if lse is not None else None
+        p.q_batch_stride, p.q_head_stride, p.q_row_stride = q.stride()[:3]
+        p.k_batch_stride, p.k_head_stride, p.k_row_stride = k.stride()[:3]
+        p.v_batch_stride, p.v_head_stride, p.v_row_stride = v.stride()[:3]
+        p.o_batch_stride, p.o_head_stride, p.o_row_stride = out.stride()[:3]
+        if lse is not None:
+            p.lse_batch_stride, p.lse_head_stride = lse.stride()[:2]
+        p.batch, p.heads_q, p.heads_kv, p.q_per_kv = B, Hq, Hkv, Hq // Hkv
+        p.seqlen_q, p.seqlen_k = Sq, Sk
+        p.softmax_scale = scale
+        p.scale_log2 = scale * math.log2(math.e)
+        grid = ((Sq + cfg.block_m - 1) // cfg.block_m, Hq, B)
+        if grid[1] > 65535 or grid[2] > 65535:
+            raise ValueError("heads and batch must each be <= 65535")
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        self.driver.launch(fn, grid, (cfg.num_warps * 32, 1, 1), smem_bytes(D, cfg), stream, p)
+        return out, lse
+
+
+# ---------------------------------------------------------------------------
+# CLI: precompile (fills the cache), report (ptxas resources)
+# ---------------------------------------------------------------------------
+
+
+def _compile_one(args):
+    arch, elem, d, causal, tag = args
+    nv = Nvrtc()
+    info = compile_kernel(nv, arch, elem, d, causal, FwdConfig.parse(tag))
+    return (arch, elem, d, causal, tag, info["resources"], info["cached"])
+
+
+def main(argv=None):
+    import argparse
+    import concurrent.futures as cf
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["precompile", "report"])
+    ap.add_argument("--arch", action="append", help="sm_80, sm_90 (repeatable; default sm_90)")
+    ap.add_argument("--out", help="cubin cache dir (sets OPFUSE_ATTN_CUBIN_DIR)")
+    ap.add_argument("--defaults-only", action="store_true")
+    ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
+    a = ap.parse_args(argv)
+    if a.out:
+        os.environ["OPFUSE_ATTN_CUBIN_DIR"] = a.out
+    archs = a.arch or ["sm_90"]
+    jobs = [(arch, elem, d, causal, cfg.tag())
+            for arch in archs
+            for (elem, d, causal, cfg) in all_instantiations(include_variants=not a.defaults_only)]
+    with cf.ProcessPoolExecutor(max_workers=a.j) as ex:
+        for arch, elem, d, causal, tag, res, cached in ex.map(_compile_one, jobs):
+            print(f"{arch} {elem:4} D={d:3} causal={int(causal)} {tag:12} regs={res['registers']} "
+                  f"stack={res['stack']} spill_st={res['spill_stores']} spill_ld={res['spill_loads']}"
+                  f"{' (cached)' if cached else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
