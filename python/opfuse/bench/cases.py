@@ -1,0 +1,113 @@
+"""The benchmark cases: the seed's chain and the row-wise reductions.
+
+A case is a plain function plus an input factory, so every implementation
+(eager, Inductor, opfuse) runs exactly the same Python code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+DTYPE_LABEL = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
+               torch.float64: "f64"}
+
+
+# --- the functions under test (module level, so subprocesses can import them) ---
+
+def seed_chain(x, b1, b2):
+    """The seed's section 3: four memory-bound ops that fusion turns into one."""
+    return torch.relu(x + b1) * 0.5 + b2
+
+
+def softmax(x):
+    return torch.softmax(x, dim=-1)
+
+
+def log_softmax(x):
+    return torch.log_softmax(x, dim=-1)
+
+
+def layer_norm(x, weight, bias):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
+
+
+def rms_norm(x, weight):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps=1e-6)
+
+
+ROW_FUNCTIONS = {"softmax": softmax, "log_softmax": log_softmax,
+                 "layer_norm": layer_norm, "rms_norm": rms_norm}
+
+
+@dataclass
+class Case:
+    suite: str
+    name: str
+    fn: Callable
+    make_inputs: Callable[[torch.device, int], tuple]  # (device, seed) -> inputs
+    dtype: torch.dtype
+    shape: tuple
+    flops: Callable[[tuple], float] | None = None  # FLOPs per call, where TFLOP/s matter
+    extra: dict = field(default_factory=dict)
+
+
+def _randn(shape, dtype, device, gen):
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def _size_label(n: int) -> str:
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def chain_case(n: int, dtype: torch.dtype) -> Case:
+    def make(device, seed):
+        gen = _generator(device, seed)
+        return tuple(_randn((n,), dtype, device, gen) for _ in range(3))
+    return Case("chain", f"chain-{_size_label(n)}-{DTYPE_LABEL[dtype]}", seed_chain, make,
+                dtype, (n,))
+
+
+def row_case(op: str, rows: int, cols: int, dtype: torch.dtype) -> Case:
+    def make(device, seed):
+        gen = _generator(device, seed)
+        x = _randn((rows, cols), dtype, device, gen)
+        if op == "layer_norm":
+            return (x, _randn((cols,), dtype, device, gen), _randn((cols,), dtype, device, gen))
+        if op == "rms_norm":
+            return (x, _randn((cols,), dtype, device, gen))
+        return (x,)
+    return Case("rows", f"{op}-{rows}x{cols}-{DTYPE_LABEL[dtype]}", ROW_FUNCTIONS[op], make,
+                dtype, (rows, cols))
+
+
+def chain_cases(device: torch.device, quick: bool) -> list[Case]:
+    if device.type == "cuda":
+        sizes = [4 << 20] if quick else [4 << 20, 16 << 20, 64 << 20]
+        return [chain_case(n, dt) for dt in (torch.float32, torch.bfloat16) for n in sizes]
+    return [chain_case((1 << 20) if quick else (16 << 20), torch.float32)]
+
+
+def rows_cases(device: torch.device, quick: bool) -> list[Case]:
+    if device.type == "cuda":
+        shapes = [(32768, 4096)] if quick else [(32768, 4096), (8192, 32768),
+                                                (4096, 262144), (262144, 256)]
+        dtype = torch.bfloat16
+    else:
+        shapes = [(512, 1024)] if quick else [(4096, 4096)]
+        dtype = torch.float32
+    return [row_case(op, r, c, dtype) for (r, c) in shapes for op in ROW_FUNCTIONS]
+
+
+SUITES = {"chain": chain_cases, "rows": rows_cases}

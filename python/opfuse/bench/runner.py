@@ -1,0 +1,123 @@
+"""Run a suite of memory-bound cases over several implementations.
+
+For each case: build inputs (plus rotated copies if they would fit in cache),
+compute the eager reference, then for each implementation compile, check
+against the reference, and only then time it. Nothing that fails is dropped:
+it becomes an error record and an error row in the table.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+
+from . import floors
+from .cases import Case
+from .ceilings import Bandwidth
+from .checks import check_close, reference
+from .impls import IMPLS
+from .records import RunInfo, make_record
+from .timing import Timing, benchmark, last_level_cache_bytes, rotation_copies
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    impl: str
+    nbytes: int
+    timing: Timing | None = None
+    error: str | None = None
+
+
+def _short(message: str, limit: int = 600) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[:limit] + " ..."
+
+
+def run_case(case: Case, impl_names: list[str], device: torch.device, *,
+             budget_s: float, min_reps: int) -> list[CaseResult]:
+    torch._dynamo.reset()  # a case's compile must not see another case's shapes
+    first = case.make_inputs(device, 0)
+    expected = reference(case.fn, first)
+    nbytes = floors.bytes_moved(first, case.fn(*first))
+    copies = rotation_copies(nbytes, last_level_cache_bytes(device))
+    arg_sets = [first] + [case.make_inputs(device, seed) for seed in range(1, copies)]
+
+    results = []
+    for name in impl_names:
+        result = CaseResult(case, name, nbytes)
+        try:
+            compiled = IMPLS[name](case.fn)
+            result.error = check_close(compiled(*first), expected)
+            if result.error is None:
+                result.timing = benchmark(compiled, arg_sets, device,
+                                          budget_s=budget_s, min_reps=min_reps)
+        except Exception as exc:  # compile failures are results too
+            result.error = f"{type(exc).__name__}: {exc}"
+        if result.error:
+            result.error = _short(result.error)
+        results.append(result)
+    del arg_sets, first, expected
+    gc.collect()
+    return results
+
+
+def eager_ms(results: list[CaseResult]) -> float | None:
+    for r in results:
+        if r.impl == "eager" and r.timing:
+            return r.timing.median_ms
+    return None
+
+
+def to_records(results: list[CaseResult], bw: Bandwidth, info: RunInfo) -> list[dict]:
+    records = []
+    base = eager_ms(results)
+    for r in results:
+        common = dict(info=info, suite=r.case.suite, case=r.case.name, impl=r.impl,
+                      dtype=str(r.case.dtype).replace("torch.", ""), shape=list(r.case.shape),
+                      bytes=r.nbytes)
+        if r.timing is None:
+            records.append(make_record(metric="ms", value=None, error=r.error, **common))
+            continue
+        ms = r.timing.median_ms
+        frac = floors.fraction_of_bandwidth(r.nbytes, ms, bw.bytes_per_s)
+        speedup = base / ms if base else None
+        records.append(make_record(metric="ms", value=ms,
+                                   floor=floors.floor_ms(r.nbytes, bw.bytes_per_s),
+                                   spread=r.timing.spread(), fraction=frac,
+                                   speedup_vs_eager=speedup, **common))
+        records.append(make_record(metric="GB/s",
+                                   value=floors.achieved_gb_per_s(r.nbytes, ms),
+                                   ceiling=bw.gb_per_s, fraction=frac, **common))
+        if r.case.flops is not None:
+            tflops = r.case.flops(r.case.shape) / (ms / 1e3) / 1e12
+            records.append(make_record(metric="TFLOP/s", value=tflops, **common))
+    return records
+
+
+def bandwidth_record(bw: Bandwidth, info: RunInfo, suite: str) -> dict:
+    return make_record(info, suite=suite, case=f"copy-{bw.copy_bytes >> 20}MB",
+                       impl="torch.copy_", metric="GB/s", value=bw.gb_per_s,
+                       spread=bw.timing.spread(), bytes=2 * bw.copy_bytes)
+
+
+TABLE_HEADERS = ("case", "impl", "median ms", "IQR ms", "floor ms", "GB/s",
+                 "% of BW", "vs eager", "note")
+
+
+def table_rows(results: list[CaseResult], bw: Bandwidth) -> list[list]:
+    rows = []
+    base = eager_ms(results)
+    for r in results:
+        if r.timing is None:
+            rows.append([r.case.name, r.impl, None, None, None, None, None, None,
+                         "ERROR " + (r.error or "")[:70]])
+            continue
+        ms = r.timing.median_ms
+        rows.append([r.case.name, r.impl, ms, r.timing.iqr_ms,
+                     floors.floor_ms(r.nbytes, bw.bytes_per_s),
+                     floors.achieved_gb_per_s(r.nbytes, ms),
+                     100 * floors.fraction_of_bandwidth(r.nbytes, ms, bw.bytes_per_s),
+                     f"{base / ms:.2f}x" if base else None, ""])
+    return rows
