@@ -4,8 +4,10 @@
 // dtype with round_to_dtype, so a bf16 node holds exactly what a bf16 tensor
 // could. Elementwise ops convert their operands first (OpDef::operands): to
 // the compute type of the result (half types compute in float32, as
-// PyTorch's kernels do), to the compute type of the inputs' common type
-// (comparisons), or not at all (casts, where, logical ops).
+// PyTorch's kernels do, so a Python float meets a float16 tensor as a
+// float32), to the inputs' common type (comparisons: a float16 tensor is
+// compared with a Python float rounded to float16, as on PyTorch's CPU), or
+// not at all (casts, where, logical ops).
 #include "ir/evaluate.h"
 
 #include <algorithm>
@@ -126,7 +128,7 @@ void eval_elementwise(const Graph& g, const Node& n, const OpDef& def, const std
     return;
   }
   bool convert = def.operands != OperandType::Own;
-  DType operand_type = compute_dtype(def.operands == OperandType::Common ? result_type(g, n.inputs) : n.dtype);
+  DType operand_type = def.operands == OperandType::Common ? result_type(g, n.inputs) : compute_dtype(n.dtype);
   std::vector<Values> args;
   for (const HostTensor* t : in) args.push_back(broadcast_values(*t, out.shape, n));
   Values result(static_cast<size_t>(out.numel()));
