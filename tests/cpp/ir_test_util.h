@@ -15,7 +15,7 @@
 #include "ir/graph.h"
 #include "ir/ops.h"
 
-namespace opfuse::testing {
+namespace opfuse::irtest {
 
 inline HostTensor tensor(DType t, std::vector<int64_t> shape, std::vector<double> data) {
   HostTensor h;
@@ -123,4 +123,4 @@ inline ::testing::AssertionResult all_close(const HostTensor& a, const HostTenso
   return ::testing::AssertionSuccess();
 }
 
-}  // namespace opfuse::testing
+}  // namespace opfuse::irtest

@@ -14,8 +14,8 @@
 namespace opfuse {
 namespace {
 
-using testing::all_close;
-using testing::random_tensor;
+using irtest::all_close;
+using irtest::random_tensor;
 using Ints = std::vector<int64_t>;
 
 struct Operand {

@@ -14,8 +14,8 @@
 namespace opfuse {
 namespace {
 
-using testing::tensor;
-using testing::throws_graph_error;
+using irtest::tensor;
+using irtest::throws_graph_error;
 using Ints = std::vector<int64_t>;
 using Vals = std::vector<double>;
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -621,9 +621,9 @@ Vals numeric_grad(const std::function<HostTensor(const HostTensor&)>& f, const H
 
 TEST(Evaluate, BackwardOpsAreGradients) {
   std::mt19937_64 rng(7);
-  HostTensor x = testing::random_tensor(F64, {3, 5}, rng);
-  HostTensor dy = testing::random_tensor(F64, {3, 5}, rng);
-  HostTensor w = testing::random_tensor(F64, {5}, rng);
+  HostTensor x = irtest::random_tensor(F64, {3, 5}, rng);
+  HostTensor dy = irtest::random_tensor(F64, {3, 5}, rng);
+  HostTensor w = irtest::random_tensor(F64, {5}, rng);
   Attrs norm{{"normalized_ndim", int64_t{1}}, {"eps", 1e-3}};
 
   for (int64_t dim : {0, 1}) {

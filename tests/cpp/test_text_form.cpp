@@ -11,8 +11,8 @@
 namespace opfuse {
 namespace {
 
-using testing::graphs_equal;
-using testing::shape_of;
+using irtest::graphs_equal;
+using irtest::shape_of;
 using Ints = std::vector<int64_t>;
 
 // A graph that uses every kind of attribute value (integer, float, bool,
@@ -88,7 +88,7 @@ TEST(TextForm, SpecialFloatsRoundTripExactly) {
   ASSERT_TRUE(graphs_equal(g, back)) << print_graph(g);
   for (size_t i = 0; i < values.size(); ++i) {
     double got = back.node(static_cast<int>(i)).get_float("value");
-    EXPECT_TRUE(testing::same_double(got, values[i])) << i << ": " << got;
+    EXPECT_TRUE(irtest::same_double(got, values[i])) << i << ": " << got;
   }
   EXPECT_TRUE(std::holds_alternative<int64_t>(back.node(static_cast<int>(values.size())).attrs.at("value")));
 }

@@ -8,8 +8,8 @@
 namespace opfuse {
 namespace {
 
-using testing::shape_of;
-using testing::throws_graph_error;
+using irtest::shape_of;
+using irtest::throws_graph_error;
 using Ints = std::vector<int64_t>;
 
 // verify() on the parsed text must fail mentioning every needle.
