@@ -60,6 +60,45 @@ std::vector<std::pair<std::string, nb::ndarray<nb::numpy, double>>> py_evaluate(
   return r;
 }
 
+Shape parse_shape(const std::vector<std::string>& dims) {
+  Shape s;
+  for (auto& d : dims) {
+    std::string err;
+    Expr e = parse_expr(d, &err);
+    if (!e) throw std::invalid_argument("bad size '" + d + "': " + err);
+    s.push_back(e);
+  }
+  return s;
+}
+
+DType dtype_of(const std::string& name) {
+  DType t;
+  if (!parse_dtype(name, &t)) throw std::invalid_argument("unknown dtype '" + name + "'");
+  return t;
+}
+
+// Attributes from Python: bool, int, float, str, list of ints, and tagged
+// tuples ("dtype", "f32") and ("shape", ["s0", "4"]).
+Attrs attrs_from(const nb::dict& d) {
+  Attrs a;
+  for (auto [k, v] : d) {
+    std::string key = nb::cast<std::string>(k);
+    if (nb::isinstance<nb::bool_>(v)) a[key] = nb::cast<bool>(v);
+    else if (nb::isinstance<nb::int_>(v)) a[key] = nb::cast<int64_t>(v);
+    else if (nb::isinstance<nb::float_>(v)) a[key] = nb::cast<double>(v);
+    else if (nb::isinstance<nb::str>(v)) a[key] = nb::cast<std::string>(v);
+    else if (nb::isinstance<nb::list>(v)) a[key] = nb::cast<std::vector<int64_t>>(v);
+    else if (nb::isinstance<nb::tuple>(v)) {
+      auto t = nb::cast<nb::tuple>(v);
+      std::string tag = nb::cast<std::string>(t[0]);
+      if (tag == "dtype") a[key] = dtype_of(nb::cast<std::string>(t[1]));
+      else if (tag == "shape") a[key] = parse_shape(nb::cast<std::vector<std::string>>(t[1]));
+      else throw std::invalid_argument("unknown attribute tag '" + tag + "'");
+    } else throw std::invalid_argument("unsupported value for attribute '" + key + "'");
+  }
+  return a;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -94,6 +133,27 @@ NB_MODULE(_C, m) {
   m.def("evaluate", &py_evaluate, "The float64 reference oracle.");
   m.def("cache_dir", &cache_dir);
   m.def("cpu_prelude", [] { return std::string(cpu_prelude()); });
+
+  // Builds a graph node by node; each node's dtype and shape come from the
+  // op's own rule, so the frontend cannot declare a wrong type.
+  nb::class_<Graph>(m, "GraphBuilder")
+      .def(nb::init<>())
+      .def("input", [](Graph& g, const std::string& name, const std::string& dtype, const std::vector<std::string>& shape) {
+        return g.add_input(name, dtype_of(dtype), parse_shape(shape));
+      })
+      .def("scalar", [](Graph& g, double v, const std::string& dtype, bool weak) { return g.add_scalar(v, dtype_of(dtype), weak); },
+           nb::arg("value"), nb::arg("dtype"), nb::arg("weak") = true)
+      .def("add", [](Graph& g, const std::string& op, const std::vector<int>& inputs, const nb::dict& attrs) {
+        return g.add(op, inputs, attrs_from(attrs));
+      }, nb::arg("op"), nb::arg("inputs"), nb::arg("attrs") = nb::dict())
+      .def("dtype", [](const Graph& g, int id) { return std::string(dtype_name(g.node(id).dtype)); })
+      .def("shape", [](const Graph& g, int id) {
+        std::vector<std::string> r;
+        for (auto& d : g.node(id).shape) r.push_back(to_string(d));
+        return r;
+      })
+      .def("set_outputs", [](Graph& g, const std::vector<int>& outs) { g.outputs = outs; })
+      .def("text", [](const Graph& g) { return print_graph(g); });
 
   nb::class_<CompiledGraph>(m, "CompiledGraph")
       .def("__init__",

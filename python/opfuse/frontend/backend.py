@@ -1,0 +1,177 @@
+"""The torch.compile backend: AOTAutograd gives core-ATen forward and
+backward graphs; supported nodes are partitioned from unsupported ones,
+each partition is converted to the IR, planned, generated and compiled by
+the C++ core, and the rest stays with PyTorch."""
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+import os
+
+import torch
+from torch._decomp import core_aten_decompositions
+from torch._dynamo.backends.common import aot_autograd
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from .. import _C
+from ..stats import bump
+from . import convert
+from .dump import from_env
+from .runtime import FusedPartition
+
+log = logging.getLogger("opfuse")
+aten = torch.ops.aten
+
+# Ops that only move or alias data: a partition of these alone is not worth
+# a kernel (PyTorch does them as views, without a copy).
+VIEW_ONLY = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.permute, aten.transpose, aten.t,
+             aten.squeeze, aten.unsqueeze, aten.slice, aten.select, aten.alias}
+
+
+def _packet(target):
+    return getattr(target, "overloadpacket", target)
+
+
+def _decompositions():
+    # Core ATen decompositions, except the ops opfuse maps to its own
+    # composite ops; addmm is split so its bias add fuses with what follows.
+    table = dict(core_aten_decompositions())
+    for op in (aten.native_layer_norm_backward.default, aten._softmax_backward_data.default,
+               aten._log_softmax_backward_data.default):
+        table.pop(op, None)
+
+    def addmm(bias, a, b, beta=1, alpha=1):
+        out = torch.mm(a, b)
+        if alpha != 1:
+            out = out * alpha
+        return out + (bias * beta if beta != 1 else bias)
+
+    table[aten.addmm.default] = addmm
+    return table
+
+
+class Report:
+    """What one compilation did (collected by opfuse.explain)."""
+
+    def __init__(self):
+        self.kernels = []
+        self.fallbacks = []
+        self.fused_nodes = 0
+
+
+_active_reports: list = []
+
+
+def _record_fallback(op, reason):
+    for r in _active_reports:
+        r.fallbacks.append((op, reason))
+
+
+def _supported_tensor(val):
+    return isinstance(val, torch.Tensor) and val.dtype in convert.DTYPE_NAMES and val.device.type == "cpu"
+
+
+class _Support(OperatorSupportBase):
+    def is_node_supported(self, submodules, node) -> bool:
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:
+            return isinstance(node.args[0], torch.fx.Node) and self.is_node_supported(submodules, node.args[0])
+        if node.target not in convert.HANDLERS and _packet(node.target) not in convert.HANDLERS:
+            return False
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        return all(v is None or _supported_tensor(v) for v in vals) and val is not None
+
+
+class _FusedModule(torch.nn.Module):
+    def __init__(self, fused: FusedPartition):
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, *args):
+        return self.fused(*args)
+
+
+def _compile_partition(sub: torch.fx.GraphModule, name: str, dump):
+    ir_text, tensor_nodes = convert.convert_graph(sub)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    positions = [placeholders.index(n) for n in tensor_nodes]
+    dtypes = [n.meta["val"].dtype for n in tensor_nodes]
+    compiled = _C.CompiledGraph(ir_text)
+    fused = FusedPartition(compiled, sub, positions, dtypes, name, dump)
+    # Compile the variant for the recorded strides now, not on the first call.
+    example = [n.meta["val"] for n in tensor_nodes]
+    if all(isinstance(s, int) for t in example for s in list(t.shape) + list(t.stride())):
+        fused._by_layout[tuple((t.shape, t.stride()) for t in example)] = fused._prepare(example)
+    if dump is not None:
+        sizes = [[s if isinstance(s, int) else 7 for s in t.shape] for t in example]
+        dump.partition(name, ir_text, compiled, sizes)
+    return fused, compiled
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str = "forward"):
+    dump = from_env()
+    tag = dump.new_name(phase) if dump else phase
+    if dump is not None:
+        dump.write(f"{tag}.aten.py", gm.code)
+    partitioner = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True)
+    partitions = partitioner.propose_partitions()
+    partitions = [p for p in partitions
+                  if any(n.target is not operator.getitem and _packet(n.target) not in VIEW_ONLY for n in p.nodes)]
+    fused_gm = partitioner.fuse_partitions(partitions) if partitions else gm
+
+    for node in list(fused_gm.graph.nodes):
+        if node.op != "call_module" or not node.target.startswith("fused_"):
+            continue
+        sub = getattr(fused_gm, node.target)
+        name = f"{tag}_{node.target}"
+        try:
+            fused, compiled = _compile_partition(sub, name, dump)
+        except Exception as e:  # any failure: this partition runs eagerly
+            reason = f"{type(e).__name__}: {e}"
+            log.warning("opfuse: partition %s falls back to eager: %s", name, reason)
+            for n in sub.graph.nodes:
+                if n.op == "call_function" and n.target is not operator.getitem:
+                    bump("fallback_ops")
+                    _record_fallback(str(n.target), reason)
+            continue
+        setattr(fused_gm, node.target, _FusedModule(fused))
+        bump("graphs_compiled")
+        bump("kernels_compiled", compiled.num_kernels)
+        n_ops = sum(1 for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+        for r in _active_reports:
+            r.fused_nodes += n_ops
+            for k in compiled.kernels():
+                r.kernels.append(dict(k, partition=name))
+        log.info("opfuse: %s: %d ops -> %d kernels", name, n_ops, compiled.num_kernels)
+
+    for node in fused_gm.graph.nodes:
+        if node.op == "call_function" and node.target is not operator.getitem:
+            bump("fallback_ops")
+            reason = "not supported by opfuse" if not _Support().is_node_supported(None, node) else "alone: a view"
+            _record_fallback(str(node.target), reason)
+    fused_gm.recompile()
+    return fused_gm
+
+
+def opfuse_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """torch.compile(model, backend="opfuse")."""
+    if os.environ.get("OPFUSE_DISABLE") == "1":
+        log.info("opfuse: OPFUSE_DISABLE=1, running the graph eagerly")
+        return gm.forward
+    return aot_autograd(
+        fw_compiler=functools.partial(compile_aten_graph, phase="forward"),
+        bw_compiler=functools.partial(compile_aten_graph, phase="backward"),
+        inference_compiler=functools.partial(compile_aten_graph, phase="inference"),
+        decompositions=_decompositions(),
+    )(gm, example_inputs)
+
+
+def compile(model_or_fn=None, **options):
+    """opfuse.compile(fn) is torch.compile(fn, backend="opfuse")."""
+    if model_or_fn is None:
+        return lambda m: compile(m, **options)
+    return torch.compile(model_or_fn, backend="opfuse", **options)

@@ -1,0 +1,26 @@
+"""Exact counters of what opfuse compiled and ran (opfuse.stats())."""
+import threading
+
+_lock = threading.Lock()
+_COUNTERS = ("graphs_compiled", "kernels_compiled", "kernel_launches", "cache_hits", "cache_misses", "fallback_ops")
+_stats = dict.fromkeys(_COUNTERS, 0)
+
+
+def bump(name: str, n: int = 1) -> None:
+    with _lock:
+        _stats[name] += n
+
+
+def stats() -> dict:
+    """graphs_compiled: opfuse partitions built; kernels_compiled: kernels in
+    them; kernel_launches: opfuse kernels run; cache_hits / cache_misses:
+    compiled variants found in / added to the disk cache; fallback_ops: graph
+    nodes left to PyTorch (counted once per compiled graph)."""
+    with _lock:
+        return dict(_stats)
+
+
+def reset_stats() -> None:
+    with _lock:
+        for k in _COUNTERS:
+            _stats[k] = 0

@@ -1,0 +1,68 @@
+"""Helpers shared by the tests, the fuzzer and OPFUSE_DUMP repros: run an IR
+graph through opfuse's CPU kernels and through the float64 oracle."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _C
+from .frontend.convert import TORCH_DTYPES
+
+
+def _input_specs(ir_text):
+    specs = []
+    for line in ir_text.splitlines():
+        line = line.strip()
+        if "= input()" in line:
+            ty = line.rsplit(":", 1)[1].strip()
+            dt, rest = ty.split("[", 1)
+            specs.append((dt, [d.strip() for d in rest.rstrip("]").split(",") if d.strip()]))
+    return specs
+
+
+def random_inputs(ir_text, sizes, generator=None):
+    """Random tensors for the graph's inputs; `sizes` gives each input's shape."""
+    g = generator or torch.Generator().manual_seed(0)
+    out = []
+    for (dt, _), shape in zip(_input_specs(ir_text), sizes):
+        dtype = TORCH_DTYPES[dt]
+        if dtype == torch.bool:
+            out.append(torch.rand(shape, generator=g) > 0.5)
+        elif dtype in (torch.int32, torch.int64):
+            out.append(torch.randint(-20, 20, shape, generator=g, dtype=dtype))
+        else:
+            out.append(torch.randn(shape, generator=g, dtype=torch.float64).to(dtype))
+    return out
+
+
+def run_compiled(compiled, inputs):
+    """Runs a _C.CompiledGraph on CPU tensors; returns its outputs."""
+    shapes = [list(t.shape) for t in inputs]
+    strides = [list(t.stride()) for t in inputs]
+    syms = compiled.bind(shapes)
+    variant, _, _ = compiled.variant(shapes, strides)
+    buffers = compiled.buffers()
+    n_in = sum(1 for b in buffers if b[2])
+    bufs = []
+    for i, b in enumerate(buffers[n_in:]):
+        t = torch.empty(compiled.buffer_shape(n_in + i, syms), dtype=TORCH_DTYPES[b[1]])
+        if t.is_floating_point():
+            t.fill_(float("nan"))  # poisoned: an unwritten element fails the comparison
+        bufs.append(t)
+    compiled.run(variant, syms, [t.data_ptr() for t in inputs] + [b.data_ptr() for b in bufs], strides)
+    everything = list(inputs) + bufs
+    return [everything[i] for i in compiled.output_buffers()]
+
+
+def oracle(ir_text, inputs):
+    outs = _C.evaluate(ir_text, [np.ascontiguousarray(t.to(torch.float64).numpy()) for t in inputs])
+    return [torch.from_numpy(np.array(a)).to(TORCH_DTYPES[dt]) if dt != "f64" else torch.from_numpy(np.array(a))
+            for dt, a in outs]
+
+
+def check_ir_against_oracle(ir_text, sizes, rtol=None, atol=None):
+    inputs = random_inputs(ir_text, sizes)
+    got = run_compiled(_C.CompiledGraph(ir_text), inputs)
+    want = oracle(ir_text, inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)
