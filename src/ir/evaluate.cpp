@@ -5,9 +5,10 @@
 // could. Elementwise ops convert their operands first (OpDef::operands): to
 // the compute type of the result (half types compute in float32, as
 // PyTorch's kernels do, so a Python float meets a float16 tensor as a
-// float32), to the inputs' common type (comparisons: a float16 tensor is
-// compared with a Python float rounded to float16, as on PyTorch's CPU), or
-// not at all (casts, where, logical ops).
+// float32), to the compute type of the inputs' common type (comparisons),
+// or not at all (casts, where, logical ops). codegen/lower.cpp converts the
+// same way. (PyTorch's CPU comparison kernels differ in one corner: they
+// round a Python float to float16 before comparing it with a float16 tensor.)
 #include "ir/evaluate.h"
 
 #include <algorithm>
@@ -128,7 +129,7 @@ void eval_elementwise(const Graph& g, const Node& n, const OpDef& def, const std
     return;
   }
   bool convert = def.operands != OperandType::Own;
-  DType operand_type = def.operands == OperandType::Common ? result_type(g, n.inputs) : compute_dtype(n.dtype);
+  DType operand_type = compute_dtype(def.operands == OperandType::Common ? result_type(g, n.inputs) : n.dtype);
   std::vector<Values> args;
   for (const HostTensor* t : in) args.push_back(broadcast_values(*t, out.shape, n));
   Values result(static_cast<size_t>(out.numel()));
