@@ -184,11 +184,18 @@ def test_failing_impl_is_recorded_not_dropped(monkeypatch):
     assert "not built" in results[2].error
 
 
-def test_low_precision_reference_is_computed_in_float32():
-    x = torch.randn(64, dtype=torch.bfloat16)
-    ref = checks.reference(lambda t: t * 3.0 + 1.0, (x,))
-    assert ref.dtype == torch.bfloat16
-    assert torch.equal(ref, (x.float() * 3.0 + 1.0).bfloat16())
+def test_low_precision_is_judged_against_float32_and_eagers_own_error():
+    torch.manual_seed(0)
+    xs = tuple(torch.randn(4096, dtype=torch.bfloat16) for _ in range(3))
+    eager_out = cases.seed_chain(*xs)
+    ref = checks.reference(cases.seed_chain, xs, eager_out)
+    assert ref.value.dtype == torch.bfloat16 and ref.high.dtype == torch.float32
+    assert torch.equal(ref.value, cases.seed_chain(*(x.float() for x in xs)).bfloat16())
+    assert checks.check(eager_out, ref) is None            # eager passes its own yardstick
+    assert checks.check(ref.value, ref) is None            # rounding once is better still
+    assert checks.check(eager_out + 0.25, ref) is not None  # a real error still fails
+    f32 = checks.reference(cases.softmax, (torch.randn(4, 8),))
+    assert f32.high is None and checks.check(f32.value, f32) is None
 
 
 # --- CLI ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from . import floors
 from .cases import Case
 from .ceilings import Bandwidth
-from .checks import check_close, reference
+from .checks import check, reference
 from .impls import IMPLS
 from .records import RunInfo, make_record
 from .timing import Timing, benchmark, last_level_cache_bytes, rotation_copies
@@ -39,8 +39,9 @@ def run_case(case: Case, impl_names: list[str], device: torch.device, *,
              budget_s: float, min_reps: int) -> list[CaseResult]:
     torch._dynamo.reset()  # a case's compile must not see another case's shapes
     first = case.make_inputs(device, 0)
-    expected = reference(case.fn, first)
-    nbytes = floors.bytes_moved(first, case.fn(*first))
+    eager_out = case.fn(*first)
+    expected = reference(case.fn, first, eager_out)
+    nbytes = floors.bytes_moved(first, eager_out)
     copies = rotation_copies(nbytes, last_level_cache_bytes(device))
     arg_sets = [first] + [case.make_inputs(device, seed) for seed in range(1, copies)]
 
@@ -49,7 +50,7 @@ def run_case(case: Case, impl_names: list[str], device: torch.device, *,
         result = CaseResult(case, name, nbytes)
         try:
             compiled = IMPLS[name](case.fn)
-            result.error = check_close(compiled(*first), expected)
+            result.error = check(compiled(*first), expected)
             if result.error is None:
                 result.timing = benchmark(compiled, arg_sets, device,
                                           budget_s=budget_s, min_reps=min_reps)
@@ -58,7 +59,7 @@ def run_case(case: Case, impl_names: list[str], device: torch.device, *,
         if result.error:
             result.error = _short(result.error)
         results.append(result)
-    del arg_sets, first, expected
+    del arg_sets, first, expected, eager_out
     gc.collect()
     return results
 
@@ -86,7 +87,8 @@ def to_records(results: list[CaseResult], bw: Bandwidth, info: RunInfo) -> list[
         records.append(make_record(metric="ms", value=ms,
                                    floor=floors.floor_ms(r.nbytes, bw.bytes_per_s),
                                    spread=r.timing.spread(), fraction=frac,
-                                   speedup_vs_eager=speedup, **common))
+                                   speedup_vs_eager=speedup, host_us=_host_us(r.timing),
+                                   **common))
         records.append(make_record(metric="GB/s",
                                    value=floors.achieved_gb_per_s(r.nbytes, ms),
                                    ceiling=bw.gb_per_s, fraction=frac, **common))
@@ -96,6 +98,11 @@ def to_records(results: list[CaseResult], bw: Bandwidth, info: RunInfo) -> list[
     return records
 
 
+def _host_us(timing: Timing) -> float | None:
+    """CUDA only: host time per call (Python, guards, launches), GPU time excluded."""
+    return None if timing.host_ms is None else timing.host_ms * 1e3
+
+
 def bandwidth_record(bw: Bandwidth, info: RunInfo, suite: str) -> dict:
     return make_record(info, suite=suite, case=f"copy-{bw.copy_bytes >> 20}MB",
                        impl="torch.copy_", metric="GB/s", value=bw.gb_per_s,
@@ -103,7 +110,7 @@ def bandwidth_record(bw: Bandwidth, info: RunInfo, suite: str) -> dict:
 
 
 TABLE_HEADERS = ("case", "impl", "median ms", "IQR ms", "floor ms", "GB/s",
-                 "% of BW", "vs eager", "note")
+                 "% of BW", "vs eager", "host us", "note")
 
 
 def table_rows(results: list[CaseResult], bw: Bandwidth) -> list[list]:
@@ -111,7 +118,7 @@ def table_rows(results: list[CaseResult], bw: Bandwidth) -> list[list]:
     base = eager_ms(results)
     for r in results:
         if r.timing is None:
-            rows.append([r.case.name, r.impl, None, None, None, None, None, None,
+            rows.append([r.case.name, r.impl, None, None, None, None, None, None, None,
                          "ERROR " + (r.error or "")[:70]])
             continue
         ms = r.timing.median_ms
@@ -119,5 +126,5 @@ def table_rows(results: list[CaseResult], bw: Bandwidth) -> list[list]:
                      floors.floor_ms(r.nbytes, bw.bytes_per_s),
                      floors.achieved_gb_per_s(r.nbytes, ms),
                      100 * floors.fraction_of_bandwidth(r.nbytes, ms, bw.bytes_per_s),
-                     f"{base / ms:.2f}x" if base else None, ""])
+                     f"{base / ms:.2f}x" if base else None, _host_us(r.timing), ""])
     return rows

@@ -27,14 +27,18 @@ class Timing:
     min_ms: float
     max_ms: float
     reps: int
+    host_ms: float | None = None  # CUDA: host time to enqueue one call (launch overhead)
 
     @property
     def iqr_ms(self) -> float:
         return self.q3_ms - self.q1_ms
 
     def spread(self) -> dict:
-        return {"q1_ms": self.q1_ms, "q3_ms": self.q3_ms,
-                "min_ms": self.min_ms, "max_ms": self.max_ms, "reps": self.reps}
+        out = {"q1_ms": self.q1_ms, "q3_ms": self.q3_ms,
+               "min_ms": self.min_ms, "max_ms": self.max_ms, "reps": self.reps}
+        if self.host_ms is not None:
+            out["host_ms"] = self.host_ms
+        return out
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float:
@@ -47,10 +51,11 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def summarize(samples_ms: Sequence[float]) -> Timing:
+def summarize(samples_ms: Sequence[float], host_ms: float | None = None) -> Timing:
     s = sorted(samples_ms)
     return Timing(median_ms=percentile(s, 0.5), q1_ms=percentile(s, 0.25),
-                  q3_ms=percentile(s, 0.75), min_ms=s[0], max_ms=s[-1], reps=len(s))
+                  q3_ms=percentile(s, 0.75), min_ms=s[0], max_ms=s[-1], reps=len(s),
+                  host_ms=host_ms)
 
 
 def last_level_cache_bytes(device: torch.device) -> int:
@@ -78,20 +83,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_calls(fn: Callable, arg_sets: Sequence[tuple], device: torch.device,
-                reps: int, start: int = 0) -> list[float]:
-    """Per-call milliseconds; CUDA uses events so host overhead overlaps as in real use."""
-    out: list[float] = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(reps)]
-        for i, (begin, end) in enumerate(events):
-            args = arg_sets[(start + i) % len(arg_sets)]
-            begin.record()
-            fn(*args)
-            end.record()
-        torch.cuda.synchronize(device)
-        return [b.elapsed_time(e) for b, e in events]
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _sleep_cycles_per_ms(device: torch.device) -> float:
+    """Calibrate torch.cuda._sleep (it spins a number of GPU clock cycles)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SLEEP_CYCLES_PER_MS:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # wake the clocks up first
+        begin.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS[index] = 10_000_000 / max(begin.elapsed_time(end), 1e-3)
+    return _SLEEP_CYCLES_PER_MS[index]
+
+
+def _time_calls_cpu(fn, arg_sets, reps, start) -> list[float]:
+    out = []
     for i in range(reps):
         args = arg_sets[(start + i) % len(arg_sets)]
         t0 = time.perf_counter_ns()
@@ -100,12 +110,52 @@ def _time_calls(fn: Callable, arg_sets: Sequence[tuple], device: torch.device,
     return out
 
 
+def _time_calls_cuda(fn, arg_sets, device, reps, start, host_ms_guess,
+                     chunk: int = 64) -> tuple[list[float], float]:
+    """(GPU ms per call, host ms per call).
+
+    A GPU sleep is queued ahead of each chunk of calls so the host enqueues
+    them while the GPU is busy: the events then bracket the GPU work alone
+    (triton's do_bench gets the same effect from its cache-flush kernel), and
+    the host's enqueue time is measured apart, as launch overhead.
+    """
+    gpu_ms: list[float] = []
+    host_ns = 0
+    for first in range(0, reps, chunk):
+        n = min(chunk, reps - first)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n)]
+        torch.cuda._sleep(int(_sleep_cycles_per_ms(device) * min(2.0 * n * host_ms_guess, 500)))
+        t0 = time.perf_counter_ns()
+        for i, (begin, end) in enumerate(events):
+            args = arg_sets[(start + first + i) % len(arg_sets)]
+            begin.record()
+            fn(*args)
+            end.record()
+        host_ns += time.perf_counter_ns() - t0
+        torch.cuda.synchronize(device)
+        gpu_ms += [b.elapsed_time(e) for b, e in events]
+    return gpu_ms, host_ns / 1e6 / reps
+
+
 def benchmark(fn: Callable, arg_sets: Sequence[tuple], device: torch.device, *,
               budget_s: float = 1.0, min_reps: int = 10, max_reps: int = 1000,
               warmup_calls: int = 3) -> Timing:
-    """Warm up, size the repetition count to the time budget, return the summary."""
-    warm = _time_calls(fn, arg_sets, device, max(warmup_calls, len(arg_sets)))
-    per_call_s = max(sorted(warm)[len(warm) // 2] / 1e3, 1e-7)
-    reps = int(min(max_reps, max(min_reps, budget_s / per_call_s)))
+    """Warm up, size the repetition count to the time budget, return the summary.
+
+    CPU: wall time per call. CUDA: GPU time per call, host time apart (host_ms).
+    """
+    warm = max(warmup_calls, len(arg_sets))
     _sync(device)
-    return summarize(_time_calls(fn, arg_sets, device, reps, start=len(warm)))
+    t0 = time.perf_counter()
+    for i in range(warm):
+        fn(*arg_sets[i % len(arg_sets)])
+    enqueued_s = time.perf_counter() - t0  # CUDA: host time only, the GPU may still run
+    _sync(device)
+    per_call_s = max((time.perf_counter() - t0) / warm, 1e-7)
+    reps = int(min(max_reps, max(min_reps, budget_s / per_call_s)))
+    if device.type == "cuda":
+        samples, host_ms = _time_calls_cuda(fn, arg_sets, device, reps, warm,
+                                            enqueued_s / warm * 1e3)
+        return summarize(samples, host_ms)
+    return summarize(_time_calls_cpu(fn, arg_sets, reps, warm))
