@@ -53,21 +53,34 @@ class FwdConfig:
         return FwdConfig(*(int(g) for g in m.groups()))
 
 
-# Default tile per head dim (see docs/attention.md for why).
+# Default tile per head dim, in order of preference: the first whose shared
+# memory fits the device is used (see docs/attention.md for why these).
 DEFAULT_CONFIGS = {
-    64: FwdConfig(128, 64, 4, 2),
-    96: FwdConfig(128, 64, 4, 2),
-    128: FwdConfig(128, 64, 4, 2),
-    256: FwdConfig(128, 64, 8, 1),
+    64: [FwdConfig(128, 64, 4, 2)],
+    96: [FwdConfig(128, 64, 4, 2)],
+    128: [FwdConfig(128, 64, 4, 2), FwdConfig(128, 32, 4, 2)],
+    256: [FwdConfig(128, 64, 8, 1), FwdConfig(128, 32, 8, 1), FwdConfig(64, 32, 4, 1)],
 }
 
-# Variants the benchmark may time beside the default (and CI compiles).
+# Variants the benchmark may time beside the default (CI compiles them too).
 VARIANT_CONFIGS = {
     64: [FwdConfig(128, 128, 4, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 1)],
     96: [FwdConfig(128, 64, 8, 1)],
     128: [FwdConfig(128, 32, 4, 2), FwdConfig(128, 64, 8, 1), FwdConfig(128, 128, 8, 1)],
-    256: [FwdConfig(128, 32, 8, 1), FwdConfig(64, 64, 4, 1)],
+    256: [FwdConfig(128, 32, 8, 1), FwdConfig(64, 64, 4, 1), FwdConfig(64, 32, 4, 1)],
 }
+
+# Largest dynamic shared memory one CTA may opt into, per architecture.
+MAX_SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448}
+
+
+def default_config(head_dim: int, arch: str = "sm_90", smem_limit: int | None = None) -> "FwdConfig":
+    limit = smem_limit or MAX_SMEM_PER_BLOCK.get(arch, 101376)
+    for cfg in DEFAULT_CONFIGS[head_dim]:
+        if smem_bytes(head_dim, cfg) <= limit:
+            return cfg
+    raise ValueError(f"no attention tile for head dim {head_dim} fits {limit} bytes of shared memory on {arch}")
+
 
 HEAD_DIMS = (64, 96, 128, 256)
 ELEMENTS = ("bf16", "f16")
@@ -90,7 +103,9 @@ def all_instantiations(include_variants: bool = True):
     """(elem, head_dim, causal, cfg) for every instantiation we ship."""
     out = []
     for d in HEAD_DIMS:
-        cfgs = [DEFAULT_CONFIGS[d]] + (VARIANT_CONFIGS[d] if include_variants else [])
+        cfgs = list(DEFAULT_CONFIGS[d])
+        if include_variants:
+            cfgs += [c for c in VARIANT_CONFIGS[d] if c not in cfgs]
         for cfg in cfgs:
             for elem in ELEMENTS:
                 for causal in (False, True):
@@ -369,6 +384,8 @@ class AttentionForward:
             major, minor = torch.cuda.get_device_capability()
             arch = f"sm_{major}{minor}"
         self.arch = arch
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.smem_limit = getattr(props, "shared_memory_per_block_optin", None)
         self.nvrtc = Nvrtc()
         self.driver = CudaDriver()
         self.source = KERNEL_SOURCE.read_text()
@@ -413,7 +430,7 @@ class AttentionForward:
         if not scale > 0:
             raise ValueError("softmax scale must be > 0")
         elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
-        cfg = config or DEFAULT_CONFIGS[D]
+        cfg = config or default_config(D, self.arch, self.smem_limit)
         if out is None:
             out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
         if want_lse and lse is None:
