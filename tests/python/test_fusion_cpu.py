@@ -1,0 +1,259 @@
+"""Fused kernels against eager PyTorch: values (assert_close per dtype) and
+kernel counts (fusion is a number)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opfuse
+from conftest import launches
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def chain(x, b1, b2):
+    return torch.relu(x + b1) * 0.5 + b2
+
+
+def reference(fn, *args):
+    """fn in float64 (the fused kernel rounds once, eager after every op),
+    cast back to each output's dtype."""
+    outs = fn(*[a.double() if a.is_floating_point() else a for a in args])
+    low = next((a.dtype for a in args if a.is_floating_point()), torch.float64)
+    cast = lambda o: o.to(low) if o.is_floating_point() else o
+    return tuple(cast(o) for o in outs) if isinstance(outs, tuple) else cast(outs)
+
+
+def compiled(fn, **kw):
+    return torch.compile(fn, backend="opfuse", **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seed_chain_is_one_kernel(dtype):
+    x = torch.randn(37, 1001, dtype=dtype)
+    b1 = torch.randn(1001, dtype=dtype)
+    b2 = torch.randn(37, 1001, dtype=dtype)
+    out, n = launches(compiled(chain), x, b1, b2)
+    assert n == 1
+    torch.testing.assert_close(out, reference(chain, x, b1, b2))
+
+
+def test_chain_on_views_with_offsets_and_strides():
+    base = torch.randn(64, 130)
+    x = base[3:40, 5:128:2]          # storage offset, non-unit stride
+    b1 = torch.randn(62)[None, :].expand(37, 62)   # stride 0
+    b2 = torch.randn(62, 37).t()     # transposed
+    out, n = launches(compiled(chain), x, b1, b2)
+    assert n == 1
+    torch.testing.assert_close(out, chain(x, b1, b2))
+
+
+def test_chain_1d_odd_size_and_scalar_tensor():
+    x = torch.randn(1_000_003)
+    b1 = torch.tensor(0.25)
+    b2 = torch.randn(1_000_003)
+    out, n = launches(compiled(chain), x, b1, b2)
+    assert n == 1
+    torch.testing.assert_close(out, chain(x, b1, b2))
+
+
+def naive_softmax(x):
+    m = x.amax(-1, keepdim=True)
+    e = torch.exp(x - m)
+    return e / e.sum(-1, keepdim=True)
+
+
+def rms_norm_decomposed(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def layer_norm_decomposed(x, w, b):
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + 1e-5) * w + b
+
+
+ROW_OPS = {
+    "softmax": (lambda x, w, b: torch.softmax(x, -1)),
+    "naive_softmax": (lambda x, w, b: naive_softmax(x)),
+    "log_softmax": (lambda x, w, b: torch.log_softmax(x, -1)),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b)),
+    "layer_norm_decomposed": (lambda x, w, b: layer_norm_decomposed(x, w, b)),
+    "rms_norm": (lambda x, w, b: F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)),
+    "rms_norm_decomposed": (lambda x, w, b: rms_norm_decomposed(x, w)),
+}
+
+
+@pytest.mark.parametrize("name", list(ROW_OPS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_ops_are_one_kernel(name, dtype):
+    fn = ROW_OPS[name]
+    x = torch.randn(67, 517, dtype=dtype) * 3
+    w = torch.randn(517, dtype=dtype)
+    b = torch.randn(517, dtype=dtype)
+    out, n = launches(compiled(fn), x, w, b)
+    assert n == 1
+    ref = fn(x.double(), w.double(), b.double()).to(dtype)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_softmax_over_a_middle_dim_and_a_transposed_input():
+    x = torch.randn(5, 33, 9).transpose(0, 2)
+    fn = compiled(lambda x: torch.softmax(x, 1))
+    out, n = launches(fn, x)
+    assert n == 1
+    torch.testing.assert_close(out, torch.softmax(x, 1))
+
+
+def test_reductions_and_multiple_outputs():
+    def f(x):
+        return x.sum(0), x.mean(1), x.amax(1), x.amin(0), x.var(1), x.argmax(1), torch.var_mean(x, 0)
+
+    x = torch.randn(45, 77)
+    out = compiled(f)(x)
+    ref = f(x)
+    torch.testing.assert_close(out, ref)
+
+
+def test_mlp_bias_and_activation_fuse_around_matmuls():
+    def mlp(x, w1, b1, w2, b2):
+        return torch.relu(x @ w1 + b1) @ w2 + b2
+
+    args = [torch.randn(33, 64), torch.randn(64, 96), torch.randn(96), torch.randn(96, 40), torch.randn(40)]
+    out, n = launches(compiled(mlp), *args)
+    torch.testing.assert_close(out, mlp(*args), rtol=1e-4, atol=1e-4)
+    assert n == 2  # bias+relu after the first matmul, bias after the second
+    assert opfuse.stats()["fallback_ops"] == 0  # counted at compile time, reset since
+
+
+def test_fallback_for_unsupported_op_gives_eager_result():
+    def f(x):
+        return torch.cumsum(torch.relu(x) * 2, 0) + 1
+
+    x = torch.randn(19, 7)
+    opfuse.reset_stats()
+    out = compiled(f)(x)
+    torch.testing.assert_close(out, f(x))
+    assert opfuse.stats()["fallback_ops"] >= 1
+    assert opfuse.stats()["graphs_compiled"] == 2
+
+
+def test_dynamic_shapes_compile_once():
+    fn = compiled(chain, dynamic=True)
+    opfuse.reset_stats()
+    for n in (17, 33, 1000):
+        x, b1, b2 = torch.randn(n, 31), torch.randn(31), torch.randn(n, 31)
+        torch.testing.assert_close(fn(x, b1, b2), chain(x, b1, b2))
+    assert opfuse.stats()["graphs_compiled"] == 1
+
+
+def test_mark_dynamic_softmax_runs_at_any_size():
+    fn = compiled(lambda x: torch.softmax(x, -1))
+    x = torch.randn(8, 40)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(x, 1)
+    fn(x)
+    opfuse.reset_stats()
+    for shape in ((3, 5), (50, 123)):
+        y = torch.randn(*shape)
+        torch.testing.assert_close(fn(y), torch.softmax(y, -1))
+    assert opfuse.stats()["graphs_compiled"] == 0
+
+
+def test_nan_and_inf_propagate_like_eager():
+    def f(x):
+        return torch.relu(x) + x.amax(-1, keepdim=True), torch.softmax(x, -1), torch.clamp(x, -1, 1)
+
+    x = torch.randn(4, 9)
+    x[0, 3] = float("nan")
+    x[1, 2] = float("inf")
+    x[2, 5] = -float("inf")
+    out = compiled(f)(x)
+    for o, r in zip(out, f(x)):
+        torch.testing.assert_close(o, r, equal_nan=True)
+
+
+def test_integer_semantics():
+    def f(a, b):
+        return a // b, a + b * 1000000, torch.div(a, b, rounding_mode="trunc"), a / b
+
+    a = torch.randint(-50, 50, (30,), dtype=torch.int32)
+    b = torch.randint(1, 9, (30,), dtype=torch.int32) * torch.where(torch.rand(30) > 0.5, 1, -1).to(torch.int32)
+    big = torch.full((30,), 2**31 - 5, dtype=torch.int32)
+    out = compiled(f)(a, b)
+    torch.testing.assert_close(out, f(a, b))
+    out = compiled(lambda x: x + 10)(big)  # wraps around like eager
+    torch.testing.assert_close(out, big + 10)
+
+
+def test_integer_division_by_zero_raises_like_eager():
+    a = torch.tensor([4, 5, 6])
+    b = torch.tensor([1, 0, 2])
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        a // b
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        compiled(lambda a, b: (a // b) + 1)(a, b)
+
+
+def test_empty_tensors():
+    x = torch.randn(0, 7)
+    out = compiled(chain)(x, torch.randn(7), torch.randn(0, 7))
+    assert out.shape == (0, 7)
+    s = compiled(lambda x: torch.softmax(x, -1) + 1)(torch.randn(0, 5))
+    assert s.shape == (0, 5)
+
+
+def test_wrong_dtype_at_call_time_runs_eagerly_and_correctly():
+    fn = compiled(chain)
+    x, b1, b2 = torch.randn(5, 6), torch.randn(6), torch.randn(5, 6)
+    fn(x, b1, b2)
+    xd = x.double()
+    torch.testing.assert_close(fn(xd, b1.double(), b2.double()), chain(xd, b1.double(), b2.double()))
+
+
+def test_disable_env_runs_eagerly(monkeypatch):
+    monkeypatch.setenv("OPFUSE_DISABLE", "1")
+    opfuse.reset_stats()
+    x, b1, b2 = torch.randn(5, 6), torch.randn(6), torch.randn(5, 6)
+    torch.testing.assert_close(compiled(chain)(x, b1, b2), chain(x, b1, b2))
+    assert opfuse.stats()["graphs_compiled"] == 0
+
+
+def test_views_cat_and_layout_ops_fuse():
+    def f(x, y):
+        a = x.reshape(6, 35).t() * 2
+        b = torch.cat([a, y], 1)
+        return b[:, 1::3].unsqueeze(0).squeeze(0) + 1, x.permute(2, 0, 1).sum(0)
+
+    x = torch.randn(2, 3, 35)
+    y = torch.randn(35, 4)
+    out, n = launches(compiled(f), x, y)
+    torch.testing.assert_close(out, f(x, y))
+    assert n <= 2
+
+
+def test_explain_reports_graph_breaks_and_fallbacks():
+    def f(x):
+        y = torch.relu(x) * 3
+        print("break")  # a graph break
+        return torch.cumsum(y, 0) + 1
+
+    rep = opfuse.explain(f, torch.randn(8, 4))
+    assert len(rep.graph_breaks) >= 1
+    assert any("test_fusion_cpu.py" in s for b in rep.graph_breaks for s in b.user_source)
+    assert any("cumsum" in op for op, _ in rep.fallbacks)
+    assert 0 < rep.coverage < 1
+    assert rep.kernels and rep.kernels[0].bytes > 0
+    assert "kernel" in str(rep)
+
+
+def test_dump_writes_ir_plan_source_and_repro(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPFUSE_DUMP", str(tmp_path))
+    x, b1, b2 = torch.randn(5, 6), torch.randn(6), torch.randn(5, 6)
+    compiled(chain)(x, b1, b2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    for suffix in (".before.ir", ".after.ir", ".plan.txt", ".kernels.txt", "_repro.py", ".cpp"):
+        assert any(n.endswith(suffix) for n in names), (suffix, names)
+    repro = next(p for p in tmp_path.iterdir() if p.name.endswith("_repro.py"))
+    import runpy
+    runpy.run_path(str(repro), run_name="__main__")
