@@ -1,0 +1,168 @@
+"""Attention forward benchmark in the FlashAttention setup.
+
+hidden 2048 (H = 2048 / D), 16k tokens (B = 16384 / S), bf16, S in
+{512, 2048, 8192, 16384}, D in {64, 128}, causal and not. TFLOP/s with
+FLOPs = 4 * B * H * S * S * D (halved when causal), median time of
+triton.testing.do_bench (CUDA events). PyTorch SDPA's flash and cuDNN backends
+are timed in the same run. Prints a table; writes JSON records
+(suite, case, impl, metric, value, floor, commit, date) to --out.
+
+    python tests/gpu/attention/bench_attention_fwd.py --out $OUT [--variants] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import attn_runtime as ar  # noqa: E402
+
+
+def commit_id() -> str:
+    c = os.environ.get("OPFUSE_COMMIT")
+    if c:
+        return c
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=ar.REPO).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def bench_ms(fn) -> float:
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    except ImportError:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(30):
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        return times[len(times) // 2]
+
+
+def gemm_ceiling() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ b)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--variants", action="store_true", help="also time the VARIANT_CONFIGS tiles")
+    ap.add_argument("--quick", action="store_true", help="S in {2048, 8192} only")
+    ap.add_argument("--seqlens", default=None, help="comma-separated S values")
+    a = ap.parse_args(argv)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fwd = ar.AttentionForward()
+    commit, date = commit_id(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    dev = torch.cuda.get_device_name()
+    records = []
+
+    def record(case, impl, metric, value, suite="attention_fwd"):
+        records.append(dict(suite=suite, case=case, impl=impl, metric=metric, value=value, floor=None,
+                            commit=commit, date=date, device=dev))
+
+    ceiling = gemm_ceiling()
+    record("bf16_gemm_8192", "torch.matmul", "TFLOP/s", round(ceiling, 1), suite="ceiling")
+    print(f"device {dev}; bf16 GEMM 8192^3 ceiling {ceiling:.0f} TFLOP/s; commit {commit}", flush=True)
+
+    seqlens = [512, 2048, 8192, 16384]
+    if a.quick:
+        seqlens = [2048, 8192]
+    if a.seqlens:
+        seqlens = [int(s) for s in a.seqlens.split(",")]
+    rows = []
+    for D in (64, 128):
+        for causal in (False, True):
+            for S in seqlens:
+                B, H = 16384 // S, 2048 // D
+                flops = 4 * B * H * S * S * D / (2 if causal else 1)
+                case = f"D{D}_S{S}_{'causal' if causal else 'full'}_bf16_B{B}_H{H}"
+                g = torch.Generator(device="cuda").manual_seed(S + D)
+                q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                           for _ in range(3))
+                out = torch.empty_like(q)
+                lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
+                impls = {}
+                cfg0 = ar.default_config(D, fwd.arch, fwd.smem_limit)
+                impls["opfuse"] = (lambda cfg=cfg0: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
+                if a.variants:
+                    for cfg in ar.VARIANT_CONFIGS[D]:
+                        if cfg != cfg0 and ar.smem_bytes(D, cfg) <= (fwd.smem_limit or 1 << 30):
+                            impls[f"opfuse[{cfg.tag()}]"] = (
+                                lambda cfg=cfg: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
+                for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                                      ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    def run(backend=backend):
+                        with sdpa_kernel(backend):
+                            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    impls[name] = run
+                # Sanity: our output against flash's (same bottom-right = top-left mask when Sq == Sk).
+                fwd(q, k, v, causal=causal, config=cfg0, out=out, lse=lse)
+                try:
+                    ref = impls["sdpa-flash"]()
+                    diff = (out.float() - ref.float()).abs().max().item()
+                except RuntimeError as e:  # backend unavailable
+                    diff = float("nan")
+                    print(f"  sdpa-flash unavailable: {e}", flush=True)
+                row = dict(case=case, D=D, causal=causal, S=S, maxdiff=diff)
+                for name, fn in impls.items():
+                    try:
+                        ms = bench_ms(fn)
+                    except RuntimeError as e:
+                        print(f"  {case} {name}: {e}", flush=True)
+                        continue
+                    tf = flops / ms / 1e9
+                    row[name] = tf
+                    record(case, name, "TFLOP/s", round(tf, 1))
+                    record(case, name, "ms", round(ms, 4))
+                rows.append(row)
+                print(f"{case:34} maxdiff vs flash {diff:.2e}  " +
+                      "  ".join(f"{n}={row[n]:.0f}" for n in impls if n in row), flush=True)
+                del q, k, v, out, lse
+                torch.cuda.empty_cache()
+
+    out_dir = pathlib.Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_attention_fwd.json").write_text(json.dumps(records, indent=1))
+
+    names = []
+    for r in rows:
+        for n in r:
+            if (n.startswith("opfuse") or n.startswith("sdpa")) and n not in names:
+                names.append(n)
+    print("\nTFLOP/s, bf16, hidden 2048, 16k tokens (B = 16384/S, H = 2048/D)")
+    print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>22}" for n in names) + "  ours/flash ours/cudnn")
+    for r in rows:
+        ours, fl, cu = r.get("opfuse"), r.get("sdpa-flash"), r.get("sdpa-cudnn")
+        ratio = lambda x, y: f"{x / y:10.2f}" if x and y else f"{'-':>10}"  # noqa: E731
+        print(f"{r['D']:>3} {str(r['causal']):>6} {r['S']:>6} " +
+              " ".join(f"{r[n]:22.0f}" if n in r else f"{'-':>22}" for n in names) +
+              f" {ratio(ours, fl)} {ratio(ours, cu)}")
+
+
+if __name__ == "__main__":
+    main()
