@@ -132,8 +132,9 @@ def test_records_follow_the_schema():
         assert set(records.REQUIRED_KEYS) <= set(r)
         assert r["suite"] == "chain" and r["case"] == "chain-1K-f32"
     by = {(r["impl"], r["metric"]): r for r in recs}
-    assert set(by) == {("eager", "ms"), ("eager", "GB/s"), ("opfuse", "ms"),
-                       ("opfuse", "GB/s"), ("torch.compile", "ms")}
+    assert set(by) == {("eager", "ms"), ("eager", "GB/s"), ("eager", "TFLOP/s"),
+                       ("opfuse", "ms"), ("opfuse", "GB/s"), ("opfuse", "TFLOP/s"),
+                       ("torch.compile", "ms")}
     fused = by[("opfuse", "ms")]
     assert fused["value"] == 1.0 and fused["speedup_vs_eager"] == 2.0
     assert fused["floor"] == pytest.approx((16 << 10) / 16.384e9 * 1e3)
@@ -141,6 +142,20 @@ def test_records_follow_the_schema():
     assert by[("opfuse", "GB/s")]["ceiling"] == 16.384
     failed = by[("torch.compile", "ms")]
     assert failed["value"] is None and "AssertionError" in failed["error"]
+
+
+def test_roofline_points_come_from_records_alone():
+    plot = importlib.import_module("opfuse.bench.plot")
+    recs = runner.to_records(_fake_results(), _bandwidth(10.0), INFO)
+    recs.append(records.make_record(INFO, suite="chain", case="copy-256MB", impl="torch.copy_",
+                                    metric="GB/s", value=10.0))
+    points = plot.roofline_points(recs)
+    flops = 4 * (1 << 10)                       # the chain: 4 FLOPs per element
+    assert sorted(p[1] for p in points) == ["eager", "opfuse"]   # failures have no point
+    case, impl, intensity, gflops = next(p for p in points if p[1] == "opfuse")
+    assert intensity == pytest.approx(flops / (16 << 10))
+    assert gflops == pytest.approx(flops / 1e-3 / 1e9)
+    assert plot.ceilings(recs) == (10.0, None)
 
 
 def test_validate_rejects_broken_records():

@@ -41,6 +41,14 @@ def rms_norm(x, weight):
 ROW_FUNCTIONS = {"softmax": softmax, "log_softmax": log_softmax,
                  "layer_norm": layer_norm, "rms_norm": rms_norm}
 
+# Arithmetic per element, for the roofline's x axis (FLOPs per byte). A
+# convention, counting each add, mul, max, exp or divide as one: the chain is
+# add, max, mul, add; softmax is max, sub, exp, sum, div; log_softmax is max,
+# sub, exp, sum, sub; layer_norm is sum, sub, square, sum, mul, mul, add;
+# rms_norm is square, sum, mul, mul.
+FLOPS_PER_ELEMENT = {"chain": 4, "softmax": 5, "log_softmax": 5, "layer_norm": 7,
+                     "rms_norm": 4}
+
 
 @dataclass
 class Case:
@@ -50,7 +58,7 @@ class Case:
     make_inputs: Callable[[torch.device, int], tuple]  # (device, seed) -> inputs
     dtype: torch.dtype
     shape: tuple
-    flops: Callable[[tuple], float] | None = None  # FLOPs per call, where TFLOP/s matter
+    flops: float | None = None  # FLOPs per call (FLOPS_PER_ELEMENT for memory-bound cases)
     extra: dict = field(default_factory=dict)
 
 
@@ -76,7 +84,7 @@ def chain_case(n: int, dtype: torch.dtype) -> Case:
         gen = _generator(device, seed)
         return tuple(_randn((n,), dtype, device, gen) for _ in range(3))
     return Case("chain", f"chain-{_size_label(n)}-{DTYPE_LABEL[dtype]}", seed_chain, make,
-                dtype, (n,))
+                dtype, (n,), flops=FLOPS_PER_ELEMENT["chain"] * n)
 
 
 def row_case(op: str, rows: int, cols: int, dtype: torch.dtype) -> Case:
@@ -89,7 +97,7 @@ def row_case(op: str, rows: int, cols: int, dtype: torch.dtype) -> Case:
             return (x, _randn((cols,), dtype, device, gen))
         return (x,)
     return Case("rows", f"{op}-{rows}x{cols}-{DTYPE_LABEL[dtype]}", ROW_FUNCTIONS[op], make,
-                dtype, (rows, cols))
+                dtype, (rows, cols), flops=FLOPS_PER_ELEMENT[op] * rows * cols)
 
 
 def chain_cases(device: torch.device, quick: bool) -> list[Case]:

@@ -77,7 +77,7 @@ def to_records(results: list[CaseResult], bw: Bandwidth, info: RunInfo) -> list[
     for r in results:
         common = dict(info=info, suite=r.case.suite, case=r.case.name, impl=r.impl,
                       dtype=str(r.case.dtype).replace("torch.", ""), shape=list(r.case.shape),
-                      bytes=r.nbytes)
+                      bytes=r.nbytes, flops=r.case.flops)
         if r.timing is None:
             records.append(make_record(metric="ms", value=None, error=r.error, **common))
             continue
@@ -93,7 +93,7 @@ def to_records(results: list[CaseResult], bw: Bandwidth, info: RunInfo) -> list[
                                    value=floors.achieved_gb_per_s(r.nbytes, ms),
                                    ceiling=bw.gb_per_s, fraction=frac, **common))
         if r.case.flops is not None:
-            tflops = r.case.flops(r.case.shape) / (ms / 1e3) / 1e12
+            tflops = r.case.flops / (ms / 1e3) / 1e12
             records.append(make_record(metric="TFLOP/s", value=tflops, **common))
     return records
 

@@ -9,6 +9,7 @@ import torch
 from . import compile_time
 from .cases import SUITES
 from .ceilings import Bandwidth, measure_copy_bandwidth
+from .plot import plot_roofline
 from .records import RunInfo, default_results_dir, make_record, run_info, write_records
 from .runner import TABLE_HEADERS, bandwidth_record, run_case, table_rows, to_records
 from .table import format_table, fmt
@@ -103,5 +104,9 @@ def run_bench(suites: list[str], impls: list[str], *, quick: bool = False,
         failures += sum(1 for r in records if r.get("error"))
         if write:
             target = Path(out_dir) if out_dir else default_results_dir(info)
-            print(f"wrote {write_records(records, info, suite, target)}")
+            path = write_records(records, info, suite, target)
+            print(f"wrote {path}")
+            if suite != "compile" and plot_roofline(records, path.with_suffix(".png"),
+                                                    f"{suite} on {info.device}"):
+                print(f"wrote {path.with_suffix('.png')}")
     return failures
