@@ -109,14 +109,13 @@ def _opfuse_launches(compiled, inputs) -> tuple[int | None, int | None, object]:
     return stats.get("kernel_launches"), stats.get("fallback_ops"), out
 
 
-def run_example(example: Example, impls: list[str], device: torch.device, quick: bool,
-                bw) -> dict:
+def run_example(example: Example, impls: list[str], device: torch.device, quick: bool) -> dict:
     inputs = make_inputs(example, device, quick)
     with torch.no_grad():
         expected = example.fn(*inputs)
         row = {"name": example.name, "ok": True, "launches_eager":
                count_eager_launches(example.fn, inputs, device),
-               "bytes": floors.bytes_moved(inputs, expected), "ms": {}, "notes": []}
+               "bytes": floors.bytes_moved(inputs, expected), "ms": {}}
         budget, min_reps = (0.1, 3) if quick else (0.5, 5)
         # Rotate input copies when one set would sit in cache (see bench/timing.py).
         copies = rotation_copies(row["bytes"], last_level_cache_bytes(device), max_copies=8)
@@ -182,7 +181,7 @@ def run_demo(quick: bool = False, impls_text: str | None = None,
     print(f"opfuse demo on {device} ({torch.get_num_threads()} threads); measured copy "
           f"bandwidth {bw.gb_per_s:.1f} GB/s; impls: {', '.join(impls)}")
     print((busy_warning(device) or "") + "\n")
-    rows = [run_example(ex, impls, device, quick, bw) for ex in EXAMPLES]
+    rows = [run_example(ex, impls, device, quick) for ex in EXAMPLES]
     print()
     print(summary_table(rows, bw))
     print("\nlaunches: eager = ATen ops that do work (CPU) or kernels (CUDA), from "
