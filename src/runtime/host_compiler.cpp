@@ -58,8 +58,9 @@ const HostCompiler& host_compiler() {
     const char* cxx = std::getenv("OPFUSE_CXX");
     c.command = cxx && *cxx ? cxx : "c++";
     // -fwrapv: integer overflow wraps as in PyTorch; -fno-math-errno lets
-    // sqrt and friends vectorise without changing results.
-    c.flags = {"-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno", "-w"};
+    // sqrt and friends vectorise without changing results; -fno-trapping-math
+    // lets selects (relu, max) become vector blends (no FP traps are used).
+    c.flags = {"-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno", "-fno-trapping-math", "-w"};
     std::string version = capture({c.command, "--version"});
     if (version.empty()) version = "unknown";
     bool ok = false;
