@@ -84,7 +84,7 @@ void compile_shared_object(const std::string& source, const std::string& out_pat
   }
   std::vector<std::string> argv = {hc.command};
   argv.insert(argv.end(), hc.flags.begin(), hc.flags.end());
-  argv.insert(argv.end(), {src_path, "-o", out_path});
+  argv.insert(argv.end(), {src_path, "-o", out_path, "-lmvec", "-lm"});
   std::string log_path = out_path + ".log";
   int rc = run_process(argv, log_path);
   bool ok = false;
