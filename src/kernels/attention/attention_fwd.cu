@@ -29,8 +29,12 @@
 //   for every head dim, 96 included.
 //
 // Entry points: attention_fwd<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N,
-// NUM_WARPS, MIN_BLOCKS>, obtained through NVRTC name expressions such as
-//   "opfuse_attn::attention_fwd<opfuse_attn::bf16, 128, true, 128, 64, 4, 2>"
+// NUM_WARPS, MIN_BLOCKS, SPLIT_PV>, obtained through NVRTC name expressions
+// such as
+//   "opfuse_attn::attention_fwd<opfuse_attn::bf16, 128, true, 128, 64, 4, 2, false>"
+// MIN_BLOCKS is __launch_bounds__' CTAs per SM (it caps registers); SPLIT_PV
+// orders each iteration softmax(m-tile 0), PV(0), softmax(1), PV(1) so that the
+// tensor cores and the ALUs overlap within a warp (warps owning 32 rows only).
 // Launch: grid (ceil(Sq / BLOCK_M), Hq, B), block NUM_WARPS * 32 threads,
 // dynamic shared memory FwdTile<...>::kSmemBytes (over 48 KB: raise
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first), one argument:
@@ -110,10 +114,11 @@ __device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
   return r;
 }
 
-// Returns x unchanged, but the compiler cannot see through it.
-__device__ __forceinline__ i64 opaque(i64 x) {
-  i64 r;
-  asm volatile("mov.b64 %0, %1;" : "=l"(r) : "l"(x));
+// Returns x unchanged, but the compiler cannot see through it (so it cannot
+// hoist what is computed from it out of a loop).
+__device__ __forceinline__ int opaque32(int x) {
+  int r;
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
   return r;
 }
 
@@ -234,7 +239,8 @@ struct FwdTile {
 // The kernel
 // ---------------------------------------------------------------------------
 
-template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS>
+template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS,
+          bool SPLIT_PV>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(const AttnFwdParams p) {
   using Tile = FwdTile<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
   using Ops = ElemOps<Elem>;
@@ -260,11 +266,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
   const int Sk = p.seqlen_k;
 
   const char* q_base = (const char*)p.q + 2 * (batch * p.q_batch_stride + head * p.q_head_stride);
-  const char* k_base = (const char*)p.k + 2 * (batch * p.k_batch_stride + head_kv * p.k_head_stride);
-  const char* v_base = (const char*)p.v + 2 * (batch * p.v_batch_stride + head_kv * p.v_head_stride);
   char* o_base = (char*)p.o + 2 * (batch * p.o_batch_stride + head * p.o_head_stride);
-  const i64 q_rs = 2 * p.q_row_stride, k_rs = 2 * p.k_row_stride, v_rs = 2 * p.v_row_stride,
-            o_rs = 2 * p.o_row_stride;
+  const i64 q_rs = 2 * p.q_row_stride, o_rs = 2 * p.o_row_stride;
   float* lse_base = p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride : nullptr;
 
   const int m_start = m_block * BLOCK_M;
@@ -306,8 +309,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
   const int ld_ch = tid % kChunksP2;
   const bool ld_lane = ld_ch < kChunks;
   const u32 ld_soff = (u32)(ld_row * kSB + ld_ch * 16);
-  const char* k_thr = k_base + ld_ch * 16;
-  const char* v_thr = v_base + ld_ch * 16;
 
   auto load_q = [&]() {
     const char* q_thr = q_base + ld_ch * 16;
@@ -318,18 +319,22 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       if (ld_lane) cp_async_16(sQ + ld_soff + i * kRowsPerPass * kSB, q_thr + (valid ? row * q_rs : 0), valid);
     }
   };
-  auto load_kv = [&](int n_block, int stage) {
+  auto load_kv = [&](int n_block, int stage, bool pred) {
     const u32 sK = sKV + stage * 2 * Tile::kKVTileBytes + ld_soff;
     const u32 sV = sK + Tile::kKVTileBytes;
     const int row0 = n_block * BLOCK_N + ld_row;
-    // The strides pass through an opaque move so that the compiler computes
-    // each address here instead of hoisting one 64-bit address per pass out
-    // of the loop (which costs registers and, at 255, spills).
-    const i64 krs = opaque(k_rs), vrs = opaque(v_rs);
+    // Addresses are rebuilt here from the kernel parameters (constant bank)
+    // and an opaque copy of the K/V head offset, so that the compiler keeps
+    // no 64-bit address live across the main loop (at 255 registers every
+    // live register is a spill elsewhere).
+    const int b = opaque32(batch), hk = opaque32(head_kv);
+    const char* k_thr = (const char*)p.k + 2 * (b * p.k_batch_stride + hk * p.k_head_stride + ld_ch * 8);
+    const char* v_thr = (const char*)p.v + 2 * (b * p.v_batch_stride + hk * p.v_head_stride + ld_ch * 8);
+    const i64 krs = 2 * p.k_row_stride, vrs = 2 * p.v_row_stride;
 #pragma unroll
     for (int i = 0; i < BLOCK_N / kRowsPerPass; ++i) {
       const int row = row0 + i * kRowsPerPass;
-      const bool valid = row < Sk;
+      const bool valid = pred && row < Sk;
       const int r = valid ? row : 0;
       if (ld_lane) {
         cp_async_16(sK + i * kRowsPerPass * kSB, k_thr + r * krs, valid);
@@ -354,11 +359,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
   // ---- prologue: Q, then the first K/V tile ---------------------------------
   load_q();
   cp_async_commit();
-  load_kv(n_block_max - 1, 0);
+  load_kv(n_block_max - 1, 0, true);
   cp_async_commit();
 
   u32 q_frag[kQInRegs ? kMT : 1][kQInRegs ? HEAD_DIM / 16 : 1][4];
-  if (kQInRegs) {
+  if constexpr (kQInRegs) {
     cp_async_wait<1>();
     __syncthreads();
 #pragma unroll
@@ -385,14 +390,18 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
   }
   const float scale_log2 = p.scale_log2;
 
-  // ---- main loop over key blocks, last to first -----------------------------
-  int stage = 0;
-  for (int n_block = n_block_max - 1; n_block >= 0; --n_block, stage ^= 1) {
+  // ---- one key block ------------------------------------------------------
+  // From the prefetch on, the body has no branch: `masked` is a constant at
+  // each of the two call sites below (the lambda is inlined), so ptxas
+  // schedules the products and the softmax as one basic block.
+  auto iteration = [&](const int n_block, const int stage, const bool masked) {
     cp_async_wait<0>();
     // Makes this stage's tile visible to all warps and guarantees that every
     // warp is done with the other stage (read in the previous iteration).
     __syncthreads();
-    if (n_block > 0) load_kv(n_block - 1, stage ^ 1);
+    // Prefetch the next (lower) key block into the other stage. (A branch
+    // here costs no scheduling freedom: the barrier above is a boundary.)
+    if (n_block > 0) load_kv(n_block - 1, stage ^ 1, true);
     cp_async_commit();
 
     const u32 sK = sKV + stage * 2 * Tile::kKVTileBytes;
@@ -412,9 +421,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       u32 a[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        if (kQInRegs) {
+        if constexpr (kQInRegs) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[kQInRegs ? mt : 0][kQInRegs ? ks : 0][e];
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
         } else {
           ldmatrix_x4(a[mt], q_lane + mt * 16 * kSB + ks * 32);
         }
@@ -432,7 +441,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
     }
 
     // Mask: the ragged end of Sk and, when causal, keys past the diagonal.
-    if (n_block >= n_mask_start) {
+    if (masked) {
       const int col0 = n_block * BLOCK_N + 2 * (lane & 3);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
@@ -449,9 +458,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
         }
     }
 
-    // Online softmax (float32, base 2).
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+    // Online softmax (float32, base 2) of m-tile mt; S becomes P in place.
+    auto softmax = [&](const int mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = row_max[mt][h];
@@ -480,30 +488,56 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
           acc_o[mt][dt][2 * h + 1] *= corr;
         }
       }
+    };
 
-    // O += P V, P converted to the element type straight from the S registers.
+    // O += P V for the m-tiles [MT0, MT1) (constants after inlining), P
+    // converted to the element type straight from the S registers.
+    auto gemm_pv = [&](const int MT0, const int MT1) {
 #pragma unroll
-    for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
-      u32 a[kMT][4];
+      for (int ks = 0; ks < BLOCK_N / 16; ++ks) {
+        u32 a[kMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        a[mt][0] = Ops::pack(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
-        a[mt][1] = Ops::pack(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
-        a[mt][2] = Ops::pack(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
-        a[mt][3] = Ops::pack(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
-      }
+        for (int mt = MT0; mt < MT1; ++mt) {
+          a[mt][0] = Ops::pack(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
+          a[mt][1] = Ops::pack(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
+          a[mt][2] = Ops::pack(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
+          a[mt][3] = Ops::pack(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
+        }
 #pragma unroll
-      for (int dp = 0; dp < kDT / 2; ++dp) {
-        u32 b[4];
-        ldmatrix_x4_trans(b, sV + v_lane + ks * 16 * kSB + dp * 32);
+        for (int dp = 0; dp < kDT / 2; ++dp) {
+          u32 b[4];
+          ldmatrix_x4_trans(b, sV + v_lane + ks * 16 * kSB + dp * 32);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          Ops::mma(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
-          Ops::mma(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          for (int mt = MT0; mt < MT1; ++mt) {
+            Ops::mma(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
+            Ops::mma(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          }
         }
       }
+    };
+
+    if constexpr (SPLIT_PV && kMT == 2) {
+      // softmax(1) has no dependence on P V of m-tile 0, so the tensor cores
+      // can work on the latter while the ALUs do the former (at the price of
+      // reading the V tile from shared memory twice).
+      softmax(0);
+      gemm_pv(0, 1);
+      softmax(1);
+      gemm_pv(1, 2);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) softmax(mt);
+      gemm_pv(0, kMT);
     }
-  }
+  };
+
+  // ---- main loop over key blocks, last to first -----------------------------
+  // Blocks at or above n_mask_start need the mask; they come first.
+  int n_block = n_block_max - 1;
+  int stage = 0;
+  for (; n_block >= n_mask_start; --n_block, stage ^= 1) iteration(n_block, stage, true);
+  for (; n_block >= 0; --n_block, stage ^= 1) iteration(n_block, stage, false);
+  cp_async_wait<0>();  // no copy may be in flight when the CTA exits
 
   // ---- epilogue: normalise, stage O through this warp's rows of sQ, store ----
   float inv_sum[kMT][2];

@@ -41,22 +41,23 @@ class FwdConfig:
     block_n: int
     num_warps: int
     min_blocks: int  # __launch_bounds__ minimum CTAs per SM (register cap)
+    split_pv: bool = False  # softmax/PV per m-tile (overlap within a warp)
 
     def tag(self) -> str:
-        return f"{self.block_m}x{self.block_n}w{self.num_warps}b{self.min_blocks}"
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}b{self.min_blocks}{'s' if self.split_pv else ''}"
 
     @staticmethod
     def parse(tag: str) -> "FwdConfig":
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)b(\d+)", tag)
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)b(\d+)(s?)", tag)
         if not m:
-            raise ValueError(f"bad config tag {tag!r} (want e.g. 128x64w4b2)")
-        return FwdConfig(*(int(g) for g in m.groups()))
+            raise ValueError(f"bad config tag {tag!r} (want e.g. 128x64w4b2 or 128x64w4b2s)")
+        return FwdConfig(*(int(g) for g in m.groups()[:4]), split_pv=bool(m.group(5)))
 
 
 # Default tile per head dim, in order of preference: the first whose shared
 # memory fits the device is used (see docs/attention.md for why these).
 DEFAULT_CONFIGS = {
-    64: [FwdConfig(128, 64, 4, 2)],
+    64: [FwdConfig(128, 128, 4, 2)],
     96: [FwdConfig(128, 64, 4, 2)],
     128: [FwdConfig(128, 64, 4, 2), FwdConfig(128, 32, 4, 2)],
     256: [FwdConfig(128, 64, 8, 1), FwdConfig(128, 32, 8, 1), FwdConfig(64, 32, 4, 1)],
@@ -64,9 +65,10 @@ DEFAULT_CONFIGS = {
 
 # Variants the benchmark may time beside the default (CI compiles them too).
 VARIANT_CONFIGS = {
-    64: [FwdConfig(128, 128, 4, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 1)],
+    64: [FwdConfig(128, 64, 4, 2), FwdConfig(128, 128, 4, 2, True), FwdConfig(128, 64, 8, 2)],
     96: [FwdConfig(128, 64, 8, 1)],
-    128: [FwdConfig(128, 32, 4, 2), FwdConfig(128, 64, 8, 1), FwdConfig(128, 128, 8, 1)],
+    128: [FwdConfig(128, 64, 4, 2, True), FwdConfig(256, 64, 8, 1), FwdConfig(128, 32, 4, 2),
+          FwdConfig(128, 128, 8, 1)],
     256: [FwdConfig(128, 32, 8, 1), FwdConfig(64, 64, 4, 1), FwdConfig(64, 32, 4, 1)],
 }
 
@@ -95,7 +97,7 @@ def smem_bytes(head_dim: int, cfg: FwdConfig) -> int:
 def name_expression(elem: str, head_dim: int, causal: bool, cfg: FwdConfig) -> str:
     return (
         f"opfuse_attn::attention_fwd<opfuse_attn::{elem}, {head_dim}, {'true' if causal else 'false'}, "
-        f"{cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.min_blocks}>"
+        f"{cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.min_blocks}, {'true' if cfg.split_pv else 'false'}>"
     )
 
 
