@@ -65,12 +65,29 @@ DEFAULT_CONFIGS = {
 
 # Variants the benchmark may time beside the default (CI compiles them too).
 VARIANT_CONFIGS = {
-    64: [FwdConfig(128, 64, 4, 2), FwdConfig(128, 128, 4, 2, True), FwdConfig(128, 64, 8, 2)],
+    64: [FwdConfig(128, 64, 4, 2), FwdConfig(256, 128, 8, 1), FwdConfig(256, 64, 8, 1)],
     96: [FwdConfig(128, 64, 8, 1)],
-    128: [FwdConfig(128, 64, 4, 2, True), FwdConfig(256, 64, 8, 1), FwdConfig(128, 32, 4, 2),
-          FwdConfig(128, 128, 8, 1)],
+    128: [FwdConfig(256, 64, 8, 1), FwdConfig(128, 64, 4, 2, True), FwdConfig(256, 64, 8, 1, True),
+          FwdConfig(128, 32, 4, 2)],
     256: [FwdConfig(128, 32, 8, 1), FwdConfig(64, 64, 4, 1), FwdConfig(64, 32, 4, 1)],
 }
+
+# Tiles of 256 query rows (8 warps of 32 rows, one CTA per SM) halve the K/V
+# traffic from L2 per FLOP but leave no second CTA to overlap a CTA's prologue
+# and epilogue: they pay off when each CTA runs many key blocks (measured on
+# the H200, docs/attention.md).
+LONG_TILES = {128: FwdConfig(256, 64, 8, 1)}
+
+
+def choose_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, arch: str = "sm_90",
+                  smem_limit: int | None = None) -> "FwdConfig":
+    """The tile the launcher uses for one problem shape."""
+    limit = smem_limit or MAX_SMEM_PER_BLOCK.get(arch, 101376)
+    big = LONG_TILES.get(head_dim)
+    if big and seqlen_q >= 256 and seqlen_k >= (8192 if causal else 2048) and smem_bytes(head_dim, big) <= limit:
+        return big
+    return default_config(head_dim, arch, smem_limit)
+
 
 # Largest dynamic shared memory one CTA may opt into, per architecture.
 MAX_SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448}
@@ -432,7 +449,7 @@ class AttentionForward:
         if not scale > 0:
             raise ValueError("softmax scale must be > 0")
         elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
-        cfg = config or default_config(D, self.arch, self.smem_limit)
+        cfg = config or choose_config(D, Sq, Sk, bool(causal), self.arch, self.smem_limit)
         if out is None:
             out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
         if want_lse and lse is None:

@@ -72,6 +72,7 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true", help="also time the VARIANT_CONFIGS tiles")
     ap.add_argument("--quick", action="store_true", help="S in {2048, 8192} only")
     ap.add_argument("--seqlens", default=None, help="comma-separated S values")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; the best median is kept")
     a = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -107,11 +108,12 @@ def main(argv=None):
                 out = torch.empty_like(q)
                 lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
                 impls = {}
-                cfg0 = ar.default_config(D, fwd.arch, fwd.smem_limit)
+                cfg0 = ar.choose_config(D, S, S, causal, fwd.arch, fwd.smem_limit)
                 impls["opfuse"] = (lambda cfg=cfg0: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
                 if a.variants:
-                    for cfg in ar.VARIANT_CONFIGS[D]:
-                        if cfg != cfg0 and ar.smem_bytes(D, cfg) <= (fwd.smem_limit or 1 << 30):
+                    for cfg in [ar.default_config(D, fwd.arch, fwd.smem_limit)] + ar.VARIANT_CONFIGS[D]:
+                        if (cfg != cfg0 and f"opfuse[{cfg.tag()}]" not in impls
+                                and ar.smem_bytes(D, cfg) <= (fwd.smem_limit or 1 << 30)):
                             impls[f"opfuse[{cfg.tag()}]"] = (
                                 lambda cfg=cfg: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
@@ -128,20 +130,27 @@ def main(argv=None):
                 except RuntimeError as e:  # backend unavailable
                     diff = float("nan")
                     print(f"  sdpa-flash unavailable: {e}", flush=True)
-                row = dict(case=case, D=D, causal=causal, S=S, maxdiff=diff)
-                for name, fn in impls.items():
-                    try:
-                        ms = bench_ms(fn)
-                    except RuntimeError as e:
-                        print(f"  {case} {name}: {e}", flush=True)
-                        continue
+                row = dict(case=case, D=D, causal=causal, S=S, maxdiff=diff, cfg=cfg0.tag())
+                # Rounds over all implementations, interleaved, best median
+                # kept: clock and thermal drift then hits every one alike.
+                times = {}
+                for _ in range(a.rounds):
+                    for name, fn in impls.items():
+                        try:
+                            times.setdefault(name, []).append(bench_ms(fn))
+                        except RuntimeError as e:
+                            print(f"  {case} {name}: {e}", flush=True)
+                for name, ts in times.items():
+                    ms = min(ts)
                     tf = flops / ms / 1e9
                     row[name] = tf
                     record(case, name, "TFLOP/s", round(tf, 1))
                     record(case, name, "ms", round(ms, 4))
+                    row[name + ":spread"] = (max(ts) - min(ts)) / min(ts)
                 rows.append(row)
-                print(f"{case:34} maxdiff vs flash {diff:.2e}  " +
-                      "  ".join(f"{n}={row[n]:.0f}" for n in impls if n in row), flush=True)
+                print(f"{case:34} [{cfg0.tag()}] maxdiff vs flash {diff:.2e}  " +
+                      "  ".join(f"{n}={row[n]:.0f}(±{100 * row[n + ':spread']:.0f}%)" for n in impls if n in row),
+                      flush=True)
                 del q, k, v, out, lse
                 torch.cuda.empty_cache()
 
@@ -152,7 +161,7 @@ def main(argv=None):
     names = []
     for r in rows:
         for n in r:
-            if (n.startswith("opfuse") or n.startswith("sdpa")) and n not in names:
+            if (n.startswith("opfuse") or n.startswith("sdpa")) and ":" not in n and n not in names:
                 names.append(n)
     print("\nTFLOP/s, bf16, hidden 2048, 16k tokens (B = 16384/S, H = 2048/D)")
     print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>22}" for n in names) + "  ours/flash ours/cudnn")

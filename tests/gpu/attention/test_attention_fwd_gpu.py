@@ -70,7 +70,7 @@ def run_and_check(fwd, q, k, v, causal, scale=None, config=None):
     pt = attention_sdpa_math_lowp(q, k, v, causal, scale)
     err = (out.float() - ref).abs().max().item() if out.numel() else 0.0
     pt_err = (pt.float() - ref).abs().max().item() if out.numel() else 0.0
-    cfg = config or ar.default_config(D, fwd.arch, fwd.smem_limit)
+    cfg = config or ar.choose_config(D, Sq, k.shape[2], causal, fwd.arch, fwd.smem_limit)
     ok = not torch.isnan(out).any().item() and err <= 2 * pt_err + 1e-5
     assert ok, (f"output: err {err:.3e} vs pytorch {pt_err:.3e} ({cfg.tag()})\n  "
                 + describe(out, ref, lse, ref_lse, cfg.block_m))
