@@ -21,6 +21,8 @@
 //   P stays in registers: the accumulator layout of S is the A-operand layout
 //   of the second product; V is read with ldmatrix.trans;
 // - online softmax in float32 on log2(e)-prescaled scores with ex2.approx;
+//   the running max (and with it O) is rescaled only when it grows by more
+//   than 2^8, so most iterations skip the rescale of O;
 // - key blocks are visited from the last to the first, so the blocks that
 //   need a mask (the ragged end of Sk, the causal diagonal) come first and the
 //   rest run unmasked; key blocks that are entirely masked are never visited;
@@ -120,6 +122,14 @@ __device__ __forceinline__ int opaque32(int x) {
   int r;
   asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
   return r;
+}
+
+__device__ __forceinline__ bool vote_any(bool x) {
+  u32 r;
+  asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 %0, 1, 0, q; }"
+               : "=r"(r)
+               : "r"((u32)x));
+  return r != 0;
 }
 
 __device__ __forceinline__ void syncwarp() { asm volatile("bar.warp.sync 0xffffffff;" ::: "memory"); }
@@ -373,6 +383,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
   }
 
   // Per-thread rows: for m-tile mt and half h, row warp_row0 + mt * 16 + lane / 4 + 8 * h.
+  constexpr float kRescaleThreshold = 8.f;  // log2 units: P <= 256 between rescales
   float row_max[kMT][2];
   float row_sum[kMT][2];
   float acc_o[kMT][kDT][4];
@@ -459,34 +470,53 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
     }
 
     // Online softmax (float32, base 2) of m-tile mt; S becomes P in place.
+    // row_max is the reference max in log2 units (scores * scale * log2 e).
+    // It moves only when a row's max grows by more than kRescaleThreshold:
+    // until then P = exp2(s - ref) stays <= 2^threshold, which float32 sums
+    // and bf16/f16 P hold without loss, and the warp skips rescaling O (a
+    // warp-uniform branch, taken rarely once the first blocks are seen).
     auto softmax = [&](const int mt) {
+      float m_new[2];
+      bool grow = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mt][h];
+        float mx = fmax2(acc_s[mt][0][2 * h], acc_s[mt][0][2 * h + 1]);
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) mx = fmax2(mx, fmax2(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
+        for (int nt = 1; nt < kNT; ++nt) mx = fmax2(mx, fmax2(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
         mx = fmax2(mx, shfl_xor(mx, 1));
         mx = fmax2(mx, shfl_xor(mx, 2));
-        // A row that has seen only masked keys keeps max -inf; subtracting 0
-        // instead keeps exp2(-inf - x) = 0 and avoids inf - inf.
-        const float m_scaled = (mx == neg_inf()) ? 0.f : mx * scale_log2;
-        const float corr = ex2(row_max[mt][h] * scale_log2 - m_scaled);
-        row_max[mt][h] = mx;
+        m_new[h] = mx * scale_log2;  // -inf for a row whose keys are all masked
+        grow |= m_new[h] > row_max[mt][h] + kRescaleThreshold;
+      }
+      if (vote_any(grow)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float m_ref = fmax2(row_max[mt][h], m_new[h]);
+          // -inf == -inf (a row that has seen no key yet) keeps corr = 1.
+          const float corr = (m_ref == row_max[mt][h]) ? 1.f : ex2(row_max[mt][h] - m_ref);
+          row_max[mt][h] = m_ref;
+          row_sum[mt][h] *= corr;
+#pragma unroll
+          for (int dt = 0; dt < kDT; ++dt) {
+            acc_o[mt][dt][2 * h] *= corr;
+            acc_o[mt][dt][2 * h + 1] *= corr;
+          }
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // A row still at -inf has only masked scores here: exp2(-inf - 0) = 0.
+        const float m_ref = (row_max[mt][h] == neg_inf()) ? 0.f : row_max[mt][h];
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float pv = ex2(acc_s[mt][nt][2 * h + e] * scale_log2 - m_scaled);
+            const float pv = ex2(acc_s[mt][nt][2 * h + e] * scale_log2 - m_ref);
             acc_s[mt][nt][2 * h + e] = pv;
             sum += pv;
           }
-        row_sum[mt][h] = row_sum[mt][h] * corr + sum;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          acc_o[mt][dt][2 * h] *= corr;
-          acc_o[mt][dt][2 * h + 1] *= corr;
-        }
+        row_sum[mt][h] += sum;
       }
     };
 
@@ -551,7 +581,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       inv_sum[mt][h] = (s > 0.f) ? rcp(s) : 0.f;
       const int row = m_start + warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
       if (lse_base && (lane & 3) == 0 && row < Sq) {
-        const float lse = (s > 0.f) ? row_max[mt][h] * p.softmax_scale + lg2(s) * 0.69314718055994531f : neg_inf();
+        const float lse = (s > 0.f) ? (row_max[mt][h] + lg2(s)) * 0.69314718055994531f : neg_inf();
         store_f32_global(lse_base + row, lse);
       }
     }

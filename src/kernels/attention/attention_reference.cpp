@@ -101,6 +101,7 @@ void attention_forward_tiled(const AttentionForwardArgs& a, int block_m, int blo
   const float scale = static_cast<float>(effective_scale(a));
   const float scale_log2 = scale * std::numbers::log2e_v<float>;
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  constexpr float kRescaleThreshold = 8.f;
 
   std::vector<float> row_max(block_m), row_sum(block_m), acc(static_cast<size_t>(block_m) * D),
       p(static_cast<size_t>(block_m) * block_n);
@@ -135,7 +136,7 @@ void attention_forward_tiled(const AttentionForwardArgs& a, int block_m, int blo
             const int64_t i = m_start + r;
             const float* q = row_ptr(a.q, b, h, i);
             const int64_t col_end = masked ? key_end(a, i) : Sk;
-            float mx = row_max[r];
+            float mx = neg_inf;
             for (int64_t c = 0; c < block_n; ++c) {
               const int64_t j = n0 + c;
               float sc = neg_inf;
@@ -148,14 +149,20 @@ void attention_forward_tiled(const AttentionForwardArgs& a, int block_m, int blo
               p[r * block_n + c] = sc;
               mx = std::max(mx, sc);
             }
-            // A row that has seen only masked keys keeps max -inf; subtracting
-            // 0 then keeps exp2(-inf) = 0 and avoids inf - inf.
-            const float m_scaled = mx == neg_inf ? 0.f : mx * scale_log2;
-            const float corr = std::exp2(row_max[r] * scale_log2 - m_scaled);
-            row_max[r] = mx;
+            // As in the kernel, row_max is a reference max in log2 units that
+            // moves only when the row max grows by more than kRescaleThreshold
+            // (P <= 2^threshold in between); a row at -inf has seen only
+            // masked keys, so exp2(-inf - 0) = 0 avoids inf - inf.
+            const float m_new = mx * scale_log2;
+            float corr = 1.f;
+            if (m_new > row_max[r] + kRescaleThreshold) {
+              corr = row_max[r] == neg_inf ? 0.f : std::exp2(row_max[r] - m_new);
+              row_max[r] = m_new;
+            }
+            const float m_ref = row_max[r] == neg_inf ? 0.f : row_max[r];
             float sum = 0.f;
             for (int64_t c = 0; c < block_n; ++c) {
-              const float e = std::exp2(p[r * block_n + c] * scale_log2 - m_scaled);
+              const float e = std::exp2(p[r * block_n + c] * scale_log2 - m_ref);
               p[r * block_n + c] = e;
               sum += e;
             }
@@ -175,7 +182,8 @@ void attention_forward_tiled(const AttentionForwardArgs& a, int block_m, int blo
           float* o = row_ptr(a.o, b, h, i);
           const float inv = row_sum[r] > 0.f ? 1.f / row_sum[r] : 0.f;
           for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
-          write_lse(a, b, h, i, row_sum[r] > 0.f ? row_max[r] * scale + std::log(row_sum[r]) : neg_inf);
+          write_lse(a, b, h, i,
+                    row_sum[r] > 0.f ? (row_max[r] + std::log2(row_sum[r])) * std::numbers::ln2_v<float> : neg_inf);
         }
       }
     }
