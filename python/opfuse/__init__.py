@@ -5,9 +5,24 @@
     opfuse.stats()                                   # exact counters
     print(opfuse.explain(fn, *inputs))               # what fused, what fell back
 """
+import glob as _glob
 import logging as _logging
+import os as _os
 
 import torch as _torch
+
+
+def _cuda_library_dirs():
+    # NVRTC and the driver are loaded at run time (dlopen); point the C++
+    # runtime at the copies PyTorch's pip wheels ship.
+    here = _os.path.dirname(_os.path.dirname(_torch.__file__))
+    dirs = sorted(set(_os.path.dirname(p) for p in _glob.glob(_os.path.join(here, "nvidia", "*", "lib", "libnvrtc.so*"))))
+    dirs += sorted(set(_os.path.dirname(p) for p in _glob.glob(_os.path.join(here, "nvidia", "*", "lib", "libcuda*.so*"))))
+    return dirs
+
+
+if "OPFUSE_CUDA_LIB_DIRS" not in _os.environ:
+    _os.environ["OPFUSE_CUDA_LIB_DIRS"] = ":".join(_cuda_library_dirs())
 
 from . import _C
 from .stats import reset_stats, stats

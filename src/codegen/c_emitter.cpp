@@ -63,7 +63,7 @@ std::string CEmitter::size_c(const Expr& e) const {
   return to_c(e, [](const ExprNode& n) { return n.name; });
 }
 
-std::string CEmitter::offset(int b, const std::vector<Expr>& idx) const {
+Expr CEmitter::offset_expr(int b, const std::vector<Expr>& idx) const {
   const KBuffer& buf = k_->buffers[static_cast<size_t>(b)];
   Expr off = cst(0);
   if (buf.strided) {
@@ -82,7 +82,7 @@ std::string CEmitter::offset(int b, const std::vector<Expr>& idx) const {
       stride = stride * buf.shape[d];
     }
   }
-  return size_c(off);
+  return off;
 }
 
 std::string CEmitter::acc_name(const KAccumulator& a, const char* part) const {
@@ -140,7 +140,13 @@ void CEmitter::statement(const KStmt& s, const KStage& stage) {
       break;
     }
     case KStmt::Store: line(store(s.buffer, offset(s.buffer, s.index), value(s.args[0]))); break;
-    case KStmt::Update: {
+    case KStmt::Update: update(s, stage); break;
+  }
+}
+
+void CEmitter::update(const KStmt& s, const KStage& stage) {
+  {
+    {
       const KAccumulator& a = stage.accs[static_cast<size_t>(s.acc)];
       std::string v = value(s.args[0]), n = acc_name(a);
       const std::string& c = a.combiner;
@@ -157,7 +163,6 @@ void CEmitter::statement(const KStmt& s, const KStage& stage) {
         line("{ " + acc_name(a, "_n") + " += 1; const double d = (double)" + v + " - " + n + "; " + n + " += d / (double)" +
              acc_name(a, "_n") + "; " + acc_name(a, "_m2") + " += d * ((double)" + v + " - " + n + "); }");
       }
-      break;
     }
   }
 }

@@ -37,8 +37,11 @@ class CEmitter {
   virtual std::string literal(double v, DType t) const;
   std::string value(int id) const { return "v" + std::to_string(id); }
   std::string size_c(const Expr& e) const;          // a size or index expression in C
-  std::string offset(int buffer, const std::vector<Expr>& idx) const;
-  void statement(const KStmt& s, const KStage& stage);
+  Expr offset_expr(int buffer, const std::vector<Expr>& idx) const;
+  std::string offset(int buffer, const std::vector<Expr>& idx) const { return size_c(offset_expr(buffer, idx)); }
+  virtual void statement(const KStmt& s, const KStage& stage);
+  // How an Update folds a value into an accumulator (per thread on GPUs).
+  void update(const KStmt& s, const KStage& stage);
   void accumulator_init(const KAccumulator& a);
   void accumulator_finish(const KAccumulator& a);
   std::string acc_name(const KAccumulator& a, const char* part = "") const;

@@ -9,6 +9,8 @@
 #include <nanobind/stl/vector.h>
 
 #include "codegen/cpu_emitter.h"
+#include "codegen/cuda_emitter.h"
+#include "runtime/cuda_api.h"
 #include "fusion/passes.h"
 #include "ir/evaluate.h"
 #include "ir/ops.h"
@@ -157,15 +159,26 @@ NB_MODULE(_C, m) {
 
   nb::class_<CompiledGraph>(m, "CompiledGraph")
       .def("__init__",
-           [](CompiledGraph* self, const std::string& text, bool fuse, double bandwidth, double flops) {
+           [](CompiledGraph* self, const std::string& text, bool fuse, double bandwidth, double flops, const std::string& target) {
              CompileOptions opt;
+             if (target == "cuda") opt.target = Target::CUDA;
+             else if (target != "cpu") throw std::invalid_argument("target must be cpu or cuda, not " + target);
              opt.planner.fuse = fuse;
              if (bandwidth > 0) opt.planner.bandwidth_bytes_per_s = bandwidth;
              if (flops > 0) opt.planner.flops_per_s = flops;
              Graph g = parse_graph(text);
              new (self) CompiledGraph(g, opt);
            },
-           nb::arg("text"), nb::arg("fuse") = true, nb::arg("bandwidth") = 0.0, nb::arg("flops") = 0.0)
+           nb::arg("text"), nb::arg("fuse") = true, nb::arg("bandwidth") = 0.0, nb::arg("flops") = 0.0,
+           nb::arg("target") = "cpu")
+      .def_prop_ro("target", [](const CompiledGraph& c) { return std::string(c.target() == Target::CUDA ? "cuda" : "cpu"); })
+      .def("cuda_source", &CompiledGraph::cuda_source)
+      .def("compile_cuda",
+           [](const CompiledGraph& c, const std::vector<std::vector<int64_t>>& shapes,
+              const std::vector<std::vector<int64_t>>& strides, int arch, bool want_ptx) {
+             NvrtcOutput o = c.compile_cuda(shapes, strides, arch, want_ptx);
+             return std::make_tuple(nb::bytes(o.cubin.data(), o.cubin.size()), o.ptx, o.log);
+           })
       .def_prop_ro("num_kernels", [](const CompiledGraph& c) { return c.kernels().size(); })
       .def("plan_text", [](const CompiledGraph& c) { return c.plan().to_string(); })
       .def("graph_text", [](const CompiledGraph& c) { return print_graph(c.plan().graph); })
@@ -197,11 +210,22 @@ NB_MODULE(_C, m) {
       .def("source", &CompiledGraph::source)
       .def("run",
            [](const CompiledGraph& c, int variant, const std::vector<int64_t>& syms, const std::vector<uintptr_t>& ptrs,
-              const std::vector<std::vector<int64_t>>& strides) {
+              const std::vector<std::vector<int64_t>>& strides, uintptr_t stream) {
              std::vector<void*> p;
              p.reserve(ptrs.size());
              for (auto x : ptrs) p.push_back(reinterpret_cast<void*>(x));
              nb::gil_scoped_release release;
-             c.run(variant, syms, p, strides);
-           });
+             c.run(variant, syms, p, strides, reinterpret_cast<void*>(stream));
+           },
+           nb::arg("variant"), nb::arg("syms"), nb::arg("ptrs"), nb::arg("strides"), nb::arg("stream") = 0);
+  m.def("nvrtc_version", [] {
+    const NvrtcApi& n = nvrtc();
+    if (!n.loaded) throw std::runtime_error(n.error);
+    return std::make_pair(n.major, n.minor);
+  });
+  m.def("nvrtc_compile", [](const std::string& src, int arch, bool arch_specific) {
+    NvrtcOutput o = nvrtc_compile(src, "kernel.cu", arch, arch_specific, true);
+    return std::make_tuple(nb::bytes(o.cubin.data(), o.cubin.size()), o.ptx, o.log);
+  });
+  m.def("cuda_prelude", [] { return std::string(cuda_prelude()); });
 }

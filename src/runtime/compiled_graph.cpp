@@ -49,7 +49,7 @@ std::string kernel_name(size_t index, const std::vector<std::string>& ops) {
 
 }  // namespace
 
-CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) {
+CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target_(opt.target) {
   verify(g);
   plan_ = plan_fusion(g, opt.planner);
   const Graph& pg = plan_.graph;
@@ -153,6 +153,18 @@ int CompiledGraph::variant(const std::vector<std::vector<int64_t>>& shapes, cons
   if (it != variant_index_.end()) return it->second;
   std::vector<StrideSignature> sigs;
   signature(shapes, strides, &sigs);
+  if (target_ == Target::CUDA) {
+    auto v = std::make_unique<Variant>();
+    v->key = key;
+    bool hit = false;
+    build_cuda_variant(*v, sigs, &hit);
+    if (compiled) *compiled = true;
+    if (cache_hit) *cache_hit = hit;
+    variants_.push_back(std::move(v));
+    int index = static_cast<int>(variants_.size()) - 1;
+    variant_index_[key] = index;
+    return index;
+  }
   std::string src = cpu_prelude();
   src += "\n";
   for (size_t i = 0; i < kernels_.size(); ++i) {
@@ -188,8 +200,12 @@ int CompiledGraph::variant(const std::vector<std::vector<int64_t>>& shapes, cons
 std::string CompiledGraph::source(int variant) const { return variants_.at(static_cast<size_t>(variant))->source; }
 
 void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
-                        const std::vector<std::vector<int64_t>>& input_strides) const {
+                        const std::vector<std::vector<int64_t>>& input_strides, void* stream) const {
   const Variant& v = *variants_.at(static_cast<size_t>(variant));
+  if (target_ == Target::CUDA) {
+    launch_cuda(v, symbol_values, ptrs, input_strides, stream);
+    return;
+  }
   std::vector<void*> bufs;
   std::vector<int64_t> syms, strides;
   for (size_t i = 0; i < kernels_.size(); ++i) {
@@ -208,6 +224,125 @@ void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, 
   if (int e = v.take_error()) {
     (void)e;
     throw std::domain_error("ZeroDivisionError");
+  }
+}
+
+}  // namespace opfuse
+
+namespace opfuse {
+
+std::string CompiledGraph::cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches) const {
+  std::string src = cuda_prelude();
+  src += "\n";
+  for (size_t i = 0; i < kernels_.size(); ++i) {
+    CudaEmitter e;
+    src += e.emit(kernels_[i], sigs[i]) + "\n";
+    if (launches) launches->push_back(e.launch());
+  }
+  return src;
+}
+
+std::string CompiledGraph::cuda_source(const std::vector<std::vector<int64_t>>& shapes,
+                                       const std::vector<std::vector<int64_t>>& strides) const {
+  std::vector<StrideSignature> sigs;
+  signature(shapes, strides, &sigs);
+  return cuda_source_for(sigs, nullptr);
+}
+
+NvrtcOutput CompiledGraph::compile_cuda(const std::vector<std::vector<int64_t>>& shapes,
+                                        const std::vector<std::vector<int64_t>>& strides, int arch, bool want_ptx) const {
+  return nvrtc_compile(cuda_source(shapes, strides), "opfuse_graph.cu", arch, false, want_ptx);
+}
+
+void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit) {
+  v.source = cuda_source_for(sigs, &v.launches);
+  int arch = current_device_arch();
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  std::string entry = content_hash(v.source + "\nsm_" + std::to_string(arch) + "\nnvrtc " + std::to_string(n.major) + "." +
+                                   std::to_string(n.minor));
+  CacheLookup found = cache_get_or_build("cuda", entry, ".cubin", [&](const std::string& out) {
+    NvrtcOutput o = nvrtc_compile(v.source, "opfuse_graph.cu", arch);
+    write_file_atomic(out, o.cubin);
+  });
+  if (cache_hit) *cache_hit = found.hit;
+  bool ok = false;
+  std::string cubin = read_file(found.path, &ok);
+  const CudaApi& c = cuda();
+  if (!ok || c.ModuleLoadData(&v.module, cubin.data()) != 0) {
+    // A cached cubin the driver refuses: rebuild once.
+    cache_evict(found.path);
+    found = cache_get_or_build("cuda", entry, ".cubin", [&](const std::string& out) {
+      write_file_atomic(out, nvrtc_compile(v.source, "opfuse_graph.cu", arch).cubin);
+    });
+    cubin = read_file(found.path, &ok);
+    check_cuda(c.ModuleLoadData(&v.module, cubin.data()), "cuModuleLoadData");
+  }
+  for (auto& l : v.launches) {
+    CUfunction f = nullptr, fv = nullptr;
+    check_cuda(c.ModuleGetFunction(&f, v.module, l.name.c_str()), "cuModuleGetFunction");
+    if (!l.vec_name.empty()) check_cuda(c.ModuleGetFunction(&fv, v.module, l.vec_name.c_str()), "cuModuleGetFunction");
+    v.cu_scalar.push_back(f);
+    v.cu_vector.push_back(fv);
+  }
+}
+
+void CompiledGraph::launch_cuda(const Variant& v, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+                                const std::vector<std::vector<int64_t>>& input_strides, void* stream) const {
+  const CudaApi& c = cuda();
+  std::map<std::string, int64_t> env;
+  for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
+  std::vector<int64_t> args;
+  for (size_t i = 0; i < kernels_.size(); ++i) {
+    const Launch& l = launches_[i];
+    const CudaLaunch& cl = v.launches[i];
+    const KernelIR& k = kernels_[i];
+    args.clear();
+    for (int b : l.buffers) args.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(b)])));
+    for (int s : l.symbols) args.push_back(symbol_values[static_cast<size_t>(s)]);
+    if (l.symbols.empty()) args.push_back(0);
+    size_t nst = 0;
+    for (int b : l.strided_inputs) {
+      auto& st = input_strides[static_cast<size_t>(b)];
+      args.insert(args.end(), st.begin(), st.end());
+      nst += st.size();
+    }
+    if (nst == 0) args.push_back(0);
+    CUfunction f = v.cu_scalar[i];
+    unsigned grid = 1;
+    if (!cl.row) {
+      int64_t n = evaluate(cl.numel, env);
+      if (n == 0) continue;
+      int vec = 1;
+      if (v.cu_vector[i]) {
+        // Vectors only when every vector access is aligned for every lane group.
+        bool ok = !k.domain.empty() && evaluate(k.domain.back(), env) % cl.vec == 0;
+        for (int kb : cl.vec_buffers) {
+          if (!ok) break;
+          const KBuffer& buf = k.buffers[static_cast<size_t>(kb)];
+          int64_t bytes = static_cast<int64_t>(cl.vec) * dtype_size(buf.dtype);
+          ok = reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(l.buffers[static_cast<size_t>(kb)])]) % static_cast<uintptr_t>(bytes) == 0;
+          if (!ok) break;
+          if (buf.strided) {
+            auto& st = input_strides[static_cast<size_t>(l.buffers[static_cast<size_t>(kb)])];
+            for (size_t d = 0; d + 1 < st.size() && ok; ++d) ok = st[d] % cl.vec == 0;
+          } else if (!buf.shape.empty()) {
+            ok = evaluate(buf.shape.back(), env) % cl.vec == 0;
+          }
+        }
+        if (ok) { f = v.cu_vector[i]; vec = cl.vec; }
+      }
+      int64_t blocks = (n + static_cast<int64_t>(cl.threads) * vec - 1) / (static_cast<int64_t>(cl.threads) * vec);
+      grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
+    } else {
+      int64_t rows = evaluate(cl.rows, env);
+      if (rows == 0) continue;
+      int64_t blocks = (rows + cl.rows_per_block - 1) / cl.rows_per_block;
+      grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
+    }
+    void* params[] = {args.data()};
+    check_cuda(c.LaunchKernel(f, grid, 1, 1, static_cast<unsigned>(cl.threads), 1, 1, 0, stream, params, nullptr),
+               "cuLaunchKernel");
   }
 }
 

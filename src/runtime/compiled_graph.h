@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "codegen/c_emitter.h"
+#include "codegen/cuda_emitter.h"
+#include "runtime/cuda_api.h"
 #include "codegen/kernel_ir.h"
 #include "fusion/plan.h"
 #include "ir/evaluate.h"
@@ -16,8 +18,11 @@
 
 namespace opfuse {
 
+enum class Target { CPU, CUDA };
+
 struct CompileOptions {
   PlannerOptions planner;
+  Target target = Target::CPU;
 };
 
 // One buffer of a run: a graph input (any strides) or a stored node
@@ -58,9 +63,18 @@ class CompiledGraph {
   std::string source(int variant) const;
 
   // Runs every kernel. `ptrs` holds one pointer per buffer (buffers());
-  // `input_strides` the strides of each graph input, in elements.
+  // `input_strides` the strides of each graph input, in elements; `stream`
+  // the CUDA stream to launch on (CUDA target).
   void run(int variant, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
-           const std::vector<std::vector<int64_t>>& input_strides) const;
+           const std::vector<std::vector<int64_t>>& input_strides, void* stream = nullptr) const;
+
+  Target target() const { return target_; }
+  // The CUDA source of all kernels for a stride signature, and compiling it
+  // with NVRTC for an architecture (no GPU needed): for CI and inspection.
+  std::string cuda_source(const std::vector<std::vector<int64_t>>& input_shapes,
+                          const std::vector<std::vector<int64_t>>& input_strides) const;
+  NvrtcOutput compile_cuda(const std::vector<std::vector<int64_t>>& input_shapes,
+                           const std::vector<std::vector<int64_t>>& input_strides, int arch, bool want_ptx) const;
 
  private:
   using KernelFn = void (*)(void* const*, const int64_t*, const int64_t*);
@@ -70,6 +84,10 @@ class CompiledGraph {
     LoadedLibrary lib;
     std::vector<KernelFn> fns;
     int (*take_error)() = nullptr;
+    // CUDA
+    CUmodule module = nullptr;
+    std::vector<CudaLaunch> launches;
+    std::vector<CUfunction> cu_scalar, cu_vector;
   };
   struct Launch {
     std::vector<int> buffers;       // global buffer index per kernel buffer
@@ -88,6 +106,12 @@ class CompiledGraph {
   std::map<std::string, int> variant_index_;
   std::vector<std::unique_ptr<Variant>> variants_;
   mutable std::mutex mu_;
+  Target target_ = Target::CPU;
+
+  std::string cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches) const;
+  void build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit);
+  void launch_cuda(const Variant& v, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+                   const std::vector<std::vector<int64_t>>& input_strides, void* stream) const;
 
   std::string signature(const std::vector<std::vector<int64_t>>& shapes, const std::vector<std::vector<int64_t>>& strides,
                         std::vector<StrideSignature>* per_kernel) const;

@@ -70,7 +70,7 @@ def _record_fallback(op, reason):
 
 
 def _supported_tensor(val):
-    return isinstance(val, torch.Tensor) and val.dtype in convert.DTYPE_NAMES and val.device.type == "cpu"
+    return isinstance(val, torch.Tensor) and val.dtype in convert.DTYPE_NAMES and val.device.type in ("cpu", "cuda")
 
 
 class _Support(OperatorSupportBase):
@@ -100,8 +100,12 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, dump):
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     positions = [placeholders.index(n) for n in tensor_nodes]
     dtypes = [n.meta["val"].dtype for n in tensor_nodes]
-    compiled = _C.CompiledGraph(ir_text)
-    fused = FusedPartition(compiled, sub, positions, dtypes, name, dump)
+    devices = {n.meta["val"].device for n in tensor_nodes}
+    if len(devices) > 1:
+        raise convert.Unsupported(f"inputs on several devices: {sorted(map(str, devices))}")
+    device = devices.pop() if devices else torch.device("cpu")
+    compiled = _C.CompiledGraph(ir_text, target=device.type)
+    fused = FusedPartition(compiled, sub, positions, dtypes, name, dump, device)
     # Compile the variant for the recorded strides now, not on the first call.
     example = [n.meta["val"] for n in tensor_nodes]
     if all(isinstance(s, int) for t in example for s in list(t.shape) + list(t.stride())):

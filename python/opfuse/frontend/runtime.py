@@ -17,13 +17,15 @@ class FusedPartition:
     partition's eager module for inputs it was not compiled for."""
 
     def __init__(self, compiled: "_C.CompiledGraph", eager: torch.fx.GraphModule, tensor_positions, input_dtypes,
-                 name: str, dump=None):
+                 name: str, dump=None, device=None):
         self.compiled = compiled
         self.eager = eager
         self.tensor_positions = tensor_positions  # which call arguments are tensors
         self.input_dtypes = input_dtypes
         self.name = name
         self.dump = dump
+        self.device = torch.device(device or "cpu")
+        self.cuda = self.device.type == "cuda"
         self.num_kernels = compiled.num_kernels
         buffers = compiled.buffers()
         self.n_inputs = sum(1 for b in buffers if b[2])
@@ -48,18 +50,23 @@ class FusedPartition:
     def __call__(self, *args):
         tensors = [args[i] for i in self.tensor_positions]
         for t, dt in zip(tensors, self.input_dtypes):
-            if t.device.type != "cpu" or t.dtype != dt:
-                log.info("%s: input on %s/%s, compiled for cpu/%s; running eagerly", self.name, t.device, t.dtype, dt)
+            if t.device.type != self.device.type or t.dtype != dt or (self.cuda and t.device.index != torch.cuda.current_device()):
+                log.info("%s: input on %s/%s, compiled for %s/%s; running eagerly", self.name, t.device, t.dtype,
+                         self.device, dt)
                 return self.eager(*args)
         key = tuple((t.shape, t.stride()) for t in tensors)
         entry = self._by_layout.get(key)
         if entry is None:
             entry = self._by_layout[key] = self._prepare(tensors)
         variant, syms, strides, out_shapes = entry
-        bufs = [torch.empty(s, dtype=d) for s, d in zip(out_shapes, self.out_dtypes)]
+        dev = tensors[0].device if tensors else self.device
+        bufs = [torch.empty(s, dtype=d, device=dev) for s, d in zip(out_shapes, self.out_dtypes)]
         ptrs = [t.data_ptr() for t in tensors] + [b.data_ptr() for b in bufs]
+        # The stream is read at every call, so the caller's stream (and CUDA
+        # graph capture) is respected.
+        stream = torch.cuda.current_stream(dev).cuda_stream if self.cuda else 0
         try:
-            self.compiled.run(variant, syms, ptrs, strides)
+            self.compiled.run(variant, syms, ptrs, strides, stream)
         except ValueError as e:  # ZeroDivisionError from integer division, as eager raises
             raise RuntimeError(str(e)) from None
         except Exception as e:

@@ -1,0 +1,345 @@
+#include "codegen/cuda_emitter.h"
+
+#include <algorithm>
+#include <set>
+
+namespace opfuse {
+
+#include "prelude_cuda.inc"
+
+const char* cuda_prelude() { return prelude_cuda; }
+
+namespace {
+
+bool is_one(const Expr& e) {
+  int64_t c;
+  return is_const(e, &c) && c == 1;
+}
+
+bool mentions(const Expr& e, const std::string& v) {
+  if (e->kind == ExprNode::Var) return e->name == v;
+  for (auto& a : e->args)
+    if (mentions(a, v)) return true;
+  return false;
+}
+
+}  // namespace
+
+std::string CudaEmitter::header(const std::string& name, int threads) {
+  size_t nb = k_->buffers.size(), ns = std::max<size_t>(1, k_->symbols.size()), nt = 0;
+  for (auto& b : k_->buffers)
+    if (b.strided) nt += b.shape.size();
+  std::string args = name + "_args";
+  line("struct " + args + " { const void* b[" + std::to_string(nb) + "]; int64_t s[" + std::to_string(ns) + "]; int64_t st[" +
+       std::to_string(std::max<size_t>(1, nt)) + "]; };");
+  line("extern \"C\" __global__ void __launch_bounds__(" + std::to_string(threads) + ") " + name + "(const " + args + " a) {");
+  ++indent_;
+  line("const void* const* bufs = a.b;");
+  line("const int64_t* syms = a.s;");
+  line("const int64_t* strides = a.st;");
+  line("(void)syms; (void)strides;");
+  bind_arguments();
+  return args;
+}
+
+void CudaEmitter::decompose(const std::string& linear, const std::vector<size_t>& axes) {
+  line("int64_t rem_ = " + linear + ";");
+  for (size_t i = axes.size(); i-- > 0;) {
+    size_t a = axes[i];
+    if (is_one(k_->domain[a])) continue;
+    std::string x = "x" + std::to_string(a), n = size_c(k_->domain[a]);
+    if (i == 0) line("const int64_t " + x + " = rem_;");
+    else {
+      line("const int64_t " + x + " = rem_ % " + n + ";");
+      line("rem_ /= " + n + ";");
+    }
+  }
+  line("(void)rem_;");
+}
+
+// The widest V such that every load and store that moves along the
+// innermost dim does so with unit stride; 1 when any does otherwise.
+int CudaEmitter::choose_vec() {
+  size_t n = k_->domain.size();
+  vec_buffer_.assign(k_->buffers.size(), false);
+  if (n == 0 || is_one(k_->domain[n - 1])) return 1;
+  std::string x = "x" + std::to_string(n - 1);
+  int max_size = 0;
+  const KStage& st = k_->stages.at(0);
+  for (const auto* list : {&st.pre, &st.loop})
+    for (const KStmt& s : *list) {
+      if (s.kind != KStmt::Load && s.kind != KStmt::Store) continue;
+      for (auto& e : s.index)
+        if (e->kind != ExprNode::Var && mentions(e, x) && !(e->kind == ExprNode::Var)) {
+          // x inside a compound index (reshape, slice step, cat): no vectors.
+          Expr step = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == x ? var(x) + cst(1) : nullptr; }) - e;
+          int64_t c;
+          if (!is_const(step, &c) || c != 1) return 1;
+        }
+      Expr off = offset_expr(s.buffer, s.index);
+      if (!mentions(off, x)) continue;
+      Expr step = substitute(off, [&](const ExprNode& v) -> Expr { return v.name == x ? var(x) + cst(1) : nullptr; }) - off;
+      int64_t c;
+      if (!is_const(step, &c) || c != 1) return 1;
+      vec_buffer_[static_cast<size_t>(s.buffer)] = true;
+      max_size = std::max(max_size, dtype_size(k_->buffers[static_cast<size_t>(s.buffer)].dtype));
+    }
+  if (max_size == 0) return 1;
+  return std::max(1, 16 / max_size);
+}
+
+void CudaEmitter::statement(const KStmt& s, const KStage& stage) {
+  // Vector lanes: a load or store of a vectorised buffer touches lane j of
+  // the arrays filled (or drained) outside the lane loop.
+  if (in_lanes_ && (s.kind == KStmt::Load || s.kind == KStmt::Store) && vec_buffer_[static_cast<size_t>(s.buffer)]) {
+    std::string arr = "lv" + std::to_string(s.buffer);
+    if (s.kind == KStmt::Load) {
+      DType t = k_->buffers[static_cast<size_t>(s.buffer)].dtype;
+      std::string e = arr + "[j_]";
+      if (t == DType::Float16 || t == DType::BFloat16) e = "opf_to_float(" + e + ")";
+      line("const " + value_type(s.type) + " " + value(s.dst) + " = " + e + ";");
+    } else {
+      std::string v = value(s.args[0]);
+      DType t = k_->buffers[static_cast<size_t>(s.buffer)].dtype;
+      if (t == DType::Float16) line(arr + "[j_] = opf_float_to_half(" + v + ");");
+      else if (t == DType::BFloat16) line(arr + "[j_] = opf_float_to_bf16(" + v + ");");
+      else line(arr + "[j_] = (" + storage_type(t) + ")(" + v + ");");
+    }
+    return;
+  }
+  // Row kernels: a row's loads are kept in registers after the first stage.
+  if (caching_ && s.kind == KStmt::Load && s.varying) {
+    std::string key = std::to_string(s.buffer) + "@" + offset(s.buffer, s.index);
+    auto it = cache_slot_.find(key);
+    if (it == cache_slot_.end()) {
+      int slot = static_cast<int>(cache_types_.size());
+      cache_slot_[key] = slot;
+      cache_types_.push_back(value_type(s.type));
+      CEmitter::statement(s, stage);
+      line("rc" + std::to_string(slot) + "[it_] = " + value(s.dst) + ";");
+    } else {
+      line("const " + value_type(s.type) + " " + value(s.dst) + " = rc" + std::to_string(it->second) + "[it_];");
+    }
+    return;
+  }
+  CEmitter::statement(s, stage);
+}
+
+void CudaEmitter::pointwise(const std::string& name, int vec) {
+  vec_ = vec;
+  const KStage& st = k_->stages.at(0);
+  size_t n = k_->domain.size();
+  header(name, 256);
+  line("const int64_t numel = " + size_c(numel(k_->domain)) + ";");
+  line("const int64_t step_ = (int64_t)gridDim.x * blockDim.x * " + std::to_string(vec) + ";");
+  line("for (int64_t base_ = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * " + std::to_string(vec) +
+       "; base_ < numel; base_ += step_) {");
+  ++indent_;
+  if (n == 0) {
+    for (auto& s : st.pre) statement(s, st);
+    for (auto& s : st.loop) statement(s, st);
+  } else {
+    std::vector<size_t> all;
+    for (size_t a = 0; a < n; ++a) all.push_back(a);
+    std::string last = "x" + std::to_string(n - 1);
+    if (vec == 1) {
+      decompose("base_", all);
+      for (auto& s : st.pre) statement(s, st);
+      for (auto& s : st.loop) statement(s, st);
+    } else {
+      std::vector<size_t> outer(all.begin(), all.end() - 1);
+      std::string nl = size_c(k_->domain[n - 1]);
+      line("const int64_t xl_ = base_ % " + nl + ";");
+      decompose("base_ / " + nl, outer);
+      for (auto& s : st.pre) statement(s, st);
+      // Vector loads at lane 0's index.
+      for (size_t b = 0; b < k_->buffers.size(); ++b) {
+        if (!vec_buffer_[b]) continue;
+        std::string t = storage_type(k_->buffers[b].dtype);
+        line(t + " lv" + std::to_string(b) + "[" + std::to_string(vec) + "];");
+      }
+      std::vector<bool> loaded(k_->buffers.size(), false);
+      for (const KStmt& s : st.loop) {
+        if (s.kind != KStmt::Load || !vec_buffer_[static_cast<size_t>(s.buffer)] || loaded[static_cast<size_t>(s.buffer)]) continue;
+        loaded[static_cast<size_t>(s.buffer)] = true;
+        std::vector<Expr> idx = s.index;
+        for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last ? var("xl_") : nullptr; });
+        line("opf_vload<" + std::to_string(vec) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", lv" +
+             std::to_string(s.buffer) + ");");
+      }
+      line("#pragma unroll");
+      line("for (int j_ = 0; j_ < " + std::to_string(vec) + "; ++j_) {");
+      ++indent_;
+      line("const int64_t " + last + " = xl_ + j_;");
+      in_lanes_ = true;
+      for (auto& s : st.loop) statement(s, st);
+      in_lanes_ = false;
+      --indent_;
+      line("}");
+      for (const KStmt& s : st.loop) {
+        if (s.kind != KStmt::Store || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;
+        std::vector<Expr> idx = s.index;
+        for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last ? var("xl_") : nullptr; });
+        line("opf_vstore<" + std::to_string(vec) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", lv" +
+             std::to_string(s.buffer) + ");");
+      }
+    }
+  }
+  --indent_;
+  line("}");
+  --indent_;
+  line("}");
+}
+
+void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
+  std::string t = value_type(a.type), n = acc_name(a);
+  const std::string& c = a.combiner;
+  std::string op = c == "sum" ? "opf_sum" : c == "prod" ? "opf_prod" : c == "max" ? "opf_max" : "opf_min";
+  if (c == "sum" || c == "prod" || c == "max" || c == "min") {
+    if (warp_rows_) line(n + " = opf_warp_reduce<" + op + ">(" + n + ");");
+    else line(n + " = opf_block_reduce<" + op + ">(" + n + ", " + smem_ + ");");
+  } else if (c == "argmax" || c == "argmin") {
+    std::string mx = c == "argmax" ? "true" : "false";
+    if (warp_rows_) line("opf_warp_arg<" + mx + ">(" + n + ", " + acc_name(a, "_i") + ");");
+    else line("opf_block_arg<" + mx + ">(" + n + ", " + acc_name(a, "_i") + ", " + smem_ + ");");
+  } else if (c == "welford") {
+    if (warp_rows_) line("opf_warp_welford(" + n + ", " + acc_name(a, "_m2") + ", " + acc_name(a, "_n") + ");");
+    else line("opf_block_welford(" + n + ", " + acc_name(a, "_m2") + ", " + acc_name(a, "_n") + ", " + smem_ + ");");
+  }
+}
+
+void CudaEmitter::row_kernel() {
+  std::vector<size_t> kept, red;
+  Expr rows = cst(1), cols = cst(1);
+  for (size_t a = 0; a < k_->domain.size(); ++a) {
+    bool r = std::find(k_->reduce_axes.begin(), k_->reduce_axes.end(), static_cast<int64_t>(a)) != k_->reduce_axes.end();
+    (r ? red : kept).push_back(a);
+    (r ? cols : rows) = (r ? cols : rows) * k_->domain[a];
+  }
+  std::vector<size_t> red_loop;
+  for (size_t a : red)
+    if (!is_one(k_->domain[a])) red_loop.push_back(a);
+  launch_.rows = rows;
+  launch_.cols = cols;
+  int64_t ncols = -1;
+  bool known = is_const(cols, &ncols);
+  int threads;
+  if (known && ncols <= 1024) {
+    warp_rows_ = true;
+    threads = 256;
+    launch_.rows_per_block = 8;
+  } else {
+    warp_rows_ = false;
+    threads = known ? static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(128, ncols / 8))) : 512;
+    // round up to a power of two
+    int p = 128;
+    while (p < threads) p *= 2;
+    threads = p;
+    launch_.rows_per_block = 1;
+  }
+  int per_row = warp_rows_ ? 32 : threads;
+  int items = known ? static_cast<int>((ncols + per_row - 1) / per_row) : 0;
+  // Registers per thread are 64K / threads; the cache may take a third.
+  std::set<std::string> cached_loads;
+  for (const KStage& st : k_->stages)
+    for (const KStmt& s : st.loop)
+      if (s.kind == KStmt::Load && s.varying) cached_loads.insert(std::to_string(s.buffer) + "@" + offset(s.buffer, s.index));
+  int budget = 65536 / threads / 3;
+  caching_ = known && items >= 1 && items * static_cast<int>(cached_loads.size()) <= budget && k_->stages.size() > 1;
+  launch_.items = caching_ ? items : 0;
+  launch_.threads = threads;
+
+  // The body is printed to a side buffer first: the register arrays it
+  // uses are declared before it.
+  std::ostringstream saved;
+  saved << out_.str();
+  out_.str("");
+  int base_indent = indent_;
+  indent_ = 2;
+  decompose("row_", kept);
+  for (size_t si = 0; si < k_->stages.size(); ++si) {
+    const KStage& st = k_->stages[si];
+    stage_index_ = static_cast<int>(si);
+    for (auto& s : st.pre) statement(s, st);
+    for (auto& a : st.accs) accumulator_init(a);
+    if (!st.loop.empty()) {
+      std::string T = std::to_string(per_row);
+      if (caching_) {
+        line("#pragma unroll");
+        line("for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
+        ++indent_;
+        line("const int64_t c_ = tid_ + (int64_t)it_ * " + T + ";");
+        line("if (c_ < cols) {");
+      } else {
+        line("for (int64_t c_ = tid_; c_ < cols; c_ += " + T + ") {");
+      }
+      ++indent_;
+      if (red_loop.size() == 1) line("const int64_t x" + std::to_string(red_loop[0]) + " = c_;");
+      else if (!red_loop.empty()) decompose("c_", red_loop);
+      for (auto& s : st.loop) statement(s, st);
+      --indent_;
+      line("}");
+      if (caching_) {
+        --indent_;
+        line("}");
+      }
+    }
+    for (auto& a : st.accs) reduce_across_threads(a);
+    for (auto& a : st.accs) accumulator_finish(a);
+    for (auto& s : st.post) statement(s, st);
+  }
+  std::string body = out_.str();
+  out_.str("");
+  out_ << saved.str();
+  indent_ = base_indent;
+
+  header(k_->name, threads);
+  line("__shared__ __align__(16) double " + smem_ + "[128];");
+  line("(void)" + smem_ + ";");
+  line("const int64_t rows = " + size_c(rows) + ";");
+  line("const int64_t cols = " + size_c(cols) + ";");
+  if (warp_rows_) {
+    line("const int tid_ = threadIdx.x & 31;");
+    line("const int64_t row_ = (int64_t)blockIdx.x * " + std::to_string(launch_.rows_per_block) + " + (threadIdx.x >> 5);");
+    line("if (row_ >= rows) return;");
+  } else {
+    line("const int tid_ = threadIdx.x;");
+    line("for (int64_t row_ = blockIdx.x; row_ < rows; row_ += gridDim.x) {");
+  }
+  for (size_t i = 0; i < cache_types_.size(); ++i)
+    line("  " + cache_types_[i] + " rc" + std::to_string(i) + "[" + std::to_string(items) + "];");
+  out_ << body;
+  if (!warp_rows_) line("}");
+  --indent_;
+  line("}");
+}
+
+std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
+  k_ = &k;
+  sig_ = &sig;
+  out_.str("");
+  indent_ = 0;
+  cache_slot_.clear();
+  cache_types_.clear();
+  launch_ = CudaLaunch{};
+  launch_.name = k.name;
+  launch_.row = k.row;
+  if (k.row) {
+    row_kernel();
+    return out_.str();
+  }
+  launch_.numel = numel(k.domain);
+  launch_.threads = 256;
+  int v = choose_vec();
+  pointwise(k.name, 1);
+  if (v > 1) {
+    launch_.vec = v;
+    launch_.vec_name = k.name + "_v" + std::to_string(v);
+    for (size_t b = 0; b < vec_buffer_.size(); ++b)
+      if (vec_buffer_[b]) launch_.vec_buffers.push_back(static_cast<int>(b));
+    pointwise(launch_.vec_name, v);
+  }
+  return out_.str();
+}
+
+}  // namespace opfuse

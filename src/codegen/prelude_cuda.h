@@ -1,0 +1,256 @@
+// Helper code at the top of every generated CUDA source. Self-contained: no
+// #include, so NVRTC needs no CUDA toolkit headers (a machine with only
+// PyTorch's pip wheels and a driver compiles it). Same helper names as the
+// CPU prelude, so both backends print the same statements.
+typedef long long int64_t;
+typedef int int32_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+
+struct opf_half { uint16_t x; };
+struct opf_bf16 { uint16_t x; };
+
+__device__ int opf_error_flag;
+static __device__ __forceinline__ void opf_raise(int code) { atomicExch(&opf_error_flag, code); }
+
+static __device__ __forceinline__ int64_t opf_imin(int64_t a, int64_t b) { return a < b ? a : b; }
+static __device__ __forceinline__ int64_t opf_imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static __device__ __forceinline__ float opf_to_float(opf_half h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x));
+  return f;
+}
+static __device__ __forceinline__ float opf_to_float(opf_bf16 b) { return __int_as_float(((uint32_t)b.x) << 16); }
+static __device__ __forceinline__ opf_half opf_float_to_half(float f) {
+  opf_half h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f));
+  return h;
+}
+static __device__ __forceinline__ opf_bf16 opf_float_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  opf_bf16 b;
+  if ((u & 0x7fffffffu) > 0x7f800000u) { b.x = (uint16_t)((u >> 16) | 0x40u); return b; }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  b.x = (uint16_t)(u >> 16);
+  return b;
+}
+static __device__ __forceinline__ float opf_round_bf16(float f) { return opf_to_float(opf_float_to_bf16(f)); }
+static __device__ __forceinline__ float opf_round_half(float f) { return opf_to_float(opf_float_to_half(f)); }
+
+template <class T> struct opf_limits;
+template <> struct opf_limits<float> {
+  static __device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
+  static __device__ __forceinline__ float nan() { return __int_as_float(0x7fc00000); }
+  static __device__ __forceinline__ float lowest() { return -inf(); }
+  static __device__ __forceinline__ float highest() { return inf(); }
+};
+template <> struct opf_limits<double> {
+  static __device__ __forceinline__ double inf() { return __longlong_as_double(0x7ff0000000000000LL); }
+  static __device__ __forceinline__ double nan() { return __longlong_as_double(0x7ff8000000000000LL); }
+  static __device__ __forceinline__ double lowest() { return -inf(); }
+  static __device__ __forceinline__ double highest() { return inf(); }
+};
+template <> struct opf_limits<int64_t> {
+  static __device__ __forceinline__ int64_t lowest() { return (int64_t)(-9223372036854775807LL - 1); }
+  static __device__ __forceinline__ int64_t highest() { return 9223372036854775807LL; }
+};
+template <> struct opf_limits<int32_t> {
+  static __device__ __forceinline__ int32_t lowest() { return (int32_t)(-2147483647 - 1); }
+  static __device__ __forceinline__ int32_t highest() { return 2147483647; }
+};
+template <> struct opf_limits<bool> {
+  static __device__ __forceinline__ bool lowest() { return false; }
+  static __device__ __forceinline__ bool highest() { return true; }
+};
+template <class T> static __device__ __forceinline__ T opf_nan() { return opf_limits<T>::nan(); }
+template <class T> static __device__ __forceinline__ T opf_inf() { return opf_limits<T>::inf(); }
+template <class T> static __device__ __forceinline__ T opf_lowest() { return opf_limits<T>::lowest(); }
+template <class T> static __device__ __forceinline__ T opf_highest() { return opf_limits<T>::highest(); }
+
+template <class T> static __device__ __forceinline__ bool opf_isnan(T x) { return x != x; }
+template <class T> static __device__ __forceinline__ T opf_max_nan(T a, T b) { return (b > a || b != b) ? b : a; }
+template <class T> static __device__ __forceinline__ T opf_min_nan(T a, T b) { return (b < a || b != b) ? b : a; }
+template <class T> static __device__ __forceinline__ T opf_maximum(T a, T b) { return (a != a || b != b) ? (a != a ? a : b) : (a > b ? a : b); }
+template <class T> static __device__ __forceinline__ T opf_minimum(T a, T b) { return (a != a || b != b) ? (a != a ? a : b) : (a < b ? a : b); }
+template <class T> static __device__ __forceinline__ T opf_clamp_min(T x, T lo) { return x < lo ? lo : x; }
+template <class T> static __device__ __forceinline__ T opf_clamp_max(T x, T hi) { return x > hi ? hi : x; }
+template <class T> static __device__ __forceinline__ T opf_relu(T x) { return x < (T)0 ? (T)0 : x; }
+static __device__ __forceinline__ bool opf_relu(bool x) { return x; }
+template <class T> static __device__ __forceinline__ T opf_abs(T x) { return x < (T)0 ? -x : x; }
+static __device__ __forceinline__ float opf_abs(float x) { return fabsf(x); }
+static __device__ __forceinline__ double opf_abs(double x) { return fabs(x); }
+template <class T> static __device__ __forceinline__ T opf_sign(T x) { return (T)((x > (T)0) - (x < (T)0)) + (x != x ? x : (T)0); }
+
+static __device__ __forceinline__ float opf_exp(float x) { return expf(x); }
+static __device__ __forceinline__ double opf_exp(double x) { return exp(x); }
+static __device__ __forceinline__ float opf_log(float x) { return logf(x); }
+static __device__ __forceinline__ double opf_log(double x) { return log(x); }
+static __device__ __forceinline__ float opf_log1p(float x) { return log1pf(x); }
+static __device__ __forceinline__ double opf_log1p(double x) { return log1p(x); }
+static __device__ __forceinline__ float opf_expm1(float x) { return expm1f(x); }
+static __device__ __forceinline__ double opf_expm1(double x) { return expm1(x); }
+static __device__ __forceinline__ float opf_sqrt(float x) { return sqrtf(x); }
+static __device__ __forceinline__ double opf_sqrt(double x) { return sqrt(x); }
+static __device__ __forceinline__ float opf_rsqrt(float x) { return rsqrtf(x); }
+static __device__ __forceinline__ double opf_rsqrt(double x) { return rsqrt(x); }
+static __device__ __forceinline__ float opf_tanh(float x) { return tanhf(x); }
+static __device__ __forceinline__ double opf_tanh(double x) { return tanh(x); }
+static __device__ __forceinline__ float opf_erf(float x) { return erff(x); }
+static __device__ __forceinline__ double opf_erf(double x) { return erf(x); }
+static __device__ __forceinline__ float opf_sin(float x) { return sinf(x); }
+static __device__ __forceinline__ double opf_sin(double x) { return sin(x); }
+static __device__ __forceinline__ float opf_cos(float x) { return cosf(x); }
+static __device__ __forceinline__ double opf_cos(double x) { return cos(x); }
+static __device__ __forceinline__ float opf_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+static __device__ __forceinline__ double opf_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+static __device__ __forceinline__ float opf_silu(float x) { return x / (1.0f + expf(-x)); }
+static __device__ __forceinline__ double opf_silu(double x) { return x / (1.0 + exp(-x)); }
+static __device__ __forceinline__ float opf_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+static __device__ __forceinline__ double opf_gelu_erf(double x) { return 0.5 * x * (1.0 + erf(x * 0.70710678118654752)); }
+static __device__ __forceinline__ float opf_gelu_tanh(float x) {
+  return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+static __device__ __forceinline__ double opf_gelu_tanh(double x) {
+  return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+}
+static __device__ __forceinline__ float opf_pow(float a, float b) { return powf(a, b); }
+static __device__ __forceinline__ double opf_pow(double a, double b) { return pow(a, b); }
+template <class T> static __device__ __forceinline__ T opf_pow(T a, T b) {
+  if (b < 0) return (a == 1) ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
+  T r = 1;
+  while (b) {
+    if (b & 1) r *= a;
+    a *= a;
+    b >>= 1;
+  }
+  return r;
+}
+template <class T> static __device__ __forceinline__ T opf_floordiv(T a, T b) {
+  if (b == 0) { opf_raise(1); return 0; }
+  T q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+template <class T> static __device__ __forceinline__ T opf_truncdiv(T a, T b) {
+  if (b == 0) { opf_raise(1); return 0; }
+  return a / b;
+}
+template <class F> static __device__ __forceinline__ F opf_floordiv_float(F a, F b) {
+  if (b == 0) return a / b;
+  F m = fmod(a, b);
+  F d = (a - m) / b;
+  if (m != 0 && ((b < 0) != (m < 0))) d -= 1;
+  if (d == 0) return copysign((F)0, a / b);
+  F f = floor(d);
+  if (d - f > (F)0.5) f += 1;
+  return f;
+}
+static __device__ __forceinline__ float opf_floordiv(float a, float b) { return opf_floordiv_float(a, b); }
+static __device__ __forceinline__ double opf_floordiv(double a, double b) { return opf_floordiv_float(a, b); }
+static __device__ __forceinline__ float opf_truncdiv(float a, float b) { return truncf(a / b); }
+static __device__ __forceinline__ double opf_truncdiv(double a, double b) { return trunc(a / b); }
+
+// 128-bit (or narrower) vector access of V consecutive elements.
+template <int BYTES> struct opf_vec;
+template <> struct alignas(16) opf_vec<16> { uint32_t w[4]; };
+template <> struct alignas(8) opf_vec<8> { uint32_t w[2]; };
+template <> struct alignas(4) opf_vec<4> { uint32_t w[1]; };
+template <> struct alignas(2) opf_vec<2> { uint16_t w[1]; };
+template <class T, int V> struct opf_lanes {
+  union { opf_vec<sizeof(T) * V> v; T e[V]; };
+};
+template <int V, class T> static __device__ __forceinline__ void opf_vload(const T* __restrict__ p, T* out) {
+  opf_lanes<T, V> l;
+  l.v = *reinterpret_cast<const opf_vec<sizeof(T) * V>*>(p);
+#pragma unroll
+  for (int j = 0; j < V; ++j) out[j] = l.e[j];
+}
+template <int V, class T> static __device__ __forceinline__ void opf_vstore(T* __restrict__ p, const T* in) {
+  opf_lanes<T, V> l;
+#pragma unroll
+  for (int j = 0; j < V; ++j) l.e[j] = in[j];
+  *reinterpret_cast<opf_vec<sizeof(T) * V>*>(p) = l.v;
+}
+
+// Reductions across the threads of a row: a warp (shuffles) or a block.
+struct opf_sum { template <class T> static __device__ __forceinline__ T f(T a, T b) { return a + b; } };
+struct opf_prod { template <class T> static __device__ __forceinline__ T f(T a, T b) { return a * b; } };
+struct opf_max { template <class T> static __device__ __forceinline__ T f(T a, T b) { return opf_max_nan(a, b); } };
+struct opf_min { template <class T> static __device__ __forceinline__ T f(T a, T b) { return opf_min_nan(a, b); } };
+
+template <class Op, class T> static __device__ __forceinline__ T opf_warp_reduce(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+template <class Op, class T> static __device__ __forceinline__ T opf_block_reduce(T v, void* smem) {
+  T* s = reinterpret_cast<T*>(smem);
+  v = opf_warp_reduce<Op>(v);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) s[warp] = v;
+  __syncthreads();
+  v = s[0];
+  for (int w = 1; w < nwarps; ++w) v = Op::f(v, s[w]);
+  return v;
+}
+
+// argmax / argmin: value and index; ties and NaN go to the first index.
+template <bool MAX, class T> static __device__ __forceinline__ void opf_arg_combine(T& v, int64_t& i, T v2, int64_t i2) {
+  bool nan1 = v != v, nan2 = v2 != v2;
+  bool take = nan2 ? (!nan1 || i2 < i) : (!nan1 && ((MAX ? v2 > v : v2 < v) || (v2 == v && i2 < i)));
+  if (take) { v = v2; i = i2; }
+}
+template <bool MAX, class T> static __device__ __forceinline__ void opf_warp_arg(T& v, int64_t& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    T v2 = __shfl_xor_sync(0xffffffffu, v, o);
+    int64_t i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    opf_arg_combine<MAX>(v, i, v2, i2);
+  }
+}
+template <bool MAX, class T> static __device__ __forceinline__ void opf_block_arg(T& v, int64_t& i, void* smem) {
+  opf_warp_arg<MAX>(v, i);
+  T* sv = reinterpret_cast<T*>(smem);
+  int64_t* si = reinterpret_cast<int64_t*>(reinterpret_cast<char*>(smem) + 32 * 8);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) { sv[warp] = v; si[warp] = i; }
+  __syncthreads();
+  v = sv[0];
+  i = si[0];
+  for (int w = 1; w < nwarps; ++w) opf_arg_combine<MAX>(v, i, sv[w], si[w]);
+}
+
+// Welford (count, mean, M2), combined with Chan's formula.
+static __device__ __forceinline__ void opf_welford_combine(double& m, double& m2, int64_t& n, double mb, double m2b, int64_t nb) {
+  if (nb == 0) return;
+  if (n == 0) { m = mb; m2 = m2b; n = nb; return; }
+  int64_t t = n + nb;
+  double d = mb - m;
+  m += d * (double)nb / (double)t;
+  m2 += m2b + d * d * (double)n * (double)nb / (double)t;
+  n = t;
+}
+static __device__ __forceinline__ void opf_warp_welford(double& m, double& m2, int64_t& n) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    double mb = __shfl_xor_sync(0xffffffffu, m, o), m2b = __shfl_xor_sync(0xffffffffu, m2, o);
+    int64_t nb = __shfl_xor_sync(0xffffffffu, n, o);
+    opf_welford_combine(m, m2, n, mb, m2b, nb);
+  }
+}
+static __device__ __forceinline__ void opf_block_welford(double& m, double& m2, int64_t& n, void* smem) {
+  opf_warp_welford(m, m2, n);
+  double* s = reinterpret_cast<double*>(smem);
+  int64_t* sn = reinterpret_cast<int64_t*>(s + 64);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) { s[warp] = m; s[32 + warp] = m2; sn[warp] = n; }
+  __syncthreads();
+  m = s[0]; m2 = s[32]; n = sn[0];
+  for (int w = 1; w < nwarps; ++w) opf_welford_combine(m, m2, n, s[w], s[32 + w], sn[w]);
+}
+
+extern "C" __global__ void opfuse_take_error(int* out) { *out = atomicExch(&opf_error_flag, 0); }

@@ -1,0 +1,145 @@
+#include "runtime/cuda_api.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+namespace opfuse {
+namespace {
+
+std::vector<std::string> search_dirs() {
+  std::vector<std::string> dirs;
+  if (const char* env = std::getenv("OPFUSE_CUDA_LIB_DIRS")) {
+    std::stringstream ss(env);
+    std::string d;
+    while (std::getline(ss, d, ':'))
+      if (!d.empty()) dirs.push_back(d);
+  }
+  return dirs;
+}
+
+// The first of `names` already in the process, else in the search dirs,
+// else wherever the dynamic loader finds it.
+void* open_library(const std::vector<std::string>& names, std::string* path, std::string* error) {
+  for (auto& n : names)
+    if (void* h = dlopen(n.c_str(), RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD)) { *path = n + " (already loaded)"; return h; }
+  for (auto& d : search_dirs())
+    for (auto& n : names) {
+      std::string p = d + "/" + n;
+      if (void* h = dlopen(p.c_str(), RTLD_NOW | RTLD_GLOBAL)) { *path = p; return h; }
+    }
+  for (auto& n : names)
+    if (void* h = dlopen(n.c_str(), RTLD_NOW | RTLD_GLOBAL)) { *path = n; return h; }
+  const char* e = dlerror();
+  *error = "cannot load " + names.front() + (e ? std::string(": ") + e : "");
+  return nullptr;
+}
+
+template <class F>
+bool bind(void* h, F*& fn, const char* name, std::string* error) {
+  fn = reinterpret_cast<F*>(dlsym(h, name));
+  if (!fn && error->empty()) *error = std::string("missing symbol ") + name;
+  return fn != nullptr;
+}
+
+}  // namespace
+
+const NvrtcApi& nvrtc() {
+  static NvrtcApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* h = open_library({"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, &api.path, &api.error);
+    if (!h) return;
+    bool ok = bind(h, api.Version, "nvrtcVersion", &api.error) & bind(h, api.GetErrorString, "nvrtcGetErrorString", &api.error) &
+              bind(h, api.CreateProgram, "nvrtcCreateProgram", &api.error) &
+              bind(h, api.DestroyProgram, "nvrtcDestroyProgram", &api.error) &
+              bind(h, api.CompileProgram, "nvrtcCompileProgram", &api.error) &
+              bind(h, api.GetProgramLogSize, "nvrtcGetProgramLogSize", &api.error) &
+              bind(h, api.GetProgramLog, "nvrtcGetProgramLog", &api.error) &
+              bind(h, api.GetCUBINSize, "nvrtcGetCUBINSize", &api.error) & bind(h, api.GetCUBIN, "nvrtcGetCUBIN", &api.error) &
+              bind(h, api.GetPTXSize, "nvrtcGetPTXSize", &api.error) & bind(h, api.GetPTX, "nvrtcGetPTX", &api.error);
+    if (ok) {
+      api.Version(&api.major, &api.minor);
+      api.loaded = true;
+    }
+  });
+  return api;
+}
+
+const CudaApi& cuda() {
+  static CudaApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* h = open_library({"libcuda.so.1", "libcuda.so"}, &api.path, &api.error);
+    if (!h) return;
+    bool ok = bind(h, api.Init, "cuInit", &api.error) & bind(h, api.GetErrorString, "cuGetErrorString", &api.error) &
+              bind(h, api.CtxGetCurrent, "cuCtxGetCurrent", &api.error) & bind(h, api.CtxGetDevice, "cuCtxGetDevice", &api.error) &
+              bind(h, api.DeviceGetAttribute, "cuDeviceGetAttribute", &api.error) &
+              bind(h, api.ModuleLoadData, "cuModuleLoadData", &api.error) &
+              bind(h, api.ModuleGetFunction, "cuModuleGetFunction", &api.error) &
+              bind(h, api.FuncSetAttribute, "cuFuncSetAttribute", &api.error) &
+              bind(h, api.LaunchKernel, "cuLaunchKernel", &api.error);
+    if (ok && api.Init(0) == 0) api.loaded = true;
+    else if (ok) api.error = "cuInit failed (no usable GPU or driver)";
+  });
+  return api;
+}
+
+void check_cuda(CUresult r, const char* what) {
+  if (r == 0) return;
+  const char* s = nullptr;
+  if (cuda().GetErrorString) cuda().GetErrorString(r, &s);
+  throw std::runtime_error(std::string(what) + " failed: " + (s ? s : "error " + std::to_string(r)));
+}
+
+int current_device_arch() {
+  const CudaApi& c = cuda();
+  if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);
+  CUcontext ctx = nullptr;
+  check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (!ctx) throw std::runtime_error("no current CUDA context (initialise CUDA through PyTorch first)");
+  CUdevice dev = 0;
+  check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+  int major = 0, minor = 0;
+  check_cuda(c.DeviceGetAttribute(&major, 75, dev), "cuDeviceGetAttribute(major)");  // COMPUTE_CAPABILITY_MAJOR
+  check_cuda(c.DeviceGetAttribute(&minor, 76, dev), "cuDeviceGetAttribute(minor)");
+  return major * 10 + minor;
+}
+
+NvrtcOutput nvrtc_compile(const std::string& source, const std::string& name, int arch, bool arch_specific, bool want_ptx) {
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  nvrtcProgram prog = nullptr;
+  if (int r = n.CreateProgram(&prog, source.c_str(), name.c_str(), 0, nullptr, nullptr))
+    throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
+  std::string arch_opt = "--gpu-architecture=sm_" + std::to_string(arch) + (arch_specific ? "a" : "");
+  // IEEE math (no --use_fast_math): results must match PyTorch's.
+  std::vector<const char*> opts = {arch_opt.c_str(), "-std=c++17", "-default-device", "-w", "--ptxas-options=-v"};
+  int rc = n.CompileProgram(prog, static_cast<int>(opts.size()), opts.data());
+  NvrtcOutput out;
+  size_t log_size = 0;
+  n.GetProgramLogSize(prog, &log_size);
+  out.log.resize(log_size);
+  if (log_size) n.GetProgramLog(prog, out.log.data());
+  if (rc != 0) {
+    n.DestroyProgram(&prog);
+    throw std::runtime_error("NVRTC failed to compile " + name + ":\n" + out.log.substr(0, 8000));
+  }
+  size_t size = 0;
+  n.GetCUBINSize(prog, &size);
+  out.cubin.resize(size);
+  n.GetCUBIN(prog, out.cubin.data());
+  if (want_ptx) {
+    n.GetPTXSize(prog, &size);
+    out.ptx.resize(size);
+    n.GetPTX(prog, out.ptx.data());
+  }
+  n.DestroyProgram(&prog);
+  return out;
+}
+
+}  // namespace opfuse

@@ -1,0 +1,72 @@
+// libcuda and libnvrtc loaded at run time with dlopen: no link-time CUDA
+// dependency, so import and CPU use work on machines without CUDA. The
+// copies a process already loaded (PyTorch's) are preferred; then the
+// directories in OPFUSE_CUDA_LIB_DIRS (':'-separated, set by the Python
+// package to PyTorch's pip-wheel library folders); then the system's.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace opfuse {
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = void*;
+using CUmodule = void*;
+using CUfunction = void*;
+using CUstream = void*;
+using nvrtcResult = int;
+using nvrtcProgram = void*;
+
+struct NvrtcApi {
+  bool loaded = false;
+  std::string path, error;
+  nvrtcResult (*Version)(int*, int*) = nullptr;
+  const char* (*GetErrorString)(nvrtcResult) = nullptr;
+  nvrtcResult (*CreateProgram)(nvrtcProgram*, const char*, const char*, int, const char* const*, const char* const*) = nullptr;
+  nvrtcResult (*DestroyProgram)(nvrtcProgram*) = nullptr;
+  nvrtcResult (*CompileProgram)(nvrtcProgram, int, const char* const*) = nullptr;
+  nvrtcResult (*GetProgramLogSize)(nvrtcProgram, size_t*) = nullptr;
+  nvrtcResult (*GetProgramLog)(nvrtcProgram, char*) = nullptr;
+  nvrtcResult (*GetCUBINSize)(nvrtcProgram, size_t*) = nullptr;
+  nvrtcResult (*GetCUBIN)(nvrtcProgram, char*) = nullptr;
+  nvrtcResult (*GetPTXSize)(nvrtcProgram, size_t*) = nullptr;
+  nvrtcResult (*GetPTX)(nvrtcProgram, char*) = nullptr;
+  int major = 0, minor = 0;
+};
+
+struct CudaApi {
+  bool loaded = false;
+  std::string path, error;
+  CUresult (*Init)(unsigned) = nullptr;
+  CUresult (*GetErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*CtxGetCurrent)(CUcontext*) = nullptr;
+  CUresult (*CtxGetDevice)(CUdevice*) = nullptr;
+  CUresult (*DeviceGetAttribute)(int*, int, CUdevice) = nullptr;
+  CUresult (*ModuleLoadData)(CUmodule*, const void*) = nullptr;
+  CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*FuncSetAttribute)(CUfunction, int, int) = nullptr;
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                           void**, void**) = nullptr;
+};
+
+const NvrtcApi& nvrtc();  // loads on first use; .loaded false with .error when absent
+const CudaApi& cuda();
+
+// Throws std::runtime_error naming the call when r != 0.
+void check_cuda(CUresult r, const char* what);
+
+// Compute capability of the current context's device, e.g. 90; throws
+// when there is no CUDA context.
+int current_device_arch();
+
+struct NvrtcOutput {
+  std::string cubin, ptx, log;
+};
+// Compiles for sm_<arch> (arch 90 with `arch_specific` gives sm_90a);
+// throws with NVRTC's log on failure.
+NvrtcOutput nvrtc_compile(const std::string& source, const std::string& name, int arch, bool arch_specific = false,
+                          bool want_ptx = false);
+
+}  // namespace opfuse
