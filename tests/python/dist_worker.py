@@ -1,0 +1,218 @@
+"""One rank of the distributed CPU tests (tests/python/test_distributed_cpu.py).
+
+Run as a script by the test, once per rank:
+
+    python dist_worker.py MODE RANK WORLD PORT OUT
+
+MODE is "ddp" or "fsdp". The rank joins a gloo process group on
+127.0.0.1:PORT, trains the same small transformer twice in that one process
+group -- first eagerly, then compiled with torch.compile(backend="opfuse") --
+from the same initial weights on the same data, and saves what the test
+compares (losses, final gradients and parameters, opfuse.stats(), Dynamo's
+counters) to OUT with torch.save. Nothing is asserted here: the test reads
+OUT and asserts, so a failure reads as a pytest diff, not a dead worker.
+"""
+from __future__ import annotations
+
+import time
+
+_T0 = time.perf_counter()
+
+import copy
+import logging
+import os
+import re
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: layer_norm, attention written as
+    matmul + softmax, MLP with gelu, residuals."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, -1)
+        q, k, v = (t.reshape(b, s, h, d // h).transpose(1, 2) for t in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / (d // h) ** 0.5, -1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, d_in: int, d: int, heads: int, layers: int, d_out: int):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+# One model for both modes, so the FSDP2 run finds most kernels in the disk
+# cache the DDP run filled. Its size is set by DDP: Dynamo's DDPOptimizer
+# asserts that the bucket cap is at least DDP's first bucket (1 MiB), so
+# bucket_cap_mb cannot go below 1 and several buckets need more than 1 MiB
+# of parameters: d=128 with 2 blocks is ~0.4 M floats (~1.6 MiB), two buckets.
+CONFIG = dict(d_in=24, d=128, heads=4, layers=2, d_out=8, batch=2, seq=9, steps=4)
+
+
+def make_model_and_data(cfg, rank):
+    torch.manual_seed(0)  # same weights on every rank
+    model = TinyTransformer(cfg["d_in"], cfg["d"], cfg["heads"], cfg["layers"], cfg["d_out"])
+    g = torch.Generator().manual_seed(1000 + rank)  # different data per rank
+    data = [(torch.randn(cfg["batch"], cfg["seq"], cfg["d_in"], generator=g),
+             torch.randn(cfg["batch"], cfg["seq"], cfg["d_out"], generator=g)) for _ in range(cfg["steps"])]
+    return model, data
+
+
+# SGD with momentum, not Adam, in both modes: Adam's first steps move each
+# parameter by about lr * sign(grad), so a gradient element that is rounding
+# noise (e.g. 1e-9 in one run, -1e-9 in the other) moves the parameter by lr
+# in opposite directions, and elementwise parameter equality would need a
+# tolerance of lr * steps -- too loose to catch anything.
+def _loop(fwd, params_of, opt, data):
+    losses = []
+    grads = None
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(fwd(x), y)
+        loss.backward()
+        if i == len(data) - 1:
+            grads = params_of("grad")
+        opt.step()
+        losses.append(loss.detach().item())
+    return losses, grads, params_of("param")
+
+
+def train_ddp(base, data, compile_it):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = copy.deepcopy(base)
+    ddp = DDP(model, bucket_cap_mb=1)
+    fwd = torch.compile(ddp, backend="opfuse") if compile_it else ddp
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def params_of(what):
+        return {n: (p.grad if what == "grad" else p).detach().clone() for n, p in model.named_parameters()}
+
+    return _loop(fwd, params_of, opt, data)
+
+
+def train_fsdp(base, data, compile_it, mesh, whole=False):
+    from torch.distributed.fsdp import fully_shard
+
+    model = copy.deepcopy(base)
+    if compile_it and not whole:
+        # PyTorch's recipe for FSDP2 + torch.compile (as torchtitan does):
+        # compile each block, then shard. FSDP2's hooks sit on the compiled
+        # module and run eagerly around it (all-gather before the block's
+        # forward, reduce-scatter after its backward); fullgraph=True makes a
+        # graph break inside a block an error.
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(blk, backend="opfuse", fullgraph=True)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # whole=True (not in CI; kept to reproduce docs/distributed.md): compile
+    # the root. Dynamo skips the root frame (FSDP2's hooks are
+    # dynamo-disabled and are called inside the loop over blocks) and
+    # compiles each block's forward as its own frame.
+    fwd = torch.compile(model, backend="opfuse") if compile_it and whole else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def params_of(what):
+        # DTensor shards -> full tensors (a collective: every rank calls it)
+        return {n.replace("._orig_mod", ""): (p.grad if what == "grad" else p).detach().full_tensor().clone()
+                for n, p in model.named_parameters()}
+
+    return _loop(fwd, params_of, opt, data)
+
+
+class _BucketLog(logging.Handler):
+    """Catches DDPOptimizer's 'created N buckets' line."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.buckets = []
+
+    def emit(self, record):
+        m = re.search(r"created (\d+) buckets", record.getMessage())
+        if m:
+            self.buckets.append(int(m.group(1)))
+
+
+def main(argv):
+    mode, rank, world, port, out = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    torch.set_num_threads(1)
+    result = {"rank": rank, "mode": mode, "world": world}
+    try:
+        import opfuse
+        from torch._dynamo.utils import counters
+
+        result["import_s"] = time.perf_counter() - _T0
+
+        bucket_log = _BucketLog()
+        ddp_log = logging.getLogger("torch._dynamo.backends.distributed")
+        ddp_log.addHandler(bucket_log)
+        ddp_log.setLevel(logging.INFO)
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        result["init_s"] = time.perf_counter() - _T0 - result["import_s"]
+        cfg = CONFIG
+        base, data = make_model_and_data(cfg, rank)
+        result["num_params"] = sum(p.numel() for p in base.parameters())
+        result["steps"] = len(data)
+        if mode == "ddp":
+            run = lambda c: train_ddp(base, data, c)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))
+            run = lambda c: train_fsdp(base, data, c, mesh, whole=mode == "fsdp-whole")
+
+        t0 = time.perf_counter()
+        result["eager"] = run(False)
+        result["eager_s"] = time.perf_counter() - t0
+        opfuse.reset_stats()
+        counters.clear()
+        t0 = time.perf_counter()
+        result["opfuse"] = run(True)
+        result["opfuse_s"] = time.perf_counter() - t0
+        result["stats"] = opfuse.stats()
+        result["aot_graphs"] = counters["aot_autograd"]["total"]  # Dynamo graphs handed to opfuse
+        result["graph_breaks"] = sum(counters["graph_break"].values())
+        result["ddp_buckets"] = bucket_log.buckets
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    torch.save(result, out)
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
