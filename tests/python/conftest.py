@@ -25,3 +25,11 @@ def launches(fn, *args):
     opfuse.reset_stats()
     out = fn(*args)
     return out, opfuse.stats()["kernel_launches"]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The same test on the CPU and, where there is one, on a CUDA device."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return request.param

@@ -28,29 +28,29 @@ def compiled(fn, **kw):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_seed_chain_is_one_kernel(dtype):
-    x = torch.randn(37, 1001, dtype=dtype)
-    b1 = torch.randn(1001, dtype=dtype)
-    b2 = torch.randn(37, 1001, dtype=dtype)
+def test_seed_chain_is_one_kernel(dtype, device):
+    x = torch.randn(37, 1001, dtype=dtype, device=device)
+    b1 = torch.randn(1001, dtype=dtype, device=device)
+    b2 = torch.randn(37, 1001, dtype=dtype, device=device)
     out, n = launches(compiled(chain), x, b1, b2)
     assert n == 1
     torch.testing.assert_close(out, reference(chain, x, b1, b2))
 
 
-def test_chain_on_views_with_offsets_and_strides():
-    base = torch.randn(64, 130)
+def test_chain_on_views_with_offsets_and_strides(device):
+    base = torch.randn(64, 130, device=device)
     x = base[3:40, 5:128:2]          # storage offset, non-unit stride
-    b1 = torch.randn(62)[None, :].expand(37, 62)   # stride 0
-    b2 = torch.randn(62, 37).t()     # transposed
+    b1 = torch.randn(62, device=device)[None, :].expand(37, 62)   # stride 0
+    b2 = torch.randn(62, 37, device=device).t()     # transposed
     out, n = launches(compiled(chain), x, b1, b2)
     assert n == 1
     torch.testing.assert_close(out, chain(x, b1, b2))
 
 
-def test_chain_1d_odd_size_and_scalar_tensor():
-    x = torch.randn(1_000_003)
-    b1 = torch.tensor(0.25)
-    b2 = torch.randn(1_000_003)
+def test_chain_1d_odd_size_and_scalar_tensor(device):
+    x = torch.randn(1_000_003, device=device)
+    b1 = torch.tensor(0.25, device=device)
+    b2 = torch.randn(1_000_003, device=device)
     out, n = launches(compiled(chain), x, b1, b2)
     assert n == 1
     torch.testing.assert_close(out, chain(x, b1, b2))
@@ -85,11 +85,11 @@ ROW_OPS = {
 
 @pytest.mark.parametrize("name", list(ROW_OPS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_ops_are_one_kernel(name, dtype):
+def test_row_ops_are_one_kernel(name, dtype, device):
     fn = ROW_OPS[name]
-    x = torch.randn(67, 517, dtype=dtype) * 3
-    w = torch.randn(517, dtype=dtype)
-    b = torch.randn(517, dtype=dtype)
+    x = torch.randn(67, 517, dtype=dtype, device=device) * 3
+    w = torch.randn(517, dtype=dtype, device=device)
+    b = torch.randn(517, dtype=dtype, device=device)
     out, n = launches(compiled(fn), x, w, b)
     assert n == 1
     ref = fn(x.double(), w.double(), b.double()).to(dtype)
@@ -97,19 +97,19 @@ def test_row_ops_are_one_kernel(name, dtype):
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
-def test_softmax_over_a_middle_dim_and_a_transposed_input():
-    x = torch.randn(5, 33, 9).transpose(0, 2)
+def test_softmax_over_a_middle_dim_and_a_transposed_input(device):
+    x = torch.randn(5, 33, 9, device=device).transpose(0, 2)
     fn = compiled(lambda x: torch.softmax(x, 1))
     out, n = launches(fn, x)
     assert n == 1
     torch.testing.assert_close(out, torch.softmax(x, 1))
 
 
-def test_reductions_and_multiple_outputs():
+def test_reductions_and_multiple_outputs(device):
     def f(x):
         return x.sum(0), x.mean(1), x.amax(1), x.amin(0), x.var(1), x.argmax(1), torch.var_mean(x, 0)
 
-    x = torch.randn(45, 77)
+    x = torch.randn(45, 77, device=device)
     out = compiled(f)(x)
     ref = f(x)
     torch.testing.assert_close(out, ref)
@@ -138,33 +138,33 @@ def test_fallback_for_unsupported_op_gives_eager_result():
     assert opfuse.stats()["graphs_compiled"] == 2
 
 
-def test_dynamic_shapes_compile_once():
+def test_dynamic_shapes_compile_once(device):
     fn = compiled(chain, dynamic=True)
     opfuse.reset_stats()
     for n in (17, 33, 1000):
-        x, b1, b2 = torch.randn(n, 31), torch.randn(31), torch.randn(n, 31)
+        x, b1, b2 = torch.randn(n, 31, device=device), torch.randn(31, device=device), torch.randn(n, 31, device=device)
         torch.testing.assert_close(fn(x, b1, b2), chain(x, b1, b2))
     assert opfuse.stats()["graphs_compiled"] == 1
 
 
-def test_mark_dynamic_softmax_runs_at_any_size():
+def test_mark_dynamic_softmax_runs_at_any_size(device):
     fn = compiled(lambda x: torch.softmax(x, -1))
-    x = torch.randn(8, 40)
+    x = torch.randn(8, 40, device=device)
     torch._dynamo.mark_dynamic(x, 0)
     torch._dynamo.mark_dynamic(x, 1)
     fn(x)
     opfuse.reset_stats()
     for shape in ((3, 5), (50, 123)):
-        y = torch.randn(*shape)
+        y = torch.randn(*shape, device=device)
         torch.testing.assert_close(fn(y), torch.softmax(y, -1))
     assert opfuse.stats()["graphs_compiled"] == 0
 
 
-def test_nan_and_inf_propagate_like_eager():
+def test_nan_and_inf_propagate_like_eager(device):
     def f(x):
         return torch.relu(x) + x.amax(-1, keepdim=True), torch.softmax(x, -1), torch.clamp(x, -1, 1)
 
-    x = torch.randn(4, 9)
+    x = torch.randn(4, 9, device=device)
     x[0, 3] = float("nan")
     x[1, 2] = float("inf")
     x[2, 5] = -float("inf")
@@ -195,11 +195,11 @@ def test_integer_division_by_zero_raises_like_eager():
         compiled(lambda a, b: (a // b) + 1)(a, b)
 
 
-def test_empty_tensors():
-    x = torch.randn(0, 7)
-    out = compiled(chain)(x, torch.randn(7), torch.randn(0, 7))
+def test_empty_tensors(device):
+    x = torch.randn(0, 7, device=device)
+    out = compiled(chain)(x, torch.randn(7, device=device), torch.randn(0, 7, device=device))
     assert out.shape == (0, 7)
-    s = compiled(lambda x: torch.softmax(x, -1) + 1)(torch.randn(0, 5))
+    s = compiled(lambda x: torch.softmax(x, -1) + 1)(torch.randn(0, 5, device=device))
     assert s.shape == (0, 5)
 
 
@@ -219,14 +219,14 @@ def test_disable_env_runs_eagerly(monkeypatch):
     assert opfuse.stats()["graphs_compiled"] == 0
 
 
-def test_views_cat_and_layout_ops_fuse():
+def test_views_cat_and_layout_ops_fuse(device):
     def f(x, y):
         a = x.reshape(6, 35).t() * 2
         b = torch.cat([a, y], 1)
         return b[:, 1::3].unsqueeze(0).squeeze(0) + 1, x.permute(2, 0, 1).sum(0)
 
-    x = torch.randn(2, 3, 35)
-    y = torch.randn(35, 4)
+    x = torch.randn(2, 3, 35, device=device)
+    y = torch.randn(35, 4, device=device)
     out, n = launches(compiled(f), x, y)
     torch.testing.assert_close(out, f(x, y))
     assert n <= 2
