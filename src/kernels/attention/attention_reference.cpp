@@ -101,7 +101,7 @@ void attention_forward_tiled(const AttentionForwardArgs& a, int block_m, int blo
   const float scale = static_cast<float>(effective_scale(a));
   const float scale_log2 = scale * std::numbers::log2e_v<float>;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  constexpr float kRescaleThreshold = 8.f;
+  constexpr float kRescaleThreshold = 0.f;  // as in the kernel
 
   std::vector<float> row_max(block_m), row_sum(block_m), acc(static_cast<size_t>(block_m) * D),
       p(static_cast<size_t>(block_m) * block_n);
@@ -149,10 +149,10 @@ void attention_forward_tiled(const AttentionForwardArgs& a, int block_m, int blo
               p[r * block_n + c] = sc;
               mx = std::max(mx, sc);
             }
-            // As in the kernel, row_max is a reference max in log2 units that
-            // moves only when the row max grows by more than kRescaleThreshold
-            // (P <= 2^threshold in between); a row at -inf has seen only
-            // masked keys, so exp2(-inf - 0) = 0 avoids inf - inf.
+            // As in the kernel, row_max is the running max in log2 units,
+            // moved (and O rescaled) only when the row max grows by more than
+            // kRescaleThreshold; a row at -inf has seen only masked keys, so
+            // exp2(-inf - 0) = 0 avoids inf - inf.
             const float m_new = mx * scale_log2;
             float corr = 1.f;
             if (m_new > row_max[r] + kRescaleThreshold) {

@@ -13,8 +13,7 @@
 //   attention_forward_tiled  - mirrors the kernel in float32: key blocks visited
 //                              last to first, fully masked blocks skipped, masks
 //                              applied only on boundary blocks, online softmax
-//                              with exp2 on log2(e)-prescaled scores and a running
-//                              max that moves only when it grows by > 2^8. It is the
+//                              with exp2 on log2(e)-prescaled scores. It is the
 //                              CPU backend's implementation and the oracle for
 //                              the kernel's algorithm (not its bf16 rounding of P).
 #pragma once

@@ -77,8 +77,7 @@ VARIANT_CONFIGS = {
 # the H200, docs/attention.md).
 LONG_TILES = {
     # head dim: (tile, min Sk when not causal, min Sk when causal or None)
-    64: (FwdConfig(256, 128, 8, 1), 2048, None),
-    128: (FwdConfig(256, 64, 8, 1), 2048, 8192),
+    128: (FwdConfig(256, 64, 8, 1), 8192, None),
 }
 
 
