@@ -21,9 +21,7 @@
 //   P stays in registers: the accumulator layout of S is the A-operand layout
 //   of the second product; V is read with ldmatrix.trans;
 // - online softmax in float32 on log2(e)-prescaled scores with ex2.approx;
-//   a warp rescales O only when one of its row maxima grew; the row sums of P
-//   come from the tensor cores (P times a ones matrix), from the same rounded
-//   P that enters P V;
+//   a warp rescales O only when one of its row maxima grew;
 // - key blocks are visited from the last to the first, so the blocks that
 //   need a mask (the ragged end of Sk, the causal diagonal) come first and the
 //   rest run unmasked; key blocks that are entirely masked are never visited;
@@ -185,7 +183,6 @@ struct ElemOps;
 
 template <>
 struct ElemOps<bf16> {
-  static constexpr u32 kOnes2 = 0x3f803f80u;  // (1.0, 1.0)
   // lo goes to the low half (the lower column index), as the mma expects.
   static __device__ __forceinline__ u32 pack(float lo, float hi) {
     u32 r;
@@ -202,7 +199,6 @@ struct ElemOps<bf16> {
 
 template <>
 struct ElemOps<f16> {
-  static constexpr u32 kOnes2 = 0x3c003c00u;  // (1.0, 1.0)
   static __device__ __forceinline__ u32 pack(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -388,19 +384,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
   // Per-thread rows: for m-tile mt and half h, row warp_row0 + mt * 16 + lane / 4 + 8 * h.
   constexpr float kRescaleThreshold = 0.f;  // log2 units; see softmax below
   float row_max[kMT][2];
-  // Row sums of P, accumulated by the tensor cores as P times a ones matrix:
-  // acc_l[mt][2h] (and [2h+1]) is the sum for half h. Summing the very bf16/f16
-  // values that enter P V keeps the normalisation consistent with O.
-  float acc_l[kMT][4];
+  float row_sum[kMT][2];  // this thread's part of the row sum of P (float32)
   float acc_o[kMT][kDT][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       row_max[mt][h] = neg_inf();
+      row_sum[mt][h] = 0.f;
     }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_l[mt][e] = 0.f;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt)
 #pragma unroll
@@ -503,8 +495,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
           // -inf == -inf (a row that has seen no key yet) keeps corr = 1.
           const float corr = (m_ref == row_max[mt][h]) ? 1.f : ex2(row_max[mt][h] - m_ref);
           row_max[mt][h] = m_ref;
-          acc_l[mt][2 * h] *= corr;
-          acc_l[mt][2 * h + 1] *= corr;
+          row_sum[mt][h] *= corr;
 #pragma unroll
           for (int dt = 0; dt < kDT; ++dt) {
             acc_o[mt][dt][2 * h] *= corr;
@@ -516,11 +507,16 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       for (int h = 0; h < 2; ++h) {
         // A row still at -inf has only masked scores here: exp2(-inf - 0) = 0.
         const float m_ref = (row_max[mt][h] == neg_inf()) ? 0.f : row_max[mt][h];
+        float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            acc_s[mt][nt][2 * h + e] = ex2(acc_s[mt][nt][2 * h + e] * scale_log2 - m_ref);
+          for (int e = 0; e < 2; ++e) {
+            const float pv = ex2(acc_s[mt][nt][2 * h + e] * scale_log2 - m_ref);
+            acc_s[mt][nt][2 * h + e] = pv;
+            sum += pv;
+          }
+        row_sum[mt][h] += sum;
       }
     };
 
@@ -537,8 +533,6 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
           a[mt][2] = Ops::pack(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
           a[mt][3] = Ops::pack(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
         }
-#pragma unroll
-        for (int mt = MT0; mt < MT1; ++mt) Ops::mma(acc_l[mt], a[mt], Ops::kOnes2, Ops::kOnes2);
 #pragma unroll
         for (int dp = 0; dp < kDT / 2; ++dp) {
           u32 b[4];
@@ -581,7 +575,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float s = acc_l[mt][2 * h];
+      float s = row_sum[mt][h];
+      s += shfl_xor(s, 1);
+      s += shfl_xor(s, 2);
       inv_sum[mt][h] = (s > 0.f) ? rcp(s) : 0.f;
       const int row = m_start + warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
       if (lse_base && (lane & 3) == 0 && row < Sq) {
