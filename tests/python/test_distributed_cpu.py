@@ -23,7 +23,8 @@ import opfuse  # noqa: F401  (loads, and if need be rebuilds, opfuse before the 
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 WORLD = 2
-TIMEOUT_S = 240  # for all ranks of one launch together
+TIMEOUT_S = 240  # for both ranks and every mode together
+MODES = ("ddp", "fsdp")
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -46,51 +47,72 @@ def _kill(procs):
         p.wait()
 
 
-def _launch_once(mode: str, tmp: Path):
+def _launch_once(modes: str, tmp: Path):
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.pop("OPFUSE_DISABLE", None)  # the test is about opfuse running
-    outs = [tmp / f"{mode}-rank{r}.pt" for r in range(WORLD)]
-    logs = [tmp / f"{mode}-rank{r}.log" for r in range(WORLD)]
+    outs = [tmp / f"rank{r}.pt" for r in range(WORLD)]
+    logs = [tmp / f"rank{r}.log" for r in range(WORLD)]
+    for o in outs:
+        o.unlink(missing_ok=True)
     procs = []
     t0 = time.monotonic()
     try:
         for r in range(WORLD):
             with open(logs[r], "w") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), mode, str(r), str(WORLD), str(port), str(outs[r])],
+                    [sys.executable, str(WORKER), modes, str(r), str(WORLD), str(port), str(outs[r])],
                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         for p in procs:
             p.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         _kill(procs)
         tails = "\n".join(f"--- rank {r} ---\n{logs[r].read_text()[-3000:]}" for r in range(WORLD))
-        pytest.fail(f"{mode}: workers did not finish in {TIMEOUT_S} s\n{tails}")
+        pytest.fail(f"workers did not finish in {TIMEOUT_S} s\n{tails}")
     finally:
         _kill(procs)
     wall = time.monotonic() - t0
-    results = [torch.load(o, weights_only=False) if o.exists() else None for o in outs]
-    failed = [r for r in range(WORLD) if procs[r].returncode != 0 or results[r] is None or "error" in results[r]]
-    text = "\n".join(f"--- rank {r} (exit {procs[r].returncode}) ---\n"
-                     f"{(results[r] or {}).get('error', '')}\n{logs[r].read_text()[-3000:]}" for r in failed)
-    return results, failed, text, wall
+    results = [torch.load(o, weights_only=False) if o.exists() else {"error": "no result file"} for o in outs]
+    logs_text = {r: logs[r].read_text()[-4000:] for r in range(WORLD)}
+    return results, logs_text, wall
 
 
-def launch(mode: str, tmp: Path):
-    """Runs WORLD ranks of dist_worker.py and returns their results. The port
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Launches the ranks once for every mode (one import of torch and opfuse
+    per rank); returns {mode: [result of rank 0, result of rank 1]}. The port
     is found by binding port 0 and released before rank 0 binds it, so
     another process may take it in between: that case is retried."""
+    tmp = tmp_path_factory.mktemp("dist")
     for attempt in range(3):
-        results, failed, text, wall = _launch_once(mode, tmp)
-        if not failed:
-            print(f"{mode}: {wall:.1f} s wall; " + "; ".join(
-                f"rank {r['rank']}: imports {r['import_s']:.1f} s, init {r['init_s']:.1f} s, "
-                f"eager {r['eager_s']:.1f} s, opfuse {r['opfuse_s']:.1f} s" for r in results))
-            return results
-        if "address already in use" not in text.lower():
+        results, logs_text, wall = _launch_once(",".join(MODES), tmp)
+        setup_failed = [r for r in range(WORLD) if "error" in results[r]]
+        if not setup_failed:
             break
-    pytest.fail(f"{mode}: worker failed\n{text}")
+        text = "\n".join(f"--- rank {r} ---\n{results[r]['error']}\n{logs_text[r]}" for r in setup_failed)
+        if "address already in use" not in text.lower():
+            pytest.fail(f"worker setup failed\n{text}")
+    else:
+        pytest.fail(f"worker setup failed\n{text}")
+    print(f"\n{','.join(MODES)}: {wall:.1f} s wall; imports {results[0]['import_s']:.1f} s, "
+          f"process group {results[0]['init_s']:.1f} s")
+    out = {}
+    for mode in MODES:
+        out[mode] = [dict(results[r][mode], rank=r, log=logs_text[r]) for r in range(WORLD)]
+        for res in out[mode]:
+            if "error" not in res:
+                print(f"{mode} rank {res['rank']}: eager {res['eager_s']:.1f} s, opfuse {res['opfuse_s']:.1f} s, "
+                      f"{res['stats']}, {res['aot_graphs']} graphs")
+    return out
+
+
+def ok(mode_results):
+    """The results of one mode, or a failure with every rank's error."""
+    failed = [res for res in mode_results if "error" in res]
+    if failed:
+        pytest.fail("\n".join(f"--- rank {res['rank']} ---\n{res['error']}\n{res['log']}" for res in failed))
+    return mode_results
 
 
 def close(actual, expected, rtol, atol, what):
@@ -111,9 +133,12 @@ def check_training(results):
         r = res["rank"]
         (e_loss, e_grad, e_par), (o_loss, o_grad, o_par) = res["eager"], res["opfuse"]
         assert len(o_loss) == res["steps"]
-        close(o_loss, e_loss, 1e-4, 1e-5, f"rank {r} losses")
-        close(o_grad, e_grad, 1e-3, 1e-6, f"rank {r} final gradients")
-        close(o_par, e_par, 1e-4, 1e-6, f"rank {r} final parameters")
+        # float32, 4 steps; opfuse's reductions sum in another order than
+        # ATen's: measured differences are ~1e-7, tolerances are ~10-100x that
+        # (a 5e-4 relative error injected into opfuse's kernel outputs fails them).
+        close(o_loss, e_loss, 2e-5, 1e-6, f"rank {r} losses")
+        close(o_grad, e_grad, 1e-4, 1e-6, f"rank {r} final gradients")
+        close(o_par, e_par, 2e-5, 1e-6, f"rank {r} final parameters")
     r0, r1 = results[0], results[1]
     assert r0["eager"][0] != r1["eager"][0], "ranks saw the same data: the reduction is not tested"
     for run in ("eager", "opfuse"):
@@ -132,8 +157,8 @@ def check_opfuse_ran(res):
     assert isinstance(s["fallback_ops"], int) and s["fallback_ops"] >= 0, s
 
 
-def test_ddp_compiled_with_opfuse_matches_eager(tmp_path):
-    results = launch("ddp", tmp_path)
+def test_ddp_compiled_with_opfuse_matches_eager(runs):
+    results = ok(runs["ddp"])
     check_training(results)
     for res in results:
         check_opfuse_ran(res)
@@ -143,8 +168,8 @@ def test_ddp_compiled_with_opfuse_matches_eager(tmp_path):
         assert res["aot_graphs"] == res["ddp_buckets"][0], (res["aot_graphs"], res["ddp_buckets"])
 
 
-def test_fsdp2_compiled_with_opfuse_matches_eager(tmp_path):
-    results = launch("fsdp", tmp_path)
+def test_fsdp2_compiled_with_opfuse_matches_eager(runs):
+    results = ok(runs["fsdp"])
     check_training(results)
     for res in results:
         check_opfuse_ran(res)
