@@ -11,6 +11,7 @@ import os
 
 import torch
 from torch._decomp import core_aten_decompositions
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
@@ -158,7 +159,8 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str = "f
             reason = "not supported by opfuse" if not _Support().is_node_supported(None, node) else "alone: a view"
             _record_fallback(str(node.target), reason)
     fused_gm.recompile()
-    return fused_gm
+    # AOTAutograd calls compiled graphs with a boxed argument list.
+    return make_boxed_func(fused_gm.forward)
 
 
 def opfuse_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
