@@ -130,13 +130,15 @@ def train_fsdp(base, data, compile_it, mesh, whole=False):
 
     model = copy.deepcopy(base)
     if compile_it and not whole:
-        # PyTorch's recipe for FSDP2 + torch.compile (as torchtitan does):
-        # compile each block, then shard. FSDP2's hooks sit on the compiled
-        # module and run eagerly around it (all-gather before the block's
-        # forward, reduce-scatter after its backward); fullgraph=True makes a
-        # graph break inside a block an error.
-        for i, blk in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(blk, backend="opfuse", fullgraph=True)
+        # PyTorch's recipe for FSDP2 + torch.compile (torchtitan's): compile
+        # each block, then shard. nn.Module.compile compiles in place, so
+        # parameter and state_dict names stay as they were; FSDP2's hooks on
+        # the block (all-gather before its forward and backward,
+        # reduce-scatter after its backward) are dynamo-disabled and run
+        # eagerly around the compiled forward. fullgraph=True makes a graph
+        # break inside a block an error.
+        for blk in model.blocks:
+            blk.compile(backend="opfuse", fullgraph=True)
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -149,8 +151,7 @@ def train_fsdp(base, data, compile_it, mesh, whole=False):
 
     def params_of(what):
         # DTensor shards -> full tensors (a collective: every rank calls it)
-        return {n.replace("._orig_mod", ""): (p.grad if what == "grad" else p).detach().full_tensor().clone()
-                for n, p in model.named_parameters()}
+        return {n: (p.grad if what == "grad" else p).detach().full_tensor().clone() for n, p in model.named_parameters()}
 
     return _loop(fwd, params_of, opt, data)
 
