@@ -175,4 +175,4 @@ def test_fsdp2_compiled_with_opfuse_matches_eager(runs):
         check_opfuse_ran(res)
         # Each block was compiled with fullgraph=True: one graph (the blocks share
         # it: parameters are graph inputs), no graph breaks.
-        assert res["aot_graphs"] >= 1 and res["graph_breaks"] == 0, res
+        assert res["aot_graphs"] >= 1 and res["graph_breaks"] == 0, (res["aot_graphs"], res["graph_breaks"])
