@@ -35,7 +35,8 @@
 //   "opfuse_attn::attention_fwd<opfuse_attn::bf16, 128, true, 128, 64, 4, 2, false>"
 // MIN_BLOCKS is __launch_bounds__' CTAs per SM (it caps registers); SPLIT_PV
 // orders each iteration softmax(m-tile 0), PV(0), softmax(1), PV(1) so that the
-// tensor cores and the ALUs overlap within a warp (warps owning 32 rows only).
+// tensor cores and the ALUs may overlap within a warp (warps owning 32 rows
+// only; measured no faster on the H200, so the launchers leave it off).
 // Launch: grid (ceil(Sq / BLOCK_M), Hq, B), block NUM_WARPS * 32 threads,
 // dynamic shared memory FwdTile<...>::kSmemBytes (over 48 KB: raise
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first), one argument:
