@@ -11,7 +11,8 @@ served from the in-process variant cache or from a library already loaded:
   load) are detected and rebuilt, never a crash, and results stay correct;
 - several processes compiling the same graph at once into one empty cache
   all succeed, agree, and leave no temporary files;
-- a cache directory that cannot be created gives a clear error naming it.
+- a cache directory that cannot be created gives a clear error naming it
+  (and through torch.compile, an eager fallback with that error logged).
 """
 from __future__ import annotations
 
@@ -57,15 +58,25 @@ def content_hash(data: bytes) -> str:
 # -- the worker: one fresh process ----------------------------------------------------
 
 
+def load_extension(path: str):
+    """opfuse._C straight from its file: the worker needs neither torch nor the
+    package (whose import also re-runs the editable build); the test process
+    has imported, and so rebuilt, the same file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("opfuse._C", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def worker(args: dict) -> list:
     """Compiles and runs each graph of args["graphs"]; per graph reports
     compiled / cache_hit from variant(), whether the outputs match the oracle,
     the files the cache gained, or the error raised."""
-    import torch
+    import numpy as np
 
-    from opfuse import _C
-    from opfuse.testing import oracle, run_compiled
-
+    _C = load_extension(args["extension"])
     cpu_dir = Path(_C.cache_dir()) / "cpu"
     if args.get("barrier"):
         Path(args["barrier"] + f".ready.{os.getpid()}").touch()
@@ -78,16 +89,22 @@ def worker(args: dict) -> list:
         r = {}
         try:
             cg = _C.CompiledGraph(text)
-            g = torch.Generator().manual_seed(0)
-            inputs = [torch.randn(5, 37, generator=g), torch.randn(37, generator=g), torch.randn(37, generator=g)]
-            shapes = [list(t.shape) for t in inputs]
-            strides = [list(t.stride()) for t in inputs]
-            _, r["compiled"], r["hit"] = cg.variant(shapes, strides)
+            rng = np.random.default_rng(0)
+            inputs = [rng.standard_normal(s).astype(np.float32) for s in ((5, 37), (37,), (37,))]
+            shapes = [list(a.shape) for a in inputs]
+            strides = [[st // a.itemsize for st in a.strides] for a in inputs]
+            syms = cg.bind(shapes)
+            v, r["compiled"], r["hit"] = cg.variant(shapes, strides)
             # A second request in this process is served from memory.
             _, r["compiled_again"], _ = cg.variant(shapes, strides)
-            got = run_compiled(cg, inputs)
-            want = oracle(text, inputs)
-            r["ok"] = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, want))
+            n_in = len(inputs)
+            outs = [np.full(cg.buffer_shape(n_in + i, syms), np.nan, dtype=np.float32)
+                    for i in range(len(cg.buffers()) - n_in)]
+            cg.run(v, syms, [a.ctypes.data for a in inputs + outs], strides)
+            everything = inputs + outs
+            got = [everything[i] for i in cg.output_buffers()]
+            want = [np.asarray(w) for _, w in _C.evaluate(text, [a.astype(np.float64) for a in inputs])]
+            r["ok"] = len(got) == len(want) and all(np.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want))
         except Exception as e:  # reported, so the test can check the message
             r["error"] = f"{type(e).__name__}: {e}"
         after = set(os.listdir(cpu_dir)) if cpu_dir.is_dir() else set()
@@ -96,11 +113,17 @@ def worker(args: dict) -> list:
     return results
 
 
+def extension_path() -> str:
+    from opfuse import _C
+
+    return _C.__file__
+
+
 def run_workers(cache: Path, graphs, n=1, barrier=False, timeout=300):
     """Runs n worker processes at once; returns their result lists."""
     env = dict(os.environ, OPFUSE_CACHE_DIR=str(cache))
     bar = str(cache.parent / f"barrier-{time.time_ns()}") if barrier else None
-    args = json.dumps({"graphs": graphs, "barrier": bar})
+    args = json.dumps({"graphs": graphs, "barrier": bar, "extension": extension_path()})
     procs = [subprocess.Popen([sys.executable, str(HERE), args], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(n)]
     if barrier:
@@ -150,11 +173,10 @@ def test_second_process_hits_the_cache(tmp_path):
     so = [n for n in first[0]["new_files"] if n.endswith(".so")]
     assert len(so) == 1 and first[0]["new_files"] == [so[0], so[0] + ".sum"], first
     assert_clean(cache)
-    (second,) = run_workers(cache, [text])
+    # A fresh process: the same graph is a hit; a different graph a new entry.
+    (second,) = run_workers(cache, [text, chain_graph(0.25)])
     assert second[0] == {"compiled": True, "hit": True, "compiled_again": False, "ok": True, "new_files": []}, second
-    # A different graph is a different entry.
-    (third,) = run_workers(cache, [chain_graph(0.25)])
-    assert third[0]["hit"] is False and third[0]["ok"] and len(third[0]["new_files"]) == 2, third
+    assert second[1]["hit"] is False and second[1]["ok"] and len(second[1]["new_files"]) == 2, second
     assert len(entries(cache)) == 4
     assert_clean(cache)
 
@@ -284,6 +306,45 @@ def test_unwritable_cache_dir_gives_a_clear_error(tmp_path):
     assert r["error"].startswith("RuntimeError"), r
     assert str(blocker) in r["error"], f"the error does not name the cache path: {r['error']}"
     assert blocker.read_text() == "not a directory"
+
+
+def test_unwritable_cache_dir_falls_back_to_eager_through_the_frontend(tmp_path, monkeypatch):
+    """torch.compile(backend="opfuse") with a cache it cannot write: the
+    partition runs eagerly, correctly, with a warning that names the path."""
+    import logging
+
+    import torch
+
+    import opfuse
+
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(blocker / "cache"))  # read at every compile
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.WARNING)
+    logger = logging.getLogger("opfuse")
+    logger.addHandler(handler)
+    try:
+        def f(x, b1, b2):  # a constant no other test uses, so nothing is cached in memory
+            return torch.relu(x + b1) * 0.4375 + b2
+
+        g = torch.Generator().manual_seed(0)
+        x, b1, b2 = torch.randn(17, 33, generator=g), torch.randn(33, generator=g), torch.randn(33, generator=g)
+        opfuse.reset_stats()
+        y = opfuse.compile(f)(x, b1, b2)
+        stats = opfuse.stats()
+    finally:
+        logger.removeHandler(handler)
+    torch.testing.assert_close(y, f(x, b1, b2))
+    assert stats["kernel_launches"] == 0 and stats["fallback_ops"] > 0, stats
+    messages = [r.getMessage() for r in records]
+    assert any("falls back to eager" in m and str(blocker) in m for m in messages), messages
 
 
 @pytest.mark.skip(reason="known bug: a truncated .so whose .sum matches passes the check and dlopen dies with SIGBUS")
