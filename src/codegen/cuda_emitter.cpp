@@ -59,14 +59,18 @@ void CudaEmitter::decompose(const std::string& linear, const std::vector<size_t>
 
 // The widest V such that every load and store that moves along the
 // innermost dim does so with unit stride; 1 when any does otherwise.
-int CudaEmitter::choose_vec() {
+int CudaEmitter::choose_vec(bool all_stages) {
   size_t n = k_->domain.size();
   vec_buffer_.assign(k_->buffers.size(), false);
   if (n == 0 || is_one(k_->domain[n - 1])) return 1;
   std::string x = "x" + std::to_string(n - 1);
   int max_size = 0;
-  const KStage& st = k_->stages.at(0);
-  for (const auto* list : {&st.pre, &st.loop})
+  std::vector<const std::vector<KStmt>*> lists;
+  for (size_t i = 0; i < (all_stages ? k_->stages.size() : 1); ++i) {
+    lists.push_back(&k_->stages[i].pre);
+    lists.push_back(&k_->stages[i].loop);
+  }
+  for (const auto* list : lists)
     for (const KStmt& s : *list) {
       if (s.kind != KStmt::Load && s.kind != KStmt::Store) continue;
       for (auto& e : s.index)
@@ -88,37 +92,81 @@ int CudaEmitter::choose_vec() {
   return std::max(1, 16 / max_size);
 }
 
+std::string CudaEmitter::access_key(const KStmt& s) const {
+  return std::to_string(s.buffer) + "@" + offset(s.buffer, s.index);
+}
+
+void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::string& lane0) {
+  for (const KStmt& s : stmts) {
+    if (s.kind != KStmt::Load || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;
+    std::string key = access_key(s);
+    if (lane_of_.count(key)) continue;
+    if (caching_ && cache_slot_.count(key)) continue;  // read from registers instead
+    std::string arr = "lv" + std::to_string(lane_of_.size());
+    lane_of_[key] = arr;
+    std::vector<Expr> idx = s.index;
+    for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
+    line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
+    line("opf_vload<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " + arr + ");");
+  }
+  for (const KStmt& s : stmts) {
+    if (s.kind != KStmt::Store || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;
+    std::string key = access_key(s);
+    if (lane_of_.count(key)) continue;
+    std::string arr = "lv" + std::to_string(lane_of_.size());
+    lane_of_[key] = arr;
+    line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
+  }
+}
+
+void CudaEmitter::vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0) {
+  for (const KStmt& s : stmts) {
+    if (s.kind != KStmt::Store || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;
+    std::vector<Expr> idx = s.index;
+    for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
+    line("opf_vstore<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " +
+         lane_of_.at(access_key(s)) + ");");
+  }
+}
+
 void CudaEmitter::statement(const KStmt& s, const KStage& stage) {
-  // Vector lanes: a load or store of a vectorised buffer touches lane j of
-  // the arrays filled (or drained) outside the lane loop.
-  if (in_lanes_ && (s.kind == KStmt::Load || s.kind == KStmt::Store) && vec_buffer_[static_cast<size_t>(s.buffer)]) {
-    std::string arr = "lv" + std::to_string(s.buffer);
-    if (s.kind == KStmt::Load) {
+  bool vec_access = in_lanes_ && (s.kind == KStmt::Load || s.kind == KStmt::Store) && vec_buffer_[static_cast<size_t>(s.buffer)];
+  std::string cache_index = in_lanes_ ? "it_ * " + std::to_string(vec_) + " + j_" : "it_";
+  // Row kernels: a row's loads are kept in registers after the first stage.
+  if (caching_ && s.kind == KStmt::Load && s.varying) {
+    std::string key = access_key(s);
+    auto it = cache_slot_.find(key);
+    if (it != cache_slot_.end()) {
+      line("const " + value_type(s.type) + " " + value(s.dst) + " = rc" + std::to_string(it->second) + "[" + cache_index + "];");
+      return;
+    }
+    int slot = static_cast<int>(cache_types_.size());
+    cache_slot_[key] = slot;
+    cache_types_.push_back(value_type(s.type));
+    if (vec_access) {
       DType t = k_->buffers[static_cast<size_t>(s.buffer)].dtype;
+      std::string e = lane_of_.at(key) + "[j_]";
+      if (t == DType::Float16 || t == DType::BFloat16) e = "opf_to_float(" + e + ")";
+      line("const " + value_type(s.type) + " " + value(s.dst) + " = " + e + ";");
+    } else {
+      CEmitter::statement(s, stage);
+    }
+    line("rc" + std::to_string(slot) + "[" + cache_index + "] = " + value(s.dst) + ";");
+    return;
+  }
+  // Vector lanes: lane j of the arrays filled (or drained) outside the lane loop.
+  if (vec_access) {
+    std::string arr = lane_of_.at(access_key(s));
+    DType t = k_->buffers[static_cast<size_t>(s.buffer)].dtype;
+    if (s.kind == KStmt::Load) {
       std::string e = arr + "[j_]";
       if (t == DType::Float16 || t == DType::BFloat16) e = "opf_to_float(" + e + ")";
       line("const " + value_type(s.type) + " " + value(s.dst) + " = " + e + ";");
     } else {
       std::string v = value(s.args[0]);
-      DType t = k_->buffers[static_cast<size_t>(s.buffer)].dtype;
       if (t == DType::Float16) line(arr + "[j_] = opf_float_to_half(" + v + ");");
       else if (t == DType::BFloat16) line(arr + "[j_] = opf_float_to_bf16(" + v + ");");
       else line(arr + "[j_] = (" + storage_type(t) + ")(" + v + ");");
-    }
-    return;
-  }
-  // Row kernels: a row's loads are kept in registers after the first stage.
-  if (caching_ && s.kind == KStmt::Load && s.varying) {
-    std::string key = std::to_string(s.buffer) + "@" + offset(s.buffer, s.index);
-    auto it = cache_slot_.find(key);
-    if (it == cache_slot_.end()) {
-      int slot = static_cast<int>(cache_types_.size());
-      cache_slot_[key] = slot;
-      cache_types_.push_back(value_type(s.type));
-      CEmitter::statement(s, stage);
-      line("rc" + std::to_string(slot) + "[it_] = " + value(s.dst) + ";");
-    } else {
-      line("const " + value_type(s.type) + " " + value(s.dst) + " = rc" + std::to_string(it->second) + "[it_];");
     }
     return;
   }
@@ -142,6 +190,7 @@ void CudaEmitter::pointwise(const std::string& name, int vec) {
     std::vector<size_t> all;
     for (size_t a = 0; a < n; ++a) all.push_back(a);
     std::string last = "x" + std::to_string(n - 1);
+    last_var_ = last;
     if (vec == 1) {
       decompose("base_", all);
       for (auto& s : st.pre) statement(s, st);
@@ -152,21 +201,8 @@ void CudaEmitter::pointwise(const std::string& name, int vec) {
       line("const int64_t xl_ = base_ % " + nl + ";");
       decompose("base_ / " + nl, outer);
       for (auto& s : st.pre) statement(s, st);
-      // Vector loads at lane 0's index.
-      for (size_t b = 0; b < k_->buffers.size(); ++b) {
-        if (!vec_buffer_[b]) continue;
-        std::string t = storage_type(k_->buffers[b].dtype);
-        line(t + " lv" + std::to_string(b) + "[" + std::to_string(vec) + "];");
-      }
-      std::vector<bool> loaded(k_->buffers.size(), false);
-      for (const KStmt& s : st.loop) {
-        if (s.kind != KStmt::Load || !vec_buffer_[static_cast<size_t>(s.buffer)] || loaded[static_cast<size_t>(s.buffer)]) continue;
-        loaded[static_cast<size_t>(s.buffer)] = true;
-        std::vector<Expr> idx = s.index;
-        for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last ? var("xl_") : nullptr; });
-        line("opf_vload<" + std::to_string(vec) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", lv" +
-             std::to_string(s.buffer) + ");");
-      }
+      lane_of_.clear();
+      vector_loads(st.loop, "xl_");
       line("#pragma unroll");
       line("for (int j_ = 0; j_ < " + std::to_string(vec) + "; ++j_) {");
       ++indent_;
@@ -176,13 +212,7 @@ void CudaEmitter::pointwise(const std::string& name, int vec) {
       in_lanes_ = false;
       --indent_;
       line("}");
-      for (const KStmt& s : st.loop) {
-        if (s.kind != KStmt::Store || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;
-        std::vector<Expr> idx = s.index;
-        for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last ? var("xl_") : nullptr; });
-        line("opf_vstore<" + std::to_string(vec) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", lv" +
-             std::to_string(s.buffer) + ");");
-      }
+      vector_stores(st.loop, "xl_");
     }
   }
   --indent_;
@@ -208,7 +238,11 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
   }
 }
 
-void CudaEmitter::row_kernel() {
+void CudaEmitter::row_kernel(const std::string& name, int vec) {
+  vec_ = vec;
+  cache_slot_.clear();
+  cache_types_.clear();
+  lane_of_.clear();
   std::vector<size_t> kept, red;
   Expr rows = cst(1), cols = cst(1);
   for (size_t a = 0; a < k_->domain.size(); ++a) {
@@ -230,53 +264,69 @@ void CudaEmitter::row_kernel() {
     launch_.rows_per_block = 8;
   } else {
     warp_rows_ = false;
-    threads = known ? static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(128, ncols / 8))) : 512;
-    // round up to a power of two
+    threads = known ? static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(128, ncols / 8 / vec))) : 512;
     int p = 128;
     while (p < threads) p *= 2;
     threads = p;
     launch_.rows_per_block = 1;
   }
   int per_row = warp_rows_ ? 32 : threads;
-  int items = known ? static_cast<int>((ncols + per_row - 1) / per_row) : 0;
-  // Registers per thread are 64K / threads; the cache may take a third.
+  int chunk = per_row * vec;  // elements a row's threads cover per item
+  int items = known ? static_cast<int>((ncols + chunk - 1) / chunk) : 0;
+  // Registers per thread: 64K / threads, at most 255; 40 stay for the rest.
   std::set<std::string> cached_loads;
   for (const KStage& st : k_->stages)
     for (const KStmt& s : st.loop)
-      if (s.kind == KStmt::Load && s.varying) cached_loads.insert(std::to_string(s.buffer) + "@" + offset(s.buffer, s.index));
-  int budget = 65536 / threads / 3;
-  caching_ = known && items >= 1 && items * static_cast<int>(cached_loads.size()) <= budget && k_->stages.size() > 1;
+      if (s.kind == KStmt::Load && s.varying) cached_loads.insert(access_key(s));
+  int budget = std::min(65536 / threads, 255) - 40;
+  caching_ = known && items >= 1 && items * vec * static_cast<int>(cached_loads.size()) <= budget && k_->stages.size() > 1;
   launch_.items = caching_ ? items : 0;
   launch_.threads = threads;
+  std::string last = red_loop.size() == 1 ? "x" + std::to_string(red_loop[0]) : "";
+  last_var_ = last;
 
   // The body is printed to a side buffer first: the register arrays it
   // uses are declared before it.
-  std::ostringstream saved;
-  saved << out_.str();
+  std::string saved = out_.str();
   out_.str("");
   int base_indent = indent_;
   indent_ = 2;
   decompose("row_", kept);
+  std::string T = std::to_string(per_row);
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);
     for (auto& s : st.pre) statement(s, st);
     for (auto& a : st.accs) accumulator_init(a);
     if (!st.loop.empty()) {
-      std::string T = std::to_string(per_row);
       if (caching_) {
         line("#pragma unroll");
         line("for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
         ++indent_;
-        line("const int64_t c_ = tid_ + (int64_t)it_ * " + T + ";");
+        line("const int64_t c_ = ((int64_t)it_ * " + T + " + tid_) * " + std::to_string(vec) + ";");
         line("if (c_ < cols) {");
       } else {
-        line("for (int64_t c_ = tid_; c_ < cols; c_ += " + T + ") {");
+        line("for (int64_t c_ = (int64_t)tid_ * " + std::to_string(vec) + "; c_ < cols; c_ += " + std::to_string(chunk) + ") {");
       }
       ++indent_;
-      if (red_loop.size() == 1) line("const int64_t x" + std::to_string(red_loop[0]) + " = c_;");
-      else if (!red_loop.empty()) decompose("c_", red_loop);
-      for (auto& s : st.loop) statement(s, st);
+      if (vec > 1) {
+        for (auto it = lane_of_.begin(); it != lane_of_.end();) it = lane_of_.erase(it);
+        vector_loads(st.loop, "c_");
+        line("#pragma unroll");
+        line("for (int j_ = 0; j_ < " + std::to_string(vec) + "; ++j_) {");
+        ++indent_;
+        line("const int64_t " + last + " = c_ + j_;");
+        in_lanes_ = true;
+        for (auto& s : st.loop) statement(s, st);
+        in_lanes_ = false;
+        --indent_;
+        line("}");
+        vector_stores(st.loop, "c_");
+      } else {
+        if (red_loop.size() == 1) line("const int64_t " + last + " = c_;");
+        else if (!red_loop.empty()) decompose("c_", red_loop);
+        for (auto& s : st.loop) statement(s, st);
+      }
       --indent_;
       line("}");
       if (caching_) {
@@ -290,10 +340,10 @@ void CudaEmitter::row_kernel() {
   }
   std::string body = out_.str();
   out_.str("");
-  out_ << saved.str();
+  out_ << saved;
   indent_ = base_indent;
 
-  header(k_->name, threads);
+  header(name, threads);
   line("__shared__ __align__(16) double " + smem_ + "[128];");
   line("(void)" + smem_ + ";");
   line("const int64_t rows = " + size_c(rows) + ";");
@@ -307,7 +357,7 @@ void CudaEmitter::row_kernel() {
     line("for (int64_t row_ = blockIdx.x; row_ < rows; row_ += gridDim.x) {");
   }
   for (size_t i = 0; i < cache_types_.size(); ++i)
-    line("  " + cache_types_[i] + " rc" + std::to_string(i) + "[" + std::to_string(items) + "];");
+    line("  " + cache_types_[i] + " rc" + std::to_string(i) + "[" + std::to_string(items * vec) + "];");
   out_ << body;
   if (!warp_rows_) line("}");
   --indent_;
@@ -325,12 +375,28 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
   launch_.name = k.name;
   launch_.row = k.row;
   if (k.row) {
-    row_kernel();
+    // Vectors along the row when the only reduced axis is the innermost
+    // one and every access moves along it with unit stride.
+    int v = (k.reduce_axes.size() == 1 && k.reduce_axes[0] == static_cast<int64_t>(k.domain.size()) - 1) ? choose_vec(true) : 1;
+    row_kernel(k.name, 1);
+    CudaLaunch scalar = launch_;
+    if (v > 1) {
+      std::vector<bool> vb = vec_buffer_;
+      row_kernel(k.name + "_v" + std::to_string(v), v);
+      CudaLaunch vl = launch_;
+      launch_ = scalar;
+      launch_.vec = v;
+      launch_.vec_name = k.name + "_v" + std::to_string(v);
+      launch_.vec_threads = vl.threads;
+      launch_.vec_rows_per_block = vl.rows_per_block;
+      for (size_t b = 0; b < vb.size(); ++b)
+        if (vb[b]) launch_.vec_buffers.push_back(static_cast<int>(b));
+    }
     return out_.str();
   }
   launch_.numel = numel(k.domain);
   launch_.threads = 256;
-  int v = choose_vec();
+  int v = choose_vec(false);
   pointwise(k.name, 1);
   if (v > 1) {
     launch_.vec = v;

@@ -22,6 +22,7 @@ struct CudaLaunch {
   int vec = 1;             // pointwise: elements per thread access
   std::vector<int> vec_buffers;  // kernel buffers accessed with vectors
   int items = 0;           // row kernels: per-thread register cache length (0: none)
+  int vec_threads = 0, vec_rows_per_block = 0;  // row kernels: geometry of the vector twin
   Expr numel, rows, cols;  // launch geometry in terms of size symbols
   std::string name, vec_name;  // scalar and vector entry points
 };
@@ -43,12 +44,21 @@ class CudaEmitter : public CEmitter {
   std::string smem_ = "opf_smem";
   bool warp_rows_ = false;
 
+  std::map<std::string, std::string> lane_of_;  // access (buffer@offset) -> lane array
+  std::string last_var_;                        // the innermost loop variable
+  bool row_vectorisable_ = false;
+
   void statement(const KStmt& s, const KStage& stage) override;
   void pointwise(const std::string& name, int vec);
-  void row_kernel();
+  void row_kernel(const std::string& name, int vec);
+  std::string access_key(const KStmt& s) const;
+  // Declares lane arrays and issues the vector loads of `stmts` at lane 0's
+  // index (`lane0` replaces the innermost variable); skips cached loads.
+  void vector_loads(const std::vector<KStmt>& stmts, const std::string& lane0);
+  void vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0);
   void decompose(const std::string& linear, const std::vector<size_t>& axes);
   void reduce_across_threads(const KAccumulator& a);
-  int choose_vec();
+  int choose_vec(bool all_stages);
   std::string header(const std::string& name, int threads);
 };
 

@@ -309,39 +309,39 @@ void CompiledGraph::launch_cuda(const Variant& v, const std::vector<int64_t>& sy
     }
     if (nst == 0) args.push_back(0);
     CUfunction f = v.cu_scalar[i];
-    unsigned grid = 1;
+    // The vector twin only when every vector access is aligned for every lane group.
+    bool vec_ok = v.cu_vector[i] != nullptr && !k.domain.empty() && evaluate(k.domain.back(), env) % cl.vec == 0;
+    for (int kb : cl.vec_buffers) {
+      if (!vec_ok) break;
+      const KBuffer& buf = k.buffers[static_cast<size_t>(kb)];
+      int64_t bytes = static_cast<int64_t>(cl.vec) * dtype_size(buf.dtype);
+      vec_ok = reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(l.buffers[static_cast<size_t>(kb)])]) % static_cast<uintptr_t>(bytes) == 0;
+      if (!vec_ok) break;
+      if (buf.strided) {
+        auto& st = input_strides[static_cast<size_t>(l.buffers[static_cast<size_t>(kb)])];
+        for (size_t d = 0; d + 1 < st.size() && vec_ok; ++d) vec_ok = st[d] % cl.vec == 0;
+      } else if (!buf.shape.empty()) {
+        vec_ok = evaluate(buf.shape.back(), env) % cl.vec == 0;
+      }
+    }
+    unsigned grid = 1, threads = static_cast<unsigned>(cl.threads);
+    if (vec_ok) f = v.cu_vector[i];
     if (!cl.row) {
       int64_t n = evaluate(cl.numel, env);
       if (n == 0) continue;
-      int vec = 1;
-      if (v.cu_vector[i]) {
-        // Vectors only when every vector access is aligned for every lane group.
-        bool ok = !k.domain.empty() && evaluate(k.domain.back(), env) % cl.vec == 0;
-        for (int kb : cl.vec_buffers) {
-          if (!ok) break;
-          const KBuffer& buf = k.buffers[static_cast<size_t>(kb)];
-          int64_t bytes = static_cast<int64_t>(cl.vec) * dtype_size(buf.dtype);
-          ok = reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(l.buffers[static_cast<size_t>(kb)])]) % static_cast<uintptr_t>(bytes) == 0;
-          if (!ok) break;
-          if (buf.strided) {
-            auto& st = input_strides[static_cast<size_t>(l.buffers[static_cast<size_t>(kb)])];
-            for (size_t d = 0; d + 1 < st.size() && ok; ++d) ok = st[d] % cl.vec == 0;
-          } else if (!buf.shape.empty()) {
-            ok = evaluate(buf.shape.back(), env) % cl.vec == 0;
-          }
-        }
-        if (ok) { f = v.cu_vector[i]; vec = cl.vec; }
-      }
+      int vec = vec_ok ? cl.vec : 1;
       int64_t blocks = (n + static_cast<int64_t>(cl.threads) * vec - 1) / (static_cast<int64_t>(cl.threads) * vec);
       grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
     } else {
       int64_t rows = evaluate(cl.rows, env);
       if (rows == 0) continue;
-      int64_t blocks = (rows + cl.rows_per_block - 1) / cl.rows_per_block;
+      int rpb = vec_ok ? cl.vec_rows_per_block : cl.rows_per_block;
+      if (vec_ok) threads = static_cast<unsigned>(cl.vec_threads);
+      int64_t blocks = (rows + rpb - 1) / rpb;
       grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
     }
     void* params[] = {args.data()};
-    check_cuda(c.LaunchKernel(f, grid, 1, 1, static_cast<unsigned>(cl.threads), 1, 1, 0, stream, params, nullptr),
+    check_cuda(c.LaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, stream, params, nullptr),
                "cuLaunchKernel");
   }
 }
