@@ -52,7 +52,11 @@ def repo_root() -> Path | None:
 
 
 def git_commit(root: Path | None = None) -> str:
-    """HEAD's hash, with '-dirty' when tracked files differ from it."""
+    """HEAD's hash, with '-dirty' when tracked files differ from it; the
+    environment's OPFUSE_COMMIT where the tree has no git (the GPU machine)."""
+    import os
+    if os.environ.get("OPFUSE_COMMIT"):
+        return os.environ["OPFUSE_COMMIT"]
     root = root or repo_root()
     if root is None:
         return "unknown"
