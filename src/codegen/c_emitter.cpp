@@ -156,7 +156,7 @@ void CEmitter::update(const KStmt& s, const KStage& stage) {
       else if (c == "min") line(n + " = opf_min_nan(" + n + ", " + v + ");");
       else if (c == "argmax" || c == "argmin") {
         std::string cmp = c == "argmax" ? ">" : "<";
-        std::string axis = a.axis >= 0 ? "x" + std::to_string(a.axis) : "0";
+        std::string axis = a.index ? size_c(a.index) : "0";
         line("if (" + v + " " + cmp + " " + n + " || (opf_isnan(" + v + ") && !opf_isnan(" + n + "))) { " + n + " = " + v +
              "; " + acc_name(a, "_i") + " = " + axis + "; }");
       } else if (c == "welford") {

@@ -45,7 +45,7 @@ struct KAccumulator {
   Expr count;            // elements per row (mean, var)
   int64_t correction = 0;  // var
   bool mean = false;     // divide a sum by count
-  int axis = -1;         // argmax/argmin: the domain axis reduced
+  Expr index;            // argmax/argmin: the element's index within its row (row-major over the reduced axes)
 };
 
 struct KStage {

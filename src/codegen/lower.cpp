@@ -388,7 +388,6 @@ class Lowerer {
     const Node& x = g_.node(r.inputs[0]);
     KAccumulator acc;
     acc.id = static_cast<int>(stage().accs.size());
-    for (auto& s : ir_.stages) acc.id += s.accs.size() * 0;
     acc.result_type = compute_dtype(r.dtype);
     std::string op = r.op;
     acc.combiner = op == "mean" ? "sum" : op == "amax" ? "max" : op == "amin" ? "min" : op == "var" ? "welford" : op;
@@ -401,7 +400,11 @@ class Lowerer {
     Expr count = cst(1);
     for (auto a : ir_.reduce_axes) count = count * ir_.domain[static_cast<size_t>(a)];
     acc.count = count;
-    if (op == "argmax" || op == "argmin") acc.axis = ir_.reduce_axes.empty() ? -1 : static_cast<int>(ir_.reduce_axes[0]);
+    if (op == "argmax" || op == "argmin") {
+    Expr lin = cst(0);
+    for (auto a : ir_.reduce_axes) lin = lin * ir_.domain[static_cast<size_t>(a)] + vars_[static_cast<size_t>(a)];
+    acc.index = lin;
+  }
     int v = convert(value_at(x.id, vars_), acc.type);
     KStmt u;
     u.kind = KStmt::Update;
