@@ -105,6 +105,8 @@ Attrs attrs_from(const nb::dict& d) {
 
 NB_MODULE(_C, m) {
   m.doc() = "opfuse core: graph IR, fusion planner, code generation and runtime";
+  // Compiled graphs live in Dynamo's caches until exit; that is not a leak.
+  nb::set_leak_warnings(false);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);

@@ -87,6 +87,20 @@ class _Support(OperatorSupportBase):
         return all(v is None or _supported_tensor(v) for v in vals) and val is not None
 
 
+def _trim_view_tails(partition) -> None:
+    """Leaves views whose users are all outside the partition to PyTorch:
+    there they are free (a view), inside they would be a copy kernel."""
+    changed = True
+    while changed:
+        changed = False
+        for node in list(partition.nodes):
+            is_view = _packet(node.target) in VIEW_ONLY or (
+                node.target is operator.getitem and _packet(node.args[0].target) in VIEW_ONLY)
+            if is_view and node.users and all(u not in partition.nodes for u in node.users):
+                del partition.nodes[node]
+                changed = True
+
+
 class _FusedModule(torch.nn.Module):
     def __init__(self, fused: FusedPartition):
         super().__init__()
@@ -124,6 +138,8 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str = "f
         dump.write(f"{tag}.aten.py", gm.code)
     partitioner = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True)
     partitions = partitioner.propose_partitions()
+    for p in partitions:
+        _trim_view_tails(p)
     partitions = [p for p in partitions
                   if any(n.target is not operator.getitem and _packet(n.target) not in VIEW_ONLY for n in p.nodes)]
     fused_gm = partitioner.fuse_partitions(partitions) if partitions else gm
