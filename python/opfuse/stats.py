@@ -4,6 +4,7 @@ import threading
 _lock = threading.Lock()
 _COUNTERS = ("graphs_compiled", "kernels_compiled", "kernel_launches", "cache_hits", "cache_misses", "fallback_ops")
 _stats = dict.fromkeys(_COUNTERS, 0)
+_stats["compile_seconds"] = 0.0  # time in opfuse's compiler (planning, codegen, compiling or loading kernels)
 
 
 def bump(name: str, n: int = 1) -> None:
@@ -11,11 +12,18 @@ def bump(name: str, n: int = 1) -> None:
         _stats[name] += n
 
 
+def bump_time(name: str, seconds: float) -> None:
+    with _lock:
+        _stats[name] += seconds
+
+
 def stats() -> dict:
     """graphs_compiled: opfuse partitions built; kernels_compiled: kernels in
     them; kernel_launches: opfuse kernels run; cache_hits / cache_misses:
     compiled variants found in / added to the disk cache; fallback_ops: graph
-    nodes left to PyTorch (counted once per compiled graph)."""
+    nodes left to PyTorch (counted once per compiled graph; views, which
+    cost PyTorch nothing, are not counted); compile_seconds: time spent in
+    opfuse's compiler, Dynamo's and AOTAutograd's tracing excluded."""
     with _lock:
         return dict(_stats)
 
@@ -24,3 +32,4 @@ def reset_stats() -> None:
     with _lock:
         for k in _COUNTERS:
             _stats[k] = 0
+        _stats["compile_seconds"] = 0.0

@@ -8,6 +8,7 @@ import functools
 import logging
 import operator
 import os
+import time
 
 import torch
 from torch._decomp import core_aten_decompositions
@@ -17,7 +18,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .. import _C
-from ..stats import bump
+from ..stats import bump, bump_time
 from . import convert
 from .dump import from_env
 from .runtime import FusedPartition
@@ -132,6 +133,14 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, dump):
 
 
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str = "forward"):
+    start = time.perf_counter()
+    try:
+        return _compile_aten_graph(gm, example_inputs, phase)
+    finally:
+        bump_time("compile_seconds", time.perf_counter() - start)
+
+
+def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
     dump = from_env()
     tag = dump.new_name(phase) if dump else phase
     if dump is not None:
@@ -171,6 +180,8 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str = "f
 
     for node in fused_gm.graph.nodes:
         if node.op == "call_function" and node.target is not operator.getitem:
+            if _packet(node.target) in VIEW_ONLY:
+                continue  # a view costs PyTorch nothing: not a fallback
             bump("fallback_ops")
             reason = "not supported by opfuse" if not _Support().is_node_supported(None, node) else "alone: a view"
             _record_fallback(str(node.target), reason)
