@@ -103,6 +103,9 @@ Attrs attrs_from(const nb::dict& d) {
 
 }  // namespace
 
+// Hand-picked fused ops (opfuse.ops): bindings_ops.cpp.
+void bind_ops(nb::module_& m);
+
 NB_MODULE(_C, m) {
   m.doc() = "opfuse core: graph IR, fusion planner, code generation and runtime";
   // Compiled graphs live in Dynamo's caches until exit; that is not a leak.
@@ -230,4 +233,5 @@ NB_MODULE(_C, m) {
     return std::make_tuple(nb::bytes(o.cubin.data(), o.cubin.size()), o.ptx, o.log);
   });
   m.def("cuda_prelude", [] { return std::string(cuda_prelude()); });
+  bind_ops(m);
 }
