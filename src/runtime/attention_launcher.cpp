@@ -1,0 +1,351 @@
+#include "runtime/attention_launcher.h"
+
+#include <dlfcn.h>
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <numbers>
+#include <regex>
+#include <stdexcept>
+#include <tuple>
+
+#include "runtime/compile_cache.h"
+#include "runtime/hash.h"
+
+#include "attention_fwd_cu.inc"  // static const char attention_fwd_cu[]
+
+namespace opfuse::attention {
+namespace {
+
+constexpr int kAttrMaxDynamicSharedBytes = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+constexpr int kDevAttrMaxSmemPerBlockOptin = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+
+// NVRTC's name-expression API is not in runtime/cuda_api.h's table: look it
+// up in the library that table loaded (it was opened RTLD_GLOBAL).
+struct NameApi {
+  nvrtcResult (*AddNameExpression)(nvrtcProgram, const char*) = nullptr;
+  nvrtcResult (*GetLoweredName)(nvrtcProgram, const char*, const char**) = nullptr;
+};
+
+const NameApi& name_api() {
+  static NameApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const NvrtcApi& n = nvrtc();
+    if (!n.loaded) return;
+    void* h = nullptr;
+    std::string path = n.path;
+    if (auto p = path.find(" (already loaded)"); p != std::string::npos) path = path.substr(0, p);
+    if (!path.empty()) h = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    void* from = h ? h : RTLD_DEFAULT;
+    api.AddNameExpression = reinterpret_cast<decltype(api.AddNameExpression)>(dlsym(from, "nvrtcAddNameExpression"));
+    api.GetLoweredName = reinterpret_cast<decltype(api.GetLoweredName)>(dlsym(from, "nvrtcGetLoweredName"));
+  });
+  return api;
+}
+
+std::vector<std::string> compile_options(int arch) {
+  // The options the kernel was measured with (tests/gpu/attention/attn_runtime.py).
+  return {"--gpu-architecture=sm_" + std::to_string(arch), "-std=c++17", "--ptxas-options=-v", "-lineinfo"};
+}
+
+// One NVRTC program for one name expression: (lowered name, cubin, log).
+AttnCompiled nvrtc_compile_expression(const std::string& expr, int arch) {
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  const NameApi& na = name_api();
+  if (!na.AddNameExpression || !na.GetLoweredName)
+    throw std::runtime_error("NVRTC at " + n.path + " lacks nvrtcAddNameExpression/nvrtcGetLoweredName");
+  nvrtcProgram prog = nullptr;
+  if (int r = n.CreateProgram(&prog, attention_fwd_cu, "attention_fwd.cu", 0, nullptr, nullptr))
+    throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
+  struct Guard {
+    const NvrtcApi& n;
+    nvrtcProgram& p;
+    ~Guard() { n.DestroyProgram(&p); }
+  } guard{n, prog};
+  if (int r = na.AddNameExpression(prog, expr.c_str()))
+    throw std::runtime_error(std::string("nvrtcAddNameExpression: ") + n.GetErrorString(r));
+  std::vector<std::string> opts = compile_options(arch);
+  std::vector<const char*> copts;
+  for (auto& o : opts) copts.push_back(o.c_str());
+  int rc = n.CompileProgram(prog, static_cast<int>(copts.size()), copts.data());
+  AttnCompiled out;
+  out.expression = expr;
+  size_t log_size = 0;
+  n.GetProgramLogSize(prog, &log_size);
+  out.log.resize(log_size);
+  if (log_size) n.GetProgramLog(prog, out.log.data());
+  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
+  if (rc != 0)
+    throw std::runtime_error("NVRTC failed to compile " + expr + " for sm_" + std::to_string(arch) + ":\n" +
+                             out.log.substr(0, 8000));
+  const char* lowered = nullptr;
+  if (int r = na.GetLoweredName(prog, expr.c_str(), &lowered); r || !lowered)
+    throw std::runtime_error("nvrtcGetLoweredName failed for " + expr);
+  out.lowered = lowered;
+  size_t size = 0;
+  n.GetCUBINSize(prog, &size);
+  out.cubin.resize(size);
+  n.GetCUBIN(prog, out.cubin.data());
+  if (out.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for " + expr);
+  return out;
+}
+
+// Cache entry layout: "opfuse-attn-cubin\n<lowered name>\n" followed by the cubin.
+constexpr const char kMagic[] = "opfuse-attn-cubin\n";
+
+std::string pack(const AttnCompiled& c) { return kMagic + c.lowered + "\n" + c.cubin; }
+
+bool unpack(const std::string& bytes, AttnCompiled* c) {
+  const size_t m = sizeof(kMagic) - 1;
+  if (bytes.compare(0, m, kMagic) != 0) return false;
+  size_t nl = bytes.find('\n', m);
+  if (nl == std::string::npos || nl == m) return false;
+  c->lowered = bytes.substr(m, nl - m);
+  c->cubin = bytes.substr(nl + 1);
+  return !c->cubin.empty();
+}
+
+struct LoadedFn {
+  CUmodule module = nullptr;
+  CUfunction fn = nullptr;
+};
+
+std::mutex& mu() {
+  static std::mutex m;
+  return m;
+}
+
+}  // namespace
+
+const char* attn_elem_name(AttnElem e) { return e == AttnElem::BF16 ? "bf16" : "f16"; }
+
+AttnElem parse_attn_elem(const std::string& name) {
+  if (name == "bf16") return AttnElem::BF16;
+  if (name == "f16") return AttnElem::F16;
+  throw std::invalid_argument("attention kernel element type must be bf16 or f16, not " + name);
+}
+
+std::string AttnTile::tag() const {
+  return std::to_string(block_m) + "x" + std::to_string(block_n) + "w" + std::to_string(num_warps) + "b" +
+         std::to_string(min_blocks) + (split_pv ? "s" : "");
+}
+
+AttnTile AttnTile::parse(const std::string& tag) {
+  static const std::regex re(R"((\d+)x(\d+)w(\d+)b(\d+)(s?))");
+  std::smatch m;
+  if (!std::regex_match(tag, m, re))
+    throw std::invalid_argument("bad attention tile tag '" + tag + "' (want e.g. 128x64w4b2)");
+  AttnTile t;
+  t.block_m = std::stoi(m[1]);
+  t.block_n = std::stoi(m[2]);
+  t.num_warps = std::stoi(m[3]);
+  t.min_blocks = std::stoi(m[4]);
+  t.split_pv = m[5].length() > 0;
+  return t;
+}
+
+bool attn_head_dim_supported(int64_t d) {
+  for (int x : kAttnHeadDims)
+    if (x == d) return true;
+  return false;
+}
+
+int attn_smem_bytes(int head_dim, const AttnTile& t) {
+  const int stride_bytes = (head_dim + 8) * 2;
+  return t.block_m * stride_bytes + 2 * 2 * t.block_n * stride_bytes;
+}
+
+int attn_max_smem_for_arch(int arch) {
+  switch (arch) {
+    case 80: case 87: return 166912;
+    case 86: case 89: return 101376;
+    case 90: return 232448;
+    default: return 101376;
+  }
+}
+
+namespace {
+
+// docs/attention.md, "Tile choice": the first tile of the list that fits.
+std::vector<AttnTile> default_tiles(int head_dim) {
+  switch (head_dim) {
+    case 64: return {{128, 128, 4, 2}};
+    case 96: return {{128, 64, 4, 2}};
+    case 128: return {{128, 64, 4, 2}, {128, 32, 4, 2}};
+    case 256: return {{128, 64, 8, 1}, {128, 32, 8, 1}, {64, 32, 4, 1}};
+    default: throw std::invalid_argument("attention kernel head dim must be 64, 96, 128 or 256, not " + std::to_string(head_dim));
+  }
+}
+
+AttnTile default_tile(int head_dim, int limit) {
+  for (const AttnTile& t : default_tiles(head_dim))
+    if (attn_smem_bytes(head_dim, t) <= limit) return t;
+  throw std::invalid_argument("no attention tile for head dim " + std::to_string(head_dim) + " fits " +
+                              std::to_string(limit) + " bytes of shared memory");
+}
+
+// 256-row tiles for long non-causal D = 128 (4-6% faster at Sk >= 8192 on the H200).
+const AttnTile kLongTile128{256, 64, 8, 1};
+constexpr int64_t kLongTileMinSk = 8192;
+
+}  // namespace
+
+AttnTile attn_choose_tile(int head_dim, int64_t seqlen_q, int64_t seqlen_k, bool causal, int arch, int smem_limit) {
+  const int limit = smem_limit > 0 ? smem_limit : attn_max_smem_for_arch(arch);
+  if (head_dim == 128 && !causal && seqlen_q >= 256 && seqlen_k >= kLongTileMinSk &&
+      attn_smem_bytes(head_dim, kLongTile128) <= limit)
+    return kLongTile128;
+  return default_tile(head_dim, limit);
+}
+
+std::vector<AttnTile> attn_candidate_tiles(int head_dim, int arch, int smem_limit) {
+  const int limit = smem_limit > 0 ? smem_limit : attn_max_smem_for_arch(arch);
+  std::vector<AttnTile> r{default_tile(head_dim, limit)};
+  if (head_dim == 128 && attn_smem_bytes(head_dim, kLongTile128) <= limit) r.push_back(kLongTile128);
+  return r;
+}
+
+std::string attn_name_expression(AttnElem e, int head_dim, bool causal, const AttnTile& t) {
+  return std::string("opfuse_attn::attention_fwd<opfuse_attn::") + attn_elem_name(e) + ", " + std::to_string(head_dim) +
+         ", " + (causal ? "true" : "false") + ", " + std::to_string(t.block_m) + ", " + std::to_string(t.block_n) + ", " +
+         std::to_string(t.num_warps) + ", " + std::to_string(t.min_blocks) + ", " + (t.split_pv ? "true" : "false") + ">";
+}
+
+AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile& t, int arch, bool use_cache) {
+  if (!attn_head_dim_supported(head_dim))
+    throw std::invalid_argument("attention kernel head dim must be 64, 96, 128 or 256, not " + std::to_string(head_dim));
+  const std::string expr = attn_name_expression(e, head_dim, causal, t);
+  if (!use_cache) return nvrtc_compile_expression(expr, arch);
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  std::string opts;
+  for (auto& o : compile_options(arch)) opts += o + " ";
+  const std::string key = content_hash(std::string(attention_fwd_cu) + "\n" + expr + "\n" + opts + "\nnvrtc " +
+                                       std::to_string(n.major) + "." + std::to_string(n.minor));
+  AttnCompiled fresh;
+  bool built = false;
+  auto build = [&](const std::string& out) {
+    fresh = nvrtc_compile_expression(expr, arch);
+    built = true;
+    write_file_atomic(out, pack(fresh));
+  };
+  CacheLookup found = cache_get_or_build("attention", key, ".cubin", build);
+  if (built) {
+    fresh.cache_hit = false;
+    return fresh;
+  }
+  bool ok = false;
+  AttnCompiled c;
+  c.expression = expr;
+  if (std::string bytes = read_file(found.path, &ok); ok && unpack(bytes, &c)) {
+    c.cache_hit = true;
+    return c;
+  }
+  // An entry of another layout or a damaged one: rebuild.
+  cache_evict(found.path);
+  found = cache_get_or_build("attention", key, ".cubin", build);
+  fresh.cache_hit = false;
+  return fresh;
+}
+
+std::string attn_unsupported_reason(const AttnForwardArgs& a) {
+  if (!attn_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64, 96, 128 or 256";
+  if (a.batch < 0 || a.heads_q < 0 || a.heads_kv < 0 || a.seqlen_q < 0 || a.seqlen_k < 0) return "negative size";
+  if (a.heads_kv == 0 ? a.heads_q != 0 : a.heads_q % a.heads_kv != 0) return "heads_q is not a multiple of heads_kv";
+  if (a.batch > 65535 || a.heads_q > 65535) return "batch and heads must each be <= 65535";
+  if (a.seqlen_q > INT32_MAX || a.seqlen_k > INT32_MAX) return "sequence lengths must fit in 32 bits";
+  // The kernel takes row maxima of the raw scores, so the scale must be positive (0: the default).
+  if (std::isnan(a.softmax_scale) || a.softmax_scale < 0) return "softmax scale must be > 0";
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  struct T {
+    const char* name;
+    const void* p;
+    const int64_t* st;
+  } ts[] = {{"q", a.q, a.q_strides}, {"k", a.k, a.k_strides}, {"v", a.v, a.v_strides}, {"o", a.o, a.o_strides}};
+  for (const T& t : ts) {
+    if (!aligned(t.p)) return std::string(t.name) + ": data pointer not 16-byte aligned";
+    for (int d = 0; d < 3; ++d)
+      if (t.st[d] % 8 != 0) return std::string(t.name) + ": strides must be multiples of 8 elements";
+  }
+  if (!a.tile.empty()) AttnTile::parse(a.tile);  // throws on a bad tag
+  return {};
+}
+
+void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
+  if (std::string why = attn_unsupported_reason(a); !why.empty()) throw std::invalid_argument("attention kernel: " + why);
+  if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0) return;
+  if (!a.q || !a.o || (a.seqlen_k > 0 && (!a.k || !a.v))) throw std::invalid_argument("attention kernel: null pointer");
+  const CudaApi& c = cuda();
+  if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);
+  CUcontext ctx = nullptr;
+  check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (!ctx) throw std::runtime_error("no current CUDA context (initialise CUDA through PyTorch first)");
+  CUdevice dev = 0;
+  check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+
+  struct DevInfo {
+    int arch = 0, smem_optin = 0;
+  };
+  static std::map<CUcontext, DevInfo> devices;
+  static std::map<std::tuple<CUcontext, std::string>, LoadedFn> functions;
+
+  std::lock_guard<std::mutex> lock(mu());
+  DevInfo& info = devices[ctx];
+  if (info.arch == 0) {
+    info.arch = current_device_arch();
+    if (c.DeviceGetAttribute(&info.smem_optin, kDevAttrMaxSmemPerBlockOptin, dev) != 0 || info.smem_optin <= 0)
+      info.smem_optin = attn_max_smem_for_arch(info.arch);
+  }
+  if (info.arch < 80) throw std::invalid_argument("attention kernel needs sm_80 or newer");
+  const int D = static_cast<int>(a.head_dim);
+  const AttnTile tile = a.tile.empty() ? attn_choose_tile(D, a.seqlen_q, a.seqlen_k, a.causal, info.arch, info.smem_optin)
+                                       : AttnTile::parse(a.tile);
+  const int smem = attn_smem_bytes(D, tile);
+  if (smem > info.smem_optin) throw std::invalid_argument("attention tile " + tile.tag() + " needs more shared memory than the device has");
+  const std::string expr = attn_name_expression(a.elem, D, a.causal, tile);
+  LoadedFn& lf = functions[{ctx, expr}];
+  if (!lf.fn) {
+    AttnCompiled comp = attn_compile(a.elem, D, a.causal, tile, info.arch);
+    if (c.ModuleLoadData(&lf.module, comp.cubin.data()) != 0) {
+      // A cubin the driver refuses (e.g. a stale cache entry): compile afresh once.
+      comp = attn_compile(a.elem, D, a.causal, tile, info.arch, /*use_cache=*/false);
+      check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(attention)");
+    }
+    check_cuda(c.ModuleGetFunction(&lf.fn, lf.module, comp.lowered.c_str()), "cuModuleGetFunction(attention)");
+    if (smem > 48 * 1024)
+      check_cuda(c.FuncSetAttribute(lf.fn, kAttrMaxDynamicSharedBytes, smem), "cuFuncSetAttribute(max dynamic smem)");
+  }
+
+  AttnFwdParams p{};
+  p.q = a.q;
+  p.k = a.k;
+  p.v = a.v;
+  p.o = a.o;
+  p.lse = a.lse;
+  p.q_batch_stride = a.q_strides[0], p.q_head_stride = a.q_strides[1], p.q_row_stride = a.q_strides[2];
+  p.k_batch_stride = a.k_strides[0], p.k_head_stride = a.k_strides[1], p.k_row_stride = a.k_strides[2];
+  p.v_batch_stride = a.v_strides[0], p.v_head_stride = a.v_strides[1], p.v_row_stride = a.v_strides[2];
+  p.o_batch_stride = a.o_strides[0], p.o_head_stride = a.o_strides[1], p.o_row_stride = a.o_strides[2];
+  p.lse_batch_stride = a.lse_strides[0], p.lse_head_stride = a.lse_strides[1];
+  p.batch = static_cast<int32_t>(a.batch);
+  p.heads_q = static_cast<int32_t>(a.heads_q);
+  p.heads_kv = static_cast<int32_t>(a.heads_kv);
+  p.q_per_kv = static_cast<int32_t>(a.heads_q / a.heads_kv);
+  p.seqlen_q = static_cast<int32_t>(a.seqlen_q);
+  p.seqlen_k = static_cast<int32_t>(a.seqlen_k);
+  const double scale = a.softmax_scale > 0 ? a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
+  p.softmax_scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  const unsigned grid_x = static_cast<unsigned>((a.seqlen_q + tile.block_m - 1) / tile.block_m);
+  void* params[] = {&p};
+  check_cuda(c.LaunchKernel(lf.fn, grid_x, static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.batch),
+                            static_cast<unsigned>(tile.num_warps * 32), 1, 1, static_cast<unsigned>(smem), stream, params,
+                            nullptr),
+             "cuLaunchKernel(attention)");
+}
+
+}  // namespace opfuse::attention

@@ -1,0 +1,108 @@
+// The C++ launcher of the FlashAttention-2-style forward kernel
+// (src/kernels/attention/attention_fwd.cu, embedded as a string): tile
+// choice, NVRTC compilation of one template instantiation per
+// (element type, head dim, causal, tile), a disk cache of the cubins
+// (OPFUSE_CACHE_DIR/attention), a per-context cache of loaded functions, and
+// the launch on the caller's stream. No link-time CUDA dependency: libcuda
+// and libnvrtc come from runtime/cuda_api.h (dlopen).
+//
+// The launch ABI (AttnFwdParams, grid, block, shared memory) is documented in
+// docs/attention.md and at the top of attention_fwd.cu; AttnFwdParams below
+// mirrors the kernel's struct byte for byte.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/cuda_api.h"
+
+namespace opfuse::attention {
+
+// Mirror of opfuse_attn::AttnFwdParams (only append fields, in both places).
+struct AttnFwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  int64_t lse_batch_stride, lse_head_stride;
+  int32_t batch, heads_q, heads_kv, q_per_kv;
+  int32_t seqlen_q, seqlen_k;
+  float softmax_scale;
+  float scale_log2;
+};
+static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is the kernel's launch ABI");
+
+enum class AttnElem { BF16, F16 };
+const char* attn_elem_name(AttnElem e);  // "bf16" / "f16"
+AttnElem parse_attn_elem(const std::string& name);
+
+// A tile: BLOCK_M x BLOCK_N, NUM_WARPS, MIN_BLOCKS (launch bounds), SPLIT_PV.
+// Tag form "128x64w4b2" (suffix "s" for SPLIT_PV), as in docs/attention.md.
+struct AttnTile {
+  int block_m = 128, block_n = 64, num_warps = 4, min_blocks = 2;
+  bool split_pv = false;
+  std::string tag() const;
+  static AttnTile parse(const std::string& tag);  // throws std::invalid_argument
+  bool operator==(const AttnTile&) const = default;
+};
+
+inline constexpr int kAttnHeadDims[] = {64, 96, 128, 256};
+bool attn_head_dim_supported(int64_t head_dim);
+
+// Dynamic shared memory of one CTA (FwdTile::kSmemBytes).
+int attn_smem_bytes(int head_dim, const AttnTile& t);
+// Largest dynamic shared memory a CTA may opt into on sm_<arch> (table; the
+// launcher asks the device instead).
+int attn_max_smem_for_arch(int arch);
+// The tile the launcher uses (docs/attention.md, "Tile choice"); smem_limit
+// <= 0 takes the table's value for the architecture.
+AttnTile attn_choose_tile(int head_dim, int64_t seqlen_q, int64_t seqlen_k, bool causal, int arch, int smem_limit = 0);
+// Every tile the default choice can return for a head dim on an
+// architecture with `smem_limit` bytes (the instantiations CI compiles).
+std::vector<AttnTile> attn_candidate_tiles(int head_dim, int arch, int smem_limit = 0);
+
+std::string attn_name_expression(AttnElem e, int head_dim, bool causal, const AttnTile& t);
+
+struct AttnCompiled {
+  std::string expression;  // the NVRTC name expression
+  std::string lowered;     // the mangled entry point in the cubin
+  std::string cubin;
+  std::string log;         // NVRTC/ptxas log (empty on a cache hit)
+  bool cache_hit = false;
+};
+// Compiles one instantiation for sm_<arch> with NVRTC (no GPU needed), through
+// the disk cache unless use_cache is false. Throws with NVRTC's log on failure.
+AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile& t, int arch, bool use_cache = true);
+
+struct AttnForwardArgs {
+  AttnElem elem = AttnElem::BF16;
+  const void* q = nullptr;  // [B, Hq, Sq, D]
+  const void* k = nullptr;  // [B, Hkv, Sk, D]
+  const void* v = nullptr;  // [B, Hkv, Sk, D]
+  void* o = nullptr;        // [B, Hq, Sq, D], q's element type
+  float* lse = nullptr;     // [B, Hq, Sq] float32, or null
+  // element strides of dims 0..2 (the last dim must be contiguous)
+  int64_t q_strides[3] = {}, k_strides[3] = {}, v_strides[3] = {}, o_strides[3] = {};
+  int64_t lse_strides[2] = {};
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0;
+  bool causal = false;
+  double softmax_scale = 0;  // <= 0: 1 / sqrt(head_dim)
+  std::string tile;          // empty: attn_choose_tile
+};
+
+// Empty when the kernel covers the problem, else why not (head dim,
+// alignment, strides, sizes): the caller then takes another path.
+std::string attn_unsupported_reason(const AttnForwardArgs& a);
+
+// Checks, chooses the tile, compiles or loads the instantiation into the
+// current CUDA context (once per context), and launches on `stream`. No
+// synchronisation and no allocation: CUDA-graph safe after the first call of
+// an instantiation. Throws std::invalid_argument for unsupported problems.
+void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream);
+
+}  // namespace opfuse::attention
