@@ -53,6 +53,7 @@ ONLY = [int(s) for s in os.environ.get("OPFUSE_FUZZ_ONLY", "").split(",") if s.s
 FLOATS = ("f32", "f64", "bf16", "f16")
 INTS = ("i32", "i64")
 SIZES = (3, 5, 7, 9, 11, 15)
+LARGE_SIZES = (1031, 4099, 8209, 40961)
 # Relative rounding of one node in each dtype, with room for a few ulp of
 # libm differences between float and double transcendental functions.
 U = {"f64": 4e-16, "f32": 3e-7, "f16": 1.0e-3, "bf16": 8e-3, "i32": 0.0, "i64": 0.0, "b8": 0.0}
@@ -62,10 +63,6 @@ POOL_LIMIT = 1e4  # values beyond this only feed outputs
 # generated: comparing it would check little (ill-conditioned, e.g. a norm of
 # nearly constant rows with a tiny eps, or a long half-precision chain).
 MAX_REL_ERR = 0.1
-
-# Known compiler bugs the generator steers around, each with its own skipped
-# test below; OPFUSE_FUZZ_KNOWN_BUGS=1 generates them anyway (to check a fix).
-GENERATE_KNOWN_BUGS = os.environ.get("OPFUSE_FUZZ_KNOWN_BUGS") == "1"
 
 
 def ucomp(dt):
@@ -233,12 +230,22 @@ class GraphGen:
         rng = self.rng
         rank = rng.choice([1, 2, 2, 3, 3, 3])
         base = [str(rng.choice(SIZES)) for _ in range(rank)]
+        if rng.random() < 0.12:
+            # One large dim: the kernels' OpenMP-parallel paths (over 32768 or
+            # 65536 elements) and the 8192-element chunks of the last dim.
+            d = rng.randrange(rank)
+            base[d] = str(rng.choice([n for n in LARGE_SIZES if n * 3 ** (rank - 1) <= 150_000]))
+            for k in rng.sample(range(rank), rank):
+                if k != d and math.prod(int(b) for b in base) > 150_000:
+                    base[k] = "3"
         if rng.random() < 0.3:
             for k, d in enumerate(rng.sample(range(rank), rng.randint(1, min(2, rank)))):
                 name = f"s{k}"
                 self.syms[0][name] = int(base[d])
                 base[d] = name
             self.syms.append({s: rng.choice(SIZES) for s in self.syms[0]})
+            if math.prod(self.sizes(base, 1)) > 150_000:
+                self.syms[1] = {s: 3 for s in self.syms[0]}
         self.base = base
         n_in = rng.randint(2, 4)
         for i in range(n_in):
@@ -521,25 +528,20 @@ class GraphGen:
         return [d - rank if self.rng.random() < 0.2 else d for d in dims]
 
     def gen_reduction(self):
-        op = self.rng.choices(["sum", "mean", "amax", "amin", "var", "argmax", "prod"], [5, 4, 3, 2, 2, 2, 1])[0]
+        op = self.rng.choices(["sum", "mean", "amax", "amin", "var", "argmax", "argmin", "prod"], [5, 4, 3, 2, 2, 2, 1, 1])[0]
         x = self.pick(lambda v: v.dtype != "b8" and len(v.shape) > 0 and not v.nan)
         if x is None:
             return None
         if op in ("mean", "var") and not is_float(x.dtype):
             return None
-        if op == "argmax" and not x.exact:
+        if op in ("argmax", "argmin") and not x.exact:
             return None
         rank = len(x.shape)
-        dims = self.red_dims(rank, one=op == "argmax")
+        dims = self.red_dims(rank, one=op in ("argmax", "argmin"))
         attrs = {"keepdim": self.rng.random() < 0.5}
-        if dims is not None and not (op == "argmax" and self.rng.random() < 0.15):
+        if dims is not None and not (op in ("argmax", "argmin") and self.rng.random() < 0.2):
             attrs["dims"] = dims
         red = sorted(d % rank for d in attrs.get("dims", range(rank)))
-        if op == "argmax" and not GENERATE_KNOWN_BUGS:
-            if any(x.shape[d] == "1" for d in red):
-                return None  # test_known_bug_argmax_over_size_one_dim
-            if "dims" not in attrs and len(red) > 1:
-                return None  # test_known_bug_argmax_without_dims_flattens_wrongly
         n = max(math.prod(self.sizes([x.shape[d] for d in red], k)) for k in range(len(self.syms)))
         fdt = x.dtype if is_float(x.dtype) else "f32"
         acc = ucomp(fdt) * (2 + math.sqrt(n))  # relative accumulation error per unit of magnitude
@@ -555,7 +557,7 @@ class GraphGen:
             return self.emit(op, [x], attrs, x.lo, x.hi, x.err + acc * x.m + rnd(fdt, x.m))
         if op in ("amax", "amin"):
             return self.emit(op, [x], attrs, x.lo, x.hi, x.err)
-        if op == "argmax":
+        if op in ("argmax", "argmin"):
             return self.emit(op, [x], attrs, 0, n - 1, 0.0)
         if op == "var":
             corr = self.rng.choice([0, 1, 1])
@@ -885,7 +887,7 @@ def test_random_graph_matches_oracle(index):
 REQUIRED_OPS = {
     "add", "sub", "mul", "div", "neg", "abs", "exp", "log", "sqrt", "rsqrt", "pow", "relu", "gelu", "silu", "sigmoid",
     "tanh", "erf", "sin", "cos", "maximum", "minimum", "clamp", "where", "eq", "lt", "gt", "cast", "logical_and",
-    "sum", "mean", "amax", "amin", "var", "argmax", "prod", "permute", "reshape", "expand", "slice", "unsqueeze",
+    "sum", "mean", "amax", "amin", "var", "argmax", "argmin", "prod", "permute", "reshape", "expand", "slice", "unsqueeze",
     "squeeze", "cat", "softmax", "log_softmax", "layer_norm", "layer_norm_stats", "rms_norm", "scalar",
 }
 
@@ -910,7 +912,7 @@ def test_fuzzer_covers_the_op_registry():
     assert set(_C.op_names()) >= set(total), "the fuzzer used an op the registry lacks"
 
 
-# -- known compiler bugs found by the fuzzer (each skipped so CI stays green) --------
+# -- regressions: compiler bugs the fuzzer found, as minimal graphs -------------------
 
 def check_text(text, inputs):
     cg = _C.CompiledGraph(text)
@@ -918,8 +920,8 @@ def check_text(text, inputs):
         torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.skip(reason="known bug: argmax over a size-1 dim emits C++ using an undeclared loop variable (x0)")
-def test_known_bug_argmax_over_size_one_dim():
+def test_regression_argmax_over_a_size_one_dim():
+    """Emitted C++ used the loop variable of the size-1 axis, which has none (fixed in 3c0d046)."""
     text = """graph {
   %0 = input() {name="x"} : f32[1, 5]
   %1 = argmax(%0) {dims=[0]} : i64[5]
@@ -928,13 +930,13 @@ def test_known_bug_argmax_over_size_one_dim():
     check_text(text, [torch.randn(1, 5)])
 
 
-@pytest.mark.skip(reason="known bug: argmax without dims over a 2-D input returns the row index, not the flattened index")
-def test_known_bug_argmax_without_dims_flattens_wrongly():
+def test_regression_argmax_without_dims_is_the_flattened_index():
+    """The index was the one along the first reduced axis only (fixed in 3c0d046)."""
     text = """graph {
   %0 = input() {name="x"} : f32[3, 5]
   %1 = argmax(%0) : i64[]
   return (%1)
 }"""
     x = torch.zeros(3, 5)
-    x[1, 4] = 1.0  # the flattened index is 9 (torch.argmax(x) == 9); the kernel gives 1
+    x[1, 4] = 1.0  # the flattened index is 9 (torch.argmax(x) == 9); the kernel gave 1
     check_text(text, [x])
