@@ -28,6 +28,7 @@ from . import _C
 from .stats import reset_stats, stats
 from .frontend.backend import compile, opfuse_backend
 from .explain import explain
+from . import ops
 
 _logging.getLogger("opfuse").addHandler(_logging.NullHandler())
 try:  # TORCH_LOGS=+opfuse shows opfuse's log

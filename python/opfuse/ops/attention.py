@@ -1,0 +1,368 @@
+"""opfuse.ops.attention: scaled dot-product attention as a torch custom op.
+
+    o = opfuse.ops.attention(q, k, v, causal=False, scale=None, attn_mask=None)
+
+q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] with Hq a multiple of Hkv (GQA/MQA).
+Causal masking is aligned to the bottom-right corner (query i sees key j iff
+j <= i + Sk - Sq; FlashAttention >= 2.1). attn_mask, broadcastable to
+[B, Hq, Sq, Sk], is either boolean (True = attend) or additive (a float tensor
+added to the scaled scores). A query row that sees no key gets 0, never NaN.
+
+Paths of the forward (torch.ops.opfuse.attention returns (o, lse)):
+  - CUDA, bfloat16/float16, D in {64, 96, 128, 256}, no attn_mask: the
+    FlashAttention-2-style kernel (src/kernels/attention/attention_fwd.cu),
+    compiled by NVRTC through the C++ launcher (src/runtime/attention_launcher.cpp)
+    and launched on torch.cuda.current_stream();
+  - CPU without a mask, float32/bfloat16/float16 (upcast to float32): the tiled
+    online-softmax float32 kernel of src/kernels/attention/attention_reference.cpp;
+  - CPU with a mask or float64 inputs: src/kernels/attention/attention_cpu.cpp
+    (float32, or float64 for float64 inputs);
+  - CUDA cases the kernel does not cover (a mask, other dtypes or head dims):
+    a PyTorch math implementation on the device (float32 arithmetic, chunked
+    over query rows), logged once per reason.
+The log-sum-exp (float32; float64 for float64 inputs) is saved for the backward.
+
+The backward (torch.ops.opfuse.attention_backward) is NOT a fused kernel yet:
+it evaluates the FlashAttention backward equations with PyTorch ops, with P
+recomputed from q, k and the saved LSE (no softmax recomputation of the
+statistics): dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
+dQ = scale dS K, dK = scale dS^T Q (summed over the query heads of a KV head),
+and for an additive mask that requires grad, dMask = dS summed to its shape.
+It works on CPU and CUDA in float32 (float64 for float64 inputs), chunked over
+query rows to bound the [Hq, rows, Sk] temporaries.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from ..stats import bump
+from ._kernel import check_device
+
+log = logging.getLogger("opfuse")
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_HEAD_DIMS = (64, 96, 128, 256)
+_CHUNK_ELEMENTS = 1 << 24  # score elements per chunk of the PyTorch paths
+_logged: set = set()
+
+
+def _log_once(msg: str):
+    if msg not in _logged:
+        _logged.add(msg)
+        log.info(msg)
+
+
+def _compute_dtype(dt: torch.dtype) -> torch.dtype:
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor]):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"opfuse.ops.attention: {name} must be a tensor")
+        if t.dim() != 4:
+            raise ValueError(f"opfuse.ops.attention: {name} must be [B, H, S, D], got shape {list(t.shape)}")
+    if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"opfuse.ops.attention: q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    B, Hq, Sq, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"opfuse.ops.attention: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} "
+                         "do not fit q [B, Hq, Sq, D], k = v [B, Hkv, Sk, D]")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"opfuse.ops.attention: Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
+            raise TypeError(f"opfuse.ops.attention: attn_mask must be bool or float, got {attn_mask.dtype}")
+        if attn_mask.dim() > 4:
+            raise ValueError("opfuse.ops.attention: attn_mask has more than 4 dims")
+        try:
+            bs = torch.broadcast_shapes(attn_mask.shape, (B, Hq, Sq, k.shape[2]))
+        except RuntimeError:
+            bs = None
+        if bs is None or tuple(bs) != (B, Hq, Sq, k.shape[2]):
+            raise ValueError(f"opfuse.ops.attention: attn_mask of shape {list(attn_mask.shape)} does not broadcast "
+                             f"to [B, Hq, Sq, Sk] = {[B, Hq, Sq, k.shape[2]]}")
+    check_device(q, k, v, attn_mask)
+
+
+def _lse_dtype(dt):
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+def _mask4(mask: Tensor) -> Tensor:
+    """The mask viewed with 4 dims (leading size-1 dims)."""
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
+
+
+# ---------------------------------------------------------------------------
+# Forward paths
+# ---------------------------------------------------------------------------
+
+
+def _cuda_kernel_reason(q, k, v, attn_mask, scale) -> str:
+    if attn_mask is not None:
+        return "attn_mask (the kernel has causal masking only)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (the kernel takes bfloat16/float16)"
+    if q.shape[3] not in KERNEL_HEAD_DIMS:
+        return f"head dim {q.shape[3]} (the kernel takes {KERNEL_HEAD_DIMS})"
+    if not scale > 0:
+        return f"softmax scale {scale} (the kernel needs a positive scale)"
+    if q.shape[0] > 65535 or q.shape[1] > 65535:
+        return "batch or heads > 65535"
+    if os.environ.get("OPFUSE_DISABLE") == "1":
+        return "OPFUSE_DISABLE=1"
+    return ""
+
+
+def _kernel_ready(t: Tensor) -> Tensor:
+    """t itself when the kernel can read it (last dim contiguous, 16-byte
+    aligned, strides multiples of 8 elements), else a contiguous copy."""
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3]):
+        return t
+    return t.contiguous()
+
+
+def _forward_cuda_kernel(q, k, v, causal, scale):
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    o = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
+    ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr()]
+    strides = [list(t.stride()[:3]) for t in (q, k, v, o)] + [list(lse.stride()[:2])]
+    sizes = [B, Hq, Hkv, Sq, Sk, D]
+    with torch.cuda.device(q.device):
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        _C.attention_cuda(elem, ptrs, sizes, strides, bool(causal), float(scale), stream)
+    bump("kernel_launches")
+    return o, lse
+
+
+def _forward_cpu(q, k, v, attn_mask, causal, scale):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    ct = _compute_dtype(q.dtype)
+
+    def ready(t):  # compute dtype, last dim contiguous
+        t = t.to(ct)
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    qc, kc, vc = ready(q), ready(k), ready(v)
+    o = torch.empty((B, Hq, Sq, D), dtype=ct)
+    lse = torch.empty((B, Hq, Sq), dtype=ct)
+    sizes = [B, Hq, Hkv, Sq, Sk, D]
+    ptrs = [qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), o.data_ptr(), lse.data_ptr()]
+    if attn_mask is None and ct == torch.float32 and scale > 0:
+        strides = [list(t.stride()[:3]) for t in (qc, kc, vc, o)] + [list(lse.stride()[:2])]
+        _C.attention_cpu_tiled(ptrs, sizes, strides, bool(causal), float(scale))
+    else:
+        strides = [list(t.stride()[:3]) for t in (qc, kc, vc, o, lse)]
+        kind, mptr, mstrides = "none", 0, []
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                m, kind = attn_mask, "bool"
+            else:
+                m, kind = attn_mask.to(ct), "additive"
+            m = _mask4(m).expand(B, Hq, Sq, Sk)  # strides 0 on broadcast dims: nothing materialised
+            mptr, mstrides = m.data_ptr(), list(m.stride())
+            attn_mask = m  # keep alive through the call
+        _C.attention_cpu("f64" if ct == torch.float64 else "f32", ptrs, sizes, strides, bool(causal), float(scale),
+                         kind, mptr, mstrides)
+    bump("kernel_launches")
+    return o.to(q.dtype), lse
+
+
+def _visible(i0, i1, Sq, Sk, causal, device):
+    """Causal visibility [rows, Sk] (bottom-right aligned), or None."""
+    if not causal:
+        return None
+    i = torch.arange(i0, i1, device=device).unsqueeze(1)
+    j = torch.arange(Sk, device=device).unsqueeze(0)
+    return j <= i + (Sk - Sq)
+
+
+def _scores(qc, kc, mask4, b, i0, i1, causal, scale, Sq, Sk):
+    """Scaled, masked scores [Hq, rows, Sk] of batch b, query rows [i0, i1)."""
+    s = torch.matmul(qc[b, :, i0:i1], kc[b].transpose(-1, -2)) * scale
+    hide = _visible(i0, i1, Sq, Sk, causal, s.device)
+    hide = None if hide is None else ~hide
+    if mask4 is not None:
+        mb = mask4[b if mask4.shape[0] > 1 else 0]
+        mb = mb[:, i0:i1] if mb.shape[1] > 1 else mb
+        if mb.dtype == torch.bool:
+            hide = ~mb if hide is None else (hide | ~mb)
+        else:
+            s = s + mb.to(s.dtype)
+    if hide is not None:
+        s = s.masked_fill(hide, -math.inf)
+    return s
+
+
+def _row_chunk(Hq, Sk):
+    return max(1, _CHUNK_ELEMENTS // max(1, Hq * max(Sk, 1)))
+
+
+def _expand_kv(t, G):
+    return t if G == 1 else t.repeat_interleave(G, dim=1)
+
+
+def _forward_math(q, k, v, attn_mask, causal, scale):
+    """PyTorch ops on q's device (the CUDA path for cases the kernel does not cover)."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    ct = _compute_dtype(q.dtype)
+    qc = q.to(ct)
+    kc, vc = _expand_kv(k.to(ct), Hq // Hkv), _expand_kv(v.to(ct), Hq // Hkv)
+    mask4 = None if attn_mask is None else _mask4(attn_mask)
+    o = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=ct, device=q.device)
+    step = _row_chunk(Hq, Sk)
+    for b in range(B):
+        for i0 in range(0, Sq, step):
+            i1 = min(Sq, i0 + step)
+            s = _scores(qc, kc, mask4, b, i0, i1, causal, scale, Sq, Sk)
+            m = torch.logsumexp(s, dim=-1, keepdim=True) if Sk > 0 else torch.full(
+                (Hq, i1 - i0, 1), -math.inf, dtype=ct, device=q.device)
+            p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
+            p = torch.where(torch.isinf(m), torch.zeros_like(p), p)
+            o[b, :, i0:i1] = torch.matmul(p, vc[b]).to(q.dtype)
+            lse[b, :, i0:i1] = m.squeeze(-1)
+    return o, lse
+
+
+# ---------------------------------------------------------------------------
+# Backward (PyTorch ops; not a fused kernel yet)
+# ---------------------------------------------------------------------------
+
+
+def _backward_math(grad, q, k, v, o, lse, attn_mask, causal, scale, want_dmask):
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    ct = _compute_dtype(q.dtype)
+    qc, gc, oc = q.to(ct), grad.to(ct), o.to(ct)
+    kc, vc = _expand_kv(k.to(ct), G), _expand_kv(v.to(ct), G)
+    mask4 = None if attn_mask is None else _mask4(attn_mask)
+    dq = torch.zeros((B, Hq, Sq, D), dtype=ct, device=q.device)
+    dk = torch.zeros((B, Hq, Sk, D), dtype=ct, device=q.device)
+    dv = torch.zeros((B, Hq, Sk, D), dtype=ct, device=q.device)
+    dmask = torch.zeros(mask4.shape, dtype=ct, device=q.device) if want_dmask else None
+    delta = (gc * oc).sum(-1, keepdim=True)  # rowsum(dO * O): [B, Hq, Sq, 1]
+    step = _row_chunk(Hq, Sk)
+    for b in range(B):
+        for i0 in range(0, Sq, step):
+            i1 = min(Sq, i0 + step)
+            s = _scores(qc, kc, mask4, b, i0, i1, causal, scale, Sq, Sk)
+            m = lse[b, :, i0:i1].to(ct).unsqueeze(-1)
+            dead = torch.isinf(m)  # rows that saw no key: P = 0
+            p = torch.exp(s - torch.where(dead, torch.zeros_like(m), m))
+            p = torch.where(dead, torch.zeros_like(p), p)
+            g = gc[b, :, i0:i1]
+            dv[b] += torch.matmul(p.transpose(-1, -2), g)
+            dp = torch.matmul(g, vc[b].transpose(-1, -2))
+            ds = p * (dp - delta[b, :, i0:i1])
+            dq[b, :, i0:i1] = torch.matmul(ds, kc[b]) * scale
+            dk[b] += torch.matmul(ds.transpose(-1, -2), qc[b, :, i0:i1]) * scale
+            if want_dmask:
+                r = ds if mask4.shape[1] > 1 else ds.sum(0, keepdim=True)
+                r = r if mask4.shape[3] > 1 else r.sum(-1, keepdim=True)
+                bi = b if mask4.shape[0] > 1 else 0
+                if mask4.shape[2] > 1:
+                    dmask[bi, :, i0:i1] += r
+                else:
+                    dmask[bi] += r.sum(1, keepdim=True)
+    if G > 1:
+        dk = dk.view(B, Hkv, G, Sk, D).sum(2)
+        dv = dv.view(B, Hkv, G, Sk, D).sum(2)
+    out = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)]
+    if want_dmask:
+        out.append(dmask.reshape(attn_mask.shape).to(attn_mask.dtype))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Custom ops
+# ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("opfuse::attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    _check(q, k, v, attn_mask)
+    if q.device.type == "cpu":
+        if os.environ.get("OPFUSE_DISABLE") == "1":
+            return _forward_math(q, k, v, attn_mask, causal, scale)
+        return _forward_cpu(q, k, v, attn_mask, causal, scale)
+    why = _cuda_kernel_reason(q, k, v, attn_mask, scale)
+    if not why:
+        return _forward_cuda_kernel(q, k, v, causal, scale)
+    _log_once(f"opfuse.ops.attention: PyTorch math path on {q.device.type} for {why}")
+    return _forward_math(q, k, v, attn_mask, causal, scale)
+
+
+@_attention_op.register_fake
+def _(q, k, v, attn_mask, causal, scale):
+    _check(q, k, v, attn_mask)
+    B, Hq, Sq, D = q.shape
+    return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("opfuse::attention_backward", mutates_args=())
+def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                           attn_mask: Optional[Tensor], causal: bool, scale: float,
+                           mask_grad: bool) -> list[Tensor]:
+    want = bool(mask_grad) and attn_mask is not None and attn_mask.dtype != torch.bool
+    return _backward_math(grad, q, k, v, o, lse, attn_mask, causal, scale, want)
+
+
+@_attention_backward_op.register_fake
+def _(grad, q, k, v, o, lse, attn_mask, causal, scale, mask_grad):
+    out = [torch.empty_like(q, memory_format=torch.contiguous_format),
+           torch.empty_like(k, memory_format=torch.contiguous_format),
+           torch.empty_like(v, memory_format=torch.contiguous_format)]
+    if mask_grad and attn_mask is not None and attn_mask.dtype != torch.bool:
+        out.append(torch.empty_like(attn_mask, memory_format=torch.contiguous_format))
+    return out
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, attn_mask, causal, scale = inputs
+    o, lse = output
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, attn_mask)
+
+
+def _attention_bw(ctx, grad, _glse):
+    q, k, v, o, lse, attn_mask = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    mask_grad = bool(need[3]) and attn_mask is not None and attn_mask.dtype != torch.bool
+    grads = torch.ops.opfuse.attention_backward(grad, q, k, v, o, lse, attn_mask, ctx.causal, ctx.scale, mask_grad)
+    dq, dk, dv = grads[0], grads[1], grads[2]
+    dmask = grads[3] if mask_grad else None
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dmask, None, None)
+
+
+_attention_op.register_autograd(_attention_bw, setup_context=_attention_setup)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+              attn_mask: Optional[Tensor] = None) -> Tensor:
+    """Scaled dot-product attention (see the module docstring): q [B, Hq, Sq, D],
+    k and v [B, Hkv, Sk, D]; causal masking aligned bottom-right; attn_mask
+    bool (True = attend) or additive, broadcastable to [B, Hq, Sq, Sk];
+    scale defaults to 1/sqrt(D). Returns [B, Hq, Sq, D] in q's dtype."""
+    _check(q, k, v, attn_mask)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.opfuse.attention(q, k, v, attn_mask, bool(causal), float(scale))[0]
