@@ -79,17 +79,36 @@ void CpuEmitter::pointwise_body() {
   line("}");
 }
 
+void CpuEmitter::statement(const KStmt& s, const KStage& stage) {
+  if (s.kind == KStmt::Update) {
+    const KAccumulator& a = stage.accs[static_cast<size_t>(s.acc)];
+    if (a.combiner == "max" || a.combiner == "min") {
+      std::string n = acc_name(a), v = value(s.args[0]), cmp = a.combiner == "max" ? " > " : " < ";
+      line(n + " = (" + v + cmp + n + ") ? " + v + " : " + n + ";");
+      if (is_floating(a.type)) line(acc_name(a, "_nan") + " += (" + v + " != " + v + ");");
+      return;
+    }
+  }
+  CEmitter::statement(s, stage);
+}
+
 void CpuEmitter::stage_loop(const KStage& st, const std::vector<size_t>& axes, const std::string& count) {
   for (auto& s : st.pre) statement(s, st);
-  for (auto& a : st.accs) accumulator_init(a);
+  for (auto& a : st.accs) {
+    accumulator_init(a);
+    if ((a.combiner == "max" || a.combiner == "min") && is_floating(a.type)) line("int64_t " + acc_name(a, "_nan") + " = 0;");
+  }
   if (!st.loop.empty()) {
-    // Sums vectorise as an OpenMP simd reduction; other combiners run as
-    // plain loops (their NaN rules do not fit OpenMP's built-in ones).
+    // Sums, maxima and minima vectorise as OpenMP simd reductions; argmax,
+    // prod and Welford run as plain loops.
     bool simd = !st.accs.empty();
     std::string clause;
     for (auto& a : st.accs) {
       if (a.combiner == "sum") clause += " reduction(+:" + acc_name(a) + ")";
-      else simd = false;
+      else if (a.combiner == "max" || a.combiner == "min") {
+        clause += " reduction(" + a.combiner + ":" + acc_name(a) + ")";
+        if (is_floating(a.type)) clause += " reduction(+:" + acc_name(a, "_nan") + ")";
+      } else simd = false;
     }
     if (st.accs.empty()) simd = true;
     if (simd) line("#pragma omp simd" + clause);
@@ -102,7 +121,11 @@ void CpuEmitter::stage_loop(const KStage& st, const std::vector<size_t>& axes, c
     --indent_;
     line("}");
   }
-  for (auto& a : st.accs) accumulator_finish(a);
+  for (auto& a : st.accs) {
+    if ((a.combiner == "max" || a.combiner == "min") && is_floating(a.type))
+      line("if (" + acc_name(a, "_nan") + ") " + acc_name(a) + " = opf_nan<" + value_type(a.type) + ">();");
+    accumulator_finish(a);
+  }
   for (auto& s : st.post) statement(s, st);
 }
 
@@ -126,16 +149,7 @@ void CpuEmitter::row_body() {
   decompose("row_", kept);
   // Stages share the row's scope: values finished in one are read by the next.
   for (const KStage& st : k_->stages) {
-    if (red_loop.empty()) {
-      // A reduction over size-1 axes: the loop body runs once.
-      for (auto& s : st.pre) statement(s, st);
-      for (auto& a : st.accs) accumulator_init(a);
-      for (auto& s : st.loop) statement(s, st);
-      for (auto& a : st.accs) accumulator_finish(a);
-      for (auto& s : st.post) statement(s, st);
-    } else {
-      stage_loop(st, red_loop, "cols");
-    }
+    stage_loop(st, red_loop, "cols");  // over size-1 axes the loop runs once
   }
   --indent_;
   line("}");
