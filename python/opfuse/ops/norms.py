@@ -103,6 +103,8 @@ def _wide(g, i):
 def _reduce_batch(g, x, rank: int, nd: int, out_dtype: str):
     """Sums over the leading (batch) dims and casts to out_dtype."""
     batch = list(range(rank - nd))
+    if not batch and g.dtype(x) == out_dtype:
+        return g.add("copy", [x])  # never return an input buffer (custom op outputs must not alias inputs)
     r = g.add("sum", [x], {"dims": batch, "keepdim": False}) if batch else x
     return r if g.dtype(r) == out_dtype else g.add("cast", [r], {"dtype": ("dtype", out_dtype)})
 
