@@ -96,16 +96,18 @@ void bind_ops(nb::module_& m) {
   m.def(
       "attention_cuda",
       [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal, double scale,
-         uintptr_t stream, const std::string& tile) {
+         uintptr_t stream, const std::string& tile, int device) {
         at::AttnForwardArgs a = cuda_args(elem, ptrs, sizes, strides, causal, scale, tile);
+        a.device = device;
         nb::gil_scoped_release release;
         at::attn_forward_cuda(a, reinterpret_cast<opfuse::CUstream>(stream));
       },
       nb::arg("elem"), nb::arg("ptrs"), nb::arg("sizes"), nb::arg("strides"), nb::arg("causal"), nb::arg("scale"),
-      nb::arg("stream"), nb::arg("tile") = "",
+      nb::arg("stream"), nb::arg("tile") = "", nb::arg("device") = -1,
       "Launches the attention forward kernel on `stream` (an integer cudaStream_t).\n"
       "elem: 'bf16' | 'f16'; ptrs: q, k, v, o, lse (0 = no LSE); sizes: B, Hq, Hkv, Sq, Sk, D;\n"
-      "strides: element strides of dims 0..2 of q, k, v, o and dims 0..1 of lse; scale <= 0: 1/sqrt(D).");
+      "strides: element strides of dims 0..2 of q, k, v, o and dims 0..1 of lse; scale <= 0: 1/sqrt(D);\n"
+      "device >= 0: the tensors' CUDA device (its primary context is made current if the thread has none).");
   m.def(
       "attention_cuda_unsupported_reason",
       [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal, double scale) {

@@ -46,6 +46,47 @@ const NameApi& name_api() {
   return api;
 }
 
+// The driver calls that bind a device's primary context (the one PyTorch's
+// runtime uses) to a thread that has none current.
+struct CtxApi {
+  CUresult (*PrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*CtxSetCurrent)(CUcontext) = nullptr;
+};
+
+const CtxApi& ctx_api() {
+  static CtxApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const CudaApi& c = cuda();
+    if (!c.loaded) return;
+    std::string path = c.path;
+    if (auto p = path.find(" (already loaded)"); p != std::string::npos) path = path.substr(0, p);
+    void* h = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    void* from = h ? h : RTLD_DEFAULT;
+    api.PrimaryCtxRetain = reinterpret_cast<decltype(api.PrimaryCtxRetain)>(dlsym(from, "cuDevicePrimaryCtxRetain"));
+    api.CtxSetCurrent = reinterpret_cast<decltype(api.CtxSetCurrent)>(dlsym(from, "cuCtxSetCurrent"));
+  });
+  return api;
+}
+
+// The current context, after binding `device`'s primary context when the
+// thread has no context or one of another device.
+CUcontext current_context_for(int device) {
+  const CudaApi& c = cuda();
+  CUcontext ctx = nullptr;
+  check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (device < 0) return ctx;
+  CUdevice cur = -1;
+  if (ctx) check_cuda(c.CtxGetDevice(&cur), "cuCtxGetDevice");
+  if (ctx && cur == device) return ctx;
+  const CtxApi& x = ctx_api();
+  if (!x.PrimaryCtxRetain || !x.CtxSetCurrent) return ctx;
+  CUcontext primary = nullptr;
+  check_cuda(x.PrimaryCtxRetain(&primary, device), "cuDevicePrimaryCtxRetain");
+  check_cuda(x.CtxSetCurrent(primary), "cuCtxSetCurrent");
+  return primary;
+}
+
 std::vector<std::string> compile_options(int arch) {
   // The options the kernel was measured with (tests/gpu/attention/attn_runtime.py).
   return {"--gpu-architecture=sm_" + std::to_string(arch), "-std=c++17", "--ptxas-options=-v", "-lineinfo"};
@@ -281,8 +322,7 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
   if (!a.q || !a.o || (a.seqlen_k > 0 && (!a.k || !a.v))) throw std::invalid_argument("attention kernel: null pointer");
   const CudaApi& c = cuda();
   if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);
-  CUcontext ctx = nullptr;
-  check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  CUcontext ctx = current_context_for(a.device);
   if (!ctx) throw std::runtime_error("no current CUDA context (initialise CUDA through PyTorch first)");
   CUdevice dev = 0;
   check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");

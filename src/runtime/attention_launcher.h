@@ -93,6 +93,8 @@ struct AttnForwardArgs {
   bool causal = false;
   double softmax_scale = 0;  // <= 0: 1 / sqrt(head_dim)
   std::string tile;          // empty: attn_choose_tile
+  int device = -1;           // CUDA device of the tensors; >= 0: make its primary context current
+                             // when the thread has none or another device's (PyTorch's context)
 };
 
 // Empty when the kernel covers the problem, else why not (head dim,

@@ -699,6 +699,7 @@ def test_attention_cuda_stream_and_compile():
     q, k, v = _qkv(2, 8, 2, 300, 300, 128, torch.bfloat16, device="cuda", seed=81)
     s = torch.cuda.Stream()
     ref = ops.attention(q, k, v, causal=True)
+    s.wait_stream(torch.cuda.current_stream())  # the inputs were written on the default stream
     with torch.cuda.stream(s):
         o = ops.attention(q, k, v, causal=True)
     s.synchronize()

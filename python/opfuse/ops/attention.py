@@ -51,6 +51,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_HEAD_DIMS = (64, 96, 128, 256)
 _CHUNK_ELEMENTS = 1 << 24  # score elements per chunk of the PyTorch paths
 _logged: set = set()
+_broken: dict = {}  # (device, dtype, head dim, causal) -> why the kernel failed to compile or launch
 
 
 def _log_once(msg: str):
@@ -141,9 +142,8 @@ def _forward_cuda_kernel(q, k, v, causal, scale):
     ptrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr()]
     strides = [list(t.stride()[:3]) for t in (q, k, v, o)] + [list(lse.stride()[:2])]
     sizes = [B, Hq, Hkv, Sq, Sk, D]
-    with torch.cuda.device(q.device):
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        _C.attention_cuda(elem, ptrs, sizes, strides, bool(causal), float(scale), stream)
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    _C.attention_cuda(elem, ptrs, sizes, strides, bool(causal), float(scale), stream, "", q.device.index)
     bump("kernel_launches")
     return o, lse
 
@@ -304,8 +304,16 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
             return _forward_math(q, k, v, attn_mask, causal, scale)
         return _forward_cpu(q, k, v, attn_mask, causal, scale)
     why = _cuda_kernel_reason(q, k, v, attn_mask, scale)
+    broken = (q.device.index, q.dtype, q.shape[3], bool(causal))
+    if not why and broken in _broken:
+        why = f"the kernel failed before: {_broken[broken]}"
     if not why:
-        return _forward_cuda_kernel(q, k, v, causal, scale)
+        try:
+            return _forward_cuda_kernel(q, k, v, causal, scale)
+        except (RuntimeError, ValueError) as e:  # NVRTC or the driver missing or refusing: fall back, never crash
+            _broken[broken] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning("opfuse.ops.attention: the CUDA kernel failed (%s); using the PyTorch math path", e)
+            why = "a kernel failure"
     _log_once(f"opfuse.ops.attention: PyTorch math path on {q.device.type} for {why}")
     return _forward_math(q, k, v, attn_mask, causal, scale)
 
