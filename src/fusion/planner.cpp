@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -158,6 +159,55 @@ class Planner {
     return estimate_cost(tmp, kk, opt_);
   }
 
+  // Peak bytes of stored intermediates and outputs over a dependency order
+  // of the kernels under `kernel_of`: a buffer lives from the kernel that
+  // writes it to the last kernel that reads it (outputs to the end).
+  double peak_bytes(const std::vector<int>& kernel_of) const {
+    int nk = static_cast<int>(ks_.size());
+    std::vector<std::vector<int>> roots(static_cast<size_t>(nk)), reads(static_cast<size_t>(nk));
+    for (size_t id = 0; id < kernel_of.size(); ++id)
+      if (kernel_of[id] >= 0) roots[static_cast<size_t>(kernel_of[id])].push_back(static_cast<int>(id));
+    for (int k = 0; k < nk; ++k)
+      if (!roots[static_cast<size_t>(k)].empty()) reads[static_cast<size_t>(k)] = compute_reads(g_, kernel_of, k, roots[static_cast<size_t>(k)]);
+    std::vector<int> order, state(static_cast<size_t>(nk), 0);
+    std::function<void(int)> visit = [&](int k) {
+      if (state[static_cast<size_t>(k)]) return;
+      state[static_cast<size_t>(k)] = 1;
+      for (int r : reads[static_cast<size_t>(k)])
+        if (kernel_of[static_cast<size_t>(r)] >= 0) visit(kernel_of[static_cast<size_t>(r)]);
+      order.push_back(k);
+    };
+    for (int k = 0; k < nk; ++k)
+      if (!roots[static_cast<size_t>(k)].empty()) visit(k);
+    std::vector<int> position(static_cast<size_t>(nk), -1);
+    for (size_t i = 0; i < order.size(); ++i) position[static_cast<size_t>(order[i])] = static_cast<int>(i);
+    // Which realized nodes are stored, and until when they live.
+    std::map<int, int> last_use;
+    for (int o : g_.outputs) last_use[o] = static_cast<int>(order.size());
+    for (int k : order)
+      for (int r : reads[static_cast<size_t>(k)])
+        if (kernel_of[static_cast<size_t>(r)] >= 0) last_use[r] = std::max(last_use[r], position[static_cast<size_t>(k)]);
+    std::map<std::string, int64_t> env;
+    std::vector<double> delta(order.size() + 2, 0.0);
+    for (auto& [node, last] : last_use) {
+      int k = kernel_of[static_cast<size_t>(node)];
+      if (k < 0) continue;
+      const Node& n = g_.node(node);
+      std::vector<std::string> syms;
+      for (auto& d : n.shape) collect_symbols(d, &syms);
+      for (auto& sname : syms) env.emplace(sname, opt_.symbol_hint);
+      double bytes = static_cast<double>(evaluate(numel(n.shape), env)) * dtype_size(n.dtype);
+      delta[static_cast<size_t>(position[static_cast<size_t>(k)])] += bytes;
+      delta[static_cast<size_t>(last) + 1] -= bytes;
+    }
+    double live = 0, peak = 0;
+    for (double d : delta) {
+      live += d;
+      peak = std::max(peak, live);
+    }
+    return peak;
+  }
+
   bool try_merge(int a, int b) {
     if (!compatible(ks_[static_cast<size_t>(a)], ks_[static_cast<size_t>(b)])) return false;
     std::vector<int> kernel_of = p_.kernel_of;
@@ -176,6 +226,9 @@ class Planner {
     t.stores = m.roots;
     t.reads = compute_reads(g_, kernel_of, a, m.roots);
     if (!can_lower(trial, t)) return false;
+    // The memory gate: fusing must not raise the peak of live buffers
+    // (horizontal fusion can start a buffer's life earlier).
+    if (peak_bytes(kernel_of) > peak_bytes(p_.kernel_of) * 1.001) return false;
     ks_[static_cast<size_t>(a)] = m;
     ks_[static_cast<size_t>(b)].roots.clear();
     alive_[static_cast<size_t>(b)] = false;
