@@ -1,6 +1,8 @@
 #include "runtime/host_compiler.h"
 
 #include <dlfcn.h>
+#include <elf.h>
+#include <cstring>
 #include <fcntl.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -103,7 +105,31 @@ void* LoadedLibrary::symbol(const std::string& name) const {
   return p;
 }
 
+namespace {
+// dlopen maps a shared object's segments; one cut short kills the process
+// with SIGBUS on first touch. Every segment and the section table must lie
+// inside the file before it is loaded.
+void check_elf_complete(const std::string& path) {
+  bool ok = false;
+  std::string bytes = read_file(path, &ok);
+  auto fail = [&](const char* why) { throw std::runtime_error("cannot load " + path + ": " + why); };
+  if (!ok || bytes.size() < sizeof(Elf64_Ehdr)) fail("not a complete ELF file");
+  Elf64_Ehdr eh;
+  std::memcpy(&eh, bytes.data(), sizeof eh);
+  if (std::memcmp(eh.e_ident, ELFMAG, SELFMAG) != 0 || eh.e_ident[EI_CLASS] != ELFCLASS64) fail("not a 64-bit ELF file");
+  uint64_t size = bytes.size();
+  if (eh.e_phoff + uint64_t(eh.e_phnum) * eh.e_phentsize > size) fail("program headers past the end of the file");
+  if (eh.e_shoff + uint64_t(eh.e_shnum) * eh.e_shentsize > size) fail("section headers past the end of the file");
+  for (int i = 0; i < eh.e_phnum; ++i) {
+    Elf64_Phdr ph;
+    std::memcpy(&ph, bytes.data() + eh.e_phoff + uint64_t(i) * eh.e_phentsize, sizeof ph);
+    if (ph.p_offset + ph.p_filesz > size) fail("a segment extends past the end of the file (truncated)");
+  }
+}
+}  // namespace
+
 LoadedLibrary load_library(const std::string& path) {
+  check_elf_complete(path);
   LoadedLibrary lib;
   lib.handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!lib.handle) {

@@ -347,8 +347,7 @@ def test_unwritable_cache_dir_falls_back_to_eager_through_the_frontend(tmp_path,
     assert any("falls back to eager" in m and str(blocker) in m for m in messages), messages
 
 
-@pytest.mark.skip(reason="known bug: a truncated .so whose .sum matches passes the check and dlopen dies with SIGBUS")
-def test_known_bug_truncated_so_with_matching_checksum(tmp_path):
+def test_truncated_so_with_matching_checksum_is_rebuilt(tmp_path):
     """The checksum passes (it was computed over the same truncated bytes) and
     load_library() maps segments past the end of the file: the process dies
     with SIGBUS instead of rebuilding, as it does for a file that fails to load."""
