@@ -10,6 +10,7 @@
 // docs/attention.md and at the top of attention_fwd.cu; AttnFwdParams below
 // mirrors the kernel's struct byte for byte.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -36,6 +37,9 @@ struct AttnFwdParams {
   float scale_log2;
 };
 static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is the kernel's launch ABI");
+static_assert(offsetof(AttnFwdParams, lse_batch_stride) == 136 && offsetof(AttnFwdParams, batch) == 152 &&
+                  offsetof(AttnFwdParams, softmax_scale) == 176,
+              "AttnFwdParams field offsets are the kernel's launch ABI");
 
 enum class AttnElem { BF16, F16 };
 const char* attn_elem_name(AttnElem e);  // "bf16" / "f16"
