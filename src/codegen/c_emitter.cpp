@@ -167,6 +167,23 @@ void CEmitter::update(const KStmt& s, const KStage& stage) {
   }
 }
 
+// Sets the loop variables of `axes` (last fastest) from a linear index.
+void CEmitter::decompose(const std::string& linear, const std::vector<size_t>& axes) {
+  line("int64_t rem_ = " + linear + ";");
+  for (size_t i = axes.size(); i-- > 0;) {
+    size_t a = axes[i];
+    int64_t one = 0;
+    if (is_const(k_->domain[a], &one) && one == 1) continue;
+    std::string x = "x" + std::to_string(a), n = size_c(k_->domain[a]);
+    if (i == 0) line("const int64_t " + x + " = rem_;");
+    else {
+      line("const int64_t " + x + " = rem_ % " + n + ";");
+      line("rem_ /= " + n + ";");
+    }
+  }
+  line("(void)rem_;");
+}
+
 void CEmitter::bind_arguments() {
   for (size_t i = 0; i < k_->symbols.size(); ++i)
     line("const int64_t " + k_->symbols[i] + " = syms[" + std::to_string(i) + "];");

@@ -30,22 +30,6 @@ std::string CpuEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
   return out_.str();
 }
 
-// Sets the loop variables of `axes` (last fastest) from a linear index.
-void CpuEmitter::decompose(const std::string& linear, const std::vector<size_t>& axes) {
-  line("int64_t rem_ = " + linear + ";");
-  for (size_t i = axes.size(); i-- > 0;) {
-    size_t a = axes[i];
-    if (is_one(k_->domain[a])) continue;
-    std::string x = "x" + std::to_string(a), n = size_c(k_->domain[a]);
-    if (i == 0) line("const int64_t " + x + " = rem_;");
-    else {
-      line("const int64_t " + x + " = rem_ % " + n + ";");
-      line("rem_ /= " + n + ";");
-    }
-  }
-  line("(void)rem_;");
-}
-
 void CpuEmitter::pointwise_body() {
   const KStage& st = k_->stages.at(0);
   size_t n = k_->domain.size();

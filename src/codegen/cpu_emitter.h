@@ -12,7 +12,6 @@ class CpuEmitter : public CEmitter {
  private:
   void pointwise_body();
   void row_body();
-  void decompose(const std::string& linear, const std::vector<size_t>& axes);
   void stage_loop(const KStage& st, const std::vector<size_t>& axes, const std::string& count);
   // max/min vectorise as OpenMP max/min reductions plus a NaN count (OpenMP's
   // own max does not propagate NaN; a NaN seen makes the result NaN).

@@ -42,21 +42,6 @@ std::string CudaEmitter::header(const std::string& name, int threads) {
   return args;
 }
 
-void CudaEmitter::decompose(const std::string& linear, const std::vector<size_t>& axes) {
-  line("int64_t rem_ = " + linear + ";");
-  for (size_t i = axes.size(); i-- > 0;) {
-    size_t a = axes[i];
-    if (is_one(k_->domain[a])) continue;
-    std::string x = "x" + std::to_string(a), n = size_c(k_->domain[a]);
-    if (i == 0) line("const int64_t " + x + " = rem_;");
-    else {
-      line("const int64_t " + x + " = rem_ % " + n + ";");
-      line("rem_ /= " + n + ";");
-    }
-  }
-  line("(void)rem_;");
-}
-
 // The widest V such that every load and store that moves along the
 // innermost dim does so with unit stride; 1 when any does otherwise.
 int CudaEmitter::choose_vec(bool all_stages) {

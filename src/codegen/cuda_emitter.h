@@ -56,7 +56,6 @@ class CudaEmitter : public CEmitter {
   // index (`lane0` replaces the innermost variable); skips cached loads.
   void vector_loads(const std::vector<KStmt>& stmts, const std::string& lane0);
   void vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0);
-  void decompose(const std::string& linear, const std::vector<size_t>& axes);
   void reduce_across_threads(const KAccumulator& a);
   int choose_vec(bool all_stages);
   std::string header(const std::string& name, int threads);

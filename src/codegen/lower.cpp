@@ -280,14 +280,7 @@ class Lowerer {
     if (n.op == "reshape") return value_at(x.id, reshape_index(idx, n.shape, x.shape));
     if (n.op == "slice") {
       int64_t d = normalize_dim(n.get_int("dim"), x.rank(), n);
-      Expr size = x.shape[static_cast<size_t>(d)];
-      Expr start = cst(n.get_int("start", 0)), end = n.has("end") ? cst(n.get_int("end")) : size;
-      int64_t c;
-      if (is_const(start, &c) && c < 0) start = emax(size + start, cst(0));
-      if (is_const(end, &c) && c < 0) end = emax(size + end, cst(0));
-      if (is_const(end, &c) && c >= (int64_t(1) << 62)) end = size;
-      end = emin(end, size);
-      start = emin(start, end);
+      Expr start = slice_bounds(n, x.shape[static_cast<size_t>(d)]).first;
       std::vector<Expr> in = idx;
       in[static_cast<size_t>(d)] = start + idx[static_cast<size_t>(d)] * cst(n.get_int("step", 1));
       return value_at(x.id, in);

@@ -29,6 +29,17 @@ int64_t normalize_dim(int64_t d, int64_t rank, const Node& n) {
   return d < 0 ? d + r : d;
 }
 
+std::pair<Expr, Expr> slice_bounds(const Node& n, const Expr& size) {
+  Expr start = cst(n.get_int("start", 0)), end = n.has("end") ? cst(n.get_int("end")) : size;
+  int64_t c;
+  if (is_const(start, &c) && c < 0) start = emax(size + start, cst(0));
+  if (is_const(end, &c) && c < 0) end = emax(size + end, cst(0));
+  if (is_const(end, &c) && c >= (int64_t(1) << 62)) end = size;
+  end = emin(end, size);
+  start = emin(start, end);
+  return {start, end};
+}
+
 std::vector<int64_t> reduction_dims(const Node& n, int64_t rank) {
   std::vector<int64_t> dims = n.has("dims") ? n.get_ints("dims") : std::vector<int64_t>{};
   if (dims.empty())
@@ -401,14 +412,7 @@ void def_layout() {
     int64_t d = normalize_dim(n.get_int("dim"), x.rank(), n);
     int64_t step = n.get_int("step", 1);
     if (step <= 0) throw GraphError(n.where() + ": step must be positive");
-    Expr size = x.shape[static_cast<size_t>(d)];
-    Expr start = cst(n.get_int("start", 0)), end = n.has("end") ? cst(n.get_int("end")) : size;
-    int64_t c;
-    if (is_const(start, &c) && c < 0) start = emax(size + start, cst(0));
-    if (is_const(end, &c) && c < 0) end = emax(size + end, cst(0));
-    if (is_const(end, &c) && c >= (int64_t(1) << 62)) end = size;
-    end = emin(end, size);
-    start = emin(start, end);
+    auto [start, end] = slice_bounds(n, x.shape[static_cast<size_t>(d)]);
     n.shape = x.shape;
     n.shape[static_cast<size_t>(d)] = floordiv(end - start + cst(step - 1), cst(step));
   });

@@ -62,5 +62,8 @@ DType result_type(const Graph& g, const std::vector<int>& inputs);
 // Normalises a (possibly negative) dim against rank; throws GraphError.
 int64_t normalize_dim(int64_t d, int64_t rank, const Node& n);
 std::vector<int64_t> reduction_dims(const Node& n, int64_t rank);
+// A slice's [start, end) along a dim of `size`: negative values count from
+// the end, ends past the size (or the 2^62 'to the end' marker) clamp.
+std::pair<Expr, Expr> slice_bounds(const Node& n, const Expr& size);
 
 }  // namespace opfuse
