@@ -29,6 +29,9 @@ from .stats import reset_stats, stats
 from .frontend.backend import compile, opfuse_backend
 from .explain import explain
 from . import ops
+from .frontend.convert import register_opfuse_ops as _register_opfuse_ops
+
+_register_opfuse_ops()
 
 _logging.getLogger("opfuse").addHandler(_logging.NullHandler())
 try:  # TORCH_LOGS=+opfuse shows opfuse's log

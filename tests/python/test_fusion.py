@@ -257,3 +257,17 @@ def test_dump_writes_ir_plan_source_and_repro(tmp_path, monkeypatch):
     repro = next(p for p in tmp_path.iterdir() if p.name.endswith("_repro.py"))
     import runpy
     runpy.run_path(str(repro), run_name="__main__")
+
+
+def test_opfuse_custom_ops_fuse_with_their_neighbours():
+    # opfuse.ops inside a graph compiled by opfuse: one kernel, no fallback.
+    def f(x, w):
+        return opfuse.ops.layer_norm(x * 2, (37,), w) + 1, opfuse.ops.softmax(x, -1) * 3
+
+    x, w = torch.randn(3, 5, 37), torch.randn(37)
+    opfuse.reset_stats()
+    out = compiled(f)(x, w)
+    ref = (torch.nn.functional.layer_norm(x * 2, (37,), w) + 1, torch.softmax(x, -1) * 3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert opfuse.stats()["fallback_ops"] == 0
+    assert opfuse.stats()["kernel_launches"] == 1

@@ -451,5 +451,25 @@ HANDLERS = {
 HANDLERS[aten.sum.default] = _sum_default
 
 
+def register_opfuse_ops():
+    """opfuse's own custom ops (opfuse.ops) become IR composites, so what
+    surrounds them fuses into the same kernel instead of stopping at them."""
+    ops = torch.ops.opfuse
+
+    def layer_norm(c, node, x, nd, weight=None, bias=None, eps=1e-5):
+        return _layer_norm(c, node, x, [None] * nd, weight, bias, eps)
+
+    def rms_norm(c, node, x, nd, weight=None, eps=1e-6):
+        xi = c.val(x)
+        ins = [xi] + ([c.val(weight)] if weight is not None else [])
+        y = c.add("rms_norm", ins, normalized_ndim=nd, eps=float(eps))
+        return (y, c.add("rms_norm_rstd", [xi], normalized_ndim=nd, eps=float(eps)))
+
+    for name, handler in (("softmax", _softmax("softmax")), ("log_softmax", _softmax("log_softmax")),
+                          ("layer_norm", layer_norm), ("rms_norm", rms_norm)):
+        if hasattr(ops, name):
+            HANDLERS[getattr(ops, name).default] = handler
+
+
 def supported_targets():
     return HANDLERS
