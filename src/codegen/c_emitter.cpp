@@ -1,11 +1,26 @@
 #include "codegen/c_emitter.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
 #include "ir/ops.h"
 
 namespace opfuse {
+
+RowSplit split_rows(const KernelIR& k) {
+  RowSplit r;
+  r.rows = cst(1);
+  r.cols = cst(1);
+  for (size_t a = 0; a < k.domain.size(); ++a) {
+    bool red = std::find(k.reduce_axes.begin(), k.reduce_axes.end(), static_cast<int64_t>(a)) != k.reduce_axes.end();
+    (red ? r.reduced : r.kept).push_back(a);
+    (red ? r.cols : r.rows) = (red ? r.cols : r.rows) * k.domain[a];
+    int64_t c = 0;
+    if (red && !(is_const(k.domain[a], &c) && c == 1)) r.loop.push_back(a);
+  }
+  return r;
+}
 
 std::string StrideSignature::key() const {
   std::string k;

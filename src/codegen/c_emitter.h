@@ -17,6 +17,14 @@ struct StrideSignature {
   std::string key() const;
 };
 
+// A row kernel's domain split into kept axes (one row each) and reduced
+// axes; `loop` drops size-1 reduced axes, which have no loop variable.
+struct RowSplit {
+  std::vector<size_t> kept, reduced, loop;
+  Expr rows, cols;
+};
+RowSplit split_rows(const KernelIR& k);
+
 class CEmitter {
  public:
   virtual ~CEmitter() = default;

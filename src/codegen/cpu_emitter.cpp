@@ -114,17 +114,10 @@ void CpuEmitter::stage_loop(const KStage& st, const std::vector<size_t>& axes, c
 }
 
 void CpuEmitter::row_body() {
-  std::vector<size_t> kept, red;
-  Expr rows = cst(1), cols = cst(1);
-  for (size_t a = 0; a < k_->domain.size(); ++a) {
-    bool r = std::find(k_->reduce_axes.begin(), k_->reduce_axes.end(), static_cast<int64_t>(a)) != k_->reduce_axes.end();
-    (r ? red : kept).push_back(a);
-    (r ? cols : rows) = (r ? cols : rows) * k_->domain[a];
-  }
-  // Size-1 reduce axes have no variable; drop them from the column loop.
-  std::vector<size_t> red_loop;
-  for (size_t a : red)
-    if (!is_one(k_->domain[a])) red_loop.push_back(a);
+  RowSplit split = split_rows(*k_);
+  const std::vector<size_t>& kept = split.kept;
+  const std::vector<size_t>& red_loop = split.loop;
+  Expr rows = split.rows, cols = split.cols;
   line("const int64_t rows = " + size_c(rows) + ";");
   line("const int64_t cols = " + size_c(cols) + ";");
   line("#pragma omp parallel for schedule(static) if (rows * cols > 32768)");

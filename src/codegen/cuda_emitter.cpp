@@ -228,16 +228,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   cache_slot_.clear();
   cache_types_.clear();
   lane_of_.clear();
-  std::vector<size_t> kept, red;
-  Expr rows = cst(1), cols = cst(1);
-  for (size_t a = 0; a < k_->domain.size(); ++a) {
-    bool r = std::find(k_->reduce_axes.begin(), k_->reduce_axes.end(), static_cast<int64_t>(a)) != k_->reduce_axes.end();
-    (r ? red : kept).push_back(a);
-    (r ? cols : rows) = (r ? cols : rows) * k_->domain[a];
-  }
-  std::vector<size_t> red_loop;
-  for (size_t a : red)
-    if (!is_one(k_->domain[a])) red_loop.push_back(a);
+  RowSplit split = split_rows(*k_);
+  const std::vector<size_t>& kept = split.kept;
+  const std::vector<size_t>& red_loop = split.loop;
+  Expr rows = split.rows, cols = split.cols;
   launch_.rows = rows;
   launch_.cols = cols;
   int64_t ncols = -1;
