@@ -2,7 +2,8 @@
 import threading
 
 _lock = threading.Lock()
-_COUNTERS = ("graphs_compiled", "kernels_compiled", "kernel_launches", "cache_hits", "cache_misses", "fallback_ops")
+_COUNTERS = ("graphs_compiled", "kernels_compiled", "kernel_launches", "library_calls", "cache_hits", "cache_misses",
+             "fallback_ops")
 _stats = dict.fromkeys(_COUNTERS, 0)
 _stats["compile_seconds"] = 0.0  # time in opfuse's compiler (planning, codegen, compiling or loading kernels)
 
@@ -19,7 +20,9 @@ def bump_time(name: str, seconds: float) -> None:
 
 def stats() -> dict:
     """graphs_compiled: opfuse partitions built; kernels_compiled: kernels in
-    them; kernel_launches: opfuse kernels run; cache_hits / cache_misses:
+    them; kernel_launches: opfuse kernels run; library_calls: GEMMs run as
+    library calls (cuBLASLt with its fused epilogue on the GPU, PyTorch's
+    matmul on the CPU); cache_hits / cache_misses:
     compiled variants found in / added to the disk cache; fallback_ops: graph
     nodes left to PyTorch (counted once per compiled graph; views, which
     cost PyTorch nothing, are not counted); compile_seconds: time spent in

@@ -13,13 +13,40 @@
 
 namespace opfuse {
 
+// One operand of a library GEMM: a buffer (a graph input, or a realized node,
+// which is contiguous) read as a matrix (or a batch of them) of `shape`;
+// `transposed`: the operand is that matrix transposed (a view, no copy).
+struct GemmOperand {
+  int node = -1;
+  Shape shape;  // the buffer's matrix view, before the transpose
+  bool transposed = false;
+};
+
+// A matmul planned as one library call with the epilogue the library fuses:
+//   result = activation(a @ b + bias + residual)
+// plus, for training, the activation's input (aux) and the bias gradient
+// (the sum over the contracted dim of one operand).
+struct GemmCall {
+  int matmul = -1;
+  GemmOperand a, b;
+  int bias = -1;          // [N] added along the last dim
+  int residual = -1;      // a node of the result's shape added (cuBLASLt's C with beta = 1)
+  std::string activation;  // "", "relu", "gelu_tanh"
+  int aux = -1;           // the activation's input, also stored (GELU_AUX)
+  int bias_grad = -1;     // a sum(dim 0) node computed by the call
+  int bias_grad_operand = -1;  // 0: from a (BGRADB), 1: from b (BGRADA)
+  int result = -1;        // the node the call writes as D
+  std::string epilogue_name() const;  // e.g. "bias+gelu_tanh+aux"
+};
+
 struct KernelGroup {
-  enum class Kind { Pointwise, Row } kind = Kind::Pointwise;
+  enum class Kind { Pointwise, Row, Gemm } kind = Kind::Pointwise;
   Shape domain;
   std::vector<int64_t> reduce_axes;  // Row only, sorted
   std::vector<int> roots;            // realized nodes computed here, ascending
   std::vector<int> stores;           // roots written to memory: outputs or read by other kernels
   std::vector<int> reads;            // realized nodes of other kernels and graph inputs it loads
+  GemmCall gemm;                     // Gemm only
 };
 
 struct KernelCost {
@@ -40,6 +67,10 @@ struct PlannerOptions {
   double flops_per_s = 100e9;
   double launch_seconds = 3e-6;
   int64_t symbol_hint = 1024;       // value assumed for size symbols when costing
+  // Fold bias, activation, residual, aux and bias-gradient epilogues into
+  // GEMM library calls (cuBLASLt). Off on the CPU, where PyTorch runs the
+  // GEMM and the epilogue fuses into the next generated kernel instead.
+  bool gemm_epilogues = false;
 };
 
 // Runs the graph passes and groups the realized nodes into kernels.

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "codegen/lower.h"
+#include "fusion/gemm_epilogue.h"
 #include "fusion/passes.h"
 #include "fusion/plan.h"
 #include "ir/ops.h"
@@ -61,6 +62,7 @@ class Planner {
 
   void run() {
     seed_kernels();
+    if (opt_.gemm_epilogues) absorb_gemm_epilogues();
     if (opt_.fuse) merge_kernels();
     finish();
   }
@@ -75,15 +77,19 @@ class Planner {
   void seed_kernels() {
     std::vector<bool> is_output(g_.nodes.size(), false);
     for (int o : g_.outputs) is_output[static_cast<size_t>(o)] = true;
+    // A library GEMM reads its operands from memory: the buffer behind each
+    // operand (past a transpose or reshape view) must be realized.
+    std::vector<bool> operand_buffer(g_.nodes.size(), false);
+    for (const Node& n : g_.nodes)
+      if (n.op == "matmul")
+        for (int i : n.inputs) operand_buffer[static_cast<size_t>(resolve_gemm_operand(g_, i).node)] = true;
     p_.kernel_of.assign(g_.nodes.size(), -1);
     for (const Node& n : g_.nodes) {
       const OpDef& d = op_def(n);
       bool reduction = d.kind == OpKind::Reduction;
+      bool gemm = d.kind == OpKind::Gemm;
       if (n.op == "input") continue;
-      if (!reduction && !is_output[static_cast<size_t>(n.id)]) continue;
-      if (n.op == "scalar") {
-        // A scalar output still needs a kernel to write it.
-      }
+      if (!reduction && !gemm && !is_output[static_cast<size_t>(n.id)] && !operand_buffer[static_cast<size_t>(n.id)]) continue;
       KernelGroup k;
       if (reduction) {
         const Node& x = g_.node(n.inputs[0]);
@@ -93,6 +99,12 @@ class Planner {
       } else {
         k.domain = n.shape;
       }
+      if (gemm) {
+        k.kind = KernelGroup::Kind::Gemm;
+        k.gemm.matmul = k.gemm.result = n.id;
+        k.gemm.a = resolve_gemm_operand(g_, n.inputs[0]);
+        k.gemm.b = resolve_gemm_operand(g_, n.inputs[1]);
+      }
       k.roots = {n.id};
       p_.kernel_of[static_cast<size_t>(n.id)] = static_cast<int>(ks_.size());
       ks_.push_back(k);
@@ -100,10 +112,47 @@ class Planner {
     alive_.assign(ks_.size(), true);
   }
 
+  // Moves the nodes a GEMM's epilogue computes into its library call (and
+  // out of the kernels they seeded); undone if the kernel graph would cycle.
+  void absorb_gemm_epilogues() {
+    UseInfo use(g_);
+    for (size_t k = 0; k < ks_.size(); ++k) {
+      if (!alive_[k] || ks_[k].kind != KernelGroup::Kind::Gemm) continue;
+      auto snapshot_kernels = ks_;
+      auto snapshot_alive = alive_;
+      auto snapshot_of = p_.kernel_of;
+      GemmCall call = ks_[k].gemm;
+      auto available = [&](int id) { return g_.node(id).op == "input" || p_.kernel_of[static_cast<size_t>(id)] >= 0; };
+      std::vector<int> taken = match_gemm_epilogue(g_, use, call, available);
+      int grad = match_gemm_bias_grad(g_, call);
+      if (grad >= 0) taken.push_back(grad);
+      if (taken.empty()) continue;
+      for (int id : taken) {
+        int owner = p_.kernel_of[static_cast<size_t>(id)];
+        if (owner >= 0 && owner != static_cast<int>(k)) {
+          auto& roots = ks_[static_cast<size_t>(owner)].roots;
+          roots.erase(std::remove(roots.begin(), roots.end(), id), roots.end());
+          if (roots.empty()) alive_[static_cast<size_t>(owner)] = false;
+        }
+        p_.kernel_of[static_cast<size_t>(id)] = static_cast<int>(k);
+        ks_[k].roots.push_back(id);
+      }
+      std::sort(ks_[k].roots.begin(), ks_[k].roots.end());
+      ks_[k].gemm = call;
+      ks_[k].domain = g_.node(call.result).shape;
+      if (!acyclic(p_.kernel_of)) {
+        ks_ = snapshot_kernels;
+        alive_ = snapshot_alive;
+        p_.kernel_of = snapshot_of;
+      }
+    }
+  }
+
   // Which kernels can share a loop nest: same domain (and reduce axes), or a
   // pointwise kernel over a Row kernel's domain or over its row shape.
   bool compatible(const KernelGroup& a, const KernelGroup& b) const {
     using K = KernelGroup::Kind;
+    if (a.kind == K::Gemm || b.kind == K::Gemm) return false;  // library calls fuse only their epilogue
     if (a.kind == K::Row && b.kind == K::Row)
       return same_shape(a.domain, b.domain) && a.reduce_axes == b.reduce_axes;
     if (a.kind == K::Pointwise && b.kind == K::Pointwise) return same_shape(a.domain, b.domain);
@@ -300,9 +349,14 @@ class Planner {
       kg.reads = compute_reads(g_, p_.kernel_of, static_cast<int>(k), kg.roots);
       for (int r : kg.reads) needed[static_cast<size_t>(r)] = true;
     }
-    for (auto& kg : p_.kernels)
+    for (auto& kg : p_.kernels) {
       for (int r : kg.roots)
         if (needed[static_cast<size_t>(r)]) kg.stores.push_back(r);
+      if (kg.kind == KernelGroup::Kind::Gemm)  // the call writes these whether or not anything reads them
+        for (int r : {kg.gemm.result, kg.gemm.aux, kg.gemm.bias_grad})
+          if (r >= 0 && std::find(kg.stores.begin(), kg.stores.end(), r) == kg.stores.end()) kg.stores.push_back(r);
+      std::sort(kg.stores.begin(), kg.stores.end());
+    }
   }
 };
 
@@ -341,6 +395,11 @@ KernelCost estimate_cost(const FusionPlan& plan, const KernelGroup& k, const Pla
   for (int id : members) {
     const Node& n = g.node(id);
     const OpDef& d = op_def(n);
+    if (d.kind == OpKind::Gemm) {
+      const Node& a = g.node(n.inputs[0]);
+      c.flops += 2 * size(n.shape) * size({a.shape.back()});
+      continue;
+    }
     double elems = d.kind == OpKind::Reduction ? size(g.node(n.inputs[0]).shape) : size(n.shape);
     c.flops += d.flops * elems;
   }
@@ -352,8 +411,14 @@ std::string FusionPlan::to_string() const {
   std::ostringstream os;
   for (size_t k = 0; k < kernels.size(); ++k) {
     const KernelGroup& kg = kernels[k];
-    os << "kernel " << k << " " << (kg.kind == KernelGroup::Kind::Row ? "row" : "pointwise") << " "
-       << shape_to_string(kg.domain);
+    const char* kind = kg.kind == KernelGroup::Kind::Row ? "row" : kg.kind == KernelGroup::Kind::Gemm ? "gemm" : "pointwise";
+    os << "kernel " << k << " " << kind << " " << shape_to_string(kg.domain);
+    if (kg.kind == KernelGroup::Kind::Gemm) {
+      auto operand = [&](const GemmOperand& o) {
+        return "%" + std::to_string(o.node) + (o.transposed ? "^T" : "");
+      };
+      os << " call=" << operand(kg.gemm.a) << "@" << operand(kg.gemm.b) << " epilogue=" << kg.gemm.epilogue_name();
+    }
     if (kg.kind == KernelGroup::Kind::Row) {
       os << " reduce=[";
       for (size_t i = 0; i < kg.reduce_axes.size(); ++i) os << (i ? "," : "") << kg.reduce_axes[i];

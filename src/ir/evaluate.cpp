@@ -295,6 +295,22 @@ SymbolValues bind_symbols(const Graph& g, const std::vector<std::vector<int64_t>
   return syms;
 }
 
+// matmul in float64 (the operands are already rounded to their dtype).
+void eval_matmul(const HostTensor& a, const HostTensor& b, HostTensor& out) {
+  size_t r = a.shape.size();
+  int64_t batch = r == 3 ? a.shape[0] : 1, m = a.shape[r - 2], k = a.shape[r - 1], n = b.shape[r - 1];
+  Values v(static_cast<size_t>(batch * m * n), 0.0);
+  for (int64_t p = 0; p < batch; ++p)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t q = 0; q < k; ++q) {
+        double x = a.data[static_cast<size_t>((p * m + i) * k + q)];
+        const double* brow = &b.data[static_cast<size_t>((p * k + q) * n)];
+        double* orow = &v[static_cast<size_t>((p * m + i) * n)];
+        for (int64_t j = 0; j < n; ++j) orow[j] += x * brow[j];
+      }
+  store(out, std::move(v));
+}
+
 HostTensor evaluate_node(const Graph& g, const Node& n, const std::vector<const HostTensor*>& inputs,
                          const SymbolValues& syms) {
   const OpDef& def = op_def(n);
@@ -317,6 +333,7 @@ HostTensor evaluate_node(const Graph& g, const Node& n, const std::vector<const 
     case OpKind::Broadcast:
     case OpKind::Layout: eval_layout(n, inputs, out); break;
     case OpKind::Composite: eval_detail::evaluate_composite(n, inputs, out); break;
+    case OpKind::Gemm: eval_matmul(*inputs[0], *inputs[1], out); break;
     case OpKind::Opaque: throw GraphError(n.where() + ": an opaque op has no reference evaluation");
   }
   return out;

@@ -17,6 +17,7 @@ const char* op_kind_name(OpKind k) {
     case OpKind::Layout: return "layout";
     case OpKind::Reduction: return "reduction";
     case OpKind::Composite: return "composite";
+    case OpKind::Gemm: return "gemm";
     case OpKind::Opaque: return "opaque";
   }
   return "?";
@@ -490,8 +491,39 @@ void def_composite() {
   def("rms_norm_backward", 3, 4, same_as_first, decompose_rms_norm_backward, 10);
 }
 
+// matmul: [M, K] @ [K, N] -> [M, N], or batched [B, M, K] @ [B, K, N]
+// (PyTorch's mm and bmm; linear and addmm reach the IR as mm plus adds).
+// Both operands have one dtype, as PyTorch requires.
+void def_gemm() {
+  OpDef d;
+  d.name = "matmul";
+  d.kind = OpKind::Gemm;
+  d.min_inputs = d.max_inputs = 2;
+  d.flops = 0;  // 2*K per output element: estimate_cost counts it from the shapes
+  d.infer = [](const Graph& g, Node& n) {
+    const Node& a = g.node(n.inputs[0]);
+    const Node& b = g.node(n.inputs[1]);
+    if (a.rank() != b.rank() || (a.rank() != 2 && a.rank() != 3))
+      throw GraphError(n.where() + ": needs two matrices or two batches of matrices, got " + shape_to_string(a.shape) +
+                       " and " + shape_to_string(b.shape));
+    if (a.dtype != b.dtype)
+      throw GraphError(n.where() + ": operands have different dtypes (" + dtype_name(a.dtype) + ", " + dtype_name(b.dtype) + ")");
+    if (!is_floating(a.dtype)) throw GraphError(n.where() + ": needs floating operands, got " + dtype_name(a.dtype));
+    size_t r = a.shape.size();
+    if (!expr_equal(a.shape[r - 1], b.shape[r - 2]))
+      throw GraphError(n.where() + ": inner sizes differ: " + shape_to_string(a.shape) + " @ " + shape_to_string(b.shape));
+    if (r == 3 && !expr_equal(a.shape[0], b.shape[0]))
+      throw GraphError(n.where() + ": batch sizes differ: " + shape_to_string(a.shape) + " @ " + shape_to_string(b.shape));
+    n.shape = a.shape;
+    n.shape[r - 1] = b.shape[r - 1];
+    n.dtype = a.dtype;
+  };
+  registry()["matmul"] = d;
+}
+
 bool registered = [] {
   def_source();
+  def_gemm();
   register_elementwise();
   def_reductions();
   def_layout();

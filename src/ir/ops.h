@@ -19,6 +19,7 @@ enum class OpKind {
   Layout,       // reshape, permute, slice, cat, ...: an index map (injective)
   Reduction,    // sum, mean, amax, amin, var, argmax over some dims
   Composite,    // softmax, norms and their backward ops: decomposed before planning
+  Gemm,         // matmul: a library call (cuBLASLt, or PyTorch on the CPU), never generated
   Opaque,       // anything left to PyTorch
 };
 const char* op_kind_name(OpKind k);

@@ -16,6 +16,8 @@
 #include "ir/ops.h"
 #include "runtime/compile_cache.h"
 #include "runtime/compiled_graph.h"
+#include "runtime/gemm_launcher.h"
+#include <nanobind/stl/function.h>
 
 namespace nb = nanobind;
 using namespace opfuse;
@@ -164,18 +166,21 @@ NB_MODULE(_C, m) {
 
   nb::class_<CompiledGraph>(m, "CompiledGraph")
       .def("__init__",
-           [](CompiledGraph* self, const std::string& text, bool fuse, double bandwidth, double flops, const std::string& target) {
+           [](CompiledGraph* self, const std::string& text, bool fuse, double bandwidth, double flops, const std::string& target,
+              int gemm_epilogues) {
              CompileOptions opt;
              if (target == "cuda") opt.target = Target::CUDA;
              else if (target != "cpu") throw std::invalid_argument("target must be cpu or cuda, not " + target);
              opt.planner.fuse = fuse;
+             // Default: cuBLASLt epilogues on the GPU; on the CPU PyTorch runs the GEMM plainly.
+             opt.planner.gemm_epilogues = gemm_epilogues < 0 ? opt.target == Target::CUDA : gemm_epilogues != 0;
              if (bandwidth > 0) opt.planner.bandwidth_bytes_per_s = bandwidth;
              if (flops > 0) opt.planner.flops_per_s = flops;
              Graph g = parse_graph(text);
              new (self) CompiledGraph(g, opt);
            },
            nb::arg("text"), nb::arg("fuse") = true, nb::arg("bandwidth") = 0.0, nb::arg("flops") = 0.0,
-           nb::arg("target") = "cpu")
+           nb::arg("target") = "cpu", nb::arg("gemm_epilogues") = -1)
       .def_prop_ro("target", [](const CompiledGraph& c) { return std::string(c.target() == Target::CUDA ? "cuda" : "cpu"); })
       .def("cuda_source", &CompiledGraph::cuda_source)
       .def("compile_cuda",
@@ -185,6 +190,34 @@ NB_MODULE(_C, m) {
              return std::make_tuple(nb::bytes(o.cubin.data(), o.cubin.size()), o.ptx, o.log);
            })
       .def_prop_ro("num_kernels", [](const CompiledGraph& c) { return c.kernels().size(); })
+      .def_prop_ro("num_library_calls", [](const CompiledGraph& c) { return c.gemms().size(); })
+      .def("gemms",
+           [](const CompiledGraph& c, const std::vector<int64_t>& syms) {
+             std::map<std::string, int64_t> env;
+             for (size_t i = 0; i < c.symbols().size(); ++i) env[c.symbols()[i]] = syms.at(i);
+             nb::list l;
+             for (const GemmStep& s : c.gemms()) {
+               nb::dict d;
+               d["name"] = s.name;
+               d["epilogue"] = s.call.epilogue_name();
+               auto operand = [&](const char* key, const GemmOperand& op, int buffer) {
+                 std::vector<int64_t> shape;
+                 for (auto& e : op.shape) shape.push_back(evaluate(e, env));
+                 d[key] = nb::make_tuple(buffer, shape, op.transposed);
+               };
+               operand("a", s.call.a, s.a);
+               operand("b", s.call.b, s.b);
+               d["out"] = s.out;
+               d["bias"] = s.bias;
+               d["residual"] = s.residual;
+               d["aux"] = s.aux;
+               d["bias_grad"] = s.bias_grad;
+               d["dtype"] = dtype_name(s.dtype);
+               l.append(d);
+             }
+             return l;
+           },
+           nb::arg("syms") = std::vector<int64_t>{})
       .def("plan_text", [](const CompiledGraph& c) { return c.plan().to_string(); })
       .def("graph_text", [](const CompiledGraph& c) { return print_graph(c.plan().graph); })
       .def("kernels", [](const CompiledGraph& c) {
@@ -215,14 +248,29 @@ NB_MODULE(_C, m) {
       .def("source", &CompiledGraph::source)
       .def("run",
            [](const CompiledGraph& c, int variant, const std::vector<int64_t>& syms, const std::vector<uintptr_t>& ptrs,
-              const std::vector<std::vector<int64_t>>& strides, uintptr_t stream) {
+              const std::vector<std::vector<int64_t>>& strides, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
+              bool allow_tf32, nb::object cpu_gemm) {
              std::vector<void*> p;
              p.reserve(ptrs.size());
              for (auto x : ptrs) p.push_back(reinterpret_cast<void*>(x));
+             RunOptions o;
+             o.stream = reinterpret_cast<void*>(stream);
+             o.workspace = reinterpret_cast<void*>(workspace);
+             o.workspace_bytes = workspace_bytes;
+             o.allow_tf32 = allow_tf32;
+             if (!cpu_gemm.is_none())
+               o.cpu_gemm = [cpu_gemm](int g) {
+                 nb::gil_scoped_acquire acquire;
+                 cpu_gemm(g);
+               };
              nb::gil_scoped_release release;
-             c.run(variant, syms, p, strides, reinterpret_cast<void*>(stream));
+             c.run(variant, syms, p, strides, o);
            },
-           nb::arg("variant"), nb::arg("syms"), nb::arg("ptrs"), nb::arg("strides"), nb::arg("stream") = 0);
+           nb::arg("variant"), nb::arg("syms"), nb::arg("ptrs"), nb::arg("strides"), nb::arg("stream") = 0,
+           nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0, nb::arg("allow_tf32") = false,
+           nb::arg("cpu_gemm") = nb::none());
+  nb::exception<GemmUnsupported>(m, "GemmUnsupported");
+  m.def("cublaslt_version", [] { return cublaslt_version(); });
   m.def("nvrtc_version", [] {
     const NvrtcApi& n = nvrtc();
     if (!n.loaded) throw std::runtime_error(n.error);

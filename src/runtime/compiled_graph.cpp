@@ -85,9 +85,29 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
 
   for (size_t i = 0; i < plan_.kernels.size(); ++i) {
     const KernelGroup& k = plan_.kernels[i];
+    if (k.kind == KernelGroup::Kind::Gemm) {
+      GemmStep s;
+      s.call = k.gemm;
+      auto buf = [&](int node) { return node < 0 ? -1 : buffer_of.at(node); };
+      s.a = buf(k.gemm.a.node);
+      s.b = buf(k.gemm.b.node);
+      s.out = buf(k.gemm.result);
+      s.bias = buf(k.gemm.bias);
+      s.residual = buf(k.gemm.residual);
+      s.aux = buf(k.gemm.aux);
+      s.bias_grad = buf(k.gemm.bias_grad);
+      s.dtype = pg.node(k.gemm.matmul).dtype;
+      s.name = "gemm" + std::to_string(gemms_.size());
+      if (k.gemm.epilogue_name() != "none") s.name += "_" + k.gemm.epilogue_name();
+      for (auto& ch : s.name)
+        if (ch == '+') ch = '_';
+      steps_.emplace_back(true, static_cast<int>(gemms_.size()));
+      gemms_.push_back(s);
+      continue;
+    }
     KernelInfo info;
     info.ops = member_ops(plan_, k);
-    info.name = kernel_name(i, info.ops);
+    info.name = kernel_name(kernels_.size(), info.ops);
     info.cost = estimate_cost(plan_, k, opt.planner);
     info.row = k.kind == KernelGroup::Kind::Row;
     kernels_.push_back(lower_kernel(plan_, k, info.name));
@@ -100,6 +120,7 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
       l.symbols.push_back(static_cast<int>(std::find(symbols_.begin(), symbols_.end(), s) - symbols_.begin()));
     launches_.push_back(l);
     info_.push_back(info);
+    steps_.emplace_back(false, static_cast<int>(kernels_.size()) - 1);
   }
 }
 
@@ -200,15 +221,29 @@ int CompiledGraph::variant(const std::vector<std::vector<int64_t>>& shapes, cons
 std::string CompiledGraph::source(int variant) const { return variants_.at(static_cast<size_t>(variant))->source; }
 
 void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
-                        const std::vector<std::vector<int64_t>>& input_strides, void* stream) const {
+                        const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& options) const {
   const Variant& v = *variants_.at(static_cast<size_t>(variant));
   if (target_ == Target::CUDA) {
-    launch_cuda(v, symbol_values, ptrs, input_strides, stream);
+    for (auto [gemm, i] : steps_) {
+      if (gemm) launch_gemm(gemms_[static_cast<size_t>(i)], symbol_values, ptrs, input_strides, options);
+      else launch_cuda_kernel(v, static_cast<size_t>(i), symbol_values, ptrs, input_strides, options.stream);
+    }
     return;
   }
   std::vector<void*> bufs;
   std::vector<int64_t> syms, strides;
-  for (size_t i = 0; i < kernels_.size(); ++i) {
+  for (auto [gemm, index] : steps_) {
+    size_t i = static_cast<size_t>(index);
+    if (gemm) {
+      if (!options.cpu_gemm)
+        throw std::runtime_error("this graph has a GEMM, which on the CPU needs a matmul provider (RunOptions::cpu_gemm)");
+      if (int e = v.take_error()) {  // a division by zero before the GEMM
+        (void)e;
+        throw std::domain_error("ZeroDivisionError");
+      }
+      options.cpu_gemm(index);
+      continue;
+    }
     const Launch& l = launches_[i];
     bufs.clear();
     syms.clear();
@@ -287,13 +322,14 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
   }
 }
 
-void CompiledGraph::launch_cuda(const Variant& v, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
-                                const std::vector<std::vector<int64_t>>& input_strides, void* stream) const {
+void CompiledGraph::launch_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values,
+                                       const std::vector<void*>& ptrs, const std::vector<std::vector<int64_t>>& input_strides,
+                                       void* stream) const {
   const CudaApi& c = cuda();
   std::map<std::string, int64_t> env;
-  for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
+  for (size_t s = 0; s < symbols_.size(); ++s) env[symbols_[s]] = symbol_values[s];
   std::vector<int64_t> args;
-  for (size_t i = 0; i < kernels_.size(); ++i) {
+  {
     const Launch& l = launches_[i];
     const CudaLaunch& cl = v.launches[i];
     const KernelIR& k = kernels_[i];
@@ -328,13 +364,13 @@ void CompiledGraph::launch_cuda(const Variant& v, const std::vector<int64_t>& sy
     if (vec_ok) f = v.cu_vector[i];
     if (!cl.row) {
       int64_t n = evaluate(cl.numel, env);
-      if (n == 0) continue;
+      if (n == 0) return;
       int vec = vec_ok ? cl.vec : 1;
       int64_t blocks = (n + static_cast<int64_t>(cl.threads) * vec - 1) / (static_cast<int64_t>(cl.threads) * vec);
       grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
     } else {
       int64_t rows = evaluate(cl.rows, env);
-      if (rows == 0) continue;
+      if (rows == 0) return;
       int rpb = vec_ok ? cl.vec_rows_per_block : cl.rows_per_block;
       if (vec_ok) threads = static_cast<unsigned>(cl.vec_threads);
       int64_t blocks = (rows + rpb - 1) / rpb;

@@ -2,6 +2,7 @@
 // and one compiled variant per input stride signature (the in-memory cache;
 // sizes are run-time arguments, so a variant serves every size).
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -34,6 +35,27 @@ struct BufferSpec {
   bool is_input = false;
 };
 
+// A GEMM library call of the plan, in terms of buffers (indices into
+// buffers()); -1 where absent.
+struct GemmStep {
+  GemmCall call;          // the plan's description (node ids)
+  int a = -1, b = -1;     // operand buffers; the matrix views are call.a/b.shape, maybe transposed
+  int out = -1, bias = -1, residual = -1, aux = -1, bias_grad = -1;
+  DType dtype = DType::Float32;
+  std::string name;       // e.g. "gemm0_bias_relu"
+};
+
+// What a run needs besides pointers: the stream (CUDA), cuBLASLt's
+// workspace, the TF32 setting, and on the CPU who computes GEMMs (the
+// Python package passes PyTorch's matmul; opfuse has no BLAS of its own).
+struct RunOptions {
+  void* stream = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  bool allow_tf32 = false;
+  std::function<void(int gemm)> cpu_gemm;
+};
+
 struct KernelInfo {
   std::string name;
   std::vector<std::string> ops;  // the graph ops it computes
@@ -51,6 +73,9 @@ class CompiledGraph {
   const std::vector<KernelIR>& kernels() const { return kernels_; }
   const std::vector<KernelInfo>& kernel_info() const { return info_; }
   const std::vector<std::string>& symbols() const { return symbols_; }
+  const std::vector<GemmStep>& gemms() const { return gemms_; }
+  // The order of the work: (false, kernel index) or (true, gemm index).
+  const std::vector<std::pair<bool, int>>& steps() const { return steps_; }
 
   // Size symbols from the inputs' shapes (in symbols() order).
   std::vector<int64_t> bind(const std::vector<std::vector<int64_t>>& input_shapes) const;
@@ -66,7 +91,13 @@ class CompiledGraph {
   // `input_strides` the strides of each graph input, in elements; `stream`
   // the CUDA stream to launch on (CUDA target).
   void run(int variant, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
-           const std::vector<std::vector<int64_t>>& input_strides, void* stream = nullptr) const;
+           const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& options) const;
+  void run(int variant, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+           const std::vector<std::vector<int64_t>>& input_strides, void* stream = nullptr) const {
+    RunOptions o;
+    o.stream = stream;
+    run(variant, symbol_values, ptrs, input_strides, o);
+  }
 
   Target target() const { return target_; }
   // The CUDA source of all kernels for a stride signature, and compiling it
@@ -101,6 +132,8 @@ class CompiledGraph {
   std::vector<Launch> launches_;
   std::vector<BufferSpec> buffers_;
   std::vector<int> output_buffers_;
+  std::vector<GemmStep> gemms_;
+  std::vector<std::pair<bool, int>> steps_;
   std::vector<int> input_nodes_;
   std::vector<std::string> symbols_;
   std::map<std::string, int> variant_index_;
@@ -110,8 +143,10 @@ class CompiledGraph {
 
   std::string cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches) const;
   void build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit);
-  void launch_cuda(const Variant& v, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
-                   const std::vector<std::vector<int64_t>>& input_strides, void* stream) const;
+  void launch_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+                          const std::vector<std::vector<int64_t>>& input_strides, void* stream) const;
+  void launch_gemm(const GemmStep& s, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+                   const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
 
   std::string signature(const std::vector<std::vector<int64_t>>& shapes, const std::vector<std::vector<int64_t>>& strides,
                         std::vector<StrideSignature>* per_kernel) const;

@@ -1,4 +1,5 @@
 #include "runtime/cuda_api.h"
+#include "runtime/dynamic_library.h"
 
 #include <dlfcn.h>
 
@@ -22,6 +23,8 @@ std::vector<std::string> search_dirs() {
   return dirs;
 }
 
+}  // namespace
+
 // The first of `names` already in the process, else in the search dirs,
 // else wherever the dynamic loader finds it.
 void* open_library(const std::vector<std::string>& names, std::string* path, std::string* error) {
@@ -39,14 +42,6 @@ void* open_library(const std::vector<std::string>& names, std::string* path, std
   return nullptr;
 }
 
-template <class F>
-bool bind(void* h, F*& fn, const char* name, std::string* error) {
-  fn = reinterpret_cast<F*>(dlsym(h, name));
-  if (!fn && error->empty()) *error = std::string("missing symbol ") + name;
-  return fn != nullptr;
-}
-
-}  // namespace
 
 const NvrtcApi& nvrtc() {
   static NvrtcApi api;

@@ -118,4 +118,37 @@ def rows_cases(device: torch.device, quick: bool) -> list[Case]:
     return [row_case(op, r, c, dtype) for (r, c) in shapes for op in ROW_FUNCTIONS]
 
 
-SUITES = {"chain": chain_cases, "rows": rows_cases}
+def mlp_block(x, w1, b1, w2, b2):
+    """The seed's section 5.1 block relu(x @ w1 + b1) @ w2 + b2, as nn.Linear layers."""
+    return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+
+
+def llama_mlp(x, w1, w3, w2):
+    """Llama's MLP (silu(x @ w1) * (x @ w3)) @ w2, as nn.Linear layers."""
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def gemm_case(kind: str, m: int, k: int, h: int, dtype: torch.dtype) -> Case:
+    def make(device, seed):
+        gen = _generator(device, seed)
+        r = lambda *shape, scale=1.0: (_randn(shape, torch.float32, device, gen) * scale).to(dtype)
+        x = r(m, k)
+        if kind == "mlp":
+            return (x, r(h, k, scale=k ** -0.5), r(h), r(k, h, scale=h ** -0.5), r(k))
+        return (x, r(h, k, scale=k ** -0.5), r(h, k, scale=k ** -0.5), r(k, h, scale=h ** -0.5))
+    fn, gemms = (mlp_block, 2) if kind == "mlp" else (llama_mlp, 3)
+    return Case("gemm", f"{kind}-{m}x{k}x{h}-{DTYPE_LABEL[dtype]}", fn, make, dtype, (m, k, h),
+                flops=2.0 * m * k * h * gemms)
+
+
+def gemm_cases(device: torch.device, quick: bool) -> list[Case]:
+    if device.type == "cuda":
+        shapes = [("mlp", 16, 4096, 16384)] if quick else [
+            ("mlp", 8192, 4096, 16384), ("mlp", 16, 4096, 16384),
+            ("llama", 8192, 4096, 11008), ("llama", 16, 4096, 11008)]
+        return [gemm_case(kind, m, k, h, torch.bfloat16) for kind, m, k, h in shapes]
+    shapes = [("mlp", 16, 256, 512)] if quick else [("mlp", 512, 512, 2048), ("llama", 512, 512, 1376)]
+    return [gemm_case(kind, m, k, h, torch.float32) for kind, m, k, h in shapes]
+
+
+SUITES = {"chain": chain_cases, "rows": rows_cases, "gemm": gemm_cases}

@@ -24,6 +24,11 @@ def inductor(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
+def inductor_max_autotune(fn: Callable) -> Callable:
+    """torch.compile(mode="max-autotune"): Inductor also benchmarks Triton GEMM templates."""
+    return torch.compile(fn, mode="max-autotune")
+
+
 def opfuse(fn: Callable) -> Callable:
     try:
         import opfuse as _opfuse  # importing registers the "opfuse" backend
@@ -37,6 +42,7 @@ def opfuse(fn: Callable) -> Callable:
 IMPLS: dict[str, Callable[[Callable], Callable]] = {
     "eager": eager,
     "torch.compile": inductor,
+    "torch.compile-max-autotune": inductor_max_autotune,
     "opfuse": opfuse,
 }
 DEFAULT_IMPLS = ("eager", "torch.compile", "opfuse")

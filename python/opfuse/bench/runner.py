@@ -126,5 +126,6 @@ def table_rows(results: list[CaseResult], bw: Bandwidth) -> list[list]:
                      floors.floor_ms(r.nbytes, bw.bytes_per_s),
                      floors.achieved_gb_per_s(r.nbytes, ms),
                      100 * floors.fraction_of_bandwidth(r.nbytes, ms, bw.bytes_per_s),
-                     f"{base / ms:.2f}x" if base else None, _host_us(r.timing), ""])
+                     f"{base / ms:.2f}x" if base else None, _host_us(r.timing),
+                     f"{r.case.flops / ms / 1e9:.0f} TFLOP/s" if r.case.suite == "gemm" else ""])
     return rows

@@ -79,6 +79,8 @@ class _Support(OperatorSupportBase):
     def is_node_supported(self, submodules, node) -> bool:
         if node.op != "call_function":
             return False
+        if _view_for_gemm_from_outside(node, self):
+            return False
         if node.target is operator.getitem:
             return isinstance(node.args[0], torch.fx.Node) and self.is_node_supported(submodules, node.args[0])
         if node.target not in convert.HANDLERS and _packet(node.target) not in convert.HANDLERS:
@@ -86,6 +88,30 @@ class _Support(OperatorSupportBase):
         val = node.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else [val]
         return all(v is None or _supported_tensor(v) for v in vals) and val is not None
+
+
+def _feeds_gemm(node) -> bool:
+    """A view some GEMM reads, directly or through more views."""
+    for u in node.users:
+        if _packet(u.target) in convert.GEMM_OPS:
+            return True
+        if _packet(u.target) in VIEW_ONLY and _feeds_gemm(u):
+            return True
+    return False
+
+
+def _view_for_gemm_from_outside(node, support) -> bool:
+    """A view of something computed outside opfuse (a graph input, a weight,
+    an unsupported op) that a GEMM reads: left to PyTorch, where it is free,
+    so the GEMM gets it as an input and reads it in place through its
+    strides. Inside the partition it would cost a copy kernel."""
+    if _packet(node.target) not in VIEW_ONLY:
+        return False
+    root = node
+    while root.op == "call_function" and _packet(root.target) in VIEW_ONLY and root.args and isinstance(root.args[0], torch.fx.Node):
+        root = root.args[0]
+    outside = root.op != "call_function" or not support.is_node_supported(None, root)
+    return outside and _feeds_gemm(node)
 
 
 def _trim_view_tails(partition) -> None:
@@ -121,10 +147,12 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, dump):
         raise convert.Unsupported(f"inputs on several devices: {sorted(map(str, devices))}")
     device = devices.pop() if devices else torch.device("cpu")
     compiled = _C.CompiledGraph(ir_text, target=device.type)
-    fused = FusedPartition(compiled, sub, positions, dtypes, name, dump, device)
+    fused = FusedPartition(compiled, sub, positions, dtypes, name, dump, device, ir_text)
     # Compile the variant for the recorded strides now, not on the first call.
     example = [n.meta["val"] for n in tensor_nodes]
-    if all(isinstance(s, int) for t in example for s in list(t.shape) + list(t.stride())):
+    if compiled.num_library_calls and device.type == "cuda":
+        pass  # the layout key holds pointer alignment too: prepared on the first call
+    elif all(isinstance(s, int) for t in example for s in list(t.shape) + list(t.stride())):
         fused._by_layout[tuple((t.shape, t.stride()) for t in example)] = fused._prepare(example)
     if dump is not None:
         sizes = [[s if isinstance(s, int) else 7 for s in t.shape] for t in example]

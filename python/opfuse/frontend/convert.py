@@ -446,7 +446,11 @@ HANDLERS = {
     aten._log_softmax_backward_data: _softmax_bw("log_softmax_backward"),
     aten.native_layer_norm: _layer_norm, aten.native_layer_norm_backward: _layer_norm_backward,
     aten.threshold_backward: _threshold_backward,
+    # GEMMs: library calls (cuBLASLt on the GPU, PyTorch's matmul on the CPU)
+    aten.mm: lambda c, n, a, b: c.add("matmul", [c.val(a), c.val(b)]),
+    aten.bmm: lambda c, n, a, b: c.add("matmul", [c.val(a), c.val(b)]),
 }
+GEMM_OPS = {aten.mm, aten.bmm}
 # aten.sum.default has a different signature from sum.dim_IntList.
 HANDLERS[aten.sum.default] = _sum_default
 

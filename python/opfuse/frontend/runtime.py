@@ -12,12 +12,29 @@ from .convert import TORCH_DTYPES
 log = logging.getLogger("opfuse")
 
 
+# cuBLASLt's workspace (PyTorch gives cuBLAS 32 MiB on Hopper as well).
+WORKSPACE_BYTES = 32 * 1024 * 1024
+_workspaces: dict = {}
+
+
+def _workspace(device: torch.device, stream: int) -> torch.Tensor:
+    """One workspace per (device, stream), from PyTorch's allocator, kept for
+    the process: GEMMs on one stream run in order, so they can share it."""
+    key = (device.index, stream)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return ws
+
+
 class FusedPartition:
     """Calls the kernels of one compiled partition; falls back to the
     partition's eager module for inputs it was not compiled for."""
 
     def __init__(self, compiled: "_C.CompiledGraph", eager: torch.fx.GraphModule, tensor_positions, input_dtypes,
-                 name: str, dump=None, device=None):
+                 name: str, dump=None, device=None, ir_text=None):
+        self.ir_text = ir_text
+        self.plain = None  # the same graph without GEMM epilogues, built when cuBLASLt refuses one
         self.compiled = compiled
         self.eager = eager
         self.tensor_positions = tensor_positions  # which call arguments are tensors
@@ -27,6 +44,7 @@ class FusedPartition:
         self.device = torch.device(device or "cpu")
         self.cuda = self.device.type == "cuda"
         self.num_kernels = compiled.num_kernels
+        self.num_library_calls = compiled.num_library_calls
         buffers = compiled.buffers()
         self.n_inputs = sum(1 for b in buffers if b[2])
         self.out_dtypes = [TORCH_DTYPES[b[1]] for b in buffers[self.n_inputs:]]
@@ -34,6 +52,7 @@ class FusedPartition:
         self.single = eager.graph.output_node().args[0]
         self.single = not isinstance(self.single, (tuple, list))
         self._by_layout = {}
+        self._refused = set()  # layout keys cuBLASLt refused with epilogues
 
     def _prepare(self, tensors):
         shapes = [list(t.shape) for t in tensors]
@@ -45,7 +64,20 @@ class FusedPartition:
             if self.dump is not None:
                 self.dump.kernel_source(self.name, variant, self.compiled.source(variant))
         out_shapes = [self.compiled.buffer_shape(self.n_inputs + i, syms) for i in range(len(self.out_dtypes))]
-        return variant, syms, strides, out_shapes
+        gemms = self.compiled.gemms(syms) if self.num_library_calls and not self.cuda else None
+        return variant, syms, strides, out_shapes, gemms
+
+    @staticmethod
+    def _cpu_gemm(spec, everything):
+        """A GEMM step on the CPU: PyTorch's matmul straight into the output
+        buffer (the planner leaves its epilogue to the next kernel)."""
+        def operand(key):
+            buf, shape, transposed = spec[key]
+            t = everything[buf]
+            if list(t.shape) != shape:
+                t = t.view(shape)  # a realized buffer is contiguous: any reshape is a view
+            return t.transpose(-1, -2) if transposed else t
+        torch.matmul(operand("a"), operand("b"), out=everything[spec["out"]])
 
     def __call__(self, *args):
         tensors = [args[i] for i in self.tensor_positions]
@@ -54,19 +86,32 @@ class FusedPartition:
                 log.info("%s: input on %s/%s, compiled for %s/%s; running eagerly", self.name, t.device, t.dtype,
                          self.device, dt)
                 return self.eager(*args)
-        key = tuple((t.shape, t.stride()) for t in tensors)
+        key = tuple((t.shape, t.stride(), t.data_ptr() % 16) for t in tensors) if self.num_library_calls and self.cuda \
+            else tuple((t.shape, t.stride()) for t in tensors)
+        if key in self._refused:
+            return self.plain(*args)
         entry = self._by_layout.get(key)
         if entry is None:
             entry = self._by_layout[key] = self._prepare(tensors)
-        variant, syms, strides, out_shapes = entry
+        variant, syms, strides, out_shapes, gemms = entry
         dev = tensors[0].device if tensors else self.device
         bufs = [torch.empty(s, dtype=d, device=dev) for s, d in zip(out_shapes, self.out_dtypes)]
         ptrs = [t.data_ptr() for t in tensors] + [b.data_ptr() for b in bufs]
+        everything = tensors + bufs
         # The stream is read at every call, so the caller's stream (and CUDA
         # graph capture) is respected.
         stream = torch.cuda.current_stream(dev).cuda_stream if self.cuda else 0
+        extra = {}
+        if self.num_library_calls:
+            if self.cuda:
+                extra = dict(workspace=_workspace(dev, stream).data_ptr(), workspace_bytes=WORKSPACE_BYTES,
+                             allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+            else:
+                extra = dict(cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
         try:
-            self.compiled.run(variant, syms, ptrs, strides, stream)
+            self.compiled.run(variant, syms, ptrs, strides, stream, **extra)
+        except _C.GemmUnsupported as e:
+            return self._gemm_fallback(key, args, str(e))
         except ValueError as e:  # ZeroDivisionError from integer division, as eager raises
             raise RuntimeError(str(e)) from None
         except Exception as e:
@@ -74,6 +119,24 @@ class FusedPartition:
                 raise RuntimeError("ZeroDivisionError") from None
             raise
         bump("kernel_launches", self.num_kernels)
-        everything = tensors + bufs
+        if self.num_library_calls:
+            bump("library_calls", self.num_library_calls)
         outs = tuple(everything[i] for i in self.outputs)
         return outs[0] if self.single else outs
+
+    def _gemm_fallback(self, key, args, reason):
+        """cuBLASLt refused a GEMM with its epilogue (a layout or alignment
+        it does not take): this input layout runs the same graph planned
+        without epilogues from now on, i.e. plain GEMMs with the epilogues in
+        generated kernels; where even a plain GEMM is refused, that partition
+        runs eagerly."""
+        if self.ir_text is None or self.compiled.target != "cuda":
+            log.info("%s: %s; running eagerly", self.name, reason)
+            return self.eager(*args)
+        if self.plain is None:
+            plain = _C.CompiledGraph(self.ir_text, target="cuda", gemm_epilogues=0)
+            self.plain = FusedPartition(plain, self.eager, self.tensor_positions, self.input_dtypes,
+                                        self.name + "_plain", self.dump, self.device)
+        self._refused.add(key)
+        log.info("%s: %s; this layout uses plain GEMMs with the epilogue in generated kernels", self.name, reason)
+        return self.plain(*args)

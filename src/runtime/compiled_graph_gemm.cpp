@@ -1,0 +1,81 @@
+// CompiledGraph's GEMM steps on the GPU: buffers and strides to a cuBLASLt call.
+#include <map>
+
+#include "runtime/compiled_graph.h"
+#include "runtime/gemm_launcher.h"
+
+namespace opfuse {
+namespace {
+
+// Strides of a buffer viewed as `shape`: a graph input's own strides (its
+// view is its shape), else contiguous.
+std::vector<int64_t> view_strides(const BufferSpec& b, int index, const std::vector<int64_t>& shape,
+                                  const std::vector<std::vector<int64_t>>& input_strides) {
+  if (b.is_input) return input_strides.at(static_cast<size_t>(index));
+  std::vector<int64_t> st(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) st[d - 1] = st[d] * std::max<int64_t>(shape[d], 1);
+  return st;
+}
+
+}  // namespace
+
+void CompiledGraph::launch_gemm(const GemmStep& s, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+                                const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+  std::map<std::string, int64_t> env;
+  for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
+  auto concrete = [&](const Shape& sh) {
+    std::vector<int64_t> v;
+    for (auto& d : sh) v.push_back(evaluate(d, env));
+    return v;
+  };
+  auto matrix = [&](const GemmOperand& op, int buffer, int64_t* rows, int64_t* cols) {
+    std::vector<int64_t> shape = concrete(op.shape);
+    std::vector<int64_t> st = view_strides(buffers_[static_cast<size_t>(buffer)], buffer, shape, input_strides);
+    size_t r = shape.size();
+    GemmMatrix m;
+    m.ptr = ptrs[static_cast<size_t>(buffer)];
+    m.batch_stride = r == 3 ? st[0] : 0;
+    m.row_stride = st[r - 2];
+    m.col_stride = st[r - 1];
+    *rows = shape[r - 2];
+    *cols = shape[r - 1];
+    if (op.transposed) {
+      std::swap(m.row_stride, m.col_stride);
+      std::swap(*rows, *cols);
+    }
+    return m;
+  };
+  GemmArgs g;
+  g.dtype = s.dtype;
+  int64_t k2 = 0, n = 0;
+  g.a = matrix(s.call.a, s.a, &g.m, &g.k);
+  g.b = matrix(s.call.b, s.b, &k2, &n);
+  g.n = n;
+  std::vector<int64_t> out_shape = concrete(plan_.graph.node(s.call.matmul).shape);
+  g.batch = out_shape.size() == 3 ? out_shape[0] : 1;
+  g.d = ptrs[static_cast<size_t>(s.out)];
+  if (s.bias >= 0) {
+    g.bias = ptrs[static_cast<size_t>(s.bias)];
+    const BufferSpec& b = buffers_[static_cast<size_t>(s.bias)];
+    g.bias_stride = b.is_input ? input_strides.at(static_cast<size_t>(s.bias)).back() : 1;
+  }
+  if (s.residual >= 0) {
+    GemmOperand r;
+    r.shape = plan_.graph.node(s.call.residual).shape;
+    int64_t rm = 0, rn = 0;
+    g.residual = matrix(r, s.residual, &rm, &rn);
+  }
+  g.activation = s.call.activation;
+  if (s.aux >= 0) g.aux = ptrs[static_cast<size_t>(s.aux)];
+  if (s.bias_grad >= 0) {
+    g.bias_grad = ptrs[static_cast<size_t>(s.bias_grad)];
+    g.bias_grad_operand = s.call.bias_grad_operand;
+  }
+  g.workspace = o.workspace;
+  g.workspace_bytes = o.workspace_bytes;
+  g.allow_tf32 = o.allow_tf32;
+  g.stream = o.stream;
+  run_gemm(g);
+}
+
+}  // namespace opfuse

@@ -1,0 +1,257 @@
+#include "runtime/gemm_launcher.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+
+#include "runtime/cublaslt_api.h"
+#include "runtime/cuda_api.h"
+
+namespace opfuse {
+namespace {
+
+// A column-major matrix as cuBLASLt describes it, and whether it is used
+// transposed.
+struct LtMatrix {
+  int64_t rows = 0, cols = 0, ld = 0, batch_stride = 0;
+  bool transposed = false;
+};
+
+// X^T in column-major terms, for X a logical [R, C] matrix: a row-major X
+// is X^T column-major (ld = row stride); a column-major X is used with op T.
+// A size-1 dim's stride is free, so it never decides. Throws GemmUnsupported
+// when neither dim is unit-stride.
+LtMatrix transposed_view(int64_t R, int64_t C, const GemmMatrix& x, const char* what) {
+  LtMatrix m;
+  m.batch_stride = x.batch_stride;
+  int64_t sr = x.row_stride, sc = x.col_stride;
+  if (sc == 1 || C == 1) {
+    m.rows = C;
+    m.cols = R;
+    m.ld = R == 1 ? std::max<int64_t>(C, 1) : sr;
+    if (m.ld >= std::max<int64_t>(C, 1)) return m;
+  }
+  if (sr == 1 || R == 1) {
+    m.rows = R;
+    m.cols = C;
+    m.ld = C == 1 ? std::max<int64_t>(R, 1) : sc;
+    m.transposed = true;
+    if (m.ld >= std::max<int64_t>(R, 1)) return m;
+  }
+  std::ostringstream os;
+  os << what << " with strides (" << sr << ", " << sc << ") for sizes (" << R << ", " << C
+     << ") has no unit-stride dim a GEMM can read";
+  throw GemmUnsupported(os.str());
+}
+
+int lt_type(DType t) {
+  switch (t) {
+    case DType::Float32: return lt::R_32F;
+    case DType::Float16: return lt::R_16F;
+    case DType::BFloat16: return lt::R_16BF;
+    default: throw GemmUnsupported(std::string("no GEMM for dtype ") + dtype_name(t));
+  }
+}
+
+int alignment(const void* p) {
+  auto v = reinterpret_cast<uintptr_t>(p);
+  int a = 256;
+  while (a > 1 && v % static_cast<uintptr_t>(a) != 0) a /= 2;
+  return a;
+}
+
+void check(lt::Status s, const char* what) {
+  if (s == 0) return;
+  const lt::Api& api = cublaslt();
+  throw std::runtime_error(std::string(what) + " failed: " + (api.GetStatusString ? api.GetStatusString(s) : "") +
+                           " (status " + std::to_string(s) + ")");
+}
+
+// Descriptors and the chosen algorithm for one problem (shapes, strides,
+// dtype, epilogue, alignments), built once: cuBLASLt's heuristic is asked
+// on first use and its answer cached.
+struct Prepared {
+  lt::MatmulDesc desc = nullptr;
+  lt::Layout a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  lt::Algo algo{};
+  size_t workspace = 0;
+  bool ok = false;
+  std::string why;  // when !ok
+  std::mutex mu;    // the pointer attributes are set per call
+  ~Prepared() {
+    const lt::Api& api = cublaslt();
+    if (desc) api.MatmulDescDestroy(desc);
+    for (lt::Layout l : {a, b, c, d})
+      if (l) api.MatrixLayoutDestroy(l);
+  }
+};
+
+lt::Handle handle_for_device(int device) {
+  static std::mutex mu;
+  static std::map<int, lt::Handle> handles;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  lt::Handle h = nullptr;
+  check(cublaslt().Create(&h), "cublasLtCreate");
+  handles[device] = h;
+  return h;
+}
+
+int current_device() {
+  const CudaApi& c = cuda();
+  CUdevice dev = 0;
+  check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+  return dev;
+}
+
+int epilogue_of(const GemmArgs& g) {
+  if (g.bias_grad) return g.bias_grad_operand == 0 ? lt::EPI_BGRADB : lt::EPI_BGRADA;  // see build()
+  bool bias = g.bias != nullptr;
+  if (g.activation == "relu") return bias ? lt::EPI_RELU_BIAS : lt::EPI_RELU;
+  if (g.activation == "gelu_tanh") {
+    if (g.aux) return bias ? lt::EPI_GELU_AUX_BIAS : lt::EPI_GELU_AUX;
+    return bias ? lt::EPI_GELU_BIAS : lt::EPI_GELU;
+  }
+  if (!g.activation.empty()) throw GemmUnsupported("no cuBLASLt epilogue for activation " + g.activation);
+  return bias ? lt::EPI_BIAS : lt::EPI_DEFAULT;
+}
+
+void set_layout_batch(lt::Layout l, int64_t batch, int64_t stride) {
+  if (batch <= 1) return;
+  const lt::Api& api = cublaslt();
+  int32_t count = static_cast<int32_t>(batch);
+  check(api.MatrixLayoutSetAttribute(l, lt::LAYOUT_BATCH_COUNT, &count, sizeof(count)), "cublasLtMatrixLayoutSetAttribute");
+  check(api.MatrixLayoutSetAttribute(l, lt::LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
+        "cublasLtMatrixLayoutSetAttribute");
+}
+
+// D^T (n x m, ld n) = op(A') op(B') with A' describing B^T and B' describing
+// A^T. So a bias along D's columns (n) is along D^T's rows (cuBLASLt's
+// BIAS), and the bias gradient of a (summed over k) is BGRADB, of b BGRADA.
+void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, const LtMatrix& mb, const LtMatrix* mc) {
+  const lt::Api& api = cublaslt();
+  int type = lt_type(g.dtype);
+  int compute = (g.dtype == DType::Float32 && g.allow_tf32) ? lt::COMPUTE_32F_FAST_TF32 : lt::COMPUTE_32F;
+  check(api.MatmulDescCreate(&p.desc, compute, lt::R_32F), "cublasLtMatmulDescCreate");
+  int32_t ta = ma.transposed ? lt::OP_T : lt::OP_N, tb = mb.transposed ? lt::OP_T : lt::OP_N;
+  check(api.MatmulDescSetAttribute(p.desc, lt::DESC_TRANSA, &ta, sizeof(ta)), "set TRANSA");
+  check(api.MatmulDescSetAttribute(p.desc, lt::DESC_TRANSB, &tb, sizeof(tb)), "set TRANSB");
+  int32_t epi = epilogue;
+  check(api.MatmulDescSetAttribute(p.desc, lt::DESC_EPILOGUE, &epi, sizeof(epi)), "set EPILOGUE");
+  if (g.bias || g.bias_grad) {
+    int32_t bt = type;
+    check(api.MatmulDescSetAttribute(p.desc, lt::DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)), "set BIAS_DATA_TYPE");
+  }
+  if (g.aux) {
+    int64_t ld = g.n;
+    check(api.MatmulDescSetAttribute(p.desc, lt::DESC_AUX_LD, &ld, sizeof(ld)), "set AUX_LD");
+  }
+  check(api.MatrixLayoutCreate(&p.a, type, static_cast<uint64_t>(ma.rows), static_cast<uint64_t>(ma.cols), ma.ld), "layout A");
+  check(api.MatrixLayoutCreate(&p.b, type, static_cast<uint64_t>(mb.rows), static_cast<uint64_t>(mb.cols), mb.ld), "layout B");
+  check(api.MatrixLayoutCreate(&p.d, type, static_cast<uint64_t>(g.n), static_cast<uint64_t>(g.m), g.n), "layout D");
+  set_layout_batch(p.a, g.batch, ma.batch_stride);
+  set_layout_batch(p.b, g.batch, mb.batch_stride);
+  set_layout_batch(p.d, g.batch, g.m * g.n);
+  if (mc) {
+    check(api.MatrixLayoutCreate(&p.c, type, static_cast<uint64_t>(g.n), static_cast<uint64_t>(g.m), mc->ld), "layout C");
+    set_layout_batch(p.c, g.batch, mc->batch_stride);
+  }
+  lt::Preference pref = nullptr;
+  check(api.MatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+  uint64_t ws = g.workspace_bytes;
+  api.MatmulPreferenceSetAttribute(pref, lt::PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  uint32_t al_a = static_cast<uint32_t>(alignment(g.b.ptr)), al_b = static_cast<uint32_t>(alignment(g.a.ptr));
+  uint32_t al_d = static_cast<uint32_t>(alignment(g.d));
+  uint32_t al_c = mc ? static_cast<uint32_t>(alignment(g.residual.ptr)) : al_d;
+  api.MatmulPreferenceSetAttribute(pref, lt::PREF_MIN_ALIGNMENT_A, &al_a, sizeof(al_a));
+  api.MatmulPreferenceSetAttribute(pref, lt::PREF_MIN_ALIGNMENT_B, &al_b, sizeof(al_b));
+  api.MatmulPreferenceSetAttribute(pref, lt::PREF_MIN_ALIGNMENT_C, &al_c, sizeof(al_c));
+  api.MatmulPreferenceSetAttribute(pref, lt::PREF_MIN_ALIGNMENT_D, &al_d, sizeof(al_d));
+  // The heuristic looks at the epilogue pointers' alignment too.
+  void* bias_ptr = g.bias_grad ? g.bias_grad : const_cast<void*>(g.bias);
+  if (bias_ptr) api.MatmulDescSetAttribute(p.desc, lt::DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr));
+  if (g.aux) api.MatmulDescSetAttribute(p.desc, lt::DESC_AUX_POINTER, &g.aux, sizeof(g.aux));
+  lt::HeuristicResult r{};
+  int found = 0;
+  lt::Status s = api.MatmulAlgoGetHeuristic(handle_for_device(current_device()), p.desc, p.a, p.b, p.c ? p.c : p.d, p.d,
+                                             pref, 1, &r, &found);
+  api.MatmulPreferenceDestroy(pref);
+  if (s != 0 || found == 0 || r.state != 0) {
+    std::ostringstream os;
+    os << "cuBLASLt has no algorithm for this GEMM (" << dtype_name(g.dtype) << " " << g.batch << "x" << g.m << "x"
+       << g.n << "x" << g.k << ", epilogue " << epilogue << ", status " << s << ")";
+    p.why = os.str();
+    return;
+  }
+  p.algo = r.algo;
+  p.workspace = r.workspace_size;
+  p.ok = true;
+}
+
+std::string key_of(const GemmArgs& g, int epilogue, const LtMatrix& ma, const LtMatrix& mb, const LtMatrix* mc, int device) {
+  std::ostringstream os;
+  os << device << ' ' << static_cast<int>(g.dtype) << ' ' << g.batch << ' ' << g.m << ' ' << g.n << ' ' << g.k << ' '
+     << epilogue << ' ' << g.allow_tf32 << ' ' << g.workspace_bytes;
+  for (const LtMatrix* m : {&ma, &mb, mc})
+    if (m) os << " | " << m->rows << ' ' << m->cols << ' ' << m->ld << ' ' << m->batch_stride << ' ' << m->transposed;
+  os << " @ " << alignment(g.a.ptr) << ' ' << alignment(g.b.ptr) << ' ' << alignment(g.d) << ' '
+     << (mc ? alignment(g.residual.ptr) : 0) << ' ' << alignment(g.bias) << ' ' << alignment(g.aux) << ' '
+     << alignment(g.bias_grad);
+  return os.str();
+}
+
+}  // namespace
+
+size_t cublaslt_version() {
+  const lt::Api& api = cublaslt();
+  if (!api.loaded) throw std::runtime_error("cuBLASLt not available: " + api.error);
+  return api.GetVersion();
+}
+
+void run_gemm(const GemmArgs& g) {
+  const lt::Api& api = cublaslt();
+  if (!api.loaded) throw std::runtime_error("cuBLASLt not available: " + api.error);
+  if (g.m == 0 || g.n == 0 || g.batch == 0) return;
+  if (g.k == 0) throw GemmUnsupported("a GEMM over an empty dim (k = 0)");
+  if (g.bias && g.n > 1 && g.bias_stride != 1) throw GemmUnsupported("the bias is not contiguous");
+  if (g.aux && g.n % 8 != 0) throw GemmUnsupported("GELU aux output needs n divisible by 8, got " + std::to_string(g.n));
+  int epilogue = epilogue_of(g);
+  LtMatrix ma = transposed_view(g.k, g.n, g.b, "operand b");  // B^T
+  LtMatrix mb = transposed_view(g.m, g.k, g.a, "operand a");  // A^T
+  LtMatrix mc;
+  if (g.residual.ptr) {
+    mc = transposed_view(g.m, g.n, g.residual, "the residual");
+    if (mc.transposed) throw GemmUnsupported("the residual is column-major");
+  }
+  const LtMatrix* pc = g.residual.ptr ? &mc : nullptr;
+  int device = current_device();
+  std::string key = key_of(g, epilogue, ma, mb, pc, device);
+
+  static std::mutex cache_mu;
+  static std::map<std::string, std::unique_ptr<Prepared>> cache;
+  Prepared* p = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto& slot = cache[key];
+    if (!slot) {
+      slot = std::make_unique<Prepared>();
+      build(*slot, g, epilogue, ma, mb, pc);
+    }
+    p = slot.get();
+  }
+  if (!p->ok) throw GemmUnsupported(p->why);
+  float alpha = 1.0f, beta = g.residual.ptr ? 1.0f : 0.0f;
+  std::lock_guard<std::mutex> lock(p->mu);
+  void* bias_ptr = g.bias_grad ? g.bias_grad : const_cast<void*>(g.bias);
+  if (bias_ptr) check(api.MatmulDescSetAttribute(p->desc, lt::DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)), "set BIAS_POINTER");
+  if (g.aux) check(api.MatmulDescSetAttribute(p->desc, lt::DESC_AUX_POINTER, &g.aux, sizeof(g.aux)), "set AUX_POINTER");
+  const void* c_ptr = g.residual.ptr ? g.residual.ptr : g.d;
+  check(api.Matmul(handle_for_device(device), p->desc, &alpha, g.b.ptr, p->a, g.a.ptr, p->b, &beta, c_ptr,
+                   p->c ? p->c : p->d, g.d, p->d, &p->algo, g.workspace, g.workspace_bytes, g.stream),
+        "cublasLtMatmul");
+}
+
+}  // namespace opfuse
