@@ -1,13 +1,16 @@
-"""One rank of the distributed CPU tests (tests/python/test_distributed_cpu.py).
+"""One rank of the distributed tests (tests/python/test_distributed_cpu.py;
+on GPUs tests/gpu/distributed/test_distributed_nccl.py).
 
 Run as a script by the test, once per rank:
 
-    python dist_worker.py MODES RANK WORLD PORT OUT
+    python dist_worker.py MODES RANK WORLD PORT OUT [DEVICE]
 
 MODES is a comma-separated list of "ddp", "fsdp" (FSDP2, each block
-compiled) and "fsdp-whole" (FSDP2, the root compiled; not in CI). The rank
-joins a gloo process group on 127.0.0.1:PORT and, for each mode, trains the
-same small transformer twice in that one process group -- first eagerly,
+compiled) and "fsdp-whole" (FSDP2, the root compiled; not in CI). DEVICE
+is "cpu" (the default: gloo) or "cuda" (NCCL, rank r on cuda:r; used by
+tests/gpu/distributed/test_distributed_nccl.py). The rank joins the process
+group on 127.0.0.1:PORT and, for each mode, trains the same small
+transformer twice in that one process group -- first eagerly,
 then compiled with torch.compile(backend="opfuse") -- from the same initial
 weights on the same data, and saves what the test compares (losses, final
 gradients and parameters, opfuse.stats(), Dynamo's counters) to OUT with
@@ -83,12 +86,14 @@ class TinyTransformer(nn.Module):
 CONFIG = dict(d_in=24, d=128, heads=4, layers=2, d_out=8, batch=2, seq=9, steps=4)
 
 
-def make_model_and_data(cfg, rank):
+def make_model_and_data(cfg, rank, device):
+    # Drawn on the CPU, then moved: the same numbers on either device.
     torch.manual_seed(0)  # same weights on every rank
-    model = TinyTransformer(cfg["d_in"], cfg["d"], cfg["heads"], cfg["layers"], cfg["d_out"])
+    model = TinyTransformer(cfg["d_in"], cfg["d"], cfg["heads"], cfg["layers"], cfg["d_out"]).to(device)
     g = torch.Generator().manual_seed(1000 + rank)  # different data per rank
-    data = [(torch.randn(cfg["batch"], cfg["seq"], cfg["d_in"], generator=g),
-             torch.randn(cfg["batch"], cfg["seq"], cfg["d_out"], generator=g)) for _ in range(cfg["steps"])]
+    data = [(torch.randn(cfg["batch"], cfg["seq"], cfg["d_in"], generator=g).to(device),
+             torch.randn(cfg["batch"], cfg["seq"], cfg["d_out"], generator=g).to(device))
+            for _ in range(cfg["steps"])]
     return model, data
 
 
@@ -115,12 +120,14 @@ def train_ddp(base, data, compile_it):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = copy.deepcopy(base)
-    ddp = DDP(model, bucket_cap_mb=1)
+    dev = next(model.parameters()).device
+    ddp = DDP(model, bucket_cap_mb=1, device_ids=[dev.index] if dev.type == "cuda" else None)
     fwd = torch.compile(ddp, backend="opfuse") if compile_it else ddp
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def params_of(what):
-        return {n: (p.grad if what == "grad" else p).detach().clone() for n, p in model.named_parameters()}
+        # copies on the CPU: the test compares them there
+        return {n: (p.grad if what == "grad" else p).detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
     return _loop(fwd, params_of, opt, data)
 
@@ -151,7 +158,8 @@ def train_fsdp(base, data, compile_it, mesh, whole=False):
 
     def params_of(what):
         # DTensor shards -> full tensors (a collective: every rank calls it)
-        return {n: (p.grad if what == "grad" else p).detach().full_tensor().clone() for n, p in model.named_parameters()}
+        return {n: (p.grad if what == "grad" else p).detach().full_tensor().to("cpu", copy=True)
+                for n, p in model.named_parameters()}
 
     return _loop(fwd, params_of, opt, data)
 
@@ -169,22 +177,23 @@ class _BucketLog(logging.Handler):
             self.buckets.append(int(m.group(1)))
 
 
-def run_mode(mode, rank, world, bucket_log):
+def run_mode(mode, rank, world, bucket_log, device):
     """Eager, then opfuse, for one mode; returns what the test compares."""
     import opfuse
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     res = {}
-    base, data = make_model_and_data(CONFIG, rank)
+    base, data = make_model_and_data(CONFIG, rank, device)
     res["num_params"] = sum(p.numel() for p in base.parameters())
+    res["device"] = str(next(base.parameters()).device)
     res["steps"] = len(data)
     if mode == "ddp":
         run = lambda c: train_ddp(base, data, c)
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
         run = lambda c: train_fsdp(base, data, c, mesh, whole=mode == "fsdp-whole")
 
     torch._dynamo.reset()
@@ -207,8 +216,9 @@ def run_mode(mode, rank, world, bucket_log):
 
 def main(argv):
     modes, rank, world, port, out = argv[0].split(","), int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
+    device_type = argv[5] if len(argv) > 5 else "cpu"
     torch.set_num_threads(1)
-    result = {"rank": rank, "world": world}
+    result = {"rank": rank, "world": world, "device": device_type}
     try:
         import opfuse  # noqa: F401  (registers the backend)
 
@@ -217,8 +227,19 @@ def main(argv):
         ddp_log = logging.getLogger("torch._dynamo.backends.distributed")
         ddp_log.addHandler(bucket_log)
         ddp_log.setLevel(logging.INFO)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        if device_type == "cuda":
+            # opfuse runs a CUDA partition only on the current device (else it
+            # falls back to eager), so each rank makes its GPU current first.
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            # TF32 off (PyTorch's default, made explicit): the test compares
+            # float32 runs with the CPU test's tight tolerances.
+            torch.backends.cuda.matmul.allow_tf32 = False
+            backend, extra = "nccl", dict(device_id=device)
+        else:
+            device, backend, extra = torch.device("cpu"), "gloo", {}
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60 if device.type == "cpu" else 180), **extra)
         result["init_s"] = time.perf_counter() - _T0 - result["import_s"]
     except BaseException:
         result["error"] = traceback.format_exc()
@@ -227,7 +248,7 @@ def main(argv):
         # bug that raises on every rank alike leaves the group usable.
         for mode in modes:
             try:
-                result[mode] = run_mode(mode, rank, world, bucket_log)
+                result[mode] = run_mode(mode, rank, world, bucket_log, device)
             except BaseException:
                 result[mode] = {"error": traceback.format_exc()}
         try:

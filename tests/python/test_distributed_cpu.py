@@ -4,7 +4,9 @@ DistributedDataParallel and with FSDP2 (fully_shard), eagerly and compiled
 with torch.compile(backend="opfuse") in the same process group; losses,
 gradients and parameters must agree, and opfuse must really have run
 kernels. Each rank is tests/python/dist_worker.py run as a subprocess with a
-hard time limit (see docs/distributed.md)."""
+hard time limit (see docs/distributed.md). The launcher and the checks take
+a device and are reused with NCCL on GPUs by
+tests/gpu/distributed/test_distributed_nccl.py."""
 from __future__ import annotations
 
 import os
@@ -47,11 +49,14 @@ def _kill(procs):
         p.wait()
 
 
-def _launch_once(modes: str, tmp: Path):
+def _launch_once(modes: str, tmp: Path, device: str, timeout_s: float):
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.pop("OPFUSE_DISABLE", None)  # the test is about opfuse running
+    if device == "cuda":
+        # NVLink multicast stays off in every rank (a rule of the GPU machines).
+        env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     outs = [tmp / f"rank{r}.pt" for r in range(WORLD)]
     logs = [tmp / f"rank{r}.log" for r in range(WORLD)]
     for o in outs:
@@ -62,14 +67,14 @@ def _launch_once(modes: str, tmp: Path):
         for r in range(WORLD):
             with open(logs[r], "w") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), modes, str(r), str(WORLD), str(port), str(outs[r])],
+                    [sys.executable, str(WORKER), modes, str(r), str(WORLD), str(port), str(outs[r]), device],
                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         for p in procs:
-            p.wait(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - t0)))
+            p.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         _kill(procs)
         tails = "\n".join(f"--- rank {r} ---\n{logs[r].read_text()[-3000:]}" for r in range(WORLD))
-        pytest.fail(f"workers did not finish in {TIMEOUT_S} s\n{tails}")
+        pytest.fail(f"workers did not finish in {timeout_s} s\n{tails}")
     finally:
         _kill(procs)
     wall = time.monotonic() - t0
@@ -78,15 +83,13 @@ def _launch_once(modes: str, tmp: Path):
     return results, logs_text, wall
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launch_modes(tmp: Path, device: str = "cpu", timeout_s: float = TIMEOUT_S):
     """Launches the ranks once for every mode (one import of torch and opfuse
     per rank); returns {mode: [result of rank 0, result of rank 1]}. The port
     is found by binding port 0 and released before rank 0 binds it, so
     another process may take it in between: that case is retried."""
-    tmp = tmp_path_factory.mktemp("dist")
     for attempt in range(3):
-        results, logs_text, wall = _launch_once(",".join(MODES), tmp)
+        results, logs_text, wall = _launch_once(",".join(MODES), tmp, device, timeout_s)
         setup_failed = [r for r in range(WORLD) if "error" in results[r]]
         if not setup_failed:
             break
@@ -95,7 +98,7 @@ def runs(tmp_path_factory):
             pytest.fail(f"worker setup failed\n{text}")
     else:
         pytest.fail(f"worker setup failed\n{text}")
-    print(f"\n{','.join(MODES)}: {wall:.1f} s wall; imports {results[0]['import_s']:.1f} s, "
+    print(f"\n{device} {','.join(MODES)}: {wall:.1f} s wall; imports {results[0]['import_s']:.1f} s, "
           f"process group {results[0]['init_s']:.1f} s")
     out = {}
     for mode in MODES:
@@ -103,8 +106,24 @@ def runs(tmp_path_factory):
         for res in out[mode]:
             if "error" not in res:
                 print(f"{mode} rank {res['rank']}: eager {res['eager_s']:.1f} s, opfuse {res['opfuse_s']:.1f} s, "
-                      f"{res['stats']}, {res['aot_graphs']} graphs")
+                      f"{res['stats']}, {res['aot_graphs']} graphs; opfuse vs eager {max_diffs(res)}")
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return launch_modes(tmp_path_factory.mktemp("dist"))
+
+
+def max_diffs(res):
+    """Largest |opfuse - eager| of the losses, final gradients and parameters
+    (printed with -s, to compare with the tolerances below)."""
+    def worst(a, b):
+        if isinstance(a, dict):
+            return max(((a[k] - b[k]).abs().max().item() for k in a), default=0.0)
+        return (torch.tensor(a) - torch.tensor(b)).abs().max().item()
+
+    return {what: f"{worst(o, e):.1e}" for what, o, e in zip(("loss", "grad", "param"), res["opfuse"], res["eager"])}
 
 
 def ok(mode_results):
