@@ -4,9 +4,11 @@ library calls and generated kernels (fusion is a number).
 
 Accuracy rule for GEMMs: a fused epilogue rounds once where eager rounds
 after the GEMM and again after each epilogue op, and cuBLAS may split K
-differently, so results are not bitwise eager's. Like the FlashAttention
-rule, opfuse's largest error against float64 must be at most twice eager's
-(plus a small floor for outputs eager happens to get exactly right)."""
+differently (and cuBLASLt's gelu epilogue computes tanh its own way), so
+results are not bitwise eager's. A result passes when it is assert_close to
+the float64 reference with PyTorch's tolerances for its dtype, or, like the
+FlashAttention rule, when its largest error against float64 is at most twice
+eager's (three times for gradients)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,17 +31,24 @@ def run_counted(fn, *args):
     return out, s["library_calls"], s["kernel_launches"]
 
 
+def check_against_reference(o, e, r, factor=2):
+    """o (opfuse) and e (eager) against r (float64): see the module docstring."""
+    assert o.shape == e.shape and o.dtype == e.dtype
+    try:
+        torch.testing.assert_close(o, r.to(o.dtype))
+        return
+    except AssertionError as close_error:
+        err = (o.double() - r).abs().max().item()
+        eager_err = (e.double() - r).abs().max().item()
+        assert err <= factor * eager_err, f"{close_error}\nopfuse error {err:.3g} > {factor}x eager's {eager_err:.3g}"
+
+
 def assert_gemm_close(out, fn, args):
-    """opfuse's max error vs float64 <= 2x eager's (+ a floor of a few ulps)."""
     ref = fn(*[a.double() if a.is_floating_point() else a for a in args])
     eager = fn(*args)
     outs, refs, eagers = ((out,), (ref,), (eager,)) if torch.is_tensor(out) else (out, ref, eager)
     for o, r, e in zip(outs, refs, eagers):
-        assert o.shape == e.shape and o.dtype == e.dtype
-        err = (o.double() - r).abs().max().item()
-        eager_err = (e.double() - r).abs().max().item()
-        floor = torch.finfo(o.dtype).eps * max(r.abs().max().item(), 1.0) * 4
-        assert err <= 2 * eager_err + floor, f"opfuse error {err:.3g} vs eager {eager_err:.3g} (floor {floor:.3g})"
+        check_against_reference(o, e, r)
 
 
 def mlp_block(x, w1, b1, w2, b2):
@@ -167,10 +176,7 @@ def test_training_gelu_tanh_mlp_forward_and_backward(dtype, n_hidden, device):
     pairs = [(out, e_out, ref)] + [(p.grad, pe.grad, pr.grad) for p, pe, pr in
                                    zip(model.parameters(), eager_model.parameters(), ref_model.parameters())]
     for o, e, r in pairs:
-        err = (o.double() - r).abs().max().item()
-        eager_err = (e.double() - r).abs().max().item()
-        floor = torch.finfo(dtype).eps * max(r.abs().max().item(), 1.0) * 4
-        assert err <= 3 * eager_err + floor, (err, eager_err)
+        check_against_reference(o, e, r, factor=3)
     # forward: 2 GEMMs; backward: dx, dW of both layers (the first layer's dx
     # is not needed: x does not require grad)
     assert s["library_calls"] == 5, s

@@ -43,6 +43,11 @@ def _decompositions():
     for op in (aten.native_layer_norm_backward.default, aten._softmax_backward_data.default,
                aten._log_softmax_backward_data.default):
         table.pop(op, None)
+    # The CPU flash-attention op's decomposition covers its forward only: with
+    # it, AOTAutograd saves the wrong tensors for its backward (wrong
+    # gradients in float32, a dtype error under autocast). Inductor leaves it
+    # out of its table for the same reason; PyTorch runs it whole.
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
 
     def addmm(bias, a, b, beta=1, alpha=1):
         out = torch.mm(a, b)
