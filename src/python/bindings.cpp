@@ -17,6 +17,7 @@
 #include "runtime/compile_cache.h"
 #include "runtime/compiled_graph.h"
 #include "runtime/gemm_launcher.h"
+#include "runtime/cublaslt_api.h"
 #include <nanobind/stl/function.h>
 
 namespace nb = nanobind;
@@ -271,6 +272,7 @@ NB_MODULE(_C, m) {
            nb::arg("cpu_gemm") = nb::none());
   nb::exception<GemmUnsupported>(m, "GemmUnsupported");
   m.def("cublaslt_version", [] { return cublaslt_version(); });
+  m.def("cublaslt_path", [] { return cublaslt().path; });
   m.def("nvrtc_version", [] {
     const NvrtcApi& n = nvrtc();
     if (!n.loaded) throw std::runtime_error(n.error);

@@ -66,17 +66,17 @@ const char* kLlama = R"(graph {
 // A training forward: the tanh-gelu's input is also an output (saved for
 // the backward), and a residual add follows the second linear layer.
 const char* kGeluAuxResidual = R"(graph {
-  %0 = input() {name="x"} : f16[s0, 64]
-  %1 = input() {name="w1"} : f16[64, 256]
-  %2 = input() {name="b1"} : f16[256]
-  %3 = input() {name="w2"} : f16[256, 64]
-  %4 = input() {name="b2"} : f16[64]
-  %5 = matmul(%0, %1) : f16[s0, 256]
-  %6 = add(%5, %2) : f16[s0, 256]
-  %7 = gelu(%6) {approximate="tanh"} : f16[s0, 256]
-  %8 = matmul(%7, %3) : f16[s0, 64]
-  %9 = add(%8, %4) : f16[s0, 64]
-  %10 = add(%9, %0) : f16[s0, 64]
+  %0 = input() {name="x"} : bf16[s0, 64]
+  %1 = input() {name="w1"} : bf16[64, 256]
+  %2 = input() {name="b1"} : bf16[256]
+  %3 = input() {name="w2"} : bf16[256, 64]
+  %4 = input() {name="b2"} : bf16[64]
+  %5 = matmul(%0, %1) : bf16[s0, 256]
+  %6 = add(%5, %2) : bf16[s0, 256]
+  %7 = gelu(%6) {approximate="tanh"} : bf16[s0, 256]
+  %8 = matmul(%7, %3) : bf16[s0, 64]
+  %9 = add(%8, %4) : bf16[s0, 64]
+  %10 = add(%9, %0) : bf16[s0, 64]
   return (%10, %6)
 })";
 
@@ -126,6 +126,15 @@ TEST(GemmPlan, GeluAuxAndResidualRideOnTheCalls) {
   EXPECT_EQ(p.kernels[0].gemm.epilogue_name(), "bias+gelu_tanh+aux");
   EXPECT_EQ(p.kernels[1].gemm.epilogue_name(), "bias+residual");
   EXPECT_TRUE(golden::matches_golden("planner/gemm_gelu_aux_residual.txt", plan_text(p)));
+}
+
+TEST(GemmPlan, Float32GeluStaysInAGeneratedKernel) {
+  // cuBLASLt's gelu is coarser than float32: bias only, gelu in a kernel.
+  std::string text = kGeluAuxResidual;
+  for (size_t at; (at = text.find("bf16")) != std::string::npos;) text.replace(at, 4, "f32");
+  FusionPlan p = plan(text, true);
+  EXPECT_EQ(p.kernels[0].gemm.epilogue_name(), "bias");
+  EXPECT_EQ(count(p, KernelGroup::Kind::Gemm), 2u);
 }
 
 TEST(GemmPlan, BiasGradientRidesOnTheWeightGradientCall) {

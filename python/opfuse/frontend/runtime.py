@@ -23,6 +23,9 @@ def _workspace(device: torch.device, stream: int) -> torch.Tensor:
     key = (device.index, stream)
     ws = _workspaces.get(key)
     if ws is None:
+        # Have PyTorch load its cuBLAS (and cuBLASLt) first, so that opfuse's
+        # dlopen finds that copy in the process instead of loading another.
+        torch.cuda.current_blas_handle()
         ws = _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
     return ws
 
