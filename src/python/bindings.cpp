@@ -273,6 +273,7 @@ NB_MODULE(_C, m) {
   nb::exception<GemmUnsupported>(m, "GemmUnsupported");
   m.def("cublaslt_version", [] { return cublaslt_version(); });
   m.def("cublaslt_path", [] { return cublaslt().path; });
+  m.def("ensure_cuda_context", &ensure_cuda_context, nb::arg("device"));
   m.def("nvrtc_version", [] {
     const NvrtcApi& n = nvrtc();
     if (!n.loaded) throw std::runtime_error(n.error);

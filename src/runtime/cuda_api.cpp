@@ -91,6 +91,18 @@ void check_cuda(CUresult r, const char* what) {
   throw std::runtime_error(std::string(what) + " failed: " + (s ? s : "error " + std::to_string(r)));
 }
 
+void ensure_cuda_context(int device) {
+  const CudaApi& c = cuda();
+  if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);
+  CUcontext ctx = nullptr;
+  check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (ctx) return;
+  CUdevice dev = 0;
+  check_cuda(c.DeviceGet(&dev, device), "cuDeviceGet");
+  check_cuda(c.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  check_cuda(c.CtxSetCurrent(ctx), "cuCtxSetCurrent");
+}
+
 int current_device_arch() {
   const CudaApi& c = cuda();
   if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);

@@ -43,6 +43,9 @@ struct CudaApi {
   CUresult (*GetErrorString)(CUresult, const char**) = nullptr;
   CUresult (*CtxGetCurrent)(CUcontext*) = nullptr;
   CUresult (*CtxGetDevice)(CUdevice*) = nullptr;
+  CUresult (*CtxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*DeviceGet)(CUdevice*, int) = nullptr;
+  CUresult (*DevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
   CUresult (*DeviceGetAttribute)(int*, int, CUdevice) = nullptr;
   CUresult (*ModuleLoadData)(CUmodule*, const void*) = nullptr;
   CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
@@ -60,6 +63,12 @@ void check_cuda(CUresult r, const char* what);
 // Compute capability of the current context's device, e.g. 90; throws
 // when there is no CUDA context.
 int current_device_arch();
+
+// Makes device's primary context (the one PyTorch uses) current on this
+// thread if no context is. Threads PyTorch starts, such as autograd's
+// backward workers, may have none: PyTorch skips cudaSetDevice when the
+// device index already matches.
+void ensure_cuda_context(int device);
 
 struct NvrtcOutput {
   std::string cubin, ptx, log;

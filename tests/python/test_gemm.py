@@ -8,7 +8,7 @@ differently (and cuBLASLt's gelu epilogue computes tanh its own way), so
 results are not bitwise eager's. A result passes when it is assert_close to
 the float64 reference with PyTorch's tolerances for its dtype, or, like the
 FlashAttention rule, when its largest error against float64 is at most twice
-eager's (three times for gradients)."""
+eager's (three times for gradients) plus two ulps of the largest value."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,11 @@ def check_against_reference(o, e, r, factor=2):
     except AssertionError as close_error:
         err = (o.double() - r).abs().max().item()
         eager_err = (e.double() - r).abs().max().item()
-        assert err <= factor * eager_err, f"{close_error}\nopfuse error {err:.3g} > {factor}x eager's {eager_err:.3g}"
+        # Two ulps of the largest value: where eager is nearly exact by luck,
+        # one extra rounding (of a GEMM's output before its bias) is no defect.
+        ulps = 2 * torch.finfo(o.dtype).eps * r.abs().max().item()
+        assert err <= factor * eager_err + ulps, \
+            f"{close_error}\nopfuse error {err:.3g} > {factor}x eager's {eager_err:.3g} + 2 ulps ({ulps:.3g})"
 
 
 def assert_gemm_close(out, fn, args):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -10,6 +11,20 @@ from ..stats import bump
 from .convert import TORCH_DTYPES
 
 log = logging.getLogger("opfuse")
+
+
+_thread = threading.local()
+
+
+def ensure_context(device: torch.device) -> None:
+    """The CUDA context current on this thread (once per thread and device):
+    autograd's backward threads may have none for the driver API."""
+    done = getattr(_thread, "devices", None)
+    if done is None:
+        done = _thread.devices = set()
+    if device.index not in done:
+        _C.ensure_cuda_context(device.index if device.index is not None else torch.cuda.current_device())
+        done.add(device.index)
 
 
 # cuBLASLt's workspace (PyTorch gives cuBLAS 32 MiB on Hopper as well).
@@ -91,6 +106,8 @@ class FusedPartition:
                 return self.eager(*args)
         key = tuple((t.shape, t.stride(), t.data_ptr() % 16) for t in tensors) if self.num_library_calls and self.cuda \
             else tuple((t.shape, t.stride()) for t in tensors)
+        if self.cuda:
+            ensure_context(tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device()))
         if key in self._refused:
             return self.plain(*args)
         entry = self._by_layout.get(key)

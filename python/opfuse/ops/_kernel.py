@@ -14,6 +14,7 @@ import torch
 
 from .. import _C
 from ..frontend.convert import DTYPE_NAMES, TORCH_DTYPES
+from ..frontend.runtime import ensure_context
 from ..stats import bump, bump_time
 
 _lock = threading.Lock()
@@ -67,6 +68,8 @@ class GraphKernel:
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Runs the graph; returns its outputs in graph order (fresh tensors)."""
+        if self.cuda:
+            ensure_context(self.device)
         key = tuple((t.shape, t.stride()) for t in tensors)
         entry = self._by_layout.get(key)
         if entry is None:
