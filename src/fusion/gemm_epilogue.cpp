@@ -42,18 +42,29 @@ bool is_bias_shape(const Shape& s, const Expr& n) {
 
 }  // namespace
 
-GemmOperand resolve_gemm_operand(const Graph& g, int operand) {
-  int cur = operand;
+GemmOperand resolve_gemm_operand(const Graph& g, int operand, const std::function<bool(int)>& in_memory) {
+  // Walk the view chain operand <- [permute of the last two dims] <- [reshape]
+  // <- source and stop at the first node that is in memory.
   GemmOperand r;
+  int cur = operand;
+  auto found = [&](int id, const Shape& shape) {
+    r.node = id;
+    r.shape = shape;
+    return r;
+  };
+  if (in_memory(cur)) return found(cur, g.node(cur).shape);
   if (swaps_last_two(g.node(cur))) {
     r.transposed = true;
     cur = g.node(cur).inputs[0];
+    if (in_memory(cur)) return found(cur, g.node(cur).shape);
   }
   const Node& c = g.node(cur);
-  r.shape = c.shape;
-  r.node = cur;
-  if (c.op == "reshape" && g.node(c.inputs[0]).op != "input" && g.node(c.inputs[0]).op != "scalar") r.node = c.inputs[0];
-  return r;
+  if (c.op == "reshape") {
+    // Only a realized (contiguous) source makes any reshape a view.
+    const Node& src = g.node(c.inputs[0]);
+    if (src.op != "input" && src.op != "scalar") return found(src.id, c.shape);
+  }
+  return found(cur, c.shape);
 }
 
 UseInfo::UseInfo(const Graph& g) : users(g.nodes.size()), is_output(g.nodes.size(), false) {

@@ -10,11 +10,12 @@
 
 namespace opfuse {
 
-// The buffer behind a matmul operand. A permute of the last two dims becomes
-// `transposed`; a reshape becomes the matrix shape when its source is not a
-// graph input (realized nodes are contiguous, so any reshape of them is a
-// view). Anything else is its own buffer (the planner realizes it).
-GemmOperand resolve_gemm_operand(const Graph& g, int operand);
+// The buffer behind a matmul operand: the first node along its view chain
+// that is `in_memory`. A permute of the last two dims becomes `transposed`;
+// a reshape becomes the matrix shape when its source is not a graph input
+// (realized nodes are contiguous, so any reshape of them is a view).
+// Anything else is its own buffer (the planner realizes it).
+GemmOperand resolve_gemm_operand(const Graph& g, int operand, const std::function<bool(int)>& in_memory);
 
 // Users of every node, and which nodes are graph outputs.
 struct UseInfo {

@@ -80,9 +80,10 @@ class Planner {
     // A library GEMM reads its operands from memory: the buffer behind each
     // operand (past a transpose or reshape view) must be realized.
     std::vector<bool> operand_buffer(g_.nodes.size(), false);
+    auto is_input = [&](int id) { return g_.node(id).op == "input" || is_output[static_cast<size_t>(id)]; };
     for (const Node& n : g_.nodes)
       if (n.op == "matmul")
-        for (int i : n.inputs) operand_buffer[static_cast<size_t>(resolve_gemm_operand(g_, i).node)] = true;
+        for (int i : n.inputs) operand_buffer[static_cast<size_t>(resolve_gemm_operand(g_, i, is_input).node)] = true;
     p_.kernel_of.assign(g_.nodes.size(), -1);
     for (const Node& n : g_.nodes) {
       const OpDef& d = op_def(n);
@@ -102,8 +103,8 @@ class Planner {
       if (gemm) {
         k.kind = KernelGroup::Kind::Gemm;
         k.gemm.matmul = k.gemm.result = n.id;
-        k.gemm.a = resolve_gemm_operand(g_, n.inputs[0]);
-        k.gemm.b = resolve_gemm_operand(g_, n.inputs[1]);
+        k.gemm.a = resolve_gemm_operand(g_, n.inputs[0], is_input);
+        k.gemm.b = resolve_gemm_operand(g_, n.inputs[1], is_input);
       }
       k.roots = {n.id};
       p_.kernel_of[static_cast<size_t>(n.id)] = static_cast<int>(ks_.size());
@@ -342,6 +343,16 @@ class Planner {
       if (ko >= 0) ko = new_index[static_cast<size_t>(ko)];
     for (int k : order) p_.kernels.push_back(ks_[static_cast<size_t>(k)]);
 
+    // A GEMM reads the first buffer along each operand's view chain; another
+    // node on that chain may have been realized too (a graph output), and
+    // then that is the buffer (the one compute_reads finds).
+    auto in_memory = [&](int id) { return g_.node(id).op == "input" || p_.kernel_of[static_cast<size_t>(id)] >= 0; };
+    for (auto& kg : p_.kernels)
+      if (kg.kind == KernelGroup::Kind::Gemm) {
+        const Node& mm = g_.node(kg.gemm.matmul);
+        kg.gemm.a = resolve_gemm_operand(g_, mm.inputs[0], in_memory);
+        kg.gemm.b = resolve_gemm_operand(g_, mm.inputs[1], in_memory);
+      }
     std::vector<bool> needed(g_.nodes.size(), false);
     for (int o : g_.outputs) needed[static_cast<size_t>(o)] = true;
     for (size_t k = 0; k < p_.kernels.size(); ++k) {

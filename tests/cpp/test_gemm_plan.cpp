@@ -164,6 +164,27 @@ TEST(GemmPlan, OperandComputedInTheGraphIsRealized) {
   EXPECT_EQ(p.kernels[1].gemm.a.node, 3);
 }
 
+TEST(GemmPlan, ATransposeThatIsAlsoAnOutputIsTheBufferTheCallReads) {
+  // Autocast training: the bf16 cast of a weight, transposed, is saved for
+  // the backward (a graph output). The GEMM reads that stored transpose.
+  const char* text = R"(graph {
+  %0 = input() {name="w"} : f32[48, 40]
+  %1 = cast(%0) {dtype=bf16} : bf16[48, 40]
+  %2 = permute(%1) {dims=[1, 0]} : bf16[40, 48]
+  %3 = input() {name="x"} : bf16[s0, 40]
+  %4 = matmul(%3, %2) : bf16[s0, 48]
+  return (%2, %4)
+})";
+  for (bool epi : {true, false}) {
+    FusionPlan p = plan(text, epi);
+    ASSERT_EQ(p.kernels.size(), 2u);
+    const GemmCall& c = p.kernels[1].gemm;
+    EXPECT_EQ(c.b.node, 2);  // the stored permute, read as it is
+    EXPECT_FALSE(c.b.transposed);
+    EXPECT_EQ(p.kernels[0].stores, std::vector<int>{2});
+  }
+}
+
 TEST(GemmPlan, MatmulRejectsMismatchedOperands) {
   Graph g;
   int a = g.add_input("a", DType::Float32, {cst(4), cst(5)});
