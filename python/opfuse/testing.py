@@ -51,7 +51,7 @@ def run_compiled(compiled, inputs):
         bufs.append(t)
     compiled.run(variant, syms, [t.data_ptr() for t in inputs] + [b.data_ptr() for b in bufs], strides)
     everything = list(inputs) + bufs
-    return [everything[i] for i in compiled.output_buffers()]
+    return [everything[i].view(compiled.output_shape(o, syms)) for o, i in enumerate(compiled.output_buffers())]
 
 
 def oracle(ir_text, inputs):

@@ -100,7 +100,8 @@ std::vector<std::vector<int64_t>> Compiled::output_shapes(const std::vector<std:
   return guarded([&] {
     auto syms = impl->graph->bind(input_shapes);
     std::vector<std::vector<int64_t>> r;
-    for (int b : impl->graph->output_buffers()) r.push_back(impl->graph->buffer_shape(b, syms));
+    for (size_t o = 0; o < impl->graph->output_buffers().size(); ++o)
+      r.push_back(impl->graph->output_shape(static_cast<int>(o), syms));
     return r;
   });
 }

@@ -6,6 +6,7 @@
 // iterates one domain: a Pointwise kernel its output shape, a Row kernel the
 // input shape of its reductions with `reduce_axes` as the inner loops.
 #pragma once
+#include <map>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,9 @@ struct FusionPlan {
   Graph graph;                     // the graph after the passes
   std::vector<KernelGroup> kernels;  // in an order that respects dependencies
   std::vector<int> kernel_of;      // node id -> kernel index (realized nodes), else -1
+  // Graph outputs that are a reshape of another node: that node is realized
+  // and the output is a view of its (contiguous) buffer, not a copy.
+  std::map<int, int> output_alias;
 
   std::string to_string() const;   // the groupings, one kernel a line (golden tests)
 };

@@ -77,6 +77,21 @@ class Planner {
   void seed_kernels() {
     std::vector<bool> is_output(g_.nodes.size(), false);
     for (int o : g_.outputs) is_output[static_cast<size_t>(o)] = true;
+    // An output that reshapes a computed node is a view of that node's
+    // buffer: realize the source once instead of storing a copy.
+    for (int o : g_.outputs) {
+      int src = o;
+      while (g_.node(src).op == "reshape") src = g_.node(src).inputs[0];
+      const std::string& sop = g_.node(src).op;
+      if (src == o || sop == "input" || sop == "scalar") continue;
+      p_.output_alias[o] = src;
+    }
+    for (auto [o, src] : p_.output_alias) {
+      is_output[static_cast<size_t>(o)] = false;
+      is_output[static_cast<size_t>(src)] = true;
+    }
+    for (int o : g_.outputs)  // also an output in its own right
+      if (!p_.output_alias.count(o)) is_output[static_cast<size_t>(o)] = true;
     // A library GEMM reads its operands from memory: the buffer behind each
     // operand (past a transpose or reshape view) must be realized.
     std::vector<bool> operand_buffer(g_.nodes.size(), false);
@@ -234,6 +249,7 @@ class Planner {
     // Which realized nodes are stored, and until when they live.
     std::map<int, int> last_use;
     for (int o : g_.outputs) last_use[o] = static_cast<int>(order.size());
+    for (auto [o, src] : p_.output_alias) last_use[src] = static_cast<int>(order.size());
     for (int k : order)
       for (int r : reads[static_cast<size_t>(k)])
         if (kernel_of[static_cast<size_t>(r)] >= 0) last_use[r] = std::max(last_use[r], position[static_cast<size_t>(k)]);
@@ -355,6 +371,7 @@ class Planner {
       }
     std::vector<bool> needed(g_.nodes.size(), false);
     for (int o : g_.outputs) needed[static_cast<size_t>(o)] = true;
+    for (auto [o, src] : p_.output_alias) needed[static_cast<size_t>(src)] = true;
     for (size_t k = 0; k < p_.kernels.size(); ++k) {
       KernelGroup& kg = p_.kernels[k];
       kg.reads = compute_reads(g_, p_.kernel_of, static_cast<int>(k), kg.roots);

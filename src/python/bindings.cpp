@@ -235,6 +235,7 @@ NB_MODULE(_C, m) {
       .def("symbols", &CompiledGraph::symbols)
       .def("bind", &CompiledGraph::bind)
       .def("buffer_shape", &CompiledGraph::buffer_shape)
+      .def("output_shape", &CompiledGraph::output_shape)
       .def("variant",
            [](CompiledGraph& c, const std::vector<std::vector<int64_t>>& shapes,
               const std::vector<std::vector<int64_t>>& strides) {

@@ -66,7 +66,10 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
       const Node& n = pg.node(s);
       buffers_.push_back({s, n.dtype, n.shape, false});
     }
-  for (int o : pg.outputs) output_buffers_.push_back(buffer_of.at(o));
+  for (int o : pg.outputs) {
+    auto alias = plan_.output_alias.find(o);
+    output_buffers_.push_back(buffer_of.at(alias == plan_.output_alias.end() ? o : alias->second));
+  }
 
   // Every size symbol must be the size of some input dim.
   std::set<std::string> bound;
@@ -131,6 +134,14 @@ std::vector<int64_t> CompiledGraph::bind(const std::vector<std::vector<int64_t>>
   std::vector<int64_t> v;
   for (auto& s : symbols_) v.push_back(env.at(s));
   return v;
+}
+
+std::vector<int64_t> CompiledGraph::output_shape(int output, const std::vector<int64_t>& values) const {
+  std::map<std::string, int64_t> env;
+  for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = values[i];
+  std::vector<int64_t> shape;
+  for (auto& d : plan_.graph.node(plan_.graph.outputs.at(static_cast<size_t>(output))).shape) shape.push_back(evaluate(d, env));
+  return shape;
 }
 
 std::vector<int64_t> CompiledGraph::buffer_shape(int b, const std::vector<int64_t>& values) const {

@@ -80,6 +80,8 @@ class CompiledGraph {
   // Size symbols from the inputs' shapes (in symbols() order).
   std::vector<int64_t> bind(const std::vector<std::vector<int64_t>>& input_shapes) const;
   std::vector<int64_t> buffer_shape(int buffer, const std::vector<int64_t>& symbol_values) const;
+  // A graph output's shape: its buffer's, or a reshape of it (plan().output_alias).
+  std::vector<int64_t> output_shape(int output, const std::vector<int64_t>& symbol_values) const;
 
   // The variant for these input strides, compiled (or loaded from the disk
   // cache) on first use. Returns its index; *cache_hit tells if it was on disk.

@@ -102,7 +102,7 @@ def worker(args: dict) -> list:
                     for i in range(len(cg.buffers()) - n_in)]
             cg.run(v, syms, [a.ctypes.data for a in inputs + outs], strides)
             everything = inputs + outs
-            got = [everything[i] for i in cg.output_buffers()]
+            got = [everything[i].reshape(cg.output_shape(o, syms)) for o, i in enumerate(cg.output_buffers())]
             want = [np.asarray(w) for _, w in _C.evaluate(text, [a.astype(np.float64) for a in inputs])]
             r["ok"] = len(got) == len(want) and all(np.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want))
         except Exception as e:  # reported, so the test can check the message

@@ -83,7 +83,12 @@ class FusedPartition:
                 self.dump.kernel_source(self.name, variant, self.compiled.source(variant))
         out_shapes = [self.compiled.buffer_shape(self.n_inputs + i, syms) for i in range(len(self.out_dtypes))]
         gemms = self.compiled.gemms(syms) if self.num_library_calls and not self.cuda else None
-        return variant, syms, strides, out_shapes, gemms
+        # Outputs that are reshapes of a buffer are views of it (no copy kernel).
+        views = []
+        for o, b in enumerate(self.outputs):
+            shape = self.compiled.output_shape(o, syms)
+            views.append(None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else shape)
+        return variant, syms, strides, out_shapes, gemms, views
 
     @staticmethod
     def _cpu_gemm(spec, everything):
@@ -113,7 +118,7 @@ class FusedPartition:
         entry = self._by_layout.get(key)
         if entry is None:
             entry = self._by_layout[key] = self._prepare(tensors)
-        variant, syms, strides, out_shapes, gemms = entry
+        variant, syms, strides, out_shapes, gemms, views = entry
         dev = tensors[0].device if tensors else self.device
         bufs = [torch.empty(s, dtype=d, device=dev) for s, d in zip(out_shapes, self.out_dtypes)]
         ptrs = [t.data_ptr() for t in tensors] + [b.data_ptr() for b in bufs]
@@ -141,7 +146,7 @@ class FusedPartition:
         bump("kernel_launches", self.num_kernels)
         if self.num_library_calls:
             bump("library_calls", self.num_library_calls)
-        outs = tuple(everything[i] for i in self.outputs)
+        outs = tuple(everything[i] if v is None else everything[i].view(v) for i, v in zip(self.outputs, views))
         return outs[0] if self.single else outs
 
     def _gemm_fallback(self, key, args, reason):

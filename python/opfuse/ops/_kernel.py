@@ -64,7 +64,11 @@ class GraphKernel:
             bump_time("compile_seconds", time.perf_counter() - t0)
             bump("cache_hits" if hit else "cache_misses")
         out_shapes = [self.compiled.buffer_shape(self.n_inputs + i, syms) for i in range(len(self.out_dtypes))]
-        return variant, syms, strides, out_shapes
+        views = []  # outputs that are reshapes of a buffer: views of it
+        for o, b in enumerate(self.outputs):
+            shape = self.compiled.output_shape(o, syms)
+            views.append(None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else shape)
+        return variant, syms, strides, out_shapes, views
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Runs the graph; returns its outputs in graph order (fresh tensors)."""
@@ -81,14 +85,14 @@ class GraphKernel:
             if len(self._by_layout) >= self._MAX_LAYOUTS:
                 self._by_layout.clear()
             self._by_layout[key] = entry
-        variant, syms, strides, out_shapes = entry
+        variant, syms, strides, out_shapes, views = entry
         bufs = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(out_shapes, self.out_dtypes)]
         ptrs = [t.data_ptr() for t in tensors] + [b.data_ptr() for b in bufs]
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
         self.compiled.run(variant, syms, ptrs, strides, stream)
         bump("kernel_launches", self.num_kernels)
         everything = list(tensors) + bufs
-        return [everything[i] for i in self.outputs]
+        return [everything[i] if v is None else everything[i].view(v) for i, v in zip(self.outputs, views)]
 
 
 def graph_kernel(key: tuple, device: torch.device, build) -> GraphKernel:
