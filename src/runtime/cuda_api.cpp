@@ -77,7 +77,9 @@ const CudaApi& cuda() {
               bind(h, api.ModuleLoadData, "cuModuleLoadData", &api.error) &
               bind(h, api.ModuleGetFunction, "cuModuleGetFunction", &api.error) &
               bind(h, api.FuncSetAttribute, "cuFuncSetAttribute", &api.error) &
-              bind(h, api.LaunchKernel, "cuLaunchKernel", &api.error);
+              bind(h, api.LaunchKernel, "cuLaunchKernel", &api.error) &
+              bind(h, api.CtxSetCurrent, "cuCtxSetCurrent", &api.error) & bind(h, api.DeviceGet, "cuDeviceGet", &api.error) &
+              bind(h, api.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", &api.error);
     if (ok && api.Init(0) == 0) api.loaded = true;
     else if (ok) api.error = "cuInit failed (no usable GPU or driver)";
   });
@@ -97,6 +99,8 @@ void ensure_cuda_context(int device) {
   CUcontext ctx = nullptr;
   check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
   if (ctx) return;
+  if (!c.DeviceGet || !c.DevicePrimaryCtxRetain || !c.CtxSetCurrent)
+    throw std::runtime_error("no current CUDA context and the driver calls to make one are not loaded");
   CUdevice dev = 0;
   check_cuda(c.DeviceGet(&dev, device), "cuDeviceGet");
   check_cuda(c.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
