@@ -80,6 +80,14 @@ const CudaApi& cuda() {
               bind(h, api.LaunchKernel, "cuLaunchKernel", &api.error) &
               bind(h, api.CtxSetCurrent, "cuCtxSetCurrent", &api.error) & bind(h, api.DeviceGet, "cuDeviceGet", &api.error) &
               bind(h, api.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain", &api.error);
+    // Optional (GEMM autotuning): a missing one disables it, not CUDA.
+    std::string ignore;
+    bind(h, api.EventCreate, "cuEventCreate", &ignore);
+    bind(h, api.EventRecord, "cuEventRecord", &ignore);
+    bind(h, api.EventSynchronize, "cuEventSynchronize", &ignore);
+    if (!bind(h, api.EventElapsedTime, "cuEventElapsedTime_v2", &ignore)) bind(h, api.EventElapsedTime, "cuEventElapsedTime", &ignore);
+    bind(h, api.EventDestroy, "cuEventDestroy_v2", &ignore);
+    bind(h, api.StreamIsCapturing, "cuStreamIsCapturing", &ignore);
     if (ok && api.Init(0) == 0) api.loaded = true;
     else if (ok) api.error = "cuInit failed (no usable GPU or driver)";
   });

@@ -16,6 +16,7 @@ using CUcontext = void*;
 using CUmodule = void*;
 using CUfunction = void*;
 using CUstream = void*;
+using CUevent = void*;
 using nvrtcResult = int;
 using nvrtcProgram = void*;
 
@@ -46,6 +47,13 @@ struct CudaApi {
   CUresult (*CtxSetCurrent)(CUcontext) = nullptr;
   CUresult (*DeviceGet)(CUdevice*, int) = nullptr;
   CUresult (*DevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  // Events and capture status: timing cuBLASLt's candidate algorithms once.
+  CUresult (*EventCreate)(CUevent*, unsigned) = nullptr;
+  CUresult (*EventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*EventSynchronize)(CUevent) = nullptr;
+  CUresult (*EventElapsedTime)(float*, CUevent, CUevent) = nullptr;
+  CUresult (*EventDestroy)(CUevent) = nullptr;
+  CUresult (*StreamIsCapturing)(CUstream, int*) = nullptr;
   CUresult (*DeviceGetAttribute)(int*, int, CUdevice) = nullptr;
   CUresult (*ModuleLoadData)(CUmodule*, const void*) = nullptr;
   CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;

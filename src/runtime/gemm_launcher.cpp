@@ -4,7 +4,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <cstdlib>
 #include <sstream>
+#include <vector>
 
 #include "runtime/cublaslt_api.h"
 #include "runtime/cuda_api.h"
@@ -55,6 +57,8 @@ int lt_type(DType t) {
   }
 }
 
+constexpr int kCandidates = 8;  // algorithms asked of the heuristic and timed
+
 int alignment(const void* p) {
   auto v = reinterpret_cast<uintptr_t>(p);
   int a = 256;
@@ -77,6 +81,8 @@ struct Prepared {
   lt::Layout a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   lt::Algo algo{};
   size_t workspace = 0;
+  std::vector<lt::Algo> candidates;  // the heuristic's answers, best first
+  bool tuned = false;                // candidates timed once, algo is the fastest
   bool ok = false;
   std::string why;  // when !ok
   std::mutex mu;    // the pointer attributes are set per call
@@ -174,11 +180,12 @@ void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, con
   void* bias_ptr = g.bias_grad ? g.bias_grad : const_cast<void*>(g.bias);
   if (bias_ptr) api.MatmulDescSetAttribute(p.desc, lt::DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr));
   if (g.aux) api.MatmulDescSetAttribute(p.desc, lt::DESC_AUX_POINTER, &g.aux, sizeof(g.aux));
-  lt::HeuristicResult r{};
+  lt::HeuristicResult results[kCandidates] = {};
   int found = 0;
   lt::Status s = api.MatmulAlgoGetHeuristic(handle_for_device(current_device()), p.desc, p.a, p.b, p.c ? p.c : p.d, p.d,
-                                             pref, 1, &r, &found);
+                                             pref, kCandidates, results, &found);
   api.MatmulPreferenceDestroy(pref);
+  const lt::HeuristicResult& r = results[0];
   if (s != 0 || found == 0 || r.state != 0) {
     std::ostringstream os;
     os << "cuBLASLt has no algorithm for this GEMM (" << dtype_name(g.dtype) << " " << g.batch << "x" << g.m << "x"
@@ -188,7 +195,54 @@ void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, con
   }
   p.algo = r.algo;
   p.workspace = r.workspace_size;
+  for (int i = 0; i < found; ++i)
+    if (results[i].state == 0) p.candidates.push_back(results[i].algo);
   p.ok = true;
+}
+
+// Times each candidate algorithm on the call's own operands (a few runs
+// each, on its stream) and keeps the fastest: cuBLASLt's first heuristic
+// answer is not always its fastest kernel (skinny decode shapes especially).
+// Done once per problem, outside CUDA graph capture; it synchronizes, so it
+// belongs to the first call, like compiling. OPFUSE_GEMM_AUTOTUNE=0 keeps
+// the heuristic's first answer.
+template <class Enqueue>
+void autotune(Prepared& p, void* stream, Enqueue enqueue) {
+  p.tuned = true;
+  const char* env = std::getenv("OPFUSE_GEMM_AUTOTUNE");
+  if ((env && std::string(env) == "0") || p.candidates.size() < 2) return;
+  const CudaApi& c = cuda();
+  if (!c.EventCreate || !c.EventRecord || !c.EventSynchronize || !c.EventElapsedTime || !c.EventDestroy ||
+      !c.StreamIsCapturing)
+    return;
+  int capturing = 0;
+  if (c.StreamIsCapturing(stream, &capturing) != 0 || capturing != 0) {
+    p.tuned = false;  // try again on a call outside capture
+    return;
+  }
+  CUevent start = nullptr, stop = nullptr;
+  if (c.EventCreate(&start, 0) != 0) return;
+  if (c.EventCreate(&stop, 0) != 0) {
+    c.EventDestroy(start);
+    return;
+  }
+  float best = 0;
+  size_t best_i = 0;
+  for (size_t i = 0; i < p.candidates.size(); ++i) {
+    if (enqueue(p.candidates[i]) != 0) continue;  // warm-up; an algorithm that fails is skipped
+    c.EventRecord(start, stream);
+    for (int rep = 0; rep < 3; ++rep) enqueue(p.candidates[i]);
+    c.EventRecord(stop, stream);
+    float ms = 0;
+    if (c.EventSynchronize(stop) != 0 || c.EventElapsedTime(&ms, start, stop) != 0) continue;
+    if (best == 0 || ms < best) {
+      best = ms;
+      best_i = i;
+    }
+  }
+  c.EventDestroy(start);
+  c.EventDestroy(stop);
+  if (best > 0) p.algo = p.candidates[best_i];
 }
 
 std::string key_of(const GemmArgs& g, int epilogue, const LtMatrix& ma, const LtMatrix& mb, const LtMatrix* mc, int device) {
@@ -249,9 +303,13 @@ void run_gemm(const GemmArgs& g) {
   if (bias_ptr) check(api.MatmulDescSetAttribute(p->desc, lt::DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr)), "set BIAS_POINTER");
   if (g.aux) check(api.MatmulDescSetAttribute(p->desc, lt::DESC_AUX_POINTER, &g.aux, sizeof(g.aux)), "set AUX_POINTER");
   const void* c_ptr = g.residual.ptr ? g.residual.ptr : g.d;
-  check(api.Matmul(handle_for_device(device), p->desc, &alpha, g.b.ptr, p->a, g.a.ptr, p->b, &beta, c_ptr,
-                   p->c ? p->c : p->d, g.d, p->d, &p->algo, g.workspace, g.workspace_bytes, g.stream),
-        "cublasLtMatmul");
+  lt::Handle handle = handle_for_device(device);
+  auto enqueue = [&](const lt::Algo& algo) {
+    return api.Matmul(handle, p->desc, &alpha, g.b.ptr, p->a, g.a.ptr, p->b, &beta, c_ptr, p->c ? p->c : p->d, g.d, p->d,
+                      &algo, g.workspace, g.workspace_bytes, g.stream);
+  };
+  if (!p->tuned) autotune(*p, g.stream, enqueue);
+  check(enqueue(p->algo), "cublasLtMatmul");
 }
 
 }  // namespace opfuse
