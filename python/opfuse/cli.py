@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUITES = ("chain", "rows", "gemm", "compile")  # the order 'all' runs them in (bench.suites.ALL_SUITES)
+SUITES = ("chain", "rows", "gemm", "launch", "compile")  # the order 'all' runs them in (bench.suites.ALL_SUITES)
 SUITE_CHOICES = SUITES + ("all",)
 
 

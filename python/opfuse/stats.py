@@ -13,6 +13,13 @@ def bump(name: str, n: int = 1) -> None:
         _stats[name] += n
 
 
+def bump_launch(kernels: int, library_calls: int) -> None:
+    """One partition call's launches, under one lock."""
+    with _lock:
+        _stats["kernel_launches"] += kernels
+        _stats["library_calls"] += library_calls
+
+
 def bump_time(name: str, seconds: float) -> None:
     with _lock:
         _stats[name] += seconds

@@ -219,8 +219,8 @@ def test_cli_parses_bench_and_demo():
     p = cli.build_parser()
     a = p.parse_args(["bench", "--suite", "chain,rows", "--out", "d", "--quick"])
     assert (a.command, a.suite, a.out, a.quick) == ("bench", ["chain", "rows"], "d", True)
-    assert p.parse_args(["bench"]).suite == ["chain", "rows", "gemm", "compile"]
-    assert p.parse_args(["bench", "--suite", "all"]).suite == ["chain", "rows", "gemm", "compile"]
+    assert p.parse_args(["bench"]).suite == ["chain", "rows", "gemm", "launch", "compile"]
+    assert p.parse_args(["bench", "--suite", "all"]).suite == ["chain", "rows", "gemm", "launch", "compile"]
     assert p.parse_args(["bench", "--suite", "gemm"]).suite == ["gemm"]
     d = p.parse_args(["demo", "--quick", "--impls", "eager,opfuse", "--threads", "1"])
     assert (d.command, d.quick, d.impls, d.threads) == ("demo", True, "eager,opfuse", 1)

@@ -15,7 +15,7 @@ from .runner import TABLE_HEADERS, bandwidth_record, run_case, table_rows, to_re
 from .table import format_table, fmt
 from .timing import summarize
 
-ALL_SUITES = ("chain", "rows", "gemm", "compile")
+ALL_SUITES = ("chain", "rows", "gemm", "launch", "compile")
 
 
 def pick_device(name: str | None = None) -> torch.device:
@@ -95,6 +95,9 @@ def run_bench(suites: list[str], impls: list[str], *, quick: bool = False,
     for suite in suites:
         if suite == "compile":
             records = run_compile_suite(impls, info, quick)
+        elif suite == "launch":
+            from .launch import run_launch_suite
+            records = run_launch_suite(device, info, quick)
         else:
             if bw is None:
                 bw = measure_copy_bandwidth(device, budget_s=0.5 if quick else 2.0)
@@ -106,7 +109,7 @@ def run_bench(suites: list[str], impls: list[str], *, quick: bool = False,
             target = Path(out_dir) if out_dir else default_results_dir(info)
             path = write_records(records, info, suite, target)
             print(f"wrote {path}")
-            if suite != "compile" and plot_roofline(records, path.with_suffix(".png"),
+            if suite not in ("compile", "launch") and plot_roofline(records, path.with_suffix(".png"),
                                                     f"{suite} on {info.device}"):
                 print(f"wrote {path.with_suffix('.png')}")
     return failures

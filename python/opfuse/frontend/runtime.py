@@ -7,13 +7,23 @@ import threading
 import torch
 
 from .. import _C
-from ..stats import bump
+from ..stats import bump, bump_launch
 from .convert import TORCH_DTYPES
 
 log = logging.getLogger("opfuse")
 
 
 _thread = threading.local()
+
+# PyTorch's current stream as a raw handle: the private call Inductor's
+# generated code uses (no Stream object built per call), else the public one.
+_get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _raw_stream(index: int) -> int:
+    if _get_raw_stream is not None:
+        return _get_raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def ensure_context(device: torch.device) -> None:
@@ -71,6 +81,7 @@ class FusedPartition:
         self.single = not isinstance(self.single, (tuple, list))
         self._by_layout = {}
         self._refused = set()  # layout keys cuBLASLt refused with epilogues
+        self.gemm_alignment_key = bool(self.num_library_calls and self.cuda)
 
     def _prepare(self, tensors):
         shapes = [list(t.shape) for t in tensors]
@@ -102,40 +113,58 @@ class FusedPartition:
             return t.transpose(-1, -2) if transposed else t
         torch.matmul(operand("a"), operand("b"), out=everything[spec["out"]])
 
-    def __call__(self, *args):
-        tensors = [args[i] for i in self.tensor_positions]
+    def _check_inputs(self, tensors) -> bool:
+        """First call with a layout: are the inputs on the compiled device and dtypes?"""
         for t, dt in zip(tensors, self.input_dtypes):
-            if t.device.type != self.device.type or t.dtype != dt or (self.cuda and t.device.index != torch.cuda.current_device()):
+            if t.device.type != self.device.type or t.dtype != dt:
                 log.info("%s: input on %s/%s, compiled for %s/%s; running eagerly", self.name, t.device, t.dtype,
                          self.device, dt)
-                return self.eager(*args)
-        key = tuple((t.shape, t.stride(), t.data_ptr() % 16) for t in tensors) if self.num_library_calls and self.cuda \
-            else tuple((t.shape, t.stride()) for t in tensors)
-        if self.cuda:
-            ensure_context(tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device()))
-        if key in self._refused:
-            return self.plain(*args)
+                return False
+        return True
+
+    def __call__(self, *args):
+        # The hot path: one dict lookup keyed by the inputs' layout (shape,
+        # stride, dtype, device; for cuBLASLt also 16-byte alignment), whose
+        # entry was checked and prepared on the first call with that layout.
+        tensors = [args[i] for i in self.tensor_positions]
+        if self.gemm_alignment_key:
+            key = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
+        else:
+            key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
         entry = self._by_layout.get(key)
         if entry is None:
+            if key in self._refused:
+                return self.plain(*args)
+            if not self._check_inputs(tensors):
+                return self.eager(*args)
             entry = self._by_layout[key] = self._prepare(tensors)
         variant, syms, strides, out_shapes, gemms, views = entry
-        dev = tensors[0].device if tensors else self.device
+        if self.cuda:
+            dev = tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device())
+            if dev.index != torch.cuda.current_device():
+                log.info("%s: inputs on %s but the current device is %d; running eagerly", self.name, dev,
+                         torch.cuda.current_device())
+                return self.eager(*args)
+            ensure_context(dev)
+            # The stream is read at every call, so the caller's stream (and
+            # CUDA graph capture) is respected.
+            stream = _raw_stream(dev.index)
+        else:
+            dev, stream = self.device, 0
         bufs = [torch.empty(s, dtype=d, device=dev) for s, d in zip(out_shapes, self.out_dtypes)]
         ptrs = [t.data_ptr() for t in tensors] + [b.data_ptr() for b in bufs]
         everything = tensors + bufs
-        # The stream is read at every call, so the caller's stream (and CUDA
-        # graph capture) is respected.
-        stream = torch.cuda.current_stream(dev).cuda_stream if self.cuda else 0
-        extra = {}
-        if self.num_library_calls:
-            if self.cuda:
-                extra = dict(workspace=_workspace(dev, stream).data_ptr(), workspace_bytes=WORKSPACE_BYTES,
-                             allow_tf32=torch.backends.cuda.matmul.allow_tf32)
-            else:
-                extra = dict(cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
         try:
-            self.compiled.run(variant, syms, ptrs, strides, stream, **extra)
+            if not self.num_library_calls:
+                self.compiled.run(variant, syms, ptrs, strides, stream)
+            elif self.cuda:
+                self.compiled.run(variant, syms, ptrs, strides, stream, workspace=_workspace(dev, stream).data_ptr(),
+                                  workspace_bytes=WORKSPACE_BYTES, allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+            else:
+                self.compiled.run(variant, syms, ptrs, strides, stream,
+                                  cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
         except _C.GemmUnsupported as e:
+            del self._by_layout[key]
             return self._gemm_fallback(key, args, str(e))
         except ValueError as e:  # ZeroDivisionError from integer division, as eager raises
             raise RuntimeError(str(e)) from None
@@ -143,9 +172,7 @@ class FusedPartition:
             if "ZeroDivisionError" in str(e):
                 raise RuntimeError("ZeroDivisionError") from None
             raise
-        bump("kernel_launches", self.num_kernels)
-        if self.num_library_calls:
-            bump("library_calls", self.num_library_calls)
+        bump_launch(self.num_kernels, self.num_library_calls)
         outs = tuple(everything[i] if v is None else everything[i].view(v) for i, v in zip(self.outputs, views))
         return outs[0] if self.single else outs
 
