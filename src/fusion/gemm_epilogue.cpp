@@ -59,12 +59,16 @@ GemmOperand resolve_gemm_operand(const Graph& g, int operand, const std::functio
     if (in_memory(cur)) return found(cur, g.node(cur).shape);
   }
   const Node& c = g.node(cur);
-  if (c.op == "reshape") {
-    // Only a realized (contiguous) source makes any reshape a view.
-    const Node& src = g.node(c.inputs[0]);
-    if (src.op != "input" && src.op != "scalar") return found(src.id, c.shape);
+  // Through a chain of reshapes to its first source that is in memory or no
+  // reshape: only a realized (contiguous) source makes any reshape a view.
+  int src = cur;
+  while (g.node(src).op == "reshape" && !in_memory(src)) {
+    int next = g.node(src).inputs[0];
+    const std::string& op = g.node(next).op;
+    if (op == "input" || op == "scalar") break;
+    src = next;
   }
-  return found(cur, c.shape);
+  return found(src, c.shape);
 }
 
 UseInfo::UseInfo(const Graph& g) : users(g.nodes.size()), is_output(g.nodes.size(), false) {

@@ -185,6 +185,23 @@ TEST(GemmPlan, ATransposeThatIsAlsoAnOutputIsTheBufferTheCallReads) {
   }
 }
 
+TEST(GemmPlan, AChainOfReshapesOfAComputedNodeIsAView) {
+  // cast -> [B, T, V] -> [B*T, V] -> GEMM: one kernel (the cast), no copy.
+  const char* text = R"(graph {
+  %0 = input() {name="g"} : f32[s0, 7]
+  %1 = cast(%0) {dtype=bf16} : bf16[s0, 7]
+  %2 = reshape(%1) {shape=<s0, 7, 1>} : bf16[s0, 7, 1]
+  %3 = reshape(%2) {shape=<s0, 7>} : bf16[s0, 7]
+  %4 = input() {name="w"} : bf16[7, 5]
+  %5 = matmul(%3, %4) : bf16[s0, 5]
+  return (%5)
+})";
+  FusionPlan p = plan(text, true);
+  ASSERT_EQ(p.kernels.size(), 2u);
+  EXPECT_EQ(p.kernels[0].roots, std::vector<int>{1});
+  EXPECT_EQ(p.kernels[1].gemm.a.node, 1);
+}
+
 TEST(GemmPlan, MatmulRejectsMismatchedOperands) {
   Graph g;
   int a = g.add_input("a", DType::Float32, {cst(4), cst(5)});
