@@ -31,6 +31,7 @@ class ExplainReport:
     fallbacks: list = field(default_factory=list)    # (op, reason)
     graph_breaks: list = field(default_factory=list)
     coverage: float = 0.0                            # fused ATen ops / all ATen ops
+    attention: list = field(default_factory=list)   # (where, kind, fused, reason) per softmax / SDPA
 
     def __str__(self) -> str:
         lines = [f"opfuse: {len(self.kernels)} kernels, {len(self.fallbacks)} ops left to PyTorch, "
@@ -40,6 +41,8 @@ class ExplainReport:
             for k in self.kernels:
                 lines.append(f"{k.name[:40]:40} {k.kind:9} {k.bytes / 1e6:9.3f} {k.flops / 1e6:9.3f} "
                              f"{k.est_time_s * 1e6:8.1f}  {' '.join(k.ops)}")
+        for where, kind, fused, reason in self.attention:
+            lines.append(f"attention ({kind}) at {where}: {'fused: ' if fused else 'not fused: '}{reason}")
         for op, reason in self.fallbacks:
             lines.append(f"fallback {op}: {reason}")
         for b in self.graph_breaks:
@@ -70,6 +73,7 @@ def explain(fn, *inputs, **kwargs) -> ExplainReport:
     report.kernels = [KernelRecord(k["name"], k["ops"], k["bytes"], k["flops"], k["seconds"], k["kind"], k["partition"])
                       for k in rec.kernels]
     report.fallbacks = list(rec.fallbacks)
+    report.attention = [(c.node, c.kind, c.fused, c.reason) for c in rec.attention]
     total = rec.fused_nodes + len(rec.fallbacks)
     report.coverage = rec.fused_nodes / total if total else 1.0
     return report

@@ -21,6 +21,7 @@ from .. import _C
 from ..stats import bump, bump_time
 from . import convert
 from .dump import from_env
+from .attention_pattern import fuse_attention
 from .runtime import FusedPartition
 
 log = logging.getLogger("opfuse")
@@ -66,6 +67,7 @@ class Report:
         self.kernels = []
         self.fallbacks = []
         self.fused_nodes = 0
+        self.attention = []  # attention_pattern.Candidate per softmax / SDPA seen
 
 
 _active_reports: list = []
@@ -215,6 +217,8 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
         if node.op == "call_function" and node.target is not operator.getitem:
             if _packet(node.target) in VIEW_ONLY:
                 continue  # a view costs PyTorch nothing: not a fallback
+            if str(node.target).startswith("opfuse."):
+                continue  # opfuse's own fused ops (attention): its kernels, not a fallback
             bump("fallback_ops")
             reason = "not supported by opfuse" if not _Support().is_node_supported(None, node) else "alone: a view"
             _record_fallback(str(node.target), reason)
@@ -228,6 +232,17 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     if os.environ.get("OPFUSE_DISABLE") == "1":
         log.info("opfuse: OPFUSE_DISABLE=1, running the graph eagerly")
         return gm.forward
+    # Attention written out (or SDPA, when asked) becomes opfuse.ops.attention
+    # before AOTAutograd, so the backward is the fused op's, not the pattern's.
+    try:
+        candidates = fuse_attention(gm)
+    except Exception as e:  # a failed rewrite leaves the graph as Dynamo gave it
+        log.warning("opfuse: attention pattern pass failed, graph left as it is: %s: %s", type(e).__name__, e)
+        candidates = []
+    for c in candidates:
+        log.info("opfuse: attention at %s (%s): %s", c.node, c.kind, ("fused: " if c.fused else "not fused: ") + c.reason)
+        for r in _active_reports:
+            r.attention.append(c)
     return aot_autograd(
         fw_compiler=functools.partial(compile_aten_graph, phase="forward"),
         bw_compiler=functools.partial(compile_aten_graph, phase="backward"),
