@@ -34,22 +34,22 @@ def attention_candidates(fn, *args):
     return opfuse.explain(fn, *args).attention
 
 
-def qkv(b=2, h=3, sq=37, sk=37, d=16, hkv=None, dtype=torch.float32, requires_grad=False):
-    t = [torch.randn(b, h, sq, d, dtype=dtype), torch.randn(b, hkv or h, sk, d, dtype=dtype),
-         torch.randn(b, hkv or h, sk, d, dtype=dtype)]
+def qkv(b=2, h=3, sq=37, sk=37, d=16, hkv=None, dtype=torch.float32, requires_grad=False, device="cpu"):
+    t = [torch.randn(b, h, sq, d, dtype=dtype, device=device), torch.randn(b, hkv or h, sk, d, dtype=dtype, device=device),
+         torch.randn(b, hkv or h, sk, d, dtype=dtype, device=device)]
     return [x.requires_grad_(requires_grad) for x in t]
 
 
-def test_plain_pattern_is_fused_and_right():
-    q, k, v = qkv(sq=29, sk=41)
+def test_plain_pattern_is_fused_and_right(device):
+    q, k, v = qkv(sq=29, sk=41, device=device)
     (cand,) = attention_candidates(plain, q, k, v)
     assert cand[2], cand
     torch.testing.assert_close(torch.compile(plain, backend="opfuse")(q, k, v), plain(q, k, v))
 
 
-def test_masked_fill_pattern_with_dropout_p0():
-    q, k, v = qkv()
-    mask = torch.ones(37, 37, dtype=torch.bool).triu(1)  # causal, as a model writes it
+def test_masked_fill_pattern_with_dropout_p0(device):
+    q, k, v = qkv(device=device)
+    mask = torch.ones(37, 37, dtype=torch.bool, device=device).triu(1)  # causal, as a model writes it
     (cand,) = attention_candidates(masked, q, k, v, mask)
     assert cand[2] and "masked_out" in cand[3], cand
     torch.testing.assert_close(torch.compile(masked, backend="opfuse")(q, k, v, mask), masked(q, k, v, mask))
@@ -78,9 +78,9 @@ def test_softmax_that_is_not_attention_is_reported_not_fused():
     assert not cand[2], cand
 
 
-def test_training_through_the_fused_pattern():
-    q, k, v = qkv(sq=23, sk=31, requires_grad=True)
-    mask = torch.rand(23, 31) > 0.2
+def test_training_through_the_fused_pattern(device):
+    q, k, v = qkv(sq=23, sk=31, requires_grad=True, device=device)
+    mask = torch.rand(23, 31, device=device) > 0.2
     mask[:, 0] = False  # every row keeps a key
     f = torch.compile(masked, backend="opfuse")
     f(q, k, v, mask).square().sum().backward()
@@ -104,8 +104,9 @@ def test_sdpa_is_left_to_pytorch_unless_asked(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_pattern_meets_the_flashattention_rule(dtype):
-    q, k, v = qkv(sq=41, sk=64, d=32, dtype=dtype)
+@pytest.mark.parametrize("d", [32, 64])  # 64: the CUDA kernel's head dims; 32: its math path
+def test_half_pattern_meets_the_flashattention_rule(dtype, d, device):
+    q, k, v = qkv(sq=41, sk=64, d=d, dtype=dtype, device=device)
     ref = plain(*(t.float() for t in (q, k, v)))
     err = (torch.compile(plain, backend="opfuse")(q, k, v).float() - ref).abs().max()
     eager_err = (plain(q, k, v).float() - ref).abs().max()
