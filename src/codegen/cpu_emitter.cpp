@@ -1,5 +1,4 @@
 #include "codegen/cpu_emitter.h"
-#include "ir/ops.h"
 
 #include <algorithm>
 
@@ -65,19 +64,6 @@ void CpuEmitter::pointwise_body() {
 }
 
 void CpuEmitter::statement(const KStmt& s, const KStage& stage) {
-  if (s.kind == KStmt::Compute) {
-    auto ld = cache_load_.find(s.dst);
-    if (ld != cache_load_.end()) {
-      line("const " + value_type(s.type) + " " + value(s.dst) + " = opf_sc" + std::to_string(ld->second) + "[" + row_index_ + "];");
-      return;
-    }
-    auto st = cache_store_.find(s.dst);
-    if (st != cache_store_.end()) {
-      CEmitter::statement(s, stage);
-      line("opf_sc" + std::to_string(st->second) + "[" + row_index_ + "] = " + value(s.dst) + ";");
-      return;
-    }
-  }
   if (s.kind == KStmt::Update) {
     const KAccumulator& a = stage.accs[static_cast<size_t>(s.acc)];
     if (a.combiner == "max" || a.combiner == "min") {
@@ -127,81 +113,16 @@ void CpuEmitter::stage_loop(const KStage& st, const std::vector<size_t>& axes, c
   for (auto& s : st.post) statement(s, st);
 }
 
-namespace {
-// Ops worth a store and a load to avoid recomputing (transcendental ones).
-bool expensive(const std::string& op) {
-  static const char* ops[] = {"exp", "log", "log1p", "expm1", "tanh", "sigmoid", "erf", "gelu", "silu", "pow", "sin", "cos"};
-  for (const char* o : ops)
-    if (op == o) return true;
-  return false;
-}
-}  // namespace
-
-void CpuEmitter::plan_row_cache() {
-  cache_store_.clear();
-  cache_load_.clear();
-  cache_types_.clear();
-  // A statement's key is its C expression with the arguments defined in the
-  // same loop replaced by their keys: equal keys compute equal values (same
-  // loads at the same indices, same row values from earlier stages).
-  std::map<std::string, int> first;  // key -> value id of its first expensive definition
-  std::map<std::string, size_t> first_stage;
-  for (size_t i = 0; i < k_->stages.size(); ++i) {
-    std::map<int, std::string> key;
-    for (const KStmt& s : k_->stages[i].loop) {
-      if (s.dst < 0) continue;
-      auto arg = [&](int id) { auto it = key.find(id); return it != key.end() ? "(" + it->second + ")" : value(id); };
-      std::string k;
-      switch (s.kind) {
-        case KStmt::Load: k = "load " + std::to_string(s.buffer) + "@" + offset(s.buffer, s.index); break;
-        case KStmt::Const: k = literal(s.value, s.type); break;
-        case KStmt::Cast: k = "cast " + std::string(dtype_name(s.node.dtype)) + " " + arg(s.args[0]); break;
-        case KStmt::Compute: {
-          if (s.node.op == "select_lt") { k = "select@" + std::to_string(s.dst); break; }  // index-dependent: never shared
-          std::vector<std::string> a;
-          for (int x : s.args) a.push_back(arg(x));
-          k = op_def(s.node).c_expr(a, s.node);
-          break;
-        }
-        default: continue;
-      }
-      k = value_type(s.type) + ":" + k;
-      key[s.dst] = k;
-      if (s.kind != KStmt::Compute || !expensive(s.node.op)) continue;
-      auto f = first.find(k);
-      if (f == first.end()) {
-        first[k] = s.dst;
-        first_stage[k] = i;
-      } else if (first_stage[k] < i && cache_types_.size() < 4) {
-        int slot;
-        auto st = cache_store_.find(f->second);
-        if (st != cache_store_.end()) slot = st->second;
-        else {
-          slot = static_cast<int>(cache_types_.size());
-          cache_types_.push_back(value_type(s.type));
-          cache_store_[f->second] = slot;
-        }
-        cache_load_[s.dst] = slot;
-      }
-    }
-  }
-}
-
 void CpuEmitter::row_body() {
   RowSplit split = split_rows(*k_);
   const std::vector<size_t>& kept = split.kept;
   const std::vector<size_t>& red_loop = split.loop;
   Expr rows = split.rows, cols = split.cols;
-  plan_row_cache();
-  row_index_ = red_loop.size() == 1 ? "x" + std::to_string(red_loop[0]) : "c_";
   line("const int64_t rows = " + size_c(rows) + ";");
   line("const int64_t cols = " + size_c(cols) + ";");
   line("#pragma omp parallel for schedule(static) if (rows * cols > 32768)");
   line("for (int64_t row_ = 0; row_ < rows; ++row_) {");
   ++indent_;
-  for (size_t i = 0; i < cache_types_.size(); ++i)
-    line(cache_types_[i] + "* opf_sc" + std::to_string(i) + " = opf_row_scratch<" + cache_types_[i] + ">(" + std::to_string(i) +
-         ", cols);");
   decompose("row_", kept);
   // Stages share the row's scope: values finished in one are read by the next.
   for (const KStage& st : k_->stages) {

@@ -3,7 +3,6 @@
 // prelude defines the same names for the device.
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -15,22 +14,6 @@ extern "C" int opfuse_take_error(void) { return __atomic_exchange_n(&opf_error_f
 static inline void opf_raise(int code) { __atomic_store_n(&opf_error_flag, code, __ATOMIC_RELAXED); }
 
 static inline int64_t opf_imin(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// A per-thread scratch row (slot 0-3): values a row kernel computes in one
-// stage and reuses in a later one instead of recomputing them (exp in
-// softmax). Grows, never shrinks; lives as long as the thread.
-template <class T> static inline T* opf_row_scratch(int slot, int64_t n) {
-  static thread_local void* buf[4] = {nullptr, nullptr, nullptr, nullptr};
-  static thread_local int64_t cap[4] = {0, 0, 0, 0};
-  int64_t bytes = n * (int64_t)sizeof(T);
-  if (bytes > cap[slot]) {
-    std::free(buf[slot]);
-    buf[slot] = std::aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64));
-    cap[slot] = buf[slot] ? bytes : 0;
-    if (!buf[slot]) opf_raise(2);
-  }
-  return (T*)buf[slot];
-}
 static inline int64_t opf_imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static inline float opf_to_float(opf_half h) { return (float)h; }
