@@ -218,3 +218,41 @@ TEST(GemmPlan, MatmulRejectsMismatchedOperands) {
 
 }  // namespace
 }  // namespace opfuse
+
+namespace opfuse {
+namespace {
+
+TEST(GemmPlan, MemoryGateKeepsTwoLargeOperandsFromLivingAtOnce) {
+  // relu(x) and sigmoid(x) each feed their own GEMM. Fusing their kernels
+  // horizontally (both read x) would save one read of x, so the roofline
+  // gate alone would merge them; but then both 64 MiB operands would be
+  // live together, where apart each dies at its GEMM. The peak-memory gate
+  // keeps them apart.
+  const char* text = R"(graph {
+  %0 = input() {name="x"} : f32[4096, 4096]
+  %1 = input() {name="w1"} : f32[4096, 8]
+  %2 = input() {name="w2"} : f32[4096, 8]
+  %3 = relu(%0) : f32[4096, 4096]
+  %4 = matmul(%3, %1) : f32[4096, 8]
+  %5 = sigmoid(%0) : f32[4096, 4096]
+  %6 = matmul(%5, %2) : f32[4096, 8]
+  return (%4, %6)
+})";
+  FusionPlan p = plan(text, true);
+  size_t pointwise = 0;
+  for (auto& k : p.kernels) pointwise += k.kind == KernelGroup::Kind::Pointwise;
+  EXPECT_EQ(pointwise, 2u) << p.to_string();
+  EXPECT_EQ(p.kernels.size(), 4u);
+  // The same two operands feeding one GEMM each, but both also graph
+  // outputs (live to the end anyway): now nothing is saved by keeping them
+  // apart, and they fuse into one kernel that reads x once.
+  std::string both = text;
+  both.replace(both.find("return (%4, %6)"), 15, "return (%4, %6, %3, %5)");
+  FusionPlan q = plan(both, true);
+  pointwise = 0;
+  for (auto& k : q.kernels) pointwise += k.kind == KernelGroup::Kind::Pointwise;
+  EXPECT_EQ(pointwise, 1u) << q.to_string();
+}
+
+}  // namespace
+}  // namespace opfuse
