@@ -7,13 +7,6 @@
 namespace opfuse {
 namespace {
 
-bool same_shape(const Shape& a, const Shape& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!expr_equal(a[i], b[i])) return false;
-  return true;
-}
-
 bool swaps_last_two(const Node& n) {
   if (n.op != "permute") return false;
   auto dims = n.get_ints("dims");

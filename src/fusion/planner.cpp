@@ -13,13 +13,6 @@
 namespace opfuse {
 namespace {
 
-bool same_shape(const Shape& a, const Shape& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!expr_equal(a[i], b[i])) return false;
-  return true;
-}
-
 // The shape of one row's results: the domain with reduce axes set to 1
 // (keepdim) or removed.
 Shape row_shape(const KernelGroup& k, bool keepdim) {

@@ -157,6 +157,13 @@ Expr emax(const Expr& a, const Expr& b) {
   return make(ExprNode::Max, {a, b});
 }
 
+bool same_shape(const Shape& a, const Shape& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!expr_equal(a[i], b[i])) return false;
+  return true;
+}
+
 bool expr_equal(const Expr& a, const Expr& b) {
   if (a == b) return true;
   if (a->kind != b->kind || a->value != b->value || a->name != b->name ||

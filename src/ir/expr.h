@@ -55,6 +55,9 @@ void collect_symbols(const Expr& e, std::vector<std::string>* out);
 std::string to_c(const Expr& e, const std::function<std::string(const ExprNode&)>& leaf);
 
 using Shape = std::vector<Expr>;
+
+// Same rank and every dim expr_equal.
+bool same_shape(const Shape& a, const Shape& b);
 std::string shape_to_string(const Shape& s);
 Expr numel(const Shape& s);
 

@@ -46,29 +46,6 @@ const NameApi& name_api() {
   return api;
 }
 
-// The driver calls that bind a device's primary context (the one PyTorch's
-// runtime uses) to a thread that has none current.
-struct CtxApi {
-  CUresult (*PrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
-  CUresult (*CtxSetCurrent)(CUcontext) = nullptr;
-};
-
-const CtxApi& ctx_api() {
-  static CtxApi api;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    const CudaApi& c = cuda();
-    if (!c.loaded) return;
-    std::string path = c.path;
-    if (auto p = path.find(" (already loaded)"); p != std::string::npos) path = path.substr(0, p);
-    void* h = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
-    void* from = h ? h : RTLD_DEFAULT;
-    api.PrimaryCtxRetain = reinterpret_cast<decltype(api.PrimaryCtxRetain)>(dlsym(from, "cuDevicePrimaryCtxRetain"));
-    api.CtxSetCurrent = reinterpret_cast<decltype(api.CtxSetCurrent)>(dlsym(from, "cuCtxSetCurrent"));
-  });
-  return api;
-}
-
 // The current context, after binding `device`'s primary context when the
 // thread has no context or one of another device.
 CUcontext current_context_for(int device) {
@@ -79,11 +56,10 @@ CUcontext current_context_for(int device) {
   CUdevice cur = -1;
   if (ctx) check_cuda(c.CtxGetDevice(&cur), "cuCtxGetDevice");
   if (ctx && cur == device) return ctx;
-  const CtxApi& x = ctx_api();
-  if (!x.PrimaryCtxRetain || !x.CtxSetCurrent) return ctx;
+  if (!c.DevicePrimaryCtxRetain || !c.CtxSetCurrent) return ctx;
   CUcontext primary = nullptr;
-  check_cuda(x.PrimaryCtxRetain(&primary, device), "cuDevicePrimaryCtxRetain");
-  check_cuda(x.CtxSetCurrent(primary), "cuCtxSetCurrent");
+  check_cuda(c.DevicePrimaryCtxRetain(&primary, device), "cuDevicePrimaryCtxRetain");
+  check_cuda(c.CtxSetCurrent(primary), "cuCtxSetCurrent");
   return primary;
 }
 

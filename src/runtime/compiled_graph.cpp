@@ -235,9 +235,11 @@ void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, 
                         const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& options) const {
   const Variant& v = *variants_.at(static_cast<size_t>(variant));
   if (target_ == Target::CUDA) {
+    SymbolEnv env;
+    for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
     for (auto [gemm, i] : steps_) {
-      if (gemm) launch_gemm(gemms_[static_cast<size_t>(i)], symbol_values, ptrs, input_strides, options);
-      else launch_cuda_kernel(v, static_cast<size_t>(i), symbol_values, ptrs, input_strides, options.stream);
+      if (gemm) launch_gemm(gemms_[static_cast<size_t>(i)], env, ptrs, input_strides, options);
+      else launch_cuda_kernel(v, static_cast<size_t>(i), symbol_values, env, ptrs, input_strides, options.stream);
     }
     return;
   }
@@ -334,11 +336,9 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
 }
 
 void CompiledGraph::launch_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values,
-                                       const std::vector<void*>& ptrs, const std::vector<std::vector<int64_t>>& input_strides,
-                                       void* stream) const {
+                                       const SymbolEnv& env, const std::vector<void*>& ptrs,
+                                       const std::vector<std::vector<int64_t>>& input_strides, void* stream) const {
   const CudaApi& c = cuda();
-  std::map<std::string, int64_t> env;
-  for (size_t s = 0; s < symbols_.size(); ++s) env[symbols_[s]] = symbol_values[s];
   std::vector<int64_t> args;
   {
     const Launch& l = launches_[i];

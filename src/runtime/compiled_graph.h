@@ -145,9 +145,12 @@ class CompiledGraph {
 
   std::string cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches) const;
   void build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit);
-  void launch_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
-                          const std::vector<std::vector<int64_t>>& input_strides, void* stream) const;
-  void launch_gemm(const GemmStep& s, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+  // `env`: the size symbols' values, built once per run for every step.
+  using SymbolEnv = std::map<std::string, int64_t>;
+  void launch_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values, const SymbolEnv& env,
+                          const std::vector<void*>& ptrs, const std::vector<std::vector<int64_t>>& input_strides,
+                          void* stream) const;
+  void launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                    const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
 
   std::string signature(const std::vector<std::vector<int64_t>>& shapes, const std::vector<std::vector<int64_t>>& strides,

@@ -19,10 +19,8 @@ std::vector<int64_t> view_strides(const BufferSpec& b, int index, const std::vec
 
 }  // namespace
 
-void CompiledGraph::launch_gemm(const GemmStep& s, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
+void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                                 const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
-  std::map<std::string, int64_t> env;
-  for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
   auto concrete = [&](const Shape& sh) {
     std::vector<int64_t> v;
     for (auto& d : sh) v.push_back(evaluate(d, env));

@@ -224,28 +224,26 @@ def fuse_attention(gm: torch.fx.GraphModule) -> list[Candidate]:
     take_sdpa = want in ("sdpa", "all")
     take_decomposed = want in ("decomposed", "all")
     found = []
+
+    def attempt(n, kind, wanted, why_not, replace):
+        if not wanted:
+            found.append(Candidate(n.name, kind, False, why_not))
+            return False
+        try:
+            found.append(Candidate(n.name, kind, True, replace(gm, n)))
+            return True
+        except NoMatch as e:
+            found.append(Candidate(n.name, kind, False, str(e)))
+            return False
+
     changed = False
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target in _SDPA and n.target is not None:
-            if not take_sdpa:
-                found.append(Candidate(n.name, "sdpa", False,
-                                       "left to PyTorch's fused SDPA (cuDNN/flash on the GPU); OPFUSE_ATTENTION=sdpa "
-                                       "takes it"))
-                continue
-            try:
-                found.append(Candidate(n.name, "sdpa", True, _replace_sdpa(gm, n)))
-                changed = True
-            except NoMatch as e:
-                found.append(Candidate(n.name, "sdpa", False, str(e)))
+            changed |= attempt(n, "sdpa", take_sdpa, "left to PyTorch's fused SDPA (cuDNN/flash on the GPU); "
+                               "OPFUSE_ATTENTION=sdpa takes it", _replace_sdpa)
         elif _is_fn(n, _SOFTMAX) or _is_method(n, "softmax"):
-            if not take_decomposed:
-                found.append(Candidate(n.name, "decomposed", False, "OPFUSE_ATTENTION excludes decomposed attention"))
-                continue
-            try:
-                found.append(Candidate(n.name, "decomposed", True, _replace_decomposed(gm, n)))
-                changed = True
-            except NoMatch as e:
-                found.append(Candidate(n.name, "decomposed", False, str(e)))
+            changed |= attempt(n, "decomposed", take_decomposed, "OPFUSE_ATTENTION excludes decomposed attention",
+                               _replace_decomposed)
     if changed:
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
