@@ -245,16 +245,22 @@ void autotune(Prepared& p, void* stream, Enqueue enqueue) {
   if (best > 0) p.algo = p.candidates[best_i];
 }
 
-std::string key_of(const GemmArgs& g, int epilogue, const LtMatrix& ma, const LtMatrix& mb, const LtMatrix* mc, int device) {
-  std::ostringstream os;
-  os << device << ' ' << static_cast<int>(g.dtype) << ' ' << g.batch << ' ' << g.m << ' ' << g.n << ' ' << g.k << ' '
-     << epilogue << ' ' << g.allow_tf32 << ' ' << g.workspace_bytes;
-  for (const LtMatrix* m : {&ma, &mb, mc})
-    if (m) os << " | " << m->rows << ' ' << m->cols << ' ' << m->ld << ' ' << m->batch_stride << ' ' << m->transposed;
-  os << " @ " << alignment(g.a.ptr) << ' ' << alignment(g.b.ptr) << ' ' << alignment(g.d) << ' '
-     << (mc ? alignment(g.residual.ptr) : 0) << ' ' << alignment(g.bias) << ' ' << alignment(g.aux) << ' '
-     << alignment(g.bias_grad);
-  return os.str();
+// The problem's identity, as integers: this runs on every call, so no
+// string formatting.
+std::vector<int64_t> key_of(const GemmArgs& g, int epilogue, const LtMatrix& ma, const LtMatrix& mb, const LtMatrix* mc,
+                            int device) {
+  std::vector<int64_t> k = {device, static_cast<int64_t>(g.dtype), g.batch, g.m, g.n, g.k, epilogue, g.allow_tf32,
+                            static_cast<int64_t>(g.workspace_bytes)};
+  for (const LtMatrix* m : {&ma, &mb, mc}) {
+    if (!m) {
+      k.push_back(-1);
+      continue;
+    }
+    k.insert(k.end(), {m->rows, m->cols, m->ld, m->batch_stride, m->transposed});
+  }
+  k.insert(k.end(), {alignment(g.a.ptr), alignment(g.b.ptr), alignment(g.d), mc ? alignment(g.residual.ptr) : 0,
+                     alignment(g.bias), alignment(g.aux), alignment(g.bias_grad)});
+  return k;
 }
 
 }  // namespace
@@ -282,10 +288,10 @@ void run_gemm(const GemmArgs& g) {
   }
   const LtMatrix* pc = g.residual.ptr ? &mc : nullptr;
   int device = current_device();
-  std::string key = key_of(g, epilogue, ma, mb, pc, device);
+  std::vector<int64_t> key = key_of(g, epilogue, ma, mb, pc, device);
 
   static std::mutex cache_mu;
-  static std::map<std::string, std::unique_ptr<Prepared>> cache;
+  static std::map<std::vector<int64_t>, std::unique_ptr<Prepared>> cache;
   Prepared* p = nullptr;
   {
     std::lock_guard<std::mutex> lock(cache_mu);
