@@ -5,13 +5,19 @@
 // accesses where every access is unit-stride along that dim (a scalar twin,
 // V = 1, serves inputs whose alignment or strides do not allow it; the
 // runtime picks per launch).
-// Row: a warp per row for rows of at most 1024 elements (8 rows a block), a
-// block per row otherwise; when the row length is known and each thread's
-// share is small, the row's loads are kept in registers after the first
-// stage, so every later stage (softmax's second and third pass, a norm's
-// normalise pass) reads no memory.
+// Row kernels (cuda_row_emitter.cpp), the schedule chosen by row length:
+//  - short rows (at most 1024 elements): an aligned group of 1 to 32 lanes
+//    per row, sized so that each lane holds a few 128-bit vectors;
+//  - longer rows: a block per row, or a thread-block cluster of up to 8
+//    blocks per row (partial reductions combined through distributed shared
+//    memory) when one block would need too many registers.
+// When the row length is known, what later stages need from earlier ones is
+// kept in registers (see row_cache_plan.h), so each row is read once.
 #pragma once
+#include <set>
+
 #include "codegen/c_emitter.h"
+#include "codegen/row_cache_plan.h"
 
 namespace opfuse {
 
@@ -22,35 +28,48 @@ struct CudaLaunch {
   int vec = 1;             // pointwise: elements per thread access
   std::vector<int> vec_buffers;  // kernel buffers accessed with vectors
   int items = 0;           // row kernels: per-thread register cache length (0: none)
-  int vec_threads = 0, vec_rows_per_block = 0;  // row kernels: geometry of the vector twin
+  int cluster = 1;          // row kernels: blocks per row (a thread-block cluster)
+  int vec_threads = 0, vec_rows_per_block = 0, vec_cluster = 1;  // row kernels: geometry of the vector twin
   Expr numel, rows, cols;  // launch geometry in terms of size symbols
   std::string name, vec_name;  // scalar and vector entry points
 };
 
 class CudaEmitter : public CEmitter {
  public:
+  // arch: the compute capability the source is for (90 for sm_90); cluster
+  // schedules need 90 or newer.
+  explicit CudaEmitter(int arch = 90) : arch_(arch) {}
   std::string emit(const KernelIR& k, const StrideSignature& sig) override;
   const CudaLaunch& launch() const { return launch_; }
 
  private:
+  int arch_;
   CudaLaunch launch_;
+  bool in_row_loop_ = false;
   int vec_ = 1;                  // the V of the function being printed
   bool in_lanes_ = false;
   std::vector<bool> vec_buffer_;  // by kernel buffer
-  std::map<std::string, int> cache_slot_;  // row kernels: (buffer, index) -> register array
-  std::vector<std::string> cache_types_;
+  // Row kernels.
+  RowCachePlan cache_;            // values kept in registers between stages
   bool caching_ = false;
   int stage_index_ = 0;
   std::string smem_ = "opf_smem";
-  bool warp_rows_ = false;
+  bool grouped_rows_ = false;     // a group of `lanes_` lanes per row
+  int lanes_ = 32;
+  int cluster_ = 1;
+  int cluster_reductions_ = 0;    // slots used so far
+  std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
 
   std::map<std::string, std::string> lane_of_;  // access (buffer@offset) -> lane array
   std::string last_var_;                        // the innermost loop variable
   bool row_vectorisable_ = false;
 
   void statement(const KStmt& s, const KStage& stage) override;
+  void plain_statement(const KStmt& s, const KStage& stage);
   void pointwise(const std::string& name, int vec);
   void row_kernel(const std::string& name, int vec);
+  void row_stage_loop(const KStage& st, int items, int threads_per_row);
+  std::string statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const;
   std::string access_key(const KStmt& s) const;
   // Declares lane arrays and issues the vector loads of `stmts` at lane 0's
   // index (`lane0` replaces the innermost variable); skips cached loads.
@@ -58,7 +77,7 @@ class CudaEmitter : public CEmitter {
   void vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0);
   void reduce_across_threads(const KAccumulator& a);
   int choose_vec(bool all_stages);
-  std::string header(const std::string& name, int threads);
+  std::string header(const std::string& name, int threads, int cluster = 1);
 };
 
 const char* cuda_prelude();

@@ -27,12 +27,10 @@ static __device__ __forceinline__ opf_half opf_float_to_half(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f));
   return h;
 }
+// One instruction on sm_80 and newer (round to nearest even; NaN stays NaN).
 static __device__ __forceinline__ opf_bf16 opf_float_to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
   opf_bf16 b;
-  if ((u & 0x7fffffffu) > 0x7f800000u) { b.x = (uint16_t)((u >> 16) | 0x40u); return b; }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  b.x = (uint16_t)(u >> 16);
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.x) : "f"(f));
   return b;
 }
 static __device__ __forceinline__ float opf_round_bf16(float f) { return opf_to_float(opf_float_to_bf16(f)); }
@@ -71,6 +69,17 @@ template <class T> static __device__ __forceinline__ T opf_highest() { return op
 template <class T> static __device__ __forceinline__ bool opf_isnan(T x) { return x != x; }
 template <class T> static __device__ __forceinline__ T opf_max_nan(T a, T b) { return (b > a || b != b) ? b : a; }
 template <class T> static __device__ __forceinline__ T opf_min_nan(T a, T b) { return (b < a || b != b) ? b : a; }
+// NaN-propagating max/min in one instruction (sm_80+), the hot op of softmax's max pass.
+static __device__ __forceinline__ float opf_max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+static __device__ __forceinline__ float opf_min_nan(float a, float b) {
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 template <class T> static __device__ __forceinline__ T opf_maximum(T a, T b) { return (a != a || b != b) ? (a != a ? a : b) : (a > b ? a : b); }
 template <class T> static __device__ __forceinline__ T opf_minimum(T a, T b) { return (a != a || b != b) ? (a != a ? a : b) : (a < b ? a : b); }
 template <class T> static __device__ __forceinline__ T opf_clamp_min(T x, T lo) { return x < lo ? lo : x; }
@@ -179,9 +188,10 @@ struct opf_prod { template <class T> static __device__ __forceinline__ T f(T a, 
 struct opf_max { template <class T> static __device__ __forceinline__ T f(T a, T b) { return opf_max_nan(a, b); } };
 struct opf_min { template <class T> static __device__ __forceinline__ T f(T a, T b) { return opf_min_nan(a, b); } };
 
-template <class Op, class T> static __device__ __forceinline__ T opf_warp_reduce(T v) {
+// W: the lanes that share a row (an aligned group of 1 to 32 lanes).
+template <class Op, int W = 32, class T> static __device__ __forceinline__ T opf_warp_reduce(T v) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = W / 2; o > 0; o >>= 1) v = Op::f(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 template <class Op, class T> static __device__ __forceinline__ T opf_block_reduce(T v, void* smem) {
@@ -196,15 +206,50 @@ template <class Op, class T> static __device__ __forceinline__ T opf_block_reduc
   return v;
 }
 
+// A thread-block cluster shares one row (distributed shared memory): each
+// block reduces its part, publishes it in its own shared memory, and after a
+// cluster barrier every thread combines all blocks' parts in rank order, so
+// every block holds the same total. Each reduction has its own slot, so no
+// second barrier is needed before the next one; the kernel ends with a
+// cluster barrier so that no block exits while another reads its memory.
+static __device__ __forceinline__ unsigned opf_cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+static __device__ __forceinline__ void opf_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+template <class T> static __device__ __forceinline__ T opf_cluster_load(const T* local, unsigned rank) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(local), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+  union { T v; unsigned long long b64; unsigned b32; } u;
+  if constexpr (sizeof(T) == 8) {
+    asm volatile("ld.shared::cluster.b64 %0, [%1];" : "=l"(u.b64) : "r"(remote) : "memory");
+  } else {
+    asm volatile("ld.shared::cluster.b32 %0, [%1];" : "=r"(u.b32) : "r"(remote) : "memory");
+  }
+  return u.v;
+}
+template <class Op, int C, class T> static __device__ __forceinline__ T opf_cluster_reduce(T v, void* smem, T* slot) {
+  v = opf_block_reduce<Op>(v, smem);
+  if (threadIdx.x == 0) *slot = v;
+  opf_cluster_sync();
+  v = opf_cluster_load(slot, 0);
+#pragma unroll
+  for (int r = 1; r < C; ++r) v = Op::f(v, opf_cluster_load(slot, r));
+  return v;
+}
+
 // argmax / argmin: value and index; ties and NaN go to the first index.
 template <bool MAX, class T> static __device__ __forceinline__ void opf_arg_combine(T& v, int64_t& i, T v2, int64_t i2) {
   bool nan1 = v != v, nan2 = v2 != v2;
   bool take = nan2 ? (!nan1 || i2 < i) : (!nan1 && ((MAX ? v2 > v : v2 < v) || (v2 == v && i2 < i)));
   if (take) { v = v2; i = i2; }
 }
-template <bool MAX, class T> static __device__ __forceinline__ void opf_warp_arg(T& v, int64_t& i) {
+template <bool MAX, int W = 32, class T> static __device__ __forceinline__ void opf_warp_arg(T& v, int64_t& i) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
+  for (int o = W / 2; o > 0; o >>= 1) {
     T v2 = __shfl_xor_sync(0xffffffffu, v, o);
     int64_t i2 = __shfl_xor_sync(0xffffffffu, i, o);
     opf_arg_combine<MAX>(v, i, v2, i2);
@@ -233,9 +278,9 @@ static __device__ __forceinline__ void opf_welford_combine(double& m, double& m2
   m2 += m2b + d * d * (double)n * (double)nb / (double)t;
   n = t;
 }
-static __device__ __forceinline__ void opf_warp_welford(double& m, double& m2, int64_t& n) {
+template <int W = 32> static __device__ __forceinline__ void opf_warp_welford(double& m, double& m2, int64_t& n) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
+  for (int o = W / 2; o > 0; o >>= 1) {
     double mb = __shfl_xor_sync(0xffffffffu, m, o), m2b = __shfl_xor_sync(0xffffffffu, m2, o);
     int64_t nb = __shfl_xor_sync(0xffffffffu, n, o);
     opf_welford_combine(m, m2, n, mb, m2b, nb);

@@ -183,7 +183,7 @@ NB_MODULE(_C, m) {
            nb::arg("text"), nb::arg("fuse") = true, nb::arg("bandwidth") = 0.0, nb::arg("flops") = 0.0,
            nb::arg("target") = "cpu", nb::arg("gemm_epilogues") = -1)
       .def_prop_ro("target", [](const CompiledGraph& c) { return std::string(c.target() == Target::CUDA ? "cuda" : "cpu"); })
-      .def("cuda_source", &CompiledGraph::cuda_source)
+      .def("cuda_source", &CompiledGraph::cuda_source, nb::arg("shapes"), nb::arg("strides"), nb::arg("arch") = 90)
       .def("compile_cuda",
            [](const CompiledGraph& c, const std::vector<std::vector<int64_t>>& shapes,
               const std::vector<std::vector<int64_t>>& strides, int arch, bool want_ptx) {

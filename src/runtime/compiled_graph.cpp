@@ -279,11 +279,12 @@ void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, 
 
 namespace opfuse {
 
-std::string CompiledGraph::cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches) const {
+std::string CompiledGraph::cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches,
+                                           int arch) const {
   std::string src = cuda_prelude();
   src += "\n";
   for (size_t i = 0; i < kernels_.size(); ++i) {
-    CudaEmitter e;
+    CudaEmitter e(arch);
     src += e.emit(kernels_[i], sigs[i]) + "\n";
     if (launches) launches->push_back(e.launch());
   }
@@ -291,20 +292,20 @@ std::string CompiledGraph::cuda_source_for(const std::vector<StrideSignature>& s
 }
 
 std::string CompiledGraph::cuda_source(const std::vector<std::vector<int64_t>>& shapes,
-                                       const std::vector<std::vector<int64_t>>& strides) const {
+                                       const std::vector<std::vector<int64_t>>& strides, int arch) const {
   std::vector<StrideSignature> sigs;
   signature(shapes, strides, &sigs);
-  return cuda_source_for(sigs, nullptr);
+  return cuda_source_for(sigs, nullptr, arch);
 }
 
 NvrtcOutput CompiledGraph::compile_cuda(const std::vector<std::vector<int64_t>>& shapes,
                                         const std::vector<std::vector<int64_t>>& strides, int arch, bool want_ptx) const {
-  return nvrtc_compile(cuda_source(shapes, strides), "opfuse_graph.cu", arch, false, want_ptx);
+  return nvrtc_compile(cuda_source(shapes, strides, arch), "opfuse_graph.cu", arch, false, want_ptx);
 }
 
 void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit) {
-  v.source = cuda_source_for(sigs, &v.launches);
   int arch = current_device_arch();
+  v.source = cuda_source_for(sigs, &v.launches, arch);
   const NvrtcApi& n = nvrtc();
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
   std::string entry = content_hash(v.source + "\nsm_" + std::to_string(arch) + "\nnvrtc " + std::to_string(n.major) + "." +
@@ -383,9 +384,16 @@ void CompiledGraph::launch_cuda_kernel(const Variant& v, size_t i, const std::ve
       int64_t rows = evaluate(cl.rows, env);
       if (rows == 0) return;
       int rpb = vec_ok ? cl.vec_rows_per_block : cl.rows_per_block;
+      int cluster = vec_ok ? cl.vec_cluster : cl.cluster;
       if (vec_ok) threads = static_cast<unsigned>(cl.vec_threads);
-      int64_t blocks = (rows + rpb - 1) / rpb;
-      grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
+      if (cluster > 1) {
+        // Exactly one cluster per row: the kernel has no loop over rows.
+        if (rows > (int64_t{1} << 31) / cluster - 1) throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
+        grid = static_cast<unsigned>(rows * cluster);
+      } else {
+        int64_t blocks = (rows + rpb - 1) / rpb;
+        grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
+      }
     }
     void* params[] = {args.data()};
     check_cuda(c.LaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, stream, params, nullptr),

@@ -105,7 +105,7 @@ class CompiledGraph {
   // The CUDA source of all kernels for a stride signature, and compiling it
   // with NVRTC for an architecture (no GPU needed): for CI and inspection.
   std::string cuda_source(const std::vector<std::vector<int64_t>>& input_shapes,
-                          const std::vector<std::vector<int64_t>>& input_strides) const;
+                          const std::vector<std::vector<int64_t>>& input_strides, int arch = 90) const;
   NvrtcOutput compile_cuda(const std::vector<std::vector<int64_t>>& input_shapes,
                            const std::vector<std::vector<int64_t>>& input_strides, int arch, bool want_ptx) const;
 
@@ -143,7 +143,7 @@ class CompiledGraph {
   mutable std::mutex mu_;
   Target target_ = Target::CPU;
 
-  std::string cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches) const;
+  std::string cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches, int arch) const;
   void build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit);
   // `env`: the size symbols' values, built once per run for every step.
   using SymbolEnv = std::map<std::string, int64_t>;

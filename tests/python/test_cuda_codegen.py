@@ -116,3 +116,36 @@ def test_strided_and_dynamic_graphs_compile():
     cg = _C.CompiledGraph(ir, target="cuda")
     cubin, ptx, log = cg.compile_cuda([[7, 9], [9]], [[1, 7], [1]], 90, False)
     assert len(cubin) > 0
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("cols", [1, 7, 33, 256, 1000, 1025, 5000, 40000, 40001, 70000])
+def test_row_schedules_compile(arch, cols):
+    """Every row schedule (lane groups, block per row, clusters on sm_90) for
+    each row op compiles, with no spills on sm_90 (ptxas for sm_80 spills a
+    few bytes in some short-row kernels at 48 registers: a heuristic of its
+    own, not register pressure)."""
+    nvrtc_or_skip()
+    for op in ["softmax", "log_softmax", "layer_norm", "rms_norm"]:
+        for dtype in ["f32", "bf16"]:
+            _, log = compile_for(row_ir(op, dtype, 5, cols), [[5, cols]], arch)
+            spills = re.findall(r"(\d+) bytes spill stores", log)
+            assert arch == 80 or all(int(s) == 0 for s in spills), log[-2000:]
+
+
+def test_long_rows_use_a_cluster_on_sm90_only():
+    shapes = [[4096, 262144]]
+    cg = _C.CompiledGraph(row_ir("softmax", "bf16", 4096, 262144), target="cuda")
+    assert "__cluster_dims__(8, 1, 1)" in cg.cuda_source(shapes, contiguous(shapes), 90)
+    assert "__cluster_dims__" not in cg.cuda_source(shapes, contiguous(shapes), 80)
+
+
+def test_softmax_computes_one_exp_per_element():
+    """The output stage reads exp(x - max) kept in registers by the sum stage
+    instead of recomputing it (row_cache_plan.h)."""
+    shapes = [[32768, 4096]]
+    cg = _C.CompiledGraph(row_ir("softmax", "bf16", 32768, 4096), target="cuda")
+    src = cg.cuda_source(shapes, contiguous(shapes), 90)
+    vector_kernel = src[src.index("_v8_args"):]
+    assert vector_kernel.count("opf_exp(") == 1
+    assert vector_kernel.count("opf_vload<8>") == 1

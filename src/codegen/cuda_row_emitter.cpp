@@ -1,0 +1,273 @@
+// Row (reduction) kernels of the CUDA emitter: the schedule by row length,
+// the stage loops, and the reductions across the threads of a row.
+#include <algorithm>
+
+#include "codegen/cuda_emitter.h"
+#include "ir/ops.h"
+
+namespace opfuse {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int pow2_at_least(int64_t n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// How the threads of a launch cover the rows.
+struct RowGeometry {
+  bool grouped = false;   // `lanes` lanes of a warp per row, several rows a block
+  int lanes = 32;
+  int threads = 256;
+  int rows_per_block = 1;
+  int cluster = 1;        // blocks per row
+  int items = 0;          // vectors per thread when the row is cached in registers (0: a loop)
+};
+
+// Registers per thread spent on the row cache: about 32 values keeps a block
+// of 512 threads at two blocks an SM (with ~25 registers for the rest), so
+// that one block's reductions overlap another's loads.
+constexpr int kCachedValues = 32;
+
+// slots: values cached per element (0: nothing to cache, or cols unknown).
+RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool cluster_ok) {
+  RowGeometry g;
+  if (known && ncols <= 1024) {
+    // Short rows: the fewest lanes that give each lane at most 4 vectors.
+    int64_t nv = ceil_div(ncols, vec);
+    int lanes = 1;
+    while (lanes < 32 && lanes * 4 < nv) lanes *= 2;
+    g.grouped = true;
+    g.lanes = lanes;
+    g.threads = 256;
+    g.rows_per_block = 256 / lanes;
+    int64_t items = ceil_div(nv, lanes);
+    if (slots > 0 && items * vec * slots <= 2 * kCachedValues) g.items = static_cast<int>(items);
+    return g;
+  }
+  g.threads = known ? std::min(1024, std::max(128, pow2_at_least(ceil_div(ncols, 8 * vec)))) : 512;
+  if (!known || slots == 0) return g;
+  int64_t nv = ceil_div(ncols, vec);
+  int64_t per_thread = std::max(1, kCachedValues / (vec * slots));  // vectors a thread caches
+  int64_t need = ceil_div(nv, per_thread);                            // threads a row needs
+  if (need <= 512) {
+    g.threads = std::max(128, pow2_at_least(need));
+    g.items = static_cast<int>(ceil_div(nv, g.threads));
+    return g;
+  }
+  if (cluster_ok) {
+    // A cluster of blocks per row; 1024-thread blocks only when 512 would
+    // need more than the 8 blocks a portable cluster may have.
+    int threads = 512;
+    int64_t blocks = ceil_div(need, threads);
+    if (blocks > 8) {
+      threads = 1024;
+      blocks = ceil_div(need, threads);
+    }
+    if (blocks <= 8) {
+      g.threads = threads;
+      g.cluster = static_cast<int>(blocks);
+      g.items = static_cast<int>(ceil_div(nv, threads * blocks));
+      return g;
+    }
+  }
+  // One block of 1024 threads (64 registers each), when its share still
+  // fits; the scalar twin spends more registers on index arithmetic.
+  int64_t items = ceil_div(nv, 1024);
+  if (items * vec * slots <= (vec > 1 ? kCachedValues : kCachedValues / 2)) {
+    g.threads = 1024;
+    g.items = static_cast<int>(items);
+  }
+  return g;
+}
+
+}  // namespace
+
+std::string CudaEmitter::statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const {
+  std::vector<std::string> a;
+  for (auto& k : arg_keys) a.push_back("{" + k + "}");
+  switch (s.kind) {
+    case KStmt::Load: return "load " + access_key(s) + " " + dtype_name(s.type);
+    case KStmt::Const: return "const " + literal(s.value, s.type);
+    case KStmt::Cast: return "cast " + std::string(dtype_name(s.node.dtype)) + " " + a[0];
+    case KStmt::Compute:
+      if (s.node.op == "select_lt") return "select_lt " + size_c(s.index[0]) + " " + size_c(s.index[1]) + " " + a[0] + " " + a[1];
+      return dtype_name(s.type) + std::string(" ") + op_def(s.node).c_expr(a, s.node);
+    default: return "effect";
+  }
+}
+
+void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
+  std::string n = acc_name(a);
+  const std::string& c = a.combiner;
+  std::string op = c == "sum" ? "opf_sum" : c == "prod" ? "opf_prod" : c == "max" ? "opf_max" : "opf_min";
+  std::string w = std::to_string(lanes_);
+  if (c == "sum" || c == "prod" || c == "max" || c == "min") {
+    if (grouped_rows_) {
+      if (lanes_ > 1) line(n + " = opf_warp_reduce<" + op + ", " + w + ">(" + n + ");");
+    } else if (cluster_ > 1) {
+      std::string slot = "reinterpret_cast<" + value_type(a.type) + "*>(&opf_cslot[" + std::to_string(cluster_reductions_++) + "])";
+      line(n + " = opf_cluster_reduce<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", " + slot + ");");
+    } else {
+      line(n + " = opf_block_reduce<" + op + ">(" + n + ", " + smem_ + ");");
+    }
+  } else if (c == "argmax" || c == "argmin") {
+    std::string mx = c == "argmax" ? "true" : "false";
+    if (grouped_rows_) {
+      if (lanes_ > 1) line("opf_warp_arg<" + mx + ", " + w + ">(" + n + ", " + acc_name(a, "_i") + ");");
+    } else {
+      line("opf_block_arg<" + mx + ">(" + n + ", " + acc_name(a, "_i") + ", " + smem_ + ");");
+    }
+  } else if (c == "welford") {
+    if (grouped_rows_) {
+      if (lanes_ > 1) line("opf_warp_welford<" + w + ">(" + n + ", " + acc_name(a, "_m2") + ", " + acc_name(a, "_n") + ");");
+    } else {
+      line("opf_block_welford(" + n + ", " + acc_name(a, "_m2") + ", " + acc_name(a, "_n") + ", " + smem_ + ");");
+    }
+  }
+}
+
+// One stage's loop over the part of the row this thread covers.
+void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_row) {
+  std::vector<KStmt> loop;
+  loop_varying_.clear();
+  for (const KStmt& s : st.loop) {
+    if (caching_ && s.dst >= 0 && cache_.skip[static_cast<size_t>(stage_index_)].count(s.dst)) continue;
+    loop.push_back(s);
+    if (s.varying && s.dst >= 0) loop_varying_.insert(s.dst);
+  }
+  std::string V = std::to_string(vec_), T = std::to_string(threads_per_row);
+  if (caching_) {
+    line("#pragma unroll");
+    line("for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
+    ++indent_;
+    line("const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
+    line("if (c_ < cols) {");
+  } else {
+    line("for (int64_t c_ = (int64_t)tid_ * " + V + "; c_ < cols; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
+  }
+  ++indent_;
+  in_row_loop_ = true;
+  if (vec_ > 1) {
+    lane_of_.clear();
+    vector_loads(loop, "c_");
+    line("#pragma unroll");
+    line("for (int j_ = 0; j_ < " + V + "; ++j_) {");
+    ++indent_;
+    line("const int64_t " + last_var_ + " = c_ + j_;");
+    in_lanes_ = true;
+    for (auto& s : loop) statement(s, st);
+    in_lanes_ = false;
+    --indent_;
+    line("}");
+    vector_stores(loop, "c_");
+  } else {
+    RowSplit split = split_rows(*k_);
+    if (split.loop.size() == 1) line("const int64_t " + last_var_ + " = c_;");
+    else if (!split.loop.empty()) decompose("c_", split.loop);
+    for (auto& s : loop) statement(s, st);
+  }
+  in_row_loop_ = false;
+  --indent_;
+  line("}");
+  if (caching_) {
+    --indent_;
+    line("}");
+  }
+}
+
+void CudaEmitter::row_kernel(const std::string& name, int vec) {
+  vec_ = vec;
+  lane_of_.clear();
+  RowSplit split = split_rows(*k_);
+  launch_.rows = split.rows;
+  launch_.cols = split.cols;
+  int64_t ncols = -1;
+  bool known = is_const(split.cols, &ncols);
+  last_var_ = split.loop.size() == 1 ? "x" + std::to_string(split.loop[0]) : "";
+
+  // The register cache: the frontier plan or the loads-only plan, whichever
+  // needs fewer registers.
+  cache_ = RowCachePlan{};
+  if (known && k_->stages.size() > 1) {
+    StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
+    RowCachePlan frontier = plan_row_cache(*k_, key, false), loads = plan_row_cache(*k_, key, true);
+    cache_ = frontier.slots() <= loads.slots() ? frontier : loads;
+  }
+  bool cluster_ok = arch_ >= 90;
+  for (const KStage& st : k_->stages)
+    for (const KAccumulator& a : st.accs)
+      if (a.combiner != "sum" && a.combiner != "max" && a.combiner != "min" && a.combiner != "prod") cluster_ok = false;
+  RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok);
+  caching_ = g.items > 0 && cache_.slots() > 0;
+  grouped_rows_ = g.grouped;
+  lanes_ = g.lanes;
+  cluster_ = caching_ ? g.cluster : 1;
+  cluster_reductions_ = 0;
+  launch_.threads = g.threads;
+  launch_.rows_per_block = g.rows_per_block;
+  launch_.cluster = cluster_;
+  launch_.items = caching_ ? g.items : 0;
+  int threads_per_row = grouped_rows_ ? lanes_ : g.threads;
+
+  // The body is printed to a side buffer first: the register arrays and
+  // cluster slots it uses are declared before it.
+  std::string saved = out_.str();
+  out_.str("");
+  int base_indent = indent_;
+  indent_ = 2;
+  decompose("row_", split.kept);
+  for (size_t si = 0; si < k_->stages.size(); ++si) {
+    const KStage& st = k_->stages[si];
+    stage_index_ = static_cast<int>(si);
+    for (auto& s : st.pre) statement(s, st);
+    for (auto& a : st.accs) accumulator_init(a);
+    if (!st.loop.empty()) row_stage_loop(st, g.items, threads_per_row);
+    for (auto& a : st.accs) reduce_across_threads(a);
+    for (auto& a : st.accs) accumulator_finish(a);
+    for (auto& s : st.post) statement(s, st);
+  }
+  std::string body = out_.str();
+  out_.str("");
+  out_ << saved;
+  indent_ = base_indent;
+
+  header(name, g.threads, cluster_);
+  line("__shared__ __align__(16) double " + smem_ + "[128];");
+  line("(void)" + smem_ + ";");
+  if (cluster_ > 1) line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(std::max(1, cluster_reductions_)) + "];");
+  line("const int64_t rows = " + size_c(split.rows) + ";");
+  line("const int64_t cols = " + size_c(split.cols) + ";");
+  std::string chunk = std::to_string(static_cast<int64_t>(g.items) * threads_per_row * vec);
+  if (grouped_rows_) {
+    // A group past the last row redoes the last row (same values to the same
+    // places) rather than leaving its warp's shuffles short of lanes.
+    line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
+    line("int64_t row_ = (int64_t)blockIdx.x * " + std::to_string(g.rows_per_block) + " + (threadIdx.x / " +
+         std::to_string(lanes_) + ");");
+    line("if (row_ >= rows) row_ = rows - 1;");
+    line("const int64_t cbase_ = 0;");
+    line("{");
+  } else if (cluster_ > 1) {
+    line("const int tid_ = threadIdx.x;");
+    line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");
+    line("const int64_t cbase_ = (int64_t)opf_cluster_rank() * " + chunk + ";");
+    line("{");
+  } else {
+    line("const int tid_ = threadIdx.x;");
+    line("const int64_t cbase_ = 0;");
+    line("for (int64_t row_ = blockIdx.x; row_ < rows; row_ += gridDim.x) {");
+  }
+  line("  (void)cbase_;");
+  for (int i = 0; i < cache_.slots() && caching_; ++i)
+    line("  " + value_type(cache_.slot_types[static_cast<size_t>(i)]) + " rc" + std::to_string(i) + "[" +
+         std::to_string(g.items * vec) + "];");
+  out_ << body;
+  line("}");
+  if (cluster_ > 1) line("opf_cluster_sync();");
+  --indent_;
+  line("}");
+}
+
+}  // namespace opfuse

@@ -1,0 +1,129 @@
+"""Every schedule of the CUDA row kernels against a float64 reference: lane
+groups of 1 to 32 lanes for short rows (with a last block that runs past the
+last row), a block per row, and thread-block clusters of 2 to 8 blocks per
+row for long rows; vector and scalar twins (row lengths that are and are not
+multiples of the vector width), views with storage offsets, and reductions
+whose partial results combine across lanes, blocks and clusters."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opfuse
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TOL = {torch.float32: dict(rtol=1.3e-6, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),
+       torch.float16: dict(rtol=1e-3, atol=1e-5)}
+
+# Row lengths that land in each schedule (bf16/f16 vectors of 8, f32 of 4):
+# lane groups (1, 7, 33, 256, 1000), a block per row (1025, 5000), clusters
+# of 2 to 8 blocks (40000, 40001 on the scalar twin, 70000, 262144).
+COLS = [1, 7, 33, 256, 1000, 1025, 5000, 40000, 40001, 70000, 262144]
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5)
+
+
+def rms_norm(x, w, b):
+    return F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)
+
+
+def softmax(x, w, b):
+    return torch.softmax(x, -1)
+
+
+def log_softmax(x, w, b):
+    return torch.log_softmax(x, -1)
+
+
+def sum_and_max(x, w, b):
+    return x.sum(-1), x.amax(-1), x.argmax(-1), x.var(-1)
+
+
+OPS = {"softmax": softmax, "log_softmax": log_softmax, "layer_norm": layer_norm, "rms_norm": rms_norm}
+
+
+def reference(fn, x, w, b):
+    out = fn(x.double(), w.double(), b.double())
+    return out
+
+
+def check(fn, x, w, b, dtype):
+    torch._dynamo.reset()
+    opfuse.reset_stats()
+    out = torch.compile(fn, backend="opfuse", dynamic=False)(x, w, b)
+    ref = reference(fn, x, w, b)
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    for o, r in zip(outs, refs):
+        if r.dtype == torch.int64:
+            assert torch.equal(o, r)
+        else:
+            # The reference rounds once, to the output dtype; opfuse's value
+            # may sit one output ulp away.
+            torch.testing.assert_close(o, r.to(o.dtype), **TOL[dtype])
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
+@pytest.mark.parametrize("cols", COLS)
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_schedules_match_float64(op, cols, dtype):
+    torch.manual_seed(cols)
+    rows = 37 if cols <= 40001 else 3
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * 3
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+    check(OPS[op], x, w, b, dtype)
+
+
+@pytest.mark.parametrize("cols", [33, 256, 5000, 40000])
+def test_float16_rows(cols):
+    x = torch.randn(19, cols, device="cuda", dtype=torch.float16)
+    w = torch.randn(cols, device="cuda", dtype=torch.float16)
+    b = torch.randn(cols, device="cuda", dtype=torch.float16)
+    for fn in OPS.values():
+        check(fn, x, w, b, torch.float16)
+
+
+@pytest.mark.parametrize("cols", [7, 256, 1000, 5000, 40000])
+def test_sum_amax_argmax_var_across_lanes_and_blocks(cols):
+    x = torch.randn(45, cols, device="cuda")
+    check(sum_and_max, x, x[0], x[0], torch.float32)
+
+
+@pytest.mark.parametrize("cols", [256, 5000, 40000])
+def test_row_views_with_storage_offset(cols):
+    base = torch.randn(9 * (cols + 8) + 3, device="cuda", dtype=torch.bfloat16)
+    # Rows at a stride of cols + 8, starting 3 elements in: the scalar path.
+    x = base[3:3 + 9 * (cols + 8)].view(9, cols + 8)[:, :cols]
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    for fn in OPS.values():
+        check(fn, x, w, w, torch.bfloat16)
+
+
+def test_nan_and_inf_rows_propagate():
+    x = torch.randn(4, 40000, device="cuda")
+    x[1, 12345] = float("nan")
+    x[2, 3] = float("inf")
+    x[3] = float("-inf")
+    out = torch.compile(lambda t: torch.softmax(t, -1), backend="opfuse", dynamic=False)(x)
+    torch.testing.assert_close(out, torch.softmax(x, -1), equal_nan=True)
+
+
+@pytest.mark.parametrize("cols", [256, 40000])
+def test_softmax_and_layer_norm_backward(cols):
+    x = torch.randn(13, cols, device="cuda", requires_grad=True)
+    w = torch.randn(cols, device="cuda", requires_grad=True)
+    b = torch.randn(cols, device="cuda", requires_grad=True)
+
+    def f(x, w, b):
+        return (torch.softmax(x, -1) * 100 + layer_norm(x, w, b)).square().sum()
+
+    torch._dynamo.reset()
+    loss = torch.compile(f, backend="opfuse", dynamic=False)(x, w, b)
+    grads = torch.autograd.grad(loss, (x, w, b))
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref_grads = torch.autograd.grad(f(xd, wd, bd), (xd, wd, bd))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r.float(), rtol=1e-4, atol=1e-4)
