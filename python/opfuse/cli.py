@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-SUITES = ("chain", "rows", "gemm", "launch", "compile")  # the order 'all' runs them in (bench.suites.ALL_SUITES)
+SUITES = ("chain", "rows", "rows_bwd", "gemm", "launch", "compile")  # the order 'all' runs them in (bench.suites.ALL_SUITES)
 SUITE_CHOICES = SUITES + ("all",)
 
 
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", parents=[common],
                            help="benchmark suites with floors; JSON under bench/results/")
     bench.add_argument("--suite", type=parse_suites, default=parse_suites("all"),
-                       help="chain, rows, compile, all, or a comma list (default: all)")
+                       help="chain, rows, rows_bwd, gemm, launch, compile, all, or a comma list (default: all)")
     bench.add_argument("--out", default=None,
                        help="directory for the JSON (default: bench/results/<device>/; "
                             "with --quick nothing is written unless --out is given)")

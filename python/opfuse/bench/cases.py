@@ -151,4 +151,45 @@ def gemm_cases(device: torch.device, quick: bool) -> list[Case]:
     return [gemm_case(kind, m, k, h, torch.float32) for kind, m, k, h in shapes]
 
 
-SUITES = {"chain": chain_cases, "rows": rows_cases, "gemm": gemm_cases}
+def softmax_backward(dy, y):
+    """The gradient kernel of softmax, as AOTAutograd's backward graph has it."""
+    return torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype)
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight, bias):
+    """dx, dweight and dbias of layer_norm, as AOTAutograd's backward graph has it."""
+    return torch.ops.aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean, rstd, weight, bias,
+                                                     [True, True, True])
+
+
+# softmax backward: mul, sum, sub, mul; layer_norm backward (dx): about 10 per
+# element, plus 3 for dweight and dbias.
+FLOPS_PER_ELEMENT.update({"softmax_backward": 4, "layer_norm_backward": 13})
+
+
+def row_backward_case(op: str, rows: int, cols: int, dtype: torch.dtype) -> Case:
+    def make(device, seed):
+        gen = _generator(device, seed)
+        x = _randn((rows, cols), dtype, device, gen)
+        dy = _randn((rows, cols), dtype, device, gen)
+        if op == "softmax_backward":
+            return (dy, torch.softmax(x.float(), -1).to(dtype))
+        w, b = _randn((cols,), dtype, device, gen), _randn((cols,), dtype, device, gen)
+        _, mean, rstd = torch.ops.aten.native_layer_norm(x, [cols], w, b, 1e-5)
+        return (dy, x, mean, rstd, w, b)
+    fn = softmax_backward if op == "softmax_backward" else layer_norm_backward
+    return Case("rows_bwd", f"{op}-{rows}x{cols}-{DTYPE_LABEL[dtype]}", fn, make, dtype, (rows, cols),
+                flops=FLOPS_PER_ELEMENT[op] * rows * cols)
+
+
+def rows_backward_cases(device: torch.device, quick: bool) -> list[Case]:
+    if device.type == "cuda":
+        shapes = [(32768, 4096)] if quick else [(32768, 4096), (8192, 32768), (262144, 256)]
+        dtype = torch.bfloat16
+    else:
+        shapes, dtype = [(512, 1024)] if quick else [(4096, 4096)], torch.float32
+    return [row_backward_case(op, r, c, dtype) for (r, c) in shapes
+            for op in ("softmax_backward", "layer_norm_backward")]
+
+
+SUITES = {"chain": chain_cases, "rows": rows_cases, "rows_bwd": rows_backward_cases, "gemm": gemm_cases}

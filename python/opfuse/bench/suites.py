@@ -15,7 +15,7 @@ from .runner import TABLE_HEADERS, bandwidth_record, run_case, table_rows, to_re
 from .table import format_table, fmt
 from .timing import summarize
 
-ALL_SUITES = ("chain", "rows", "gemm", "launch", "compile")
+ALL_SUITES = ("chain", "rows", "rows_bwd", "gemm", "launch", "compile")
 
 
 def pick_device(name: str | None = None) -> torch.device:
