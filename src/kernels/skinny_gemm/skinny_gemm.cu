@@ -216,13 +216,13 @@ __device__ __forceinline__ void store_tile_value(const SkinnyParams& p, int n0, 
 // the chunk crosses K (only the last one does), so groups past K load zeros.
 template <class E, int NT, int U, bool CHECK>
 __device__ __forceinline__ void chunk(float (&acc)[NT][4], const char* wbase, const int (&roff)[NT], const char* alo,
-                                      const char* ahi, int group0, int groups) {
+                                      const char* ahi, int group0, int t, int groups) {
   V4 w[U][NT], a0[U], a1[U];
   const V4 zero = {0, 0, 0, 0};
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int gi = group0 + 4 * u;  // this lane's 16-byte group of k
-    const bool in = !CHECK || gi < groups;
+    const int gi = group0 + 4 * u;  // the quad's first group; the lane's is gi + t (wbase, alo, ahi hold t)
+    const bool in = !CHECK || gi + t < groups;
     const i64 off = static_cast<i64>(gi) * 16;
 #pragma unroll
     for (int j = 0; j < NT; ++j) w[u][j] = in ? ld_stream(wbase + roff[j] + off) : zero;
@@ -279,8 +279,8 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   int c = c_begin + warp;
   const int c_full_end = c_end < full ? c_end : full;
-  for (; c < c_full_end; c += WARPS) chunk<E, NT, U, false>(acc, wbase, roff, alo, ahi, c * 4 * U, groups);
-  if (c < c_end) chunk<E, NT, U, true>(acc, wbase, roff, alo, ahi, c * 4 * U, groups);  // the ragged last chunk
+  for (; c < c_full_end; c += WARPS) chunk<E, NT, U, false>(acc, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+  if (c < c_end) chunk<E, NT, U, true>(acc, wbase, roff, alo, ahi, c * 4 * U, t, groups);  // the ragged last chunk
 
   // Warps' partials: summed in warp order, RJ tiles per round.
 #pragma unroll
