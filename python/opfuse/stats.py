@@ -27,9 +27,10 @@ def bump_time(name: str, seconds: float) -> None:
 
 def stats() -> dict:
     """graphs_compiled: opfuse partitions built; kernels_compiled: kernels in
-    them; kernel_launches: opfuse kernels run; library_calls: GEMMs run as
-    library calls (cuBLASLt with its fused epilogue on the GPU, PyTorch's
-    matmul on the CPU); cache_hits / cache_misses:
+    them; kernel_launches: opfuse kernels run (generated kernels, and GEMMs
+    run by opfuse's own skinny GEMM kernel on the GPU, M <= 16); library_calls:
+    GEMMs run as library calls (cuBLASLt with its fused epilogue on the GPU,
+    PyTorch's matmul on the CPU); cache_hits / cache_misses:
     compiled variants found in / added to the disk cache; fallback_ops: graph
     nodes left to PyTorch (counted once per compiled graph; views, which
     cost PyTorch nothing, are not counted); compile_seconds: time spent in

@@ -108,6 +108,8 @@ Attrs attrs_from(const nb::dict& d) {
 
 // Hand-picked fused ops (opfuse.ops): bindings_ops.cpp.
 void bind_ops(nb::module_& m);
+// The skinny GEMM's launch, build and reference: bindings_skinny.cpp.
+void bind_skinny_gemm(nb::module_& m);
 
 NB_MODULE(_C, m) {
   m.doc() = "opfuse core: graph IR, fusion planner, code generation and runtime";
@@ -265,8 +267,13 @@ NB_MODULE(_C, m) {
                  nb::gil_scoped_acquire acquire;
                  cpu_gemm(g);
                };
-             nb::gil_scoped_release release;
-             c.run(variant, syms, p, strides, o);
+             int gemm_kernels = 0;
+             o.gemm_kernels = &gemm_kernels;
+             {
+               nb::gil_scoped_release release;
+               c.run(variant, syms, p, strides, o);
+             }
+             return gemm_kernels;  // GEMM steps run as opfuse kernels, not library calls
            },
            nb::arg("variant"), nb::arg("syms"), nb::arg("ptrs"), nb::arg("strides"), nb::arg("stream") = 0,
            nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0, nb::arg("allow_tf32") = false,
@@ -286,4 +293,5 @@ NB_MODULE(_C, m) {
   });
   m.def("cuda_prelude", [] { return std::string(cuda_prelude()); });
   bind_ops(m);
+  bind_skinny_gemm(m);
 }

@@ -54,6 +54,9 @@ struct RunOptions {
   size_t workspace_bytes = 0;
   bool allow_tf32 = false;
   std::function<void(int gemm)> cpu_gemm;
+  // Out (CUDA): incremented for each GEMM step that ran as an opfuse kernel
+  // (the skinny GEMM) instead of a cuBLASLt call.
+  int* gemm_kernels = nullptr;
 };
 
 struct KernelInfo {

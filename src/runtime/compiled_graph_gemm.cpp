@@ -1,8 +1,10 @@
-// CompiledGraph's GEMM steps on the GPU: buffers and strides to a cuBLASLt call.
+// CompiledGraph's GEMM steps on the GPU: buffers and strides to a cuBLASLt
+// call, or to the skinny GEMM kernel for decode shapes (M <= 16).
 #include <map>
 
 #include "runtime/compiled_graph.h"
 #include "runtime/gemm_launcher.h"
+#include "runtime/skinny_gemm_launcher.h"
 
 namespace opfuse {
 namespace {
@@ -73,6 +75,11 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
   g.workspace_bytes = o.workspace_bytes;
   g.allow_tf32 = o.allow_tf32;
   g.stream = o.stream;
+  // An opfuse kernel, not a library call: counted as such (RunOptions::gemm_kernels).
+  if (skinny::try_run(g)) {
+    if (o.gemm_kernels) ++*o.gemm_kernels;
+    return;
+  }
   run_gemm(g);
 }
 

@@ -77,9 +77,10 @@ def test_mlp_block_is_two_library_calls(dtype, m, device):
             randn(n, dtype=dtype, device=device)]
     out, calls, kernels = run_counted(compiled(mlp_block), *args)
     assert_gemm_close(out, mlp_block, args)
-    assert calls == 2
     # GPU: bias+relu and bias ride on the GEMMs; CPU: PyTorch's matmul, the epilogues fuse into kernels.
-    assert kernels == (0 if device == "cuda" else 2)
+    # On the GPU, half types at m <= 16 run opfuse's skinny GEMM kernel (counted as kernels) instead of cuBLASLt.
+    skinny = device == "cuda" and dtype != torch.float32 and m <= 16
+    assert (calls, kernels) == ((0, 2) if skinny else (2, 0) if device == "cuda" else (2, 2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

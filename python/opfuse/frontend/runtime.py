@@ -154,12 +154,15 @@ class FusedPartition:
         bufs = [torch.empty(s, dtype=d, device=dev) for s, d in zip(out_shapes, self.out_dtypes)]
         ptrs = [t.data_ptr() for t in tensors] + [b.data_ptr() for b in bufs]
         everything = tensors + bufs
+        gemm_kernels = 0  # GEMM steps that ran as opfuse's skinny GEMM kernel, not as library calls
         try:
             if not self.num_library_calls:
                 self.compiled.run(variant, syms, ptrs, strides, stream)
             elif self.cuda:
-                self.compiled.run(variant, syms, ptrs, strides, stream, workspace=_workspace(dev, stream).data_ptr(),
-                                  workspace_bytes=WORKSPACE_BYTES, allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+                gemm_kernels = self.compiled.run(variant, syms, ptrs, strides, stream,
+                                                 workspace=_workspace(dev, stream).data_ptr(),
+                                                 workspace_bytes=WORKSPACE_BYTES,
+                                                 allow_tf32=torch.backends.cuda.matmul.allow_tf32)
             else:
                 self.compiled.run(variant, syms, ptrs, strides, stream,
                                   cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
@@ -172,7 +175,7 @@ class FusedPartition:
             if "ZeroDivisionError" in str(e):
                 raise RuntimeError("ZeroDivisionError") from None
             raise
-        bump_launch(self.num_kernels, self.num_library_calls)
+        bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels)
         outs = tuple(everything[i] if v is None else everything[i].view(v) for i, v in zip(self.outputs, views))
         return outs[0] if self.single else outs
 

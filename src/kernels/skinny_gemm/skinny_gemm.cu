@@ -1,0 +1,327 @@
+// opfuse skinny GEMM: a weight-streaming kernel for small M (decode shapes).
+//
+// Compiled at run time by NVRTC. It includes NO header (NVRTC on the target
+// machines finds no CUDA headers): every device helper is plain C++ or
+// inline PTX.
+//
+//   D[m, n] = act(sum_k A[m, k] W[n, k] + bias[n] + C[m, n]),  aux[m, n] = the act's input
+//
+// for 1 <= M <= 16, W the [N, K] weight of nn.Linear (B = W^T), bf16 or f16
+// elements, float32 accumulation; act is none, relu or tanh-gelu. The CPU
+// reference with the same semantics is skinny_gemm_reference.{h,cpp}.
+//
+// Why tensor cores: at M = 16 every weight element (2 bytes) takes part in
+// 16 multiply-adds. Streaming W at ~4.4 TB/s is 2.2e12 elements/s, i.e.
+// 3.5e13 FMA/s = 70 TFLOP/s, more than the H200's ~67 TFLOP/s of float32
+// FMA (and each element would also need a conversion and an A operand). So
+// the products run on mma.sync.m16n8k16 (float32 accumulate): 70 TFLOP/s is
+// a small fraction of its dense rate, and the SM's issue slots stay free for
+// the loads. Rows of A past M are zeros (no load), so M < 16 costs the same
+// as M = 16: the kernel is bound by the bytes of W, not by M.
+//
+// Design:
+// - A CTA owns BN = 8 * NT consecutive rows of W (output features) and a
+//   range of K; its WARPS warps split that range by chunks of 32 * U
+//   elements (interleaved, so the CTA reads neighbouring DRAM pages); a
+//   warp covers all BN rows of each of its chunks.
+// - W goes straight from global memory to the MMA's B registers, no shared
+//   memory: a lane reads 16 bytes (8 consecutive k) of one row with
+//   ld.global.nc.L1::no_allocate, NT * U such loads in flight per thread.
+//   The MMA fragment wants lane (g = lane / 4, t = lane % 4) to hold k
+//   {2t, 2t+1, 2t+8, 2t+9} of row g; a sum over k does not care how k is
+//   numbered, so logical k {2t, 2t+1 | 2t+8, 2t+9} of the first MMA are
+//   physical k 8t + {0, 1 | 2, 3} and of the second 8t + {4, 5 | 6, 7}:
+//   one 128-bit load feeds two MMAs with no shuffle. A uses the same
+//   renumbering (two 128-bit loads, rows g and g + 8, through L1/L2: A is
+//   small and every CTA reads it). A costs M / BN of W's bytes in L2 reads.
+// - Every element of W is read exactly once; rows of the last tile past N
+//   are clamped to row N - 1 (read, never stored), and the last chunk of K
+//   loads zeros past K.
+// - The warps' partial sums meet in shared memory and are added in a fixed
+//   order (deterministic, no atomics). With CLUSTER > 1 (sm_90 only) the K
+//   range is also split over the CTAs of a thread-block cluster, whose
+//   partials are added in rank order through distributed shared memory: it
+//   gives enough CTAs to fill the GPU when N / BN is small (N = 4096) without
+//   a workspace, a second kernel or atomics.
+//
+// Requirements (checked by the launcher, src/runtime/skinny_gemm_launcher.cpp):
+// K % 8 == 0; A, W 16-byte aligned with row strides multiples of 8 elements;
+// M <= 16; N, K < 2^31; 2 * 8 * NT * ldw < 2^31. Launch: grid (ceil(N / BN) * CLUSTER), block
+// WARPS * 32, no dynamic shared memory, one argument SkinnyParams by value.
+//
+// Entry points: the launcher appends one line,
+//   OPFUSE_SKINNY_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS)   or
+//   OPFUSE_SKINNY_CLUSTER_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS, CLUSTER)
+// which defines an extern "C" kernel (no name mangling to look up).
+
+namespace opfuse_skinny {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+struct bf16 { u16 bits; };
+struct f16 { u16 bits; };
+
+// Kernel argument; mirrored by the launcher (only append fields, in both places).
+struct SkinnyParams {
+  const void* a;     // [M, K], k unit-stride
+  i64 lda;           // elements between rows of A
+  const void* w;     // [N, K], k unit-stride
+  i64 ldw;
+  void* d;           // [M, N], n unit-stride
+  i64 ldd;
+  const void* bias;  // [N] or null
+  i64 bias_stride;
+  const void* c;     // residual [M, N] (n unit-stride) or null
+  i64 ldc;
+  void* aux;         // [M, N] (n unit-stride) or null: the activation's input
+  i64 ldaux;
+  int m, n, k;
+  int act;           // 0 none, 1 relu, 2 gelu (tanh approximation)
+};
+static_assert(sizeof(SkinnyParams) == 112, "SkinnyParams layout is a launch ABI");
+
+struct V4 { u32 x, y, z, w; };
+struct F4 { float x, y, z, w; };
+
+// ---------------------------------------------------------------------------
+// Element conversions (round to nearest even, as PyTorch)
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(bf16, u16 h) {
+  float f;
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"((u32)h << 16));
+  return f;
+}
+__device__ __forceinline__ float to_float(f16, u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ u16 from_float(bf16, float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ u16 from_float(f16, float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// ---------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------
+
+// W: read once, never again: no L1 allocation; the L2 fetches whole 256-byte
+// blocks (a warp's load covers 64 bytes of each of 8 rows; the rest of the
+// block is the next loads').
+__device__ __forceinline__ V4 ld_stream(const void* p) {
+  V4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// A: small, read by every CTA: cached.
+__device__ __forceinline__ V4 ld_cached(const void* p) {
+  V4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void mma(bf16, float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma(f16, float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// Thread-block clusters (sm_90): only instantiated when CLUSTER > 1.
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ F4 ld_cluster(const void* local, u32 rank) {
+  u32 addr, remote;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(local));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  F4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ F4 add(F4 a, F4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
+
+// ---------------------------------------------------------------------------
+// Epilogue
+// ---------------------------------------------------------------------------
+
+// 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)): exp has ~2^-22 relative error
+// where tanh.approx has 2^-11, too coarse for f16 outputs near 0.
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + ex2(-2.8853900817779268f * u));  // -2u * log2(e)
+}
+
+template <class E>
+__device__ __forceinline__ void store_one(const SkinnyParams& p, int m, int n, float v) {
+  if (m >= p.m || n >= p.n) return;
+  if (p.bias) v += to_float(E{}, static_cast<const u16*>(p.bias)[n * p.bias_stride]);
+  if (p.c) v += to_float(E{}, static_cast<const u16*>(p.c)[m * p.ldc + n]);
+  if (p.aux) static_cast<u16*>(p.aux)[m * p.ldaux + n] = from_float(E{}, v);
+  if (p.act == 1) v = v < 0.0f ? 0.0f : v;  // NaN stays NaN, as torch.relu
+  else if (p.act == 2) v = gelu_tanh(v);
+  static_cast<u16*>(p.d)[m * p.ldd + n] = from_float(E{}, v);
+}
+
+// Value i of the CTA's tile: tile j = i / 32 of lane l = i % 32, the MMA
+// accumulator layout: (x, y) are rows g, columns 2t, 2t+1 and (z, w) row g+8.
+template <class E>
+__device__ __forceinline__ void store_tile_value(const SkinnyParams& p, int n0, int i, F4 v) {
+  const int j = i >> 5, l = i & 31, g = l >> 2, t = l & 3;
+  const int n = n0 + 8 * j + 2 * t;
+  store_one<E>(p, g, n, v.x);
+  store_one<E>(p, g, n + 1, v.y);
+  store_one<E>(p, g + 8, n, v.z);
+  store_one<E>(p, g + 8, n + 1, v.w);
+}
+
+// ---------------------------------------------------------------------------
+// Main loop
+// ---------------------------------------------------------------------------
+
+// One chunk (32 * U values of k, every row of the tile) of one warp. CHECK:
+// the chunk crosses K (only the last one does), so groups past K load zeros.
+template <class E, int NT, int U, bool CHECK>
+__device__ __forceinline__ void chunk(float (&acc)[NT][4], const char* wbase, const int (&roff)[NT], const char* alo,
+                                      const char* ahi, int group0, int t, int groups) {
+  V4 w[U][NT], a0[U], a1[U];
+  const V4 zero = {0, 0, 0, 0};
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int gi = group0 + 4 * u;  // the quad's first group; the lane's is gi + t (wbase, alo, ahi hold t)
+    const bool in = !CHECK || gi + t < groups;
+    const i64 off = static_cast<i64>(gi) * 16;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) w[u][j] = in ? ld_stream(wbase + roff[j] + off) : zero;
+    a0[u] = in && alo ? ld_cached(alo + off) : zero;
+    a1[u] = in && ahi ? ld_cached(ahi + off) : zero;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      mma(E{}, acc[j], a0[u].x, a1[u].x, a0[u].y, a1[u].y, w[u][j].x, w[u][j].y);
+      mma(E{}, acc[j], a0[u].z, a1[u].z, a0[u].w, a1[u].w, w[u][j].z, w[u][j].w);
+    }
+}
+
+template <class E, int NT, int U, int WARPS, int CLUSTER>
+__device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
+  static_assert(NT >= 1 && U >= 1 && WARPS >= 1, "bad tile");
+  static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4 || CLUSTER == 8, "cluster of 1, 2, 4 or 8 CTAs");
+  constexpr int BN = 8 * NT;
+  constexpr int RJ = NT < 8 ? NT : 8;  // tiles per round of the shared-memory reduction (32 KB at 8 warps)
+  static_assert(NT % RJ == 0, "NT must be a multiple of 8 when above 8");
+  __shared__ F4 red[WARPS][RJ * 32];
+  __shared__ F4 part[CLUSTER > 1 ? NT * 32 : 1];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int n0 = static_cast<int>(blockIdx.x / CLUSTER) * BN;
+
+  // Row j of this lane: wbase + roff[j], a 32-bit byte offset (the launcher
+  // checks 2 * BN * ldw < 2^31) to save registers over NT 64-bit pointers.
+  const int row0 = n0 + g < p.n ? n0 + g : p.n - 1;
+  const char* wbase = static_cast<const char*>(p.w) + (static_cast<i64>(row0) * p.ldw + 8 * t) * 2;
+  int roff[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int row = n0 + 8 * j + g < p.n ? n0 + 8 * j + g : p.n - 1;  // past N: read a real row, store nothing
+    roff[j] = static_cast<int>((row - row0) * p.ldw * 2);
+  }
+  const char* abase = static_cast<const char*>(p.a) + 16 * t;
+  const char* alo = g < p.m ? abase + static_cast<i64>(g) * p.lda * 2 : nullptr;
+  const char* ahi = g + 8 < p.m ? abase + static_cast<i64>(g + 8) * p.lda * 2 : nullptr;
+
+  // K in 16-byte groups; a chunk is 4 * U groups (4 lanes of a row, U loads each).
+  const int groups = p.k >> 3;
+  const int chunks = (groups + 4 * U - 1) / (4 * U);
+  const int full = groups / (4 * U);
+  const int c_begin = static_cast<int>(static_cast<i64>(chunks) * rank / CLUSTER);
+  const int c_end = static_cast<int>(static_cast<i64>(chunks) * (rank + 1) / CLUSTER);
+
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  int c = c_begin + warp;
+  const int c_full_end = c_end < full ? c_end : full;
+  for (; c < c_full_end; c += WARPS) chunk<E, NT, U, false>(acc, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+  if (c < c_end) chunk<E, NT, U, true>(acc, wbase, roff, alo, ahi, c * 4 * U, t, groups);  // the ragged last chunk
+
+  // Warps' partials: summed in warp order, RJ tiles per round.
+#pragma unroll
+  for (int r = 0; r < NT / RJ; ++r) {
+    if (r > 0) __syncthreads();  // the previous round's reads are done
+#pragma unroll
+    for (int j = 0; j < RJ; ++j) red[warp][j * 32 + lane] = {acc[r * RJ + j][0], acc[r * RJ + j][1], acc[r * RJ + j][2], acc[r * RJ + j][3]};
+    __syncthreads();
+    for (int i = threadIdx.x; i < RJ * 32; i += WARPS * 32) {
+      F4 s = red[0][i];
+#pragma unroll
+      for (int w = 1; w < WARPS; ++w) s = add(s, red[w][i]);
+      if constexpr (CLUSTER > 1) part[r * RJ * 32 + i] = s;
+      else store_tile_value<E>(p, n0, r * RJ * 32 + i, s);
+    }
+  }
+  if constexpr (CLUSTER > 1) {
+    // Each CTA of the cluster finishes 1 / CLUSTER of the tile, adding the
+    // CTAs' partials in rank order.
+    cluster_sync();
+    constexpr int share = NT * 32 / CLUSTER;
+    for (int i = threadIdx.x; i < share; i += WARPS * 32) {
+      const int idx = rank * share + i;
+      F4 s = ld_cluster(&part[idx], 0);
+#pragma unroll
+      for (int q = 1; q < CLUSTER; ++q) s = add(s, ld_cluster(&part[idx], static_cast<u32>(q)));
+      store_tile_value<E>(p, n0, idx, s);
+    }
+    cluster_sync();  // no CTA exits while another still reads its shared memory
+  }
+}
+
+}  // namespace opfuse_skinny
+
+#define OPFUSE_SKINNY_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS)                                    \
+  extern "C" __global__ void __launch_bounds__((WARPS) * 32, MIN_BLOCKS)                          \
+      NAME(const opfuse_skinny::SkinnyParams p) {                                                 \
+    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, 1>(p);                        \
+  }
+#define OPFUSE_SKINNY_CLUSTER_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, CLUSTER)                   \
+  extern "C" __global__ void __launch_bounds__((WARPS) * 32, MIN_BLOCKS) __cluster_dims__(CLUSTER, 1, 1) \
+      NAME(const opfuse_skinny::SkinnyParams p) {                                                 \
+    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, CLUSTER>(p);                  \
+  }

@@ -1,0 +1,88 @@
+// The skinny GEMM (src/kernels/skinny_gemm/skinny_gemm.cu, embedded as a
+// string): the GEMM path for decode shapes, M <= 16, where cuBLASLt streams
+// the weight well below the memory bandwidth. It takes GemmArgs (the same
+// D = act(A @ B + bias + C) contract as run_gemm) when B is an nn.Linear
+// weight (K unit-stride) and the rest qualifies (see skinny_unsupported_reason);
+// otherwise the caller keeps cuBLASLt.
+//
+// NVRTC compiles one instantiation per (dtype, tile config, arch), cached on
+// disk (OPFUSE_CACHE_DIR/skinny_gemm) and loaded once per CUDA context; the
+// launch allocates nothing and never synchronizes (CUDA-graph safe once the
+// instantiation is loaded). Environment: OPFUSE_SKINNY_GEMM=0 turns the path
+// off; OPFUSE_SKINNY_CONFIG=<tag> forces a tile config (benchmarking).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/gemm_launcher.h"
+
+namespace opfuse::skinny {
+
+inline constexpr int64_t kMaxM = 16;
+
+// Mirror of opfuse_skinny::SkinnyParams (only append fields, in both places).
+struct SkinnyParams {
+  const void* a;
+  int64_t lda;
+  const void* w;
+  int64_t ldw;
+  void* d;
+  int64_t ldd;
+  const void* bias;
+  int64_t bias_stride;
+  const void* c;
+  int64_t ldc;
+  void* aux;
+  int64_t ldaux;
+  int32_t m, n, k;
+  int32_t act;  // 0 none, 1 relu, 2 gelu_tanh
+};
+static_assert(sizeof(SkinnyParams) == 112, "SkinnyParams layout is the kernel's launch ABI");
+
+// A tile config: NT n-tiles of 8 rows per CTA, U 16-byte loads per row and
+// lane per chunk, WARPS warps splitting K, MIN_BLOCKS CTAs per SM
+// (__launch_bounds__), CLUSTER CTAs of a cluster splitting K (sm_90).
+// Tag form "n8u1w8b2c4".
+struct SkinnyConfig {
+  int nt = 8, u = 1, warps = 8, min_blocks = 2, cluster = 1;
+  std::string tag() const;
+  static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
+  int rows() const { return 8 * nt; }                 // BN
+  bool operator==(const SkinnyConfig&) const = default;
+};
+
+// The default config for a problem on a GPU of `sms` SMs of sm_<arch>.
+SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms);
+// Every config choose_config can return on sm_<arch> (the instantiations CI compiles).
+std::vector<SkinnyConfig> candidate_configs(int arch);
+
+// The CUDA source of one instantiation: the embedded kernel and its entry line.
+std::string source(DType dtype, const SkinnyConfig& c);
+inline constexpr const char* kEntryName = "opfuse_skinny_gemm";
+
+struct Compiled {
+  std::string cubin;
+  std::string log;  // NVRTC / ptxas -v (empty on a cache hit)
+  bool cache_hit = false;
+};
+// Compiles for sm_<arch> with NVRTC (no GPU needed), through the disk cache
+// unless use_cache is false. Throws with NVRTC's log on failure.
+Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache = true);
+
+// Empty when the kernel covers the GEMM (shapes, dtype, layouts, alignment,
+// epilogue), else why not. Does not look at OPFUSE_SKINNY_GEMM.
+std::string unsupported_reason(const GemmArgs& g);
+bool enabled();  // OPFUSE_SKINNY_GEMM is not "0"
+
+// Enqueues the GEMM on g.stream with the skinny kernel and returns true, or
+// returns false (nothing enqueued) when it is disabled or does not apply, or
+// when its instantiation cannot be built here (the error is kept, see
+// last_error()). Throws only when a launch itself fails.
+bool try_run(const GemmArgs& g);
+
+// Debug queries: launches so far (process-wide), and the last build error.
+uint64_t launch_count();
+std::string last_error();
+
+}  // namespace opfuse::skinny

@@ -1,0 +1,249 @@
+"""The skinny GEMM (M <= 16, nn.Linear weights; src/kernels/skinny_gemm/).
+
+Without a GPU: every instantiation the launcher can pick compiles with NVRTC
+for sm_80 and sm_90 without spills, the config choice, the applicability
+rules, and the float64 CPU reference against torch's float64 matmul.
+
+On a GPU (marked gpu): the kernel against the float64 reference and eager
+PyTorch (M in {1, 3, 8, 16}, K in {4096, 4104, 1000}, N = 1001, bias at a
+storage offset, relu, tanh-gelu with its aux output, a residual), every
+config, determinism, CUDA-graph capture, and that compiled graphs take the
+skinny path (opfuse.stats() and the launch counter) unless
+OPFUSE_SKINNY_GEMM=0."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opfuse
+from opfuse import _C
+from opfuse import skinny_gemm as sg
+
+ELEMS = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def nvrtc_or_skip():
+    try:
+        return _C.nvrtc_version()
+    except Exception as e:
+        pytest.skip(f"NVRTC not available: {e}")
+
+
+def cuda_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+# --- without a GPU -----------------------------------------------------------
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("elem", ["bf16", "f16"])
+def test_every_instantiation_compiles_without_spills(arch, elem):
+    nvrtc_or_skip()
+    for tag in _C.skinny_gemm_candidates(arch):
+        cubin, log = _C.skinny_gemm_compile(elem, tag, arch)
+        assert len(cubin) > 0
+        regs = int(re.search(r"Used (\d+) registers", log).group(1))
+        spills = re.search(r"(\d+) bytes spill stores", log).group(1)
+        assert spills == "0", f"{tag} sm_{arch}:\n{log}"
+        warps, blocks = (int(x) for x in re.match(r"n\d+u\d+w(\d+)b(\d+)c\d+", tag).groups())
+        assert regs * warps * 32 * blocks <= 65536, f"{tag}: {regs} registers miss __launch_bounds__"
+
+
+def test_clusters_only_from_sm_90():
+    nvrtc_or_skip()
+    with pytest.raises(Exception, match="sm_90"):
+        _C.skinny_gemm_compile("bf16", "n8u1w8b2c4", 80)
+    assert all(t.endswith("c1") for t in _C.skinny_gemm_candidates(80))
+
+
+def test_config_choice_for_the_benchmark_shapes():
+    choose = _C.skinny_gemm_choose_config
+    assert choose(16, 16384, 4096, 90, 132) == "n8u1w8b2c1"
+    assert choose(16, 4096, 16384, 90, 132) == "n8u1w8b2c4"
+    assert choose(16, 11008, 4096, 90, 132) == "n8u1w8b2c1"
+    assert choose(16, 4096, 11008, 90, 132) == "n8u1w8b2c4"
+
+
+def test_what_it_declines():
+    why = _C.skinny_gemm_unsupported_reason
+    p = 1 << 20  # any 16-byte aligned address: nothing is read
+    assert why("bf16", 16, 4096, 4096, p, 4096, p, 4096) == ""
+    assert why("f16", 1, 1001, 1000, p, 0, p, 1000, activation="gelu_tanh") == ""
+    assert "multiple of 8" in why("bf16", 4, 64, 1001, p, 1001, p, 1001)
+    assert "1..16" in why("bf16", 17, 64, 64, p, 64, p, 64)
+    assert "aligned" in why("bf16", 4, 64, 64, p + 2, 64, p, 64)
+    assert why("bf16", 4, 64, 64, p, 64, p, 64, activation="silu") != ""
+
+
+@pytest.mark.parametrize("activation", ["", "relu", "gelu_tanh"])
+def test_cpu_reference_against_torch_float64(activation):
+    torch.manual_seed(0)
+    x = torch.randn(5, 40).to(torch.bfloat16)
+    w = (torch.randn(13, 40) * 0.2).to(torch.bfloat16)
+    bias = torch.randn(39).to(torch.bfloat16)[::3]
+    res = torch.randn(5, 13).to(torch.bfloat16)
+    out, aux = sg.reference(x, w, bias, res, activation)
+    pre = x.double() @ w.double().T + bias.double() + res.double()
+    act = {"": pre, "relu": torch.relu(pre), "gelu_tanh": F.gelu(pre, approximate="tanh")}[activation]
+    torch.testing.assert_close(aux, pre.to(torch.bfloat16).double(), rtol=0, atol=0)
+    torch.testing.assert_close(out, act.to(torch.bfloat16).double(), rtol=0, atol=1e-12)
+
+
+# --- on a GPU ------------------------------------------------------------------
+
+def operands(m, k, n, dtype, offset_bias=True):
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") * k ** -0.5).to(dtype)
+    storage = torch.randn(n + 5, device="cuda").to(dtype)
+    bias = storage[3:3 + n] if offset_bias else storage[:n]  # 3 elements in: not 16-byte aligned
+    res = torch.randn(m, n, device="cuda").to(dtype)
+    return x, w, bias, res
+
+
+def eager(x, w, bias, res, activation):
+    y = F.linear(x, w, bias)
+    if res is not None:
+        y = y + res
+    return {"": y, "relu": torch.relu(y), "gelu_tanh": F.gelu(y, approximate="tanh")}[activation]
+
+
+def check(out, ref, eager_out):
+    """assert_close to the float64 reference with the dtype's tolerances, and
+    no further from it than twice eager (plus two ulps of the largest value)."""
+    ref_t = ref.to(out.device)
+    torch.testing.assert_close(out, ref_t.to(out.dtype))
+    err = (out.double() - ref_t).abs().max().item()
+    eager_err = (eager_out.double() - ref_t).abs().max().item()
+    ulps = 2 * torch.finfo(out.dtype).eps * ref_t.abs().max().item()
+    assert err <= 2 * eager_err + ulps, (err, eager_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [4096, 4104, 1000])
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_kernel_against_reference_and_eager(m, k, dtype):
+    cuda_or_skip()
+    torch.manual_seed(m * 7 + k)
+    n = 1001
+    x, w, bias, res = operands(m, k, n, dtype)
+    cases = [dict(), dict(bias=bias, activation="relu"), dict(bias=bias, activation="gelu_tanh", aux=True),
+             dict(residual=res), dict(bias=bias, residual=res, activation="gelu_tanh", aux=True)]
+    for case in cases:
+        before = sg.launch_count()
+        got = sg.linear(x, w, **case)
+        assert got is not None, f"skinny GEMM declined {case}: {sg.last_error()}"
+        assert sg.launch_count() == before + 1
+        out, aux = got
+        act = case.get("activation", "")
+        ref, ref_aux = sg.reference(x, w, case.get("bias"), case.get("residual"), act)
+        check(out, ref, eager(x, w, case.get("bias"), case.get("residual"), act))
+        if case.get("aux"):
+            check(aux, ref_aux, eager(x, w, case.get("bias"), case.get("residual"), ""))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["n8u1w8b2c1", "n8u1w8b2c2", "n8u1w8b2c4", "n8u1w8b2c8", "n4u2w8b1c1"])
+def test_every_config_on_the_device(config, monkeypatch):
+    cuda_or_skip()
+    if config[-2:] != "c1" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need sm_90")
+    monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", config)
+    torch.manual_seed(1)
+    for m, k, n in [(16, 4104, 1001), (3, 1000, 200), (16, 8, 64), (1, 16384, 136)]:
+        x, w, bias, res = operands(m, k, n, torch.bfloat16)
+        got = sg.linear(x, w, bias, res, "gelu_tanh", aux=True)
+        assert got is not None, sg.last_error()
+        ref, ref_aux = sg.reference(x, w, bias, res, "gelu_tanh")
+        check(got[0], ref, eager(x, w, bias, res, "gelu_tanh"))
+        check(got[1], ref_aux, eager(x, w, bias, res, ""))
+
+
+@pytest.mark.gpu
+def test_deterministic_and_row_strides():
+    cuda_or_skip()
+    torch.manual_seed(2)
+    big = torch.randn(16, 4096 + 64, device="cuda").to(torch.bfloat16)
+    x = big[:, 64:]  # row stride 4160, 128-byte offset
+    w = (torch.randn(4096, 4096 + 8, device="cuda") * 0.02).to(torch.bfloat16)[:, :4096]
+    first = sg.linear(x, w)[0]
+    for _ in range(3):
+        assert torch.equal(sg.linear(x, w)[0], first)
+    check(first, sg.reference(x, w)[0], F.linear(x, w))
+
+
+@pytest.mark.gpu
+def test_declines_what_it_does_not_cover():
+    cuda_or_skip()
+    x, w, _, _ = operands(4, 1001, 64, torch.bfloat16)  # K not a multiple of 8
+    assert sg.linear(x, w) is None
+    x, w, _, _ = operands(17, 64, 64, torch.bfloat16)
+    assert sg.linear(x, w) is None
+    x, w, _, _ = operands(4, 64, 64, torch.float32)
+    assert sg.linear(x, w) is None
+
+
+def mlp_block(x, w1, b1, w2, b2):
+    return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
+
+
+def counted(fn, *args):
+    fn(*args)
+    opfuse.reset_stats()
+    before = sg.launch_count()
+    out = fn(*args)
+    s = opfuse.stats()
+    return out, s["library_calls"], s["kernel_launches"], sg.launch_count() - before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_compiled_graph_takes_the_skinny_path_unless_disabled(m, monkeypatch):
+    cuda_or_skip()
+    torch.manual_seed(3)
+    k, h, n = 512, 1024, 256
+    args = [torch.randn(m, k, device="cuda").bfloat16(), (torch.randn(h, k, device="cuda") * k ** -0.5).bfloat16(),
+            torch.randn(h, device="cuda").bfloat16(), (torch.randn(n, h, device="cuda") * h ** -0.5).bfloat16(),
+            torch.randn(n, device="cuda").bfloat16()]
+    f = torch.compile(mlp_block, backend="opfuse")
+    out, calls, kernels, skinny = counted(f, *args)
+    assert (calls, kernels, skinny) == (0, 2, 2), sg.last_error()
+    ref = mlp_block(*[a.double() for a in args])
+    check(out, ref, mlp_block(*args))
+    monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "0")
+    out, calls, kernels, skinny = counted(f, *args)
+    assert (calls, kernels, skinny) == (2, 0, 0)
+    check(out, ref, mlp_block(*args))
+
+
+@pytest.mark.gpu
+def test_odd_k_in_a_compiled_graph_stays_with_cublaslt():
+    cuda_or_skip()
+    x, w, bias, _ = operands(8, 1001, 300, torch.float16)
+    f = torch.compile(lambda x, w, b: torch.relu(F.linear(x, w, b)), backend="opfuse")
+    out, calls, kernels, skinny = counted(f, x, w, bias)
+    assert (calls, skinny) == (1, 0)
+    check(out, sg.reference(x, w, bias, None, "relu")[0].double(), torch.relu(F.linear(x, w, bias)))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_with_the_skinny_path():
+    cuda_or_skip()
+    torch.manual_seed(4)
+    args = [torch.randn(16, 256, device="cuda").bfloat16(), (torch.randn(512, 256, device="cuda") * 0.06).bfloat16(),
+            torch.randn(512, device="cuda").bfloat16(), (torch.randn(128, 512, device="cuda") * 0.04).bfloat16(),
+            torch.randn(128, device="cuda").bfloat16()]
+    f = torch.compile(mlp_block, backend="opfuse")
+    f(*args)  # compiles and loads the kernels outside capture
+    torch.cuda.synchronize()
+    before = sg.launch_count()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(*args)
+    assert sg.launch_count() == before + 2
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, mlp_block(*[a.double() for a in args]), mlp_block(*args))
