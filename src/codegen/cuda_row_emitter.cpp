@@ -1,6 +1,7 @@
 // Row (reduction) kernels of the CUDA emitter: the schedule by row length,
 // the stage loops, and the reductions across the threads of a row.
 #include <algorithm>
+#include <cstdlib>
 
 #include "codegen/cuda_emitter.h"
 #include "ir/ops.h"
@@ -25,10 +26,19 @@ struct RowGeometry {
   int items = 0;          // vectors per thread when the row is cached in registers (0: a loop)
 };
 
+// Tuning knobs, read when a kernel is generated (the source, and so the
+// cache key, changes with them): for measuring schedules side by side.
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+
 // Registers per thread spent on the row cache: about 32 values keeps a block
 // of 512 threads at two blocks an SM (with ~25 registers for the rest), so
 // that one block's reductions overlap another's loads.
-constexpr int kCachedValues = 32;
+int cached_values() { return env_int("OPFUSE_ROW_CACHE_VALUES", 32); }
+// Blocks per row at most (8 is the portable cluster size; 1 turns clusters off).
+int max_cluster() { return env_int("OPFUSE_ROW_MAX_CLUSTER", 8); }
 
 // slots: values cached per element (0: nothing to cache, or cols unknown).
 RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool cluster_ok) {
@@ -43,13 +53,13 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
     g.threads = 256;
     g.rows_per_block = 256 / lanes;
     int64_t items = ceil_div(nv, lanes);
-    if (slots > 0 && items * vec * slots <= 2 * kCachedValues) g.items = static_cast<int>(items);
+    if (slots > 0 && items * vec * slots <= 2 * cached_values()) g.items = static_cast<int>(items);
     return g;
   }
   g.threads = known ? std::min(1024, std::max(128, pow2_at_least(ceil_div(ncols, 8 * vec)))) : 512;
   if (!known || slots == 0) return g;
   int64_t nv = ceil_div(ncols, vec);
-  int64_t per_thread = std::max(1, kCachedValues / (vec * slots));  // vectors a thread caches
+  int64_t per_thread = std::max(1, cached_values() / (vec * slots));  // vectors a thread caches
   int64_t need = ceil_div(nv, per_thread);                            // threads a row needs
   if (need <= 512) {
     g.threads = std::max(128, pow2_at_least(need));
@@ -61,11 +71,11 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
     // need more than the 8 blocks a portable cluster may have.
     int threads = 512;
     int64_t blocks = ceil_div(need, threads);
-    if (blocks > 8) {
+    if (blocks > max_cluster()) {
       threads = 1024;
       blocks = ceil_div(need, threads);
     }
-    if (blocks <= 8) {
+    if (blocks <= max_cluster() && blocks > 1) {
       g.threads = threads;
       g.cluster = static_cast<int>(blocks);
       g.items = static_cast<int>(ceil_div(nv, threads * blocks));
@@ -75,7 +85,7 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
   // One block of 1024 threads (64 registers each), when its share still
   // fits; the scalar twin spends more registers on index arithmetic.
   int64_t items = ceil_div(nv, 1024);
-  if (items * vec * slots <= (vec > 1 ? kCachedValues : kCachedValues / 2)) {
+  if (items * vec * slots <= (vec > 1 ? cached_values() : cached_values() / 2)) {
     g.threads = 1024;
     g.items = static_cast<int>(items);
   }

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Row-kernel schedules side by side on a GPU: each variant (a setting of
+the emitter's tuning knobs OPFUSE_ROW_MAX_CLUSTER / OPFUSE_ROW_CACHE_VALUES)
+runs in its own process, times every op and shape with CUDA events, and
+prints TB/s (input read once + output written once, over the time).
+
+  python3 scripts/row_variants.py [--variants 8:32,1:32,4:16] [--shapes 8192x32768,4096x262144]
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+OPS = ("softmax", "log_softmax", "layer_norm", "rms_norm")
+
+
+def child(shapes, ops):
+    import torch
+    import torch.nn.functional as F
+    import opfuse  # noqa: F401
+    fns = {"softmax": lambda x, w, b: torch.softmax(x, -1), "log_softmax": lambda x, w, b: torch.log_softmax(x, -1),
+           "layer_norm": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5),
+           "rms_norm": lambda x, w, b: F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)}
+    for shape in shapes:
+        r, c = shape
+        x = torch.randn(r, c, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(c, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(c, device="cuda", dtype=torch.bfloat16)
+        for op in ops:
+            torch._dynamo.reset()
+            fn = torch.compile(fns[op], backend="opfuse", dynamic=False)
+            out = fn(x, w, b)
+            ref = fns[op](x.float(), w.float(), b.float())
+            err = (out.float() - ref).abs().max().item()
+            times = []
+            for _ in range(30):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(5):
+                    fn(x, w, b)
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) / 5)
+            ms = sorted(times)[len(times) // 2]
+            nbytes = 2 * x.numel() * x.element_size()
+            print(f"  {op:12s} {r}x{c:<7d} {ms * 1000:8.1f} us {nbytes / ms / 1e9:6.2f} TB/s  max err {err:.3g}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default="8:32,1:32,4:32,8:16,2:16")
+    ap.add_argument("--shapes", default="32768x4096,8192x32768,4096x262144")
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--child", action="store_true")
+    a = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    if a.child:
+        child(shapes, a.ops.split(","))
+        return
+    for v in a.variants.split(","):
+        cluster, values = v.split(":")
+        env = dict(os.environ, OPFUSE_ROW_MAX_CLUSTER=cluster, OPFUSE_ROW_CACHE_VALUES=values)
+        print(f"variant max_cluster={cluster} cache_values={values}", flush=True)
+        subprocess.run([sys.executable, __file__, "--child", "--shapes", a.shapes, "--ops", a.ops], env=env, check=False)
+
+
+if __name__ == "__main__":
+    main()
