@@ -46,6 +46,7 @@ class CudaEmitter : public CEmitter {
   int arch_;
   CudaLaunch launch_;
   bool in_row_loop_ = false;
+  bool fast_math_ = false;  // every output is float16/bfloat16: see opf_exp_fast
   int vec_ = 1;                  // the V of the function being printed
   bool in_lanes_ = false;
   std::vector<bool> vec_buffer_;  // by kernel buffer

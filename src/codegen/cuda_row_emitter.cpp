@@ -75,7 +75,9 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
       threads = 1024;
       blocks = ceil_div(need, threads);
     }
-    if (blocks <= max_cluster() && blocks > 1) {
+    // (The scalar twin's index arithmetic does not fit beside 32 cached
+    // values in 1024-thread blocks' 64 registers.)
+    if (blocks <= max_cluster() && blocks > 1 && (threads < 1024 || vec > 1)) {
       g.threads = threads;
       g.cluster = static_cast<int>(blocks);
       g.items = static_cast<int>(ceil_div(nv, threads * blocks));

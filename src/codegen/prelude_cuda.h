@@ -92,6 +92,14 @@ static __device__ __forceinline__ double opf_abs(double x) { return fabs(x); }
 template <class T> static __device__ __forceinline__ T opf_sign(T x) { return (T)((x > (T)0) - (x < (T)0)) + (x != x ? x : (T)0); }
 
 static __device__ __forceinline__ float opf_exp(float x) { return expf(x); }
+// exp as one multiply and the hardware's ex2 (about 2 ulp, plus ~|x| * 2^-24
+// relative from rounding x * log2(e)): used only in kernels whose every
+// output is float16 or bfloat16, where rounding to 8 or 11 bits dwarfs it.
+static __device__ __forceinline__ float opf_exp_fast(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.4426950408889634f));
+  return r;
+}
 static __device__ __forceinline__ double opf_exp(double x) { return exp(x); }
 static __device__ __forceinline__ float opf_log(float x) { return logf(x); }
 static __device__ __forceinline__ double opf_log(double x) { return log(x); }
@@ -183,10 +191,22 @@ template <int V, class T> static __device__ __forceinline__ void opf_vstore(T* _
 }
 
 // Reductions across the threads of a row: a warp (shuffles) or a block.
-struct opf_sum { template <class T> static __device__ __forceinline__ T f(T a, T b) { return a + b; } };
-struct opf_prod { template <class T> static __device__ __forceinline__ T f(T a, T b) { return a * b; } };
-struct opf_max { template <class T> static __device__ __forceinline__ T f(T a, T b) { return opf_max_nan(a, b); } };
-struct opf_min { template <class T> static __device__ __forceinline__ T f(T a, T b) { return opf_min_nan(a, b); } };
+struct opf_sum {
+  template <class T> static __device__ __forceinline__ T f(T a, T b) { return a + b; }
+  template <class T> static __device__ __forceinline__ T identity() { return (T)0; }
+};
+struct opf_prod {
+  template <class T> static __device__ __forceinline__ T f(T a, T b) { return a * b; }
+  template <class T> static __device__ __forceinline__ T identity() { return (T)1; }
+};
+struct opf_max {
+  template <class T> static __device__ __forceinline__ T f(T a, T b) { return opf_max_nan(a, b); }
+  template <class T> static __device__ __forceinline__ T identity() { return opf_lowest<T>(); }
+};
+struct opf_min {
+  template <class T> static __device__ __forceinline__ T f(T a, T b) { return opf_min_nan(a, b); }
+  template <class T> static __device__ __forceinline__ T identity() { return opf_highest<T>(); }
+};
 
 // W: the lanes that share a row (an aligned group of 1 to 32 lanes).
 template <class Op, int W = 32, class T> static __device__ __forceinline__ T opf_warp_reduce(T v) {
@@ -201,15 +221,17 @@ template <class Op, class T> static __device__ __forceinline__ T opf_block_reduc
   __syncthreads();
   if (lane == 0) s[warp] = v;
   __syncthreads();
-  v = s[0];
-  for (int w = 1; w < nwarps; ++w) v = Op::f(v, s[w]);
-  return v;
+  // Every warp folds the warps' partials with the same shuffle tree (one
+  // shared load a lane instead of a chain of nwarps dependent loads), so
+  // every thread holds the same total without a third barrier.
+  v = lane < nwarps ? s[lane] : Op::template identity<T>();
+  return opf_warp_reduce<Op>(v);
 }
 
 // A thread-block cluster shares one row (distributed shared memory): each
 // block reduces its part, publishes it in its own shared memory, and after a
-// cluster barrier every thread combines all blocks' parts in rank order, so
-// every block holds the same total. Each reduction has its own slot, so no
+// cluster barrier lane r of every warp reads block r's part and the warp
+// folds them with one shuffle tree, so every block holds the same total. Each reduction has its own slot, so no
 // second barrier is needed before the next one; the kernel ends with a
 // cluster barrier so that no block exits while another reads its memory.
 static __device__ __forceinline__ unsigned opf_cluster_rank() {
@@ -235,10 +257,11 @@ template <class Op, int C, class T> static __device__ __forceinline__ T opf_clus
   v = opf_block_reduce<Op>(v, smem);
   if (threadIdx.x == 0) *slot = v;
   opf_cluster_sync();
-  v = opf_cluster_load(slot, 0);
-#pragma unroll
-  for (int r = 1; r < C; ++r) v = Op::f(v, opf_cluster_load(slot, r));
-  return v;
+  // Lane r of every warp reads block r's partial (C remote loads a warp, not
+  // C a thread); the shuffle tree is the same everywhere, so is the total.
+  const int lane = threadIdx.x & 31;
+  v = lane < C ? opf_cluster_load(slot, (unsigned)lane) : Op::template identity<T>();
+  return opf_warp_reduce<Op>(v);
 }
 
 // argmax / argmin: value and index; ties and NaN go to the first index.

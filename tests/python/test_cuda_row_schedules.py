@@ -54,14 +54,22 @@ def check(fn, x, w, b, dtype):
     opfuse.reset_stats()
     out = torch.compile(fn, backend="opfuse", dynamic=False)(x, w, b)
     ref = reference(fn, x, w, b)
-    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
-    for o, r in zip(outs, refs):
+    eager = fn(x, w, b)
+    outs, refs, eagers = ((out, ref, eager) if isinstance(out, tuple) else ((out,), (ref,), (eager,)))
+    for o, r, e in zip(outs, refs, eagers):
         if r.dtype == torch.int64:
             assert torch.equal(o, r)
-        else:
+            continue
+        try:
             # The reference rounds once, to the output dtype; opfuse's value
             # may sit one output ulp away.
             torch.testing.assert_close(o, r.to(o.dtype), **TOL[dtype])
+        except AssertionError:
+            # A long float32 sum's rounding depends on its order: then no
+            # further from float64 than twice eager's own error.
+            err = (o.double() - r).abs().max().item()
+            eager_err = (e.double() - r).abs().max().item()
+            assert err <= 2 * eager_err, (err, eager_err)
     assert opfuse.stats()["fallback_ops"] == 0
 
 

@@ -110,10 +110,13 @@ def eager(x, w, bias, res, activation):
 
 
 def check(out, ref, eager_out):
-    """assert_close to the float64 reference with the dtype's tolerances, and
-    no further from it than twice eager (plus two ulps of the largest value)."""
+    """No further from the float64 reference than twice eager (plus two ulps
+    of the largest value): a K-long dot product in 16-bit floats misses
+    assert_close's atol near zero for eager as well (the FlashAttention rule,
+    product.md)."""
     ref_t = ref.to(out.device)
-    torch.testing.assert_close(out, ref_t.to(out.dtype))
+    assert out.shape == ref_t.shape and out.dtype == eager_out.dtype
+    assert torch.isfinite(out).all()
     err = (out.double() - ref_t).abs().max().item()
     eager_err = (eager_out.double() - ref_t).abs().max().item()
     ulps = 2 * torch.finfo(out.dtype).eps * ref_t.abs().max().item()
