@@ -56,6 +56,7 @@ class CudaEmitter : public CEmitter {
   int stage_index_ = 0;
   std::string smem_ = "opf_smem";
   bool grouped_rows_ = false;     // a group of `lanes_` lanes per row
+  bool columns_ = false;          // an outer reduction: lanes along the kept innermost axis
   int lanes_ = 32;
   int cluster_ = 1;
   int cluster_reductions_ = 0;    // slots used so far

@@ -115,6 +115,11 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
   const std::string& c = a.combiner;
   std::string op = c == "sum" ? "opf_sum" : c == "prod" ? "opf_prod" : c == "max" ? "opf_max" : "opf_min";
   std::string w = std::to_string(lanes_);
+  if (columns_) {  // sum, prod, max or min only (see row_kernel)
+    std::string slot = "reinterpret_cast<" + value_type(a.type) + "*>(&opf_cslot[" + std::to_string(32 * cluster_reductions_++) + "])";
+    line(n + " = opf_column_reduce<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", opf_csmem, " + slot + ");");
+    return;
+  }
   if (c == "sum" || c == "prod" || c == "max" || c == "min") {
     if (grouped_rows_) {
       if (lanes_ > 1) line(n + " = opf_warp_reduce<" + op + ", " + w + ">(" + n + ");");
@@ -157,7 +162,8 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     line("const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
     line("if (c_ < cols) {");
   } else {
-    line("for (int64_t c_ = (int64_t)tid_ * " + V + "; c_ < cols; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
+    if (columns_) line("#pragma unroll 8");  // loads of several rows in flight per thread
+    line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
   }
   ++indent_;
   in_row_loop_ = true;
@@ -211,17 +217,39 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   for (const KStage& st : k_->stages)
     for (const KAccumulator& a : st.accs)
       if (a.combiner != "sum" && a.combiner != "max" && a.combiner != "min" && a.combiner != "prod") cluster_ok = false;
+  // Outer (column) reductions: the innermost axis is kept, so a warp takes
+  // 32 neighbouring outputs (coalesced loads) and the block's 16 warps split
+  // the reduced axis; a cluster splits it further when there are few outputs.
+  size_t last_axis = k_->domain.size() - 1;
+  columns_ = vec == 1 && !k_->domain.empty() && !k_->reduce_axes.empty() &&
+             std::find(k_->reduce_axes.begin(), k_->reduce_axes.end(), static_cast<int64_t>(last_axis)) == k_->reduce_axes.end();
+  for (const KStage& st : k_->stages)
+    for (const KAccumulator& a : st.accs)
+      if (a.combiner != "sum" && a.combiner != "max" && a.combiner != "min" && a.combiner != "prod") columns_ = false;
   RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok);
+  if (columns_) {
+    g = RowGeometry{};
+    g.threads = 512;
+    g.rows_per_block = 32;
+    int64_t nrows = 0;
+    if (arch_ >= 90 && known && is_const(split.rows, &nrows)) {
+      // About three blocks an SM in all (132 SMs), each warp with at least 8 elements.
+      int64_t tiles = ceil_div(nrows, 32);
+      int64_t c = std::min<int64_t>({8, std::max<int64_t>(1, 396 / tiles), std::max<int64_t>(1, ncols / (16 * 8))});
+      g.cluster = static_cast<int>(c);
+    }
+    cache_ = RowCachePlan{};
+  }
   caching_ = g.items > 0 && cache_.slots() > 0;
   grouped_rows_ = g.grouped;
   lanes_ = g.lanes;
-  cluster_ = caching_ ? g.cluster : 1;
+  cluster_ = caching_ || columns_ ? g.cluster : 1;
   cluster_reductions_ = 0;
   launch_.threads = g.threads;
   launch_.rows_per_block = g.rows_per_block;
   launch_.cluster = cluster_;
   launch_.items = caching_ ? g.items : 0;
-  int threads_per_row = grouped_rows_ ? lanes_ : g.threads;
+  int threads_per_row = columns_ ? g.threads / 32 : grouped_rows_ ? lanes_ : g.threads;
 
   // The body is printed to a side buffer first: the register arrays and
   // cluster slots it uses are declared before it.
@@ -248,30 +276,52 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   header(name, g.threads, cluster_);
   line("__shared__ __align__(16) double " + smem_ + "[128];");
   line("(void)" + smem_ + ";");
-  if (cluster_ > 1) line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(std::max(1, cluster_reductions_)) + "];");
+  if (columns_) {
+    line("__shared__ __align__(16) double opf_csmem[" + std::to_string(g.threads) + "];");
+    line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(32 * std::max(1, cluster_reductions_)) + "];");
+    line("(void)opf_cslot;");
+  } else if (cluster_ > 1) {
+    line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(std::max(1, cluster_reductions_)) + "];");
+  }
   line("const int64_t rows = " + size_c(split.rows) + ";");
   line("const int64_t cols = " + size_c(split.cols) + ";");
   std::string chunk = std::to_string(static_cast<int64_t>(g.items) * threads_per_row * vec);
-  if (grouped_rows_) {
+  if (columns_) {
+    // Lanes take neighbouring outputs, warps (and cluster blocks) split the
+    // reduced axis; lanes past the last output redo the last one.
+    std::string C = std::to_string(cluster_);
+    line("const int tid_ = threadIdx.x >> 5;");
+    line("int64_t row_ = (int64_t)(blockIdx.x / " + C + ") * 32 + (threadIdx.x & 31);");
+    line("if (row_ >= rows) row_ = rows - 1;");
+    line("const int64_t cbase_ = 0;");
+    if (cluster_ > 1) {
+      line("const int64_t cchunk_ = (cols + " + C + " - 1) / " + C + ";");
+      line("const int64_t cbegin_ = (int64_t)opf_cluster_rank() * cchunk_;");
+      line("const int64_t cend_ = cbegin_ + cchunk_ < cols ? cbegin_ + cchunk_ : cols;");
+    } else {
+      line("const int64_t cbegin_ = 0, cend_ = cols;");
+    }
+    line("{");
+  } else if (grouped_rows_) {
     // A group past the last row redoes the last row (same values to the same
     // places) rather than leaving its warp's shuffles short of lanes.
     line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
     line("int64_t row_ = (int64_t)blockIdx.x * " + std::to_string(g.rows_per_block) + " + (threadIdx.x / " +
          std::to_string(lanes_) + ");");
     line("if (row_ >= rows) row_ = rows - 1;");
-    line("const int64_t cbase_ = 0;");
+    line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     line("{");
   } else if (cluster_ > 1) {
     line("const int tid_ = threadIdx.x;");
     line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");
-    line("const int64_t cbase_ = (int64_t)opf_cluster_rank() * " + chunk + ";");
+    line("const int64_t cbase_ = (int64_t)opf_cluster_rank() * " + chunk + ", cbegin_ = 0, cend_ = cols;");
     line("{");
   } else {
     line("const int tid_ = threadIdx.x;");
-    line("const int64_t cbase_ = 0;");
+    line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     line("for (int64_t row_ = blockIdx.x; row_ < rows; row_ += gridDim.x) {");
   }
-  line("  (void)cbase_;");
+  line("  (void)cbase_; (void)cbegin_; (void)cend_;");
   for (int i = 0; i < cache_.slots() && caching_; ++i)
     line("  " + value_type(cache_.slot_types[static_cast<size_t>(i)]) + " rc" + std::to_string(i) + "[" +
          std::to_string(g.items * vec) + "];");

@@ -264,6 +264,29 @@ template <class Op, int C, class T> static __device__ __forceinline__ T opf_clus
   return opf_warp_reduce<Op>(v);
 }
 
+// Outer (column) reductions: lane x of every warp holds a partial of output
+// x, warp y a slice of the reduced axis. The warps' partials meet in shared
+// memory ([warp][lane]) and every thread folds its column's in warp order;
+// with a cluster, every block publishes its 32 totals and every thread folds
+// the blocks' in rank order. All threads of a column end with the same total.
+template <class Op, int C, class T> static __device__ __forceinline__ T opf_column_reduce(T v, void* smem, T* slots) {
+  T* s = reinterpret_cast<T*>(smem);
+  const int x = threadIdx.x & 31, y = threadIdx.x >> 5, ny = blockDim.x >> 5;
+  __syncthreads();
+  s[y * 32 + x] = v;
+  __syncthreads();
+  v = s[x];
+  for (int i = 1; i < ny; ++i) v = Op::f(v, s[i * 32 + x]);
+  if constexpr (C > 1) {
+    if (y == 0) slots[x] = v;
+    opf_cluster_sync();
+    v = opf_cluster_load(&slots[x], 0);
+#pragma unroll
+    for (int r = 1; r < C; ++r) v = Op::f(v, opf_cluster_load(&slots[x], (unsigned)r));
+  }
+  return v;
+}
+
 // argmax / argmin: value and index; ties and NaN go to the first index.
 template <bool MAX, class T> static __device__ __forceinline__ void opf_arg_combine(T& v, int64_t& i, T v2, int64_t i2) {
   bool nan1 = v != v, nan2 = v2 != v2;

@@ -387,9 +387,10 @@ void CompiledGraph::launch_cuda_kernel(const Variant& v, size_t i, const std::ve
       int cluster = vec_ok ? cl.vec_cluster : cl.cluster;
       if (vec_ok) threads = static_cast<unsigned>(cl.vec_threads);
       if (cluster > 1) {
-        // Exactly one cluster per row: the kernel has no loop over rows.
-        if (rows > (int64_t{1} << 31) / cluster - 1) throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
-        grid = static_cast<unsigned>(rows * cluster);
+        // Exactly one cluster per row (per 32 outputs of a column reduction): the kernel has no loop over rows.
+        int64_t blocks = (rows + rpb - 1) / rpb * cluster;
+        if (blocks > (int64_t{1} << 31) - 1) throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
+        grid = static_cast<unsigned>(blocks);
       } else {
         int64_t blocks = (rows + rpb - 1) / rpb;
         grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));

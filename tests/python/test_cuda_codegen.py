@@ -150,3 +150,25 @@ def test_softmax_computes_one_exp_per_element():
     # (opf_exp_fast: every output is bfloat16, see prelude_cuda.h)
     assert len(re.findall(r"opf_exp(_fast)?\(", vector_kernel)) == 1
     assert vector_kernel.count("opf_vload<8>") == 1
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_column_reductions_compile_coalesced(arch):
+    """An outer reduction puts lanes on the kept innermost axis (one warp
+    reads 32 neighbouring elements), clusters split the reduced axis on sm_90."""
+    nvrtc_or_skip()
+    ir = """graph {
+  %0 = input() {name="x"} : bf16[32768, 4096]
+  %1 = cast(%0) {dtype=f32} : f32[32768, 4096]
+  %2 = sum(%1) {dims=[0], keepdim=false} : f32[4096]
+  %3 = amax(%1) {dims=[0], keepdim=false} : f32[4096]
+  return (%2, %3)
+}"""
+    shapes = [[32768, 4096]]
+    cg = _C.CompiledGraph(ir, target="cuda")
+    src = cg.cuda_source(shapes, contiguous(shapes), arch)
+    assert "opf_column_reduce<opf_sum" in src and "(threadIdx.x & 31)" in src
+    assert ("__cluster_dims__" in src) == (arch == 90)
+    _, log = compile_for(ir, shapes, arch)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    assert all(int(s) == 0 for s in spills), log[-2000:]

@@ -135,3 +135,39 @@ def test_softmax_and_layer_norm_backward(cols):
     ref_grads = torch.autograd.grad(f(xd, wd, bd), (xd, wd, bd))
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape,dim", [((4097, 33), 0), ((32768, 64), 0), ((3, 5000), 0), ((7, 300, 130), 1),
+                                       ((64, 3, 4096), (0, 1)), ((1, 77), 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_reductions(shape, dim, dtype):
+    """Outer reductions (the innermost axis kept): lanes along the kept axis,
+    warps and cluster blocks along the reduced one."""
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
+
+    def f(x, w, b):
+        return x.float().sum(dim), x.amax(dim), (x.float() * 2 - 1).square().mean(dim)
+
+    check(f, x, x, x, torch.float32)
+
+
+def test_column_softmax_three_stages():
+    x = torch.randn(3000, 70, device="cuda")
+    check(lambda x, w, b: torch.softmax(x, 0), x, x, x, torch.float32)
+
+
+@pytest.mark.parametrize("rows,cols", [(32768, 256), (777, 1000)])
+def test_layer_norm_weight_and_bias_gradients(rows, cols):
+    x = torch.randn(rows, cols, device="cuda", requires_grad=True)
+    w = torch.randn(cols, device="cuda", requires_grad=True)
+    b = torch.randn(cols, device="cuda", requires_grad=True)
+    dy = torch.randn(rows, cols, device="cuda")
+    torch._dynamo.reset()
+    out = torch.compile(lambda x, w, b: layer_norm(x, w, b), backend="opfuse", dynamic=False)(x, w, b)
+    grads = torch.autograd.grad(out, (x, w, b), dy)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    refs = torch.autograd.grad(layer_norm(xd, wd, bd), (xd, wd, bd), dy.double())
+    eager = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), dy)
+    for g, r, e in zip(grads, refs, eager):
+        err = (g.double() - r).abs().max().item()
+        assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, err
