@@ -37,8 +37,12 @@ int env_int(const char* name, int dflt) {
 // of 512 threads at two blocks an SM (with ~25 registers for the rest), so
 // that one block's reductions overlap another's loads.
 int cached_values() { return env_int("OPFUSE_ROW_CACHE_VALUES", 32); }
-// Blocks per row at most (8 is the portable cluster size; 1 turns clusters off).
-int max_cluster() { return env_int("OPFUSE_ROW_MAX_CLUSTER", 8); }
+// Blocks per row at most (8 is the portable cluster size; 1 turns clusters
+// off). Off by default: on the H200 a cluster per row was slower than one
+// block per row at 8192x32768 and than three passes through memory at
+// 4096x262144 (docs/perf-notes.md, scripts/row_variants.py). Column
+// reductions use clusters regardless.
+int max_cluster() { return env_int("OPFUSE_ROW_MAX_CLUSTER", 1); }
 
 // slots: values cached per element (0: nothing to cache, or cols unknown).
 RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool cluster_ok) {

@@ -8,8 +8,9 @@
 // NVRTC compiles one instantiation per (dtype, tile config, arch), cached on
 // disk (OPFUSE_CACHE_DIR/skinny_gemm) and loaded once per CUDA context; the
 // launch allocates nothing and never synchronizes (CUDA-graph safe once the
-// instantiation is loaded). Environment: OPFUSE_SKINNY_GEMM=0 turns the path
-// off; OPFUSE_SKINNY_CONFIG=<tag> forces a tile config (benchmarking).
+// instantiation is loaded). Environment: OPFUSE_SKINNY_GEMM=1 turns the path
+// on (it is off by default: slower than cuBLASLt on most measured shapes);
+// OPFUSE_SKINNY_CONFIG=<tag> forces a tile config (benchmarking).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -73,7 +74,7 @@ Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache = 
 // Empty when the kernel covers the GEMM (shapes, dtype, layouts, alignment,
 // epilogue), else why not. Does not look at OPFUSE_SKINNY_GEMM.
 std::string unsupported_reason(const GemmArgs& g);
-bool enabled();  // OPFUSE_SKINNY_GEMM is not "0"
+bool enabled();  // OPFUSE_SKINNY_GEMM is "1" (opt-in)
 
 // Enqueues the GEMM on g.stream with the skinny kernel and returns true, or
 // returns false (nothing enqueued) when it is disabled or does not apply, or

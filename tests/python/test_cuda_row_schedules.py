@@ -65,11 +65,14 @@ def check(fn, x, w, b, dtype):
             # may sit one output ulp away.
             torch.testing.assert_close(o, r.to(o.dtype), **TOL[dtype])
         except AssertionError:
-            # A long float32 sum's rounding depends on its order: then no
-            # further from float64 than twice eager's own error.
+            # A long float32 sum's rounding depends on its order (each thread
+            # of a column reduction adds a thousand or more values in turn):
+            # then within twice eager's error against float64, or 5e-5
+            # relative.
             err = (o.double() - r).abs().max().item()
             eager_err = (e.double() - r).abs().max().item()
-            assert err <= 2 * eager_err, (err, eager_err)
+            bound = max(2 * eager_err, 5e-5 * r.abs().max().item())
+            assert err <= bound, (err, eager_err)
     assert opfuse.stats()["fallback_ops"] == 0
 
 
@@ -83,6 +86,16 @@ def test_row_schedules_match_float64(op, cols, dtype):
     w = torch.randn(cols, device="cuda", dtype=dtype)
     b = torch.randn(cols, device="cuda", dtype=dtype)
     check(OPS[op], x, w, b, dtype)
+
+
+@pytest.mark.parametrize("cols", [40000, 40001, 70000, 262144])
+@pytest.mark.parametrize("op", list(OPS))
+def test_row_clusters_match_float64(op, cols, monkeypatch):
+    """Clusters of blocks per row (off by default, OPFUSE_ROW_MAX_CLUSTER)."""
+    monkeypatch.setenv("OPFUSE_ROW_MAX_CLUSTER", "8")
+    x = torch.randn(3, cols, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    check(OPS[op], x, w, w, torch.bfloat16)
 
 
 @pytest.mark.parametrize("cols", [33, 256, 5000, 40000])

@@ -78,9 +78,8 @@ def test_mlp_block_is_two_library_calls(dtype, m, device):
     out, calls, kernels = run_counted(compiled(mlp_block), *args)
     assert_gemm_close(out, mlp_block, args)
     # GPU: bias+relu and bias ride on the GEMMs; CPU: PyTorch's matmul, the epilogues fuse into kernels.
-    # On the GPU, half types at m <= 16 run opfuse's skinny GEMM kernel (counted as kernels) instead of cuBLASLt.
-    skinny = device == "cuda" and dtype != torch.float32 and m <= 16
-    assert (calls, kernels) == ((0, 2) if skinny else (2, 0) if device == "cuda" else (2, 2))
+    # (The skinny GEMM for m <= 16 is opt-in, OPFUSE_SKINNY_GEMM=1: cuBLASLt by default.)
+    assert (calls, kernels) == ((2, 0) if device == "cuda" else (2, 2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

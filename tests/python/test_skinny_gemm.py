@@ -8,8 +8,8 @@ On a GPU (marked gpu): the kernel against the float64 reference and eager
 PyTorch (M in {1, 3, 8, 16}, K in {4096, 4104, 1000}, N = 1001, bias at a
 storage offset, relu, tanh-gelu with its aux output, a residual), every
 config, determinism, CUDA-graph capture, and that compiled graphs take the
-skinny path (opfuse.stats() and the launch counter) unless
-OPFUSE_SKINNY_GEMM=0."""
+skinny path (opfuse.stats() and the launch counter) when
+OPFUSE_SKINNY_GEMM=1 and cuBLASLt otherwise (the default)."""
 import re
 
 import pytest
@@ -21,6 +21,12 @@ from opfuse import _C
 from opfuse import skinny_gemm as sg
 
 ELEMS = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+@pytest.fixture(autouse=True)
+def skinny_enabled(monkeypatch):
+    """The skinny path is opt-in (OPFUSE_SKINNY_GEMM=1); these tests enable it."""
+    monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
 
 
 def nvrtc_or_skip():
@@ -203,8 +209,9 @@ def counted(fn, *args):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
-def test_compiled_graph_takes_the_skinny_path_unless_disabled(m, monkeypatch):
+def test_compiled_graph_takes_the_skinny_path_when_enabled(m, monkeypatch):
     cuda_or_skip()
+    monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
     torch.manual_seed(3)
     k, h, n = 512, 1024, 256
     args = [torch.randn(m, k, device="cuda").bfloat16(), (torch.randn(h, k, device="cuda") * k ** -0.5).bfloat16(),
@@ -219,6 +226,9 @@ def test_compiled_graph_takes_the_skinny_path_unless_disabled(m, monkeypatch):
     out, calls, kernels, skinny = counted(f, *args)
     assert (calls, kernels, skinny) == (2, 0, 0)
     check(out, ref, mlp_block(*args))
+    monkeypatch.delenv("OPFUSE_SKINNY_GEMM")  # the default: cuBLASLt
+    out, calls, kernels, skinny = counted(f, *args)
+    assert (calls, kernels, skinny) == (2, 0, 0)
 
 
 @pytest.mark.gpu
@@ -232,8 +242,9 @@ def test_odd_k_in_a_compiled_graph_stays_with_cublaslt():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_with_the_skinny_path():
+def test_cuda_graph_capture_with_the_skinny_path(monkeypatch):
     cuda_or_skip()
+    monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
     torch.manual_seed(4)
     args = [torch.randn(16, 256, device="cuda").bfloat16(), (torch.randn(512, 256, device="cuda") * 0.06).bfloat16(),
             torch.randn(512, device="cuda").bfloat16(), (torch.randn(128, 512, device="cuda") * 0.04).bfloat16(),
