@@ -88,13 +88,12 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
       return g;
     }
   }
-  // One block of 1024 threads (64 registers each), when its share still
-  // fits; the scalar twin spends more registers on index arithmetic.
-  int64_t items = ceil_div(nv, 1024);
-  if (items * vec * slots <= (vec > 1 ? cached_values() : cached_values() / 2)) {
-    g.threads = 1024;
-    g.items = static_cast<int>(items);
-  }
+  // Longer rows are not cached: a 1024-thread block holding a row in
+  // registers runs alone on its SM, so each row's load latency and
+  // reductions go unhidden (2.1-2.7 TB/s at 8192x32768 on the H200). Loop
+  // stages with 512 threads run four blocks an SM, and the later stages'
+  // re-reads of rows that many blocks hold (a few tens of MB) come from L2
+  // (3.3-3.6 TB/s; docs/perf-notes.md).
   return g;
 }
 
