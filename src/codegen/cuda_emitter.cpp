@@ -163,6 +163,13 @@ void CudaEmitter::plain_statement(const KStmt& s, const KStage& stage) {
     line("const float " + value(s.dst) + " = " + value(s.args[0]) + " * (1.0f / " + value(s.args[1]) + ");");
     return;
   }
+  // The max stage of an online softmax pass: fold u into the (max, sum) pair.
+  if (!online_acc_.empty() && s.kind == KStmt::Update) {
+    const KAccumulator& a = stage.accs[static_cast<size_t>(s.acc)];
+    line(std::string("opf_online_add<") + (fast_math_ ? "true" : "false") + ">(" + acc_name(a) + ", " + online_acc_ + ", " +
+         value(s.args[0]) + ");");
+    return;
+  }
   if (fast_math_ && s.kind == KStmt::Compute && s.node.op == "exp" && s.type == DType::Float32) {
     line("const float " + value(s.dst) + " = opf_exp_fast(" + value(s.args[0]) + ");");
     return;

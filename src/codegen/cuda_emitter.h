@@ -47,6 +47,7 @@ class CudaEmitter : public CEmitter {
   CudaLaunch launch_;
   bool in_row_loop_ = false;
   bool fast_math_ = false;  // every output is float16/bfloat16: see opf_exp_fast
+  std::string online_acc_;  // set while printing an online softmax pass: the sum accumulator
   int vec_ = 1;                  // the V of the function being printed
   bool in_lanes_ = false;
   std::vector<bool> vec_buffer_;  // by kernel buffer
@@ -72,6 +73,7 @@ class CudaEmitter : public CEmitter {
   void row_kernel(const std::string& name, int vec);
   void row_stage_loop(const KStage& st, int items, int threads_per_row);
   std::string statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const;
+  int online_softmax_stage() const;
   std::string access_key(const KStmt& s) const;
   // Declares lane arrays and issues the vector loads of `stmts` at lane 0's
   // index (`lane0` replaces the innermost variable); skips cached loads.

@@ -99,6 +99,57 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
 
 }  // namespace
 
+// Softmax's max stage followed by its sum-of-exp stage, which loop stages
+// (rows not cached in registers) can run as one pass with an online
+// (max, sum) pair: stage k's only accumulator is a float max of u, stage k+1
+// has no pre statements, stores nothing and its only accumulator sums
+// exp(u' - max) where u' is u recomputed; the max is used nowhere else in
+// stage k+1's loop. Returns k, or -1.
+int CudaEmitter::online_softmax_stage() const {
+  StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
+  auto keys_of = [&](const KStage& st) {
+    std::map<int, std::string> vk;
+    for (const KStmt& x : st.loop) {
+      std::vector<std::string> args;
+      for (int a : x.args) args.push_back(vk.count(a) ? vk[a] : "v" + std::to_string(a));
+      if (x.dst >= 0) vk[x.dst] = key(x, args);
+    }
+    return vk;
+  };
+  for (size_t k = 0; k + 1 < k_->stages.size(); ++k) {
+    const KStage& a = k_->stages[k];
+    const KStage& b = k_->stages[k + 1];
+    if (a.accs.size() != 1 || b.accs.size() != 1 || !b.pre.empty()) continue;
+    const KAccumulator& mx = a.accs[0];
+    const KAccumulator& sm = b.accs[0];
+    if (mx.combiner != "max" || sm.combiner != "sum" || mx.type != DType::Float32 || sm.type != DType::Float32 || sm.mean) continue;
+    int u = -1, e = -1;
+    bool stores = false;
+    for (const KStmt& x : a.loop)
+      if (x.kind == KStmt::Update) u = x.args[0];
+    for (const KStmt& x : b.loop) {
+      if (x.kind == KStmt::Update) e = x.args[0];
+      if (x.kind == KStmt::Store) stores = true;
+    }
+    if (u < 0 || e < 0 || stores) continue;
+    const KStmt* exp_stmt = nullptr;
+    const KStmt* sub_stmt = nullptr;
+    int uses_of_max = 0;
+    for (const KStmt& x : b.loop) {
+      if (x.dst == e && x.kind == KStmt::Compute && x.node.op == "exp") exp_stmt = &x;
+      for (int arg : x.args) uses_of_max += arg == mx.result;
+    }
+    if (!exp_stmt || uses_of_max != 1) continue;
+    for (const KStmt& x : b.loop)
+      if (x.dst == exp_stmt->args[0] && x.kind == KStmt::Compute && x.node.op == "sub" && x.args[1] == mx.result) sub_stmt = &x;
+    if (!sub_stmt) continue;
+    auto ka = keys_of(a), kb = keys_of(b);
+    if (!ka.count(u) || !kb.count(sub_stmt->args[0]) || ka[u] != kb[sub_stmt->args[0]]) continue;
+    return static_cast<int>(k);
+  }
+  return -1;
+}
+
 std::string CudaEmitter::statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const {
   std::vector<std::string> a;
   for (auto& k : arg_keys) a.push_back("{" + k + "}");
@@ -261,9 +312,35 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   int base_indent = indent_;
   indent_ = 2;
   decompose("row_", split.kept);
+  // Loop stages re-read the row each stage: softmax's max and sum stages
+  // become one pass with an online (max, sum) pair (3 passes -> 2).
+  int online = (!caching_ && !columns_ && cluster_ == 1) ? online_softmax_stage() : -1;
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);
+    if (online >= 0 && si == static_cast<size_t>(online)) {
+      const KStage& next = k_->stages[si + 1];
+      const KAccumulator& mx = st.accs[0];
+      const KAccumulator& sm = next.accs[0];
+      for (auto& s : st.pre) statement(s, st);
+      accumulator_init(mx);
+      accumulator_init(sm);
+      online_acc_ = acc_name(sm);
+      if (!st.loop.empty()) row_stage_loop(st, g.items, threads_per_row);
+      online_acc_.clear();
+      std::string fast = fast_math_ ? "true" : "false";
+      if (grouped_rows_) {
+        if (lanes_ > 1) line("opf_warp_online<" + fast + ", " + std::to_string(lanes_) + ">(" + acc_name(mx) + ", " + acc_name(sm) + ");");
+      } else {
+        line("opf_block_online<" + fast + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ + ");");
+      }
+      accumulator_finish(mx);
+      for (auto& s : st.post) statement(s, st);
+      accumulator_finish(sm);
+      for (auto& s : next.post) statement(s, next);
+      ++si;
+      continue;
+    }
     for (auto& s : st.pre) statement(s, st);
     for (auto& a : st.accs) accumulator_init(a);
     if (!st.loop.empty()) row_stage_loop(st, g.items, threads_per_row);

@@ -264,6 +264,45 @@ template <class Op, int C, class T> static __device__ __forceinline__ T opf_clus
   return opf_warp_reduce<Op>(v);
 }
 
+// Online softmax: a running (max m, sum s of exp(x - m)) pair, so the max
+// and the sum of exp(x - max) take one pass over the row. A larger x
+// rescales the sum; -inf adds nothing; NaN makes both NaN (as the max pass
+// would have). Pairs combine the same way across lanes and warps.
+template <bool FAST> static __device__ __forceinline__ float opf_online_exp(float x) {
+  if constexpr (FAST) return opf_exp_fast(x);
+  else return expf(x);
+}
+template <bool FAST> static __device__ __forceinline__ void opf_online_combine(float& m, float& s, float m2, float s2) {
+  if (m2 != m2 || m != m) { m = opf_max_nan(m, m2); s = m; return; }
+  if (m2 > m) {
+    s = s * opf_online_exp<FAST>(m - m2) + s2;
+    m = m2;
+  } else if (m2 != opf_limits<float>::lowest()) {
+    s = s + s2 * opf_online_exp<FAST>(m2 - m);
+  }
+}
+template <bool FAST> static __device__ __forceinline__ void opf_online_add(float& m, float& s, float x) {
+  opf_online_combine<FAST>(m, s, x, 1.0f);
+}
+template <bool FAST, int W = 32> static __device__ __forceinline__ void opf_warp_online(float& m, float& s) {
+#pragma unroll
+  for (int o = W / 2; o > 0; o >>= 1) {
+    float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    opf_online_combine<FAST>(m, s, m2, s2);
+  }
+}
+template <bool FAST> static __device__ __forceinline__ void opf_block_online(float& m, float& s, void* smem) {
+  float* sm = reinterpret_cast<float*>(smem);
+  opf_warp_online<FAST>(m, s);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) { sm[warp] = m; sm[32 + warp] = s; }
+  __syncthreads();
+  m = lane < nwarps ? sm[lane] : opf_limits<float>::lowest();
+  s = lane < nwarps ? sm[32 + lane] : 0.0f;
+  opf_warp_online<FAST>(m, s);
+}
+
 // Outer (column) reductions: lane x of every warp holds a partial of output
 // x, warp y a slice of the reduced axis. The warps' partials meet in shared
 // memory ([warp][lane]) and every thread folds its column's in warp order;

@@ -175,3 +175,17 @@ def test_column_reductions_compile_coalesced(arch):
     _, log = compile_for(ir, shapes, arch)
     spills = re.findall(r"(\d+) bytes spill stores", log)
     assert all(int(s) == 0 for s in spills), log[-2000:]
+
+
+def test_loop_stages_fuse_softmax_max_and_sum_into_one_online_pass():
+    """Rows too long for the register cache re-read memory each stage; the
+    max and sum-of-exp stages become one pass with an online (max, sum) pair."""
+    long_rows, short_rows = [[4096, 262144]], [[32768, 4096]]
+    for op in ("softmax", "log_softmax"):
+        cg = _C.CompiledGraph(row_ir(op, "bf16", *long_rows[0]), target="cuda")
+        src = cg.cuda_source(long_rows, contiguous(long_rows), 90)
+        assert "opf_online_add<true>" in src and "opf_block_online<true>" in src
+        cg = _C.CompiledGraph(row_ir(op, "f32", *long_rows[0]), target="cuda")
+        assert "opf_online_add<false>" in cg.cuda_source(long_rows, contiguous(long_rows), 90)  # expf for float32
+        cg = _C.CompiledGraph(row_ir(op, "bf16", *short_rows[0]), target="cuda")
+        assert "opf_online_add" not in cg.cuda_source(short_rows, contiguous(short_rows), 90)  # cached rows: no extra pass to save

@@ -184,3 +184,20 @@ def test_layer_norm_weight_and_bias_gradients(rows, cols):
     for g, r, e in zip(grads, refs, eager):
         err = (g.double() - r).abs().max().item()
         assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_online_softmax_pass_with_special_values(dtype):
+    """Loop-stage rows (40000 elements) take max and sum in one online pass:
+    +inf, -inf, NaN and all -inf rows as eager."""
+    x = torch.randn(6, 40000, device="cuda", dtype=dtype) * 4
+    x[1, 7] = float("nan")
+    x[2, 39999] = float("inf")
+    x[3] = float("-inf")
+    x[4, ::3] = float("-inf")
+    x[5, 20000:] = 30  # a late, larger maximum rescales the running sum
+    for fn in (lambda t: torch.softmax(t, -1), lambda t: torch.log_softmax(t, -1)):
+        torch._dynamo.reset()
+        out = torch.compile(fn, backend="opfuse", dynamic=False)(x)
+        ref = fn(x.double()).to(dtype)
+        torch.testing.assert_close(out, ref, equal_nan=True, **TOL[dtype])
