@@ -282,7 +282,8 @@ template <bool FAST> static __device__ __forceinline__ void opf_online_combine(f
   }
 }
 template <bool FAST> static __device__ __forceinline__ void opf_online_add(float& m, float& s, float x) {
-  opf_online_combine<FAST>(m, s, x, 1.0f);
+  // exp(x - max) is exp(inf - inf) = NaN for x = +inf, as the two passes had it.
+  opf_online_combine<FAST>(m, s, x, x == opf_limits<float>::inf() ? opf_limits<float>::nan() : 1.0f);
 }
 template <bool FAST, int W = 32> static __device__ __forceinline__ void opf_warp_online(float& m, float& s) {
 #pragma unroll

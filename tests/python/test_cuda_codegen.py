@@ -180,7 +180,7 @@ def test_column_reductions_compile_coalesced(arch):
 def test_loop_stages_fuse_softmax_max_and_sum_into_one_online_pass():
     """Rows too long for the register cache re-read memory each stage; the
     max and sum-of-exp stages become one pass with an online (max, sum) pair."""
-    long_rows, short_rows = [[4096, 262144]], [[32768, 4096]]
+    long_rows, short_rows = [[4096, 262144]], [[8192, 32768]]
     for op in ("softmax", "log_softmax"):
         cg = _C.CompiledGraph(row_ir(op, "bf16", *long_rows[0]), target="cuda")
         src = cg.cuda_source(long_rows, contiguous(long_rows), 90)
@@ -188,4 +188,5 @@ def test_loop_stages_fuse_softmax_max_and_sum_into_one_online_pass():
         cg = _C.CompiledGraph(row_ir(op, "f32", *long_rows[0]), target="cuda")
         assert "opf_online_add<false>" in cg.cuda_source(long_rows, contiguous(long_rows), 90)  # expf for float32
         cg = _C.CompiledGraph(row_ir(op, "bf16", *short_rows[0]), target="cuda")
-        assert "opf_online_add" not in cg.cuda_source(short_rows, contiguous(short_rows), 90)  # cached rows: no extra pass to save
+        # 64 KB rows: the later stages re-read them from L2, which was faster on the H200
+        assert "opf_online_add<" not in cg.cuda_source(short_rows, contiguous(short_rows), 90)
