@@ -40,38 +40,19 @@ int act_code(const std::string& a) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The options ptxas -v reports registers with (the log CI reads).
+// The compile options that key the disk cache: those of nvrtc_compile
+// (cuda_api.cpp), which builds every opfuse kernel.
 std::vector<std::string> compile_options(int arch) {
-  return {"--gpu-architecture=sm_" + std::to_string(arch), "-std=c++17", "--ptxas-options=-v"};
+  return {"--gpu-architecture=sm_" + std::to_string(arch), "-std=c++17", "-default-device", "-w", "--ptxas-options=-v"};
 }
 
 Compiled nvrtc_build(const std::string& src, int arch) {
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  nvrtcProgram prog = nullptr;
-  if (int r = n.CreateProgram(&prog, src.c_str(), "skinny_gemm.cu", 0, nullptr, nullptr))
-    throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
-  struct Guard {
-    const NvrtcApi& n;
-    nvrtcProgram& p;
-    ~Guard() { n.DestroyProgram(&p); }
-  } guard{n, prog};
-  std::vector<std::string> opts = compile_options(arch);
-  std::vector<const char*> copts;
-  for (auto& o : opts) copts.push_back(o.c_str());
-  int rc = n.CompileProgram(prog, static_cast<int>(copts.size()), copts.data());
+  NvrtcOutput o = nvrtc_compile(src, "skinny_gemm.cu", arch, false, false);
+  if (o.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for the skinny GEMM");
   Compiled out;
-  size_t log_size = 0;
-  n.GetProgramLogSize(prog, &log_size);
-  out.log.resize(log_size);
-  if (log_size) n.GetProgramLog(prog, out.log.data());
+  out.cubin = std::move(o.cubin);
+  out.log = std::move(o.log);
   while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
-  if (rc != 0) throw std::runtime_error("NVRTC failed to compile the skinny GEMM for sm_" + std::to_string(arch) + ":\n" + out.log.substr(0, 8000));
-  size_t size = 0;
-  n.GetCUBINSize(prog, &size);
-  out.cubin.resize(size);
-  n.GetCUBIN(prog, out.cubin.data());
-  if (out.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for the skinny GEMM");
   return out;
 }
 
