@@ -64,6 +64,14 @@ void CpuEmitter::pointwise_body() {
 }
 
 void CpuEmitter::statement(const KStmt& s, const KStage& stage) {
+  // Row loops: dividing by a row's reduction (softmax's sum) multiplies by
+  // its reciprocal, hoisted out of the loop by the compiler (float32 only:
+  // within an ulp or two; a vector divide costs ten times a multiply).
+  if (in_row_loop_ && s.kind == KStmt::Compute && s.node.op == "div" && s.type == DType::Float32 &&
+      s.node.get_str("rounding_mode", "true") == "true" && !loop_varying_.count(s.args[1])) {
+    line("const float " + value(s.dst) + " = " + value(s.args[0]) + " * (1.0f / " + value(s.args[1]) + ");");
+    return;
+  }
   if (s.kind == KStmt::Update) {
     const KAccumulator& a = stage.accs[static_cast<size_t>(s.acc)];
     if (a.combiner == "max" || a.combiner == "min") {
@@ -101,7 +109,12 @@ void CpuEmitter::stage_loop(const KStage& st, const std::vector<size_t>& axes, c
     line("for (int64_t " + iv + " = 0; " + iv + " < " + count + "; ++" + iv + ") {");
     ++indent_;
     if (!single) decompose("c_", axes);
+    loop_varying_.clear();
+    for (auto& s : st.loop)
+      if (s.varying && s.dst >= 0) loop_varying_.insert(s.dst);
+    in_row_loop_ = true;
     for (auto& s : st.loop) statement(s, st);
+    in_row_loop_ = false;
     --indent_;
     line("}");
   }
