@@ -92,12 +92,15 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
 SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms) {
   (void)m;
   SkinnyConfig c;  // n8u1w8b2c1: 128 registers, 64 KB of loads in flight per SM
-  const int64_t resident = static_cast<int64_t>(sms) * c.min_blocks;
   const int64_t tiles = (n + c.rows() - 1) / c.rows();
   const int64_t chunks = (k / 8 + 4 * c.u - 1) / (4 * c.u);
   if (arch >= 90) {
-    // Double the cluster while the CTAs stay one wave and each warp keeps >= 2 chunks.
-    while (c.cluster < 8 && tiles * c.cluster * 2 <= resident && chunks >= 2LL * c.cluster * 2 * c.warps) c.cluster *= 2;
+    // Double the cluster while there stays at most one CTA per SM and each
+    // warp keeps >= 2 chunks. Measured on the H200 (bench/results/h200/
+    // skinny-gemm-20261129T2222.txt): for N = 4096 a cluster of 2 (128 CTAs)
+    // ran 16x16384->4096 in 40.3 us and 16x11008->4096 in 29.1 us, a cluster
+    // of 4 (256 CTAs, two per SM) in 47.8 and 34.5.
+    while (c.cluster < 8 && tiles * c.cluster * 2 <= sms && chunks >= 2LL * c.cluster * 2 * c.warps) c.cluster *= 2;
     return c;
   }
   if (tiles < sms) c = SkinnyConfig{4, 2, 8, 1, 1};

@@ -83,9 +83,9 @@ TEST(SkinnyGemmConfig, TagsRoundTripAndBadTagsThrow) {
 // a cluster split of K where N / 64 tiles alone would leave SMs idle.
 TEST(SkinnyGemmConfig, ChoiceForTheDecodeShapes) {
   EXPECT_EQ(skinny::choose_config(16, 16384, 4096, 90, 132).tag(), "n8u1w8b2c1");   // MLP up: 256 CTAs
-  EXPECT_EQ(skinny::choose_config(16, 4096, 16384, 90, 132).tag(), "n8u1w8b2c4");   // MLP down: 64 tiles x 4
+  EXPECT_EQ(skinny::choose_config(16, 4096, 16384, 90, 132).tag(), "n8u1w8b2c2");   // MLP down: 64 tiles x 2 (measured best)
   EXPECT_EQ(skinny::choose_config(16, 11008, 4096, 90, 132).tag(), "n8u1w8b2c1");   // Llama gate/up: 172 CTAs
-  EXPECT_EQ(skinny::choose_config(16, 4096, 11008, 90, 132).tag(), "n8u1w8b2c4");   // Llama down
+  EXPECT_EQ(skinny::choose_config(16, 4096, 11008, 90, 132).tag(), "n8u1w8b2c2");   // Llama down
   EXPECT_EQ(skinny::choose_config(16, 4096, 16384, 80, 108).cluster, 1);            // no clusters before sm_90
   for (int arch : {80, 90})
     for (int64_t n : {1, 1001, 4096, 11008, 16384, 100000})
