@@ -1,4 +1,5 @@
 #include "runtime/compiled_graph.h"
+#include "runtime/huge_pages.h"
 
 #include <algorithm>
 #include <set>
@@ -242,6 +243,18 @@ void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, 
       else launch_cuda_kernel(v, static_cast<size_t>(i), symbol_values, env, ptrs, input_strides, options.stream);
     }
     return;
+  }
+  // The buffers this run writes, before anything touches them: huge pages
+  // for the large ones (see huge_pages.h).
+  {
+    SymbolEnv env;
+    for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
+    for (size_t b = 0; b < buffers_.size(); ++b) {
+      if (buffers_[b].is_input || b >= ptrs.size()) continue;
+      int64_t n = dtype_size(buffers_[b].dtype);
+      for (const Expr& d : buffers_[b].shape) n *= evaluate(d, env);
+      if (n > 0) advise_huge_pages(ptrs[b], static_cast<size_t>(n));
+    }
   }
   std::vector<void*> bufs;
   std::vector<int64_t> syms, strides;
