@@ -62,6 +62,7 @@ class CudaEmitter : public CEmitter {
   int cluster_ = 1;
   int cluster_reductions_ = 0;    // slots used so far
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
+  std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)
 
   std::map<std::string, std::string> lane_of_;  // access (buffer@offset) -> lane array
   std::string last_var_;                        // the innermost loop variable

@@ -235,9 +235,8 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     line("}");
     vector_stores(loop, "c_");
   } else {
-    RowSplit split = split_rows(*k_);
-    if (split.loop.size() == 1) line("const int64_t " + last_var_ + " = c_;");
-    else if (!split.loop.empty()) decompose("c_", split.loop);
+    if (row_loop_axes_.size() == 1) line("const int64_t " + last_var_ + " = c_;");
+    else if (!row_loop_axes_.empty()) decompose("c_", row_loop_axes_);
     for (auto& s : loop) statement(s, st);
   }
   in_row_loop_ = false;
@@ -253,6 +252,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   vec_ = vec;
   lane_of_.clear();
   RowSplit split = split_rows(*k_);
+  row_loop_axes_ = split.loop;
   launch_.rows = split.rows;
   launch_.cols = split.cols;
   int64_t ncols = -1;

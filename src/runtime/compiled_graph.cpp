@@ -67,6 +67,16 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
       const Node& n = pg.node(s);
       buffers_.push_back({s, n.dtype, n.shape, false});
     }
+  // Written buffers that may be large enough for huge pages (huge_pages.h),
+  // with their size in bytes: a constant, or an expression of size symbols.
+  for (size_t b = 0; b < buffers_.size(); ++b) {
+    if (buffers_[b].is_input) continue;
+    Expr bytes = cst(dtype_size(buffers_[b].dtype));
+    for (const Expr& d : buffers_[b].shape) bytes = bytes * d;
+    int64_t c = 0;
+    if (is_const(bytes, &c) && static_cast<size_t>(c) < kHugePagesMinBytes) continue;
+    large_written_.push_back({static_cast<int>(b), bytes});
+  }
   for (int o : pg.outputs) {
     auto alias = plan_.output_alias.find(o);
     output_buffers_.push_back(buffer_of.at(alias == plan_.output_alias.end() ? o : alias->second));
@@ -245,15 +255,19 @@ void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, 
     return;
   }
   // The buffers this run writes, before anything touches them: huge pages
-  // for the large ones (see huge_pages.h).
-  {
+  // for the large ones (see huge_pages.h). Sizes were worked out when the
+  // graph was built; symbols are bound only when a size needs them.
+  if (!large_written_.empty() && huge_pages_enabled()) {
     SymbolEnv env;
-    for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
-    for (size_t b = 0; b < buffers_.size(); ++b) {
-      if (buffers_[b].is_input || b >= ptrs.size()) continue;
-      int64_t n = dtype_size(buffers_[b].dtype);
-      for (const Expr& d : buffers_[b].shape) n *= evaluate(d, env);
-      if (n > 0) advise_huge_pages(ptrs[b], static_cast<size_t>(n));
+    for (const auto& [b, bytes] : large_written_) {
+      if (static_cast<size_t>(b) >= ptrs.size()) continue;
+      int64_t n = 0;
+      if (!is_const(bytes, &n)) {
+        if (env.empty())
+          for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
+        n = evaluate(bytes, env);
+      }
+      if (n > 0) advise_huge_pages(ptrs[static_cast<size_t>(b)], static_cast<size_t>(n));
     }
   }
   std::vector<void*> bufs;

@@ -137,6 +137,7 @@ class CompiledGraph {
   std::vector<Launch> launches_;
   std::vector<BufferSpec> buffers_;
   std::vector<int> output_buffers_;
+  std::vector<std::pair<int, Expr>> large_written_;  // written buffers that may take huge pages: (buffer, bytes)
   std::vector<GemmStep> gemms_;
   std::vector<std::pair<bool, int>> steps_;
   std::vector<int> input_nodes_;

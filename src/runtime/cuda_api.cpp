@@ -129,15 +129,21 @@ int current_device_arch() {
   return major * 10 + minor;
 }
 
+std::vector<std::string> nvrtc_options(int arch, bool arch_specific) {
+  // IEEE math (no --use_fast_math): results must match PyTorch's.
+  return {"--gpu-architecture=sm_" + std::to_string(arch) + (arch_specific ? "a" : ""), "-std=c++17", "-default-device", "-w",
+          "--ptxas-options=-v"};
+}
+
 NvrtcOutput nvrtc_compile(const std::string& source, const std::string& name, int arch, bool arch_specific, bool want_ptx) {
   const NvrtcApi& n = nvrtc();
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
   nvrtcProgram prog = nullptr;
   if (int r = n.CreateProgram(&prog, source.c_str(), name.c_str(), 0, nullptr, nullptr))
     throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
-  std::string arch_opt = "--gpu-architecture=sm_" + std::to_string(arch) + (arch_specific ? "a" : "");
-  // IEEE math (no --use_fast_math): results must match PyTorch's.
-  std::vector<const char*> opts = {arch_opt.c_str(), "-std=c++17", "-default-device", "-w", "--ptxas-options=-v"};
+  std::vector<std::string> options = nvrtc_options(arch, arch_specific);
+  std::vector<const char*> opts;
+  for (const std::string& o : options) opts.push_back(o.c_str());
   int rc = n.CompileProgram(prog, static_cast<int>(opts.size()), opts.data());
   NvrtcOutput out;
   size_t log_size = 0;

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace opfuse {
 
@@ -81,6 +82,8 @@ void ensure_cuda_context(int device);
 struct NvrtcOutput {
   std::string cubin, ptx, log;
 };
+// The options nvrtc_compile passes (part of every compiled kernel's cache key).
+std::vector<std::string> nvrtc_options(int arch, bool arch_specific);
 // Compiles for sm_<arch> (arch 90 with `arch_specific` gives sm_90a);
 // throws with NVRTC's log on failure.
 NvrtcOutput nvrtc_compile(const std::string& source, const std::string& name, int arch, bool arch_specific = false,

@@ -12,8 +12,14 @@
 
 namespace opfuse {
 
+// Buffers smaller than this are never advised (two huge pages).
+inline constexpr size_t kHugePagesMinBytes = size_t{4} << 20;
+
+// False when OPFUSE_HUGE_PAGES=0.
+bool huge_pages_enabled();
+
 // Advice only: a no-op where the OS has no transparent huge pages, for
-// buffers under 4 MB, or when OPFUSE_HUGE_PAGES=0.
+// buffers under kHugePagesMinBytes, or when OPFUSE_HUGE_PAGES=0.
 void advise_huge_pages(void* p, size_t bytes);
 
 }  // namespace opfuse

@@ -40,12 +40,6 @@ int act_code(const std::string& a) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The compile options that key the disk cache: those of nvrtc_compile
-// (cuda_api.cpp), which builds every opfuse kernel.
-std::vector<std::string> compile_options(int arch) {
-  return {"--gpu-architecture=sm_" + std::to_string(arch), "-std=c++17", "-default-device", "-w", "--ptxas-options=-v"};
-}
-
 Compiled nvrtc_build(const std::string& src, int arch) {
   NvrtcOutput o = nvrtc_compile(src, "skinny_gemm.cu", arch, false, false);
   if (o.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for the skinny GEMM");
@@ -132,7 +126,7 @@ Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache) {
   const NvrtcApi& n = nvrtc();
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
   std::string opts;
-  for (auto& o : compile_options(arch)) opts += o + " ";
+  for (auto& o : nvrtc_options(arch, false)) opts += o + " ";
   const std::string key = content_hash(src + "\n" + opts + "\nnvrtc " + std::to_string(n.major) + "." + std::to_string(n.minor));
   Compiled fresh;
   bool built = false;
