@@ -131,6 +131,21 @@ static __device__ __forceinline__ float opf_gelu_tanh(float x) {
 static __device__ __forceinline__ double opf_gelu_tanh(double x) {
   return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
 }
+// grad * d/dx gelu(x) (gelu_backward), computed in float for half types as PyTorch does.
+static __device__ __forceinline__ float opf_gelu_tanh_backward(float g, float x) {
+  const float t = tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x));
+  return g * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * x * x));
+}
+static __device__ __forceinline__ double opf_gelu_tanh_backward(double g, double x) {
+  const double t = tanh(0.7978845608028654 * (x + 0.044715 * x * x * x));
+  return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x));
+}
+static __device__ __forceinline__ float opf_gelu_erf_backward(float g, float x) {
+  return g * (0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * expf(-0.5f * x * x));
+}
+static __device__ __forceinline__ double opf_gelu_erf_backward(double g, double x) {
+  return g * (0.5 * (1.0 + erf(x * 0.70710678118654752)) + x * 0.3989422804014327 * exp(-0.5 * x * x));
+}
 static __device__ __forceinline__ float opf_pow(float a, float b) { return powf(a, b); }
 static __device__ __forceinline__ double opf_pow(double a, double b) { return pow(a, b); }
 template <class T> static __device__ __forceinline__ T opf_pow(T a, T b) {

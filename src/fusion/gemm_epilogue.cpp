@@ -33,6 +33,31 @@ bool is_bias_shape(const Shape& s, const Expr& n) {
   return s.size() == 2 && is_const(s[0], &one) && one == 1 && expr_equal(s[1], n);
 }
 
+bool is_16bit(DType t) { return t == DType::BFloat16 || t == DType::Float16; }
+
+// The graph input a call reads as its bias when `addend` is added to its
+// [M, N] result, or -1: an input of the GEMM's dtype shaped [N] or [1, N];
+// with float32 biases allowed, also the cast of such a float32 input to a
+// 16-bit GEMM's dtype (autocast's linear layer). cuBLASLt adds the float32
+// values as they are: one rounding fewer than the graph writes.
+int bias_input(const Graph& g, int addend, const Expr& ncols, DType dtype, bool float32_bias) {
+  const Node& o = g.node(addend);
+  if (o.dtype != dtype || !is_bias_shape(o.shape, ncols)) return -1;
+  if (o.op == "input") return addend;
+  if (!float32_bias || o.op != "cast" || !is_16bit(dtype)) return -1;
+  const Node& src = g.node(o.inputs[0]);
+  return src.op == "input" && src.dtype == DType::Float32 ? src.id : -1;
+}
+
+// cuBLASLt's gelu aux matrix (written by GELU_AUX, read by DGELU) needs a
+// leading dimension that is a multiple of 8. Where the result's width is a
+// constant that is not, no aux epilogue is planned: the run would refuse it
+// and fall back to a plan without any epilogue.
+bool aux_width_ok(const Expr& ncols) {
+  int64_t n = 0;
+  return !is_const(ncols, &n) || n % 8 == 0;
+}
+
 }  // namespace
 
 GemmOperand resolve_gemm_operand(const Graph& g, int operand, const std::function<bool(int)>& in_memory) {
@@ -79,7 +104,7 @@ bool UseInfo::only_use(int node, int user) const {
 }
 
 std::vector<int> match_gemm_epilogue(const Graph& g, const UseInfo& use, GemmCall& call,
-                                     const std::function<bool(int)>& available) {
+                                     const std::function<bool(int)>& available, const PlannerOptions& opt) {
   std::vector<int> absorbed;
   const Node& mm = g.node(call.matmul);
   call.result = call.matmul;
@@ -96,7 +121,23 @@ std::vector<int> match_gemm_epilogue(const Graph& g, const UseInfo& use, GemmCal
     cur = id;
     call.result = id;
   };
-  // 1. bias (and/or a residual: D = A*B + C + bias, both added before the activation)
+  // 1. The gelu's backward, gelu_backward(a @ b, x), where x (the gelu's
+  //    input, which the forward saved) is in memory: DGELU reads x as its
+  //    aux. Like the forward's gelu epilogue, bfloat16 only.
+  if (int u = single_user(cur); u >= 0) {
+    const Node& d = g.node(u);
+    if (d.op == "gelu_backward" && d.inputs[0] == cur && d.inputs[1] != cur &&
+        d.get_str("approximate", "none") == "tanh" && mm.dtype == DType::BFloat16 && d.dtype == mm.dtype) {
+      const Node& x = g.node(d.inputs[1]);
+      if (x.dtype == mm.dtype && same_shape(x.shape, mm.shape) && available(x.id) && aux_width_ok(ncols)) {
+        call.activation = "dgelu_tanh";
+        call.aux = x.id;
+        take(u);
+        return absorbed;
+      }
+    }
+  }
+  // 2. bias (and/or a residual: D = A*B + C + bias, both added before the activation)
   for (int step = 0; step < 2; ++step) {
     int u = single_user(cur);
     if (u < 0) break;
@@ -104,17 +145,17 @@ std::vector<int> match_gemm_epilogue(const Graph& g, const UseInfo& use, GemmCal
     int other = other_addend(add, cur);
     if (other < 0 || add.dtype != mm.dtype) break;
     const Node& o = g.node(other);
-    if (o.dtype != mm.dtype || !available(other)) break;
-    if (call.bias < 0 && o.op == "input" && is_bias_shape(o.shape, ncols)) {
-      call.bias = other;
-    } else if (call.residual < 0 && same_shape(o.shape, mm.shape)) {
+    int bias = call.bias < 0 ? bias_input(g, other, ncols, mm.dtype, opt.gemm_float32_bias) : -1;
+    if (bias >= 0 && available(bias)) {
+      call.bias = bias;
+    } else if (call.residual < 0 && o.dtype == mm.dtype && available(other) && same_shape(o.shape, mm.shape)) {
       call.residual = other;
     } else {
       break;
     }
     take(u);
   }
-  // 2. activation: relu or tanh-gelu of the sum. When the sum is also needed
+  // 3. activation: relu or tanh-gelu of the sum. When the sum is also needed
   //    elsewhere (the gelu backward reads it), GELU_AUX stores it on the side.
   const auto& users = use.users[static_cast<size_t>(cur)];
   for (int u : users) {
@@ -126,7 +167,9 @@ std::vector<int> match_gemm_epilogue(const Graph& g, const UseInfo& use, GemmCal
     bool gelu = a.op == "gelu" && a.get_str("approximate", "none") == "tanh" && mm.dtype == DType::BFloat16;
     if ((!relu && !gelu) || a.dtype != mm.dtype) continue;
     bool alone = !use.is_output[static_cast<size_t>(cur)] && users.size() == 1;
-    if (!alone && !gelu) continue;  // a relu's input cannot be kept on the side (RELU_AUX is a bit mask)
+    // A relu's input cannot be kept on the side (RELU_AUX is a bit mask, and
+    // PyTorch's relu backward reads the relu's output, not a mask).
+    if (!alone && (!gelu || !aux_width_ok(ncols))) continue;
     if (!alone) call.aux = cur;
     call.activation = relu ? "relu" : "gelu_tanh";
     take(u);
@@ -135,26 +178,64 @@ std::vector<int> match_gemm_epilogue(const Graph& g, const UseInfo& use, GemmCal
   return absorbed;
 }
 
-int match_gemm_bias_grad(const Graph& g, GemmCall& call) {
+std::vector<int> match_gemm_bias_grad(const Graph& g, const UseInfo& use, GemmCall& call,
+                                      const std::function<bool(int)>& free, const PlannerOptions& opt) {
   const Node& mm = g.node(call.matmul);
-  if (mm.rank() != 2 || call.result != call.matmul) return -1;
-  // Candidates: sums over dim 0 of the matrix behind a transposed a (its dim
-  // 0 is contracted) or behind a plain b (its dim 0 is contracted).
-  for (int which = 0; which < 2; ++which) {
-    const GemmOperand& op = which == 0 ? call.a : call.b;
-    if (op.transposed != (which == 0)) continue;
-    const Node& t = g.node(op.node);
-    if (t.rank() != 2 || !same_shape(t.shape, op.shape)) continue;
-    for (const Node& s : g.nodes) {
-      if (s.op != "sum" || s.inputs.size() != 1 || s.inputs[0] != op.node || s.dtype != mm.dtype) continue;
-      auto dims = reduction_dims(s, 2);
-      if (dims != std::vector<int64_t>{0}) continue;
-      call.bias_grad = s.id;
-      call.bias_grad_operand = which;
-      return s.id;
+  if (mm.rank() != 2) return {};
+  // A sum over dim 0 of node x's [rows, N] matrix (kept dims or not), in the
+  // GEMM's dtype, that no other call computes.
+  auto sum_over_rows = [&](int x) {
+    for (int s : use.users[static_cast<size_t>(x)]) {
+      const Node& n = g.node(s);
+      if (n.op != "sum" || n.dtype != mm.dtype || !free(s)) continue;
+      if (reduction_dims(n, g.node(x).rank()) == std::vector<int64_t>{0}) return s;
+    }
+    return -1;
+  };
+  int sum = -1, which = -1;
+  if (call.reads_aux()) {
+    // DGELU_BGRAD: the bias gradient of the gelu's input is the sum of the
+    // call's result over its rows.
+    sum = sum_over_rows(call.result);
+    which = GemmCall::kBiasGradOfResult;
+  } else if (call.result == call.matmul) {
+    // Sums over dim 0 of the matrix behind a transposed a (its dim 0 is
+    // contracted) or behind a plain b (its dim 0 is contracted).
+    for (int w = 0; w < 2 && sum < 0; ++w) {
+      const GemmOperand& op = w == 0 ? call.a : call.b;
+      if (op.transposed != (w == 0)) continue;
+      const Node& t = g.node(op.node);
+      if (t.rank() != 2 || !same_shape(t.shape, op.shape)) continue;
+      sum = sum_over_rows(op.node);
+      which = w == 0 ? GemmCall::kBiasGradOfA : GemmCall::kBiasGradOfB;
     }
   }
-  return -1;
+  if (sum < 0) return {};
+  std::vector<int> taken = {sum};
+  call.bias_grad = sum;
+  call.bias_grad_operand = which;
+  // Autocast: a float32 bias's gradient is the sum cast to float32 (after a
+  // reshape that drops a kept dim): the call writes the float32 values.
+  if (opt.gemm_float32_bias && is_16bit(mm.dtype)) {
+    auto single_user = [&](int id) -> int {
+      const auto& u = use.users[static_cast<size_t>(id)];
+      return (!use.is_output[static_cast<size_t>(id)] && u.size() == 1) ? u[0] : -1;
+    };
+    int cur = single_user(sum);
+    while (cur >= 0 && g.node(cur).op == "reshape") cur = single_user(cur);
+    if (cur >= 0 && g.node(cur).op == "cast" && g.node(cur).dtype == DType::Float32 && free(cur)) {
+      call.bias_grad = cur;
+      taken.push_back(cur);
+    }
+  }
+  return taken;
+}
+
+std::vector<int> GemmCall::written() const {
+  std::vector<int> w = {result};
+  if (aux >= 0 && !reads_aux()) w.push_back(aux);
+  if (bias_grad >= 0) w.push_back(bias_grad);
+  return w;
 }
 
 std::string GemmCall::epilogue_name() const {
@@ -163,7 +244,7 @@ std::string GemmCall::epilogue_name() const {
   if (bias >= 0) add("bias");
   if (residual >= 0) add("residual");
   if (!activation.empty()) add(activation);
-  if (aux >= 0) add("aux");
+  if (aux >= 0 && !reads_aux()) add("aux");
   if (bias_grad >= 0) add("bias_grad");
   return s.empty() ? "none" : s;
 }

@@ -1,7 +1,7 @@
 // Planning matmuls as library calls: which buffer each operand is read from
 // (absorbing a transpose or a reshape of a contiguous buffer as a view), and
 // the epilogue cuBLASLt can carry (bias, relu or tanh-gelu, the gelu input
-// for the backward, a residual add, the bias gradient).
+// for the backward, a residual add, the bias gradient, the gelu backward).
 #pragma once
 #include <functional>
 #include <vector>
@@ -27,13 +27,18 @@ struct UseInfo {
 
 // Grows `call` (whose matmul, a and b are set) by the nodes after the matmul
 // that its epilogue can compute; returns them in order. `available(n)`
-// tells whether node n (a bias or residual) is in memory before the call.
+// tells whether node n (a bias, residual or saved gelu input) is in memory
+// before the call. opt.gemm_float32_bias admits a float32 bias.
 std::vector<int> match_gemm_epilogue(const Graph& g, const UseInfo& use, GemmCall& call,
-                                     const std::function<bool(int)>& available);
+                                     const std::function<bool(int)>& available, const PlannerOptions& opt);
 
-// A sum over dim 0 of one operand's matrix, which is the contracted dim:
-// the bias gradient a weight-gradient GEMM computes on the side. Returns the
-// sum node (and sets call.bias_grad*), or -1.
-int match_gemm_bias_grad(const Graph& g, GemmCall& call);
+// The bias gradient the call can write on the side: a sum over dim 0 of one
+// operand's matrix where that dim is contracted (a weight-gradient GEMM:
+// BGRADA/BGRADB), or of the call's result after a gelu backward
+// (DGELU_BGRAD); with opt.gemm_float32_bias, through a reshape to the sum's
+// float32 cast. `free(n)`: node n is not computed by another library call.
+// Returns the nodes the call takes (and sets call.bias_grad*), or none.
+std::vector<int> match_gemm_bias_grad(const Graph& g, const UseInfo& use, GemmCall& call,
+                                      const std::function<bool(int)>& free, const PlannerOptions& opt);
 
 }  // namespace opfuse

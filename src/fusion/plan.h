@@ -26,17 +26,23 @@ struct GemmOperand {
 // A matmul planned as one library call with the epilogue the library fuses:
 //   result = activation(a @ b + bias + residual)
 // plus, for training, the activation's input (aux) and the bias gradient
-// (the sum over the contracted dim of one operand).
+// (the sum over the contracted dim of one operand); or, in a backward,
+//   result = gelu_backward(a @ b, aux)
+// with aux the gelu input the forward saved, and the bias gradient of that
+// result (its sum over rows).
 struct GemmCall {
   int matmul = -1;
   GemmOperand a, b;
-  int bias = -1;          // [N] added along the last dim
+  int bias = -1;          // [N] added along the last dim: a graph input of the GEMM's dtype or float32
   int residual = -1;      // a node of the result's shape added (cuBLASLt's C with beta = 1)
-  std::string activation;  // "", "relu", "gelu_tanh"
-  int aux = -1;           // the activation's input, also stored (GELU_AUX)
-  int bias_grad = -1;     // a sum(dim 0) node computed by the call
-  int bias_grad_operand = -1;  // 0: from a (BGRADB), 1: from b (BGRADA)
+  std::string activation;  // "", "relu", "gelu_tanh"; "dgelu_tanh": gelu_backward(a @ b, aux)
+  int aux = -1;           // gelu_tanh: its input, also stored (GELU_AUX); dgelu_tanh: that input, read (DGELU)
+  int bias_grad = -1;     // the [N] (or [1, N]) node the call writes as the bias gradient: a sum, or its float32 cast
+  int bias_grad_operand = -1;  // which sum: kBiasGradOfA, kBiasGradOfB or kBiasGradOfResult
   int result = -1;        // the node the call writes as D
+  static constexpr int kBiasGradOfA = 0, kBiasGradOfB = 1, kBiasGradOfResult = 2;
+  bool reads_aux() const { return activation == "dgelu_tanh"; }
+  std::vector<int> written() const;   // result, aux when written, bias_grad (those set)
   std::string epilogue_name() const;  // e.g. "bias+gelu_tanh+aux"
 };
 
@@ -75,6 +81,10 @@ struct PlannerOptions {
   // GEMM library calls (cuBLASLt). Off on the CPU, where PyTorch runs the
   // GEMM and the epilogue fuses into the next generated kernel instead.
   bool gemm_epilogues = false;
+  // With gemm_epilogues: a 16-bit GEMM may take a float32 bias (a cast of a
+  // float32 input, as autocast writes a linear layer) and write a float32
+  // bias gradient (cuBLASLt's BIAS_DATA_TYPE). Off: those casts are kernels.
+  bool gemm_float32_bias = false;
 };
 
 // Runs the graph passes and groups the realized nodes into kernels.

@@ -132,9 +132,12 @@ class Planner {
       auto snapshot_of = p_.kernel_of;
       GemmCall call = ks_[k].gemm;
       auto available = [&](int id) { return g_.node(id).op == "input" || p_.kernel_of[static_cast<size_t>(id)] >= 0; };
-      std::vector<int> taken = match_gemm_epilogue(g_, use, call, available);
-      int grad = match_gemm_bias_grad(g_, call);
-      if (grad >= 0) taken.push_back(grad);
+      auto free = [&](int id) {
+        int owner = p_.kernel_of[static_cast<size_t>(id)];
+        return owner < 0 || ks_[static_cast<size_t>(owner)].kind != KernelGroup::Kind::Gemm;
+      };
+      std::vector<int> taken = match_gemm_epilogue(g_, use, call, available, opt_);
+      for (int id : match_gemm_bias_grad(g_, use, call, free, opt_)) taken.push_back(id);
       if (taken.empty()) continue;
       for (int id : taken) {
         int owner = p_.kernel_of[static_cast<size_t>(id)];
@@ -374,8 +377,8 @@ class Planner {
       for (int r : kg.roots)
         if (needed[static_cast<size_t>(r)]) kg.stores.push_back(r);
       if (kg.kind == KernelGroup::Kind::Gemm)  // the call writes these whether or not anything reads them
-        for (int r : {kg.gemm.result, kg.gemm.aux, kg.gemm.bias_grad})
-          if (r >= 0 && std::find(kg.stores.begin(), kg.stores.end(), r) == kg.stores.end()) kg.stores.push_back(r);
+        for (int r : kg.gemm.written())
+          if (std::find(kg.stores.begin(), kg.stores.end(), r) == kg.stores.end()) kg.stores.push_back(r);
       std::sort(kg.stores.begin(), kg.stores.end());
     }
   }

@@ -169,6 +169,15 @@ double gelu_tanh(double x) {
   const double k = std::sqrt(2.0 / M_PI);
   return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
 }
+// d/dx gelu(x): the backward of both approximations, as PyTorch's gelu_backward.
+double gelu_erf_grad(double x) {
+  return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+}
+double gelu_tanh_grad(double x) {
+  const double k = std::sqrt(2.0 / M_PI), c = 0.044715;
+  double t = std::tanh(k * (x + c * x * x * x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * c * x * x);
+}
 double fmax_nan(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b); }
 double fmin_nan(double a, double b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::min(a, b); }
 
@@ -224,6 +233,16 @@ void register_elementwise() {
                   [](const CArgs& a, const Node& n) {
                     return (n.get_str("approximate", "none") == "tanh" ? "opf_gelu_tanh(" : "opf_gelu_erf(") + a[0] + ")";
                   }, 16);
+  // gelu_backward(grad, x): grad * gelu'(x), kept whole (not decomposed) so
+  // that the planner can give it to a GEMM's DGELU epilogue.
+  def_elementwise("gelu_backward", 2, DRule::PromoteFloat,
+                  [](const Args& a, const Node& n) {
+                    return a[0] * (n.get_str("approximate", "none") == "tanh" ? gelu_tanh_grad(a[1]) : gelu_erf_grad(a[1]));
+                  },
+                  [](const CArgs& a, const Node& n) {
+                    return (n.get_str("approximate", "none") == "tanh" ? "opf_gelu_tanh_backward(" : "opf_gelu_erf_backward(") +
+                           a[0] + ", " + a[1] + ")";
+                  }, 24);
   def_elementwise("silu", 1, DRule::Float, [](const Args& a, const Node&) { return a[0] / (1.0 + std::exp(-a[0])); }, helper("opf_silu"), 10);
   def_elementwise("sigmoid", 1, DRule::Float, [](const Args& a, const Node&) { return 1.0 / (1.0 + std::exp(-a[0])); }, helper("opf_sigmoid"), 10);
   def_elementwise("tanh", 1, DRule::Float, [](const Args& a, const Node&) { return std::tanh(a[0]); }, helper("opf_tanh"), 10);

@@ -175,8 +175,12 @@ NB_MODULE(_C, m) {
              if (target == "cuda") opt.target = Target::CUDA;
              else if (target != "cpu") throw std::invalid_argument("target must be cpu or cuda, not " + target);
              opt.planner.fuse = fuse;
-             // Default: cuBLASLt epilogues on the GPU; on the CPU PyTorch runs the GEMM plainly.
-             opt.planner.gemm_epilogues = gemm_epilogues < 0 ? opt.target == Target::CUDA : gemm_epilogues != 0;
+             // gemm_epilogues: 0 none, 1 epilogues in the GEMM's dtype, 2 also a float32 bias and bias
+             // gradient beside 16-bit matrices (autocast). Default: 2 on the GPU (cuBLASLt); 0 on the
+             // CPU, where PyTorch runs the GEMM plainly.
+             int level = gemm_epilogues < 0 ? (opt.target == Target::CUDA ? 2 : 0) : gemm_epilogues;
+             opt.planner.gemm_epilogues = level >= 1;
+             opt.planner.gemm_float32_bias = level >= 2;
              if (bandwidth > 0) opt.planner.bandwidth_bytes_per_s = bandwidth;
              if (flops > 0) opt.planner.flops_per_s = flops;
              Graph g = parse_graph(text);

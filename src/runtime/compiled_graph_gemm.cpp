@@ -54,10 +54,15 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
   std::vector<int64_t> out_shape = concrete(plan_.graph.node(s.call.matmul).shape);
   g.batch = out_shape.size() == 3 ? out_shape[0] : 1;
   g.d = ptrs[static_cast<size_t>(s.out)];
+  // A float32 bias or bias gradient beside 16-bit matrices (autocast).
+  auto float32_beside_16bit = [&](int buffer) {
+    return buffers_[static_cast<size_t>(buffer)].dtype == DType::Float32 && s.dtype != DType::Float32;
+  };
   if (s.bias >= 0) {
     g.bias = ptrs[static_cast<size_t>(s.bias)];
     const BufferSpec& b = buffers_[static_cast<size_t>(s.bias)];
     g.bias_stride = b.is_input ? input_strides.at(static_cast<size_t>(s.bias)).back() : 1;
+    g.float32_bias = float32_beside_16bit(s.bias);
   }
   if (s.residual >= 0) {
     GemmOperand r;
@@ -67,9 +72,22 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
   }
   g.activation = s.call.activation;
   if (s.aux >= 0) g.aux = ptrs[static_cast<size_t>(s.aux)];
+  if (s.aux >= 0 && s.call.reads_aux()) {
+    // The gelu input the forward saved, read by DGELU in D's layout: rows of
+    // unit-stride elements, at any row stride cuBLASLt takes (checked there).
+    GemmOperand x;
+    x.shape = plan_.graph.node(s.call.aux).shape;
+    int64_t rows = 0, cols = 0;
+    GemmMatrix m = matrix(x, s.aux, &rows, &cols);
+    if (cols > 1 && m.col_stride != 1)
+      throw GemmUnsupported("the saved gelu input has column stride " + std::to_string(m.col_stride) +
+                            ": the gelu backward epilogue reads it row-major");
+    g.aux_ld = rows > 1 ? m.row_stride : g.n;
+  }
   if (s.bias_grad >= 0) {
     g.bias_grad = ptrs[static_cast<size_t>(s.bias_grad)];
     g.bias_grad_operand = s.call.bias_grad_operand;
+    g.float32_bias = float32_beside_16bit(s.bias_grad);
   }
   g.workspace = o.workspace;
   g.workspace_bytes = o.workspace_bytes;

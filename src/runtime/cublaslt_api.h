@@ -39,7 +39,8 @@ enum DescAttr : int {
 // cublasLtEpilogue_t
 enum Epilogue : int {
   EPI_DEFAULT = 1, EPI_RELU = 2, EPI_BIAS = 4, EPI_RELU_BIAS = 6, EPI_GELU = 32, EPI_GELU_AUX = 160,
-  EPI_GELU_BIAS = 36, EPI_GELU_AUX_BIAS = 164, EPI_BGRADA = 256, EPI_BGRADB = 512,
+  EPI_GELU_BIAS = 36, EPI_GELU_AUX_BIAS = 164, EPI_DGELU = 192, EPI_DGELU_BGRAD = 208, EPI_BGRADA = 256,
+  EPI_BGRADB = 512,
 };
 // cublasLtMatrixLayoutAttribute_t
 enum LayoutAttr : int { LAYOUT_BATCH_COUNT = 5, LAYOUT_STRIDED_BATCH_OFFSET = 6 };

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <vector>
 
+#include "fusion/plan.h"
 #include "runtime/cublaslt_api.h"
 #include "runtime/cuda_api.h"
 
@@ -114,7 +115,18 @@ int current_device() {
 }
 
 int epilogue_of(const GemmArgs& g) {
-  if (g.bias_grad) return g.bias_grad_operand == 0 ? lt::EPI_BGRADB : lt::EPI_BGRADA;  // see build()
+  if (g.activation == "dgelu_tanh") {
+    if (!g.aux) throw std::invalid_argument("the gelu backward epilogue needs the saved gelu input (aux)");
+    if (g.bias || g.residual.ptr) throw std::invalid_argument("the gelu backward epilogue takes no bias or residual");
+    if (g.bias_grad && g.bias_grad_operand != GemmCall::kBiasGradOfResult)
+      throw std::invalid_argument("the gelu backward epilogue's bias gradient is of its result");
+    return g.bias_grad ? lt::EPI_DGELU_BGRAD : lt::EPI_DGELU;
+  }
+  if (g.bias_grad) {  // see build()
+    if (g.bias_grad_operand == GemmCall::kBiasGradOfA) return lt::EPI_BGRADB;
+    if (g.bias_grad_operand == GemmCall::kBiasGradOfB) return lt::EPI_BGRADA;
+    throw std::invalid_argument("a bias gradient of the result needs the gelu backward epilogue");
+  }
   bool bias = g.bias != nullptr;
   if (g.activation == "relu") return bias ? lt::EPI_RELU_BIAS : lt::EPI_RELU;
   if (g.activation == "gelu_tanh") {
@@ -148,11 +160,15 @@ void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, con
   int32_t epi = epilogue;
   check(api.MatmulDescSetAttribute(p.desc, lt::DESC_EPILOGUE, &epi, sizeof(epi)), "set EPILOGUE");
   if (g.bias || g.bias_grad) {
-    int32_t bt = type;
+    // A float32 bias (or bias gradient) beside 16-bit matrices: autocast's
+    // linear layers. Where cuBLASLt takes no such combination its heuristic
+    // finds no algorithm, GemmUnsupported below, and the partition is
+    // planned again with the bias cast in a kernel.
+    int32_t bt = g.float32_bias ? lt::R_32F : type;
     check(api.MatmulDescSetAttribute(p.desc, lt::DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)), "set BIAS_DATA_TYPE");
   }
   if (g.aux) {
-    int64_t ld = g.n;
+    int64_t ld = g.aux_ld ? g.aux_ld : g.n;
     check(api.MatmulDescSetAttribute(p.desc, lt::DESC_AUX_LD, &ld, sizeof(ld)), "set AUX_LD");
   }
   check(api.MatrixLayoutCreate(&p.a, type, static_cast<uint64_t>(ma.rows), static_cast<uint64_t>(ma.cols), ma.ld), "layout A");
@@ -250,7 +266,7 @@ void autotune(Prepared& p, void* stream, Enqueue enqueue) {
 std::vector<int64_t> key_of(const GemmArgs& g, int epilogue, const LtMatrix& ma, const LtMatrix& mb, const LtMatrix* mc,
                             int device) {
   std::vector<int64_t> k = {device, static_cast<int64_t>(g.dtype), g.batch, g.m, g.n, g.k, epilogue, g.allow_tf32,
-                            static_cast<int64_t>(g.workspace_bytes)};
+                            static_cast<int64_t>(g.workspace_bytes), g.float32_bias, g.aux_ld};
   for (const LtMatrix* m : {&ma, &mb, mc}) {
     if (!m) {
       k.push_back(-1);
@@ -277,7 +293,13 @@ void run_gemm(const GemmArgs& g) {
   if (g.m == 0 || g.n == 0 || g.batch == 0) return;
   if (g.k == 0) throw GemmUnsupported("a GEMM over an empty dim (k = 0)");
   if (g.bias && g.n > 1 && g.bias_stride != 1) throw GemmUnsupported("the bias is not contiguous");
-  if (g.aux && g.n % 8 != 0) throw GemmUnsupported("GELU aux output needs n divisible by 8, got " + std::to_string(g.n));
+  if (g.aux) {  // cuBLASLt: the gelu aux's leading dimension is a multiple of 8, at least D's rows (n)
+    int64_t ld = g.aux_ld ? g.aux_ld : g.n;
+    if (ld % 8 != 0 || ld < g.n)
+      throw GemmUnsupported("the GELU aux matrix needs a row stride that is a multiple of 8 and at least n = " +
+                            std::to_string(g.n) + ", got " + std::to_string(ld));
+  }
+  if (g.float32_bias && g.dtype == DType::Float32) throw std::invalid_argument("float32_bias is for 16-bit GEMMs");
   int epilogue = epilogue_of(g);
   LtMatrix ma = transposed_view(g.k, g.n, g.b, "operand b");  // B^T
   LtMatrix mb = transposed_view(g.m, g.k, g.a, "operand a");  // A^T

@@ -1,5 +1,6 @@
 // One GEMM with its epilogue through cuBLASLt:
 //   D = activation(A @ B + bias + C), aux = A @ B + bias + C, bias_grad
+// or, in a backward, D = gelu_backward(A @ B, aux), bias_grad = sum of D's rows,
 // on row-major PyTorch tensors. cuBLASLt is column-major, so the call is
 // made for D^T = B^T A^T; any operand whose rows or columns are unit-stride
 // (a plain or a transposed view) is passed as it is, without a copy.
@@ -27,17 +28,19 @@ struct GemmMatrix {
 };
 
 struct GemmArgs {
-  DType dtype = DType::BFloat16;  // of A, B, C, D, bias, aux, bias_grad
+  DType dtype = DType::BFloat16;  // of A, B, C, D, aux, and of bias, bias_grad unless float32_bias
   int64_t batch = 1, m = 0, n = 0, k = 0;
   GemmMatrix a, b;               // [m, k] and [k, n]
   void* d = nullptr;             // [batch, m, n], contiguous
   const void* bias = nullptr;    // [n]
   int64_t bias_stride = 1;
+  bool float32_bias = false;     // bias or bias_grad is float32 while dtype is 16-bit (BIAS_DATA_TYPE)
   GemmMatrix residual;           // [m, n], used when ptr is set
-  std::string activation;        // "", "relu", "gelu_tanh"
-  void* aux = nullptr;           // [m, n] contiguous: the activation's input
-  void* bias_grad = nullptr;     // sum over the contracted dim of a (operand 0) or b (operand 1)
-  int bias_grad_operand = -1;
+  std::string activation;        // "", "relu", "gelu_tanh"; "dgelu_tanh": D = gelu_backward(A @ B, aux)
+  void* aux = nullptr;           // [m, n] row-major: the gelu's input, written (gelu_tanh) or read (dgelu_tanh)
+  int64_t aux_ld = 0;            // aux's row stride in elements (0: n, contiguous)
+  void* bias_grad = nullptr;     // sum over the contracted dim of a or b, or over D's rows (dgelu_tanh)
+  int bias_grad_operand = -1;    // GemmCall::kBiasGradOf{A,B,Result}
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   bool allow_tf32 = false;       // float32: TF32 tensor cores, as torch.backends.cuda.matmul.allow_tf32

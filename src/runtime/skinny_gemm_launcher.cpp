@@ -156,6 +156,7 @@ std::string unsupported_reason(const GemmArgs& g) {
   if (g.n < 1 || g.k < 1 || g.n >= (int64_t(1) << 31) || g.k >= (int64_t(1) << 31)) return "n or k out of range";
   if (g.k % 8 != 0) return "k is not a multiple of 8";
   if (g.bias_grad) return "bias gradient";
+  if (g.float32_bias) return "a float32 bias";
   if (act_code(g.activation) < 0) return "activation " + g.activation;
   // A [m, k] with k unit-stride; B [k, n] = W^T with k unit-stride (W[n, k] at b.ptr + n * col_stride + k).
   if (g.a.col_stride != 1) return "a is not k-contiguous";

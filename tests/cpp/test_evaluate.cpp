@@ -128,6 +128,27 @@ TEST(Evaluate, Transcendentals) {
   EXPECT_TRUE(values_are(e, {1, static_cast<float>(M_E)}));
 }
 
+TEST(Evaluate, GeluBackwardIsTheGradientTimesGelusDerivative) {
+  // Against central differences of the gelu oracle itself, both approximations.
+  Vals xs = {-4.5, -1.7, -0.3, 0.0, 0.2, 1.1, 3.9};
+  for (std::string approximate : {"none", "tanh"}) {
+    Attrs a = {{"approximate", approximate}};
+    const double h = 1e-5;
+    Vals plus = xs, minus = xs, grad, want;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      plus[i] += h;
+      minus[i] -= h;
+      grad.push_back(0.5 + 0.25 * static_cast<double>(i));
+    }
+    HostTensor up = apply("gelu", {vec(F64, plus)}, a), down = apply("gelu", {vec(F64, minus)}, a);
+    for (size_t i = 0; i < xs.size(); ++i) want.push_back(grad[i] * (up.data[i] - down.data[i]) / (2 * h));
+    HostTensor got = apply("gelu_backward", {vec(F64, grad), vec(F64, xs)}, a);
+    EXPECT_TRUE(near(got, want, 1e-9)) << approximate;
+  }
+  // The gradient's dtype (PyTorch computes half types in float, rounds once).
+  EXPECT_EQ(apply("gelu_backward", {vec(BF16, {1.0}), vec(BF16, {0.5})}).dtype, BF16);
+}
+
 TEST(Evaluate, NaNAndInfPropagate) {
   HostTensor x = vec(F32, {kNaN, kInf, -kInf, 0.0, -1.0});
   EXPECT_TRUE(values_are(apply("relu", {x}), {kNaN, kInf, 0, 0, 0}));

@@ -16,11 +16,12 @@ namespace opfuse::golden {
 namespace opfuse {
 namespace {
 
-FusionPlan plan(const std::string& text, bool epilogues) {
+FusionPlan plan(const std::string& text, bool epilogues, bool float32_bias = false) {
   Graph g = parse_graph(text);
   verify(g);
   PlannerOptions opt;
   opt.gemm_epilogues = epilogues;
+  opt.gemm_float32_bias = float32_bias;
   return plan_fusion(g, opt);
 }
 
@@ -252,6 +253,233 @@ TEST(GemmPlan, MemoryGateKeepsTwoLargeOperandsFromLivingAtOnce) {
   pointwise = 0;
   for (auto& k : q.kernels) pointwise += k.kind == KernelGroup::Kind::Pointwise;
   EXPECT_EQ(pointwise, 1u) << q.to_string();
+}
+
+}  // namespace
+}  // namespace opfuse
+
+namespace opfuse {
+namespace {
+
+const GemmCall& call_of(const FusionPlan& p, int matmul) {
+  for (auto& k : p.kernels)
+    if (k.kind == KernelGroup::Kind::Gemm && k.gemm.matmul == matmul) return k.gemm;
+  throw std::runtime_error("no library call for %" + std::to_string(matmul));
+}
+
+// The backward of Linear(24, 64) -> tanh-gelu -> Linear(64, 16) in bfloat16,
+// as AOTAutograd writes it: dh = g @ w2; dpre = gelu_backward(dh, pre) with
+// pre the gelu input the forward saved (GELU_AUX); dx = dpre @ w1;
+// dw1 = dpre^T @ x; db1 = sum(dpre, 0).
+const char* kGeluMlpBackward = R"(graph {
+  %0 = input() {name="g"} : bf16[s0, 16]
+  %1 = input() {name="w2"} : bf16[16, 64]
+  %2 = matmul(%0, %1) : bf16[s0, 64]
+  %3 = input() {name="pre"} : bf16[s0, 64]
+  %4 = gelu_backward(%2, %3) {approximate="tanh"} : bf16[s0, 64]
+  %5 = input() {name="w1"} : bf16[64, 24]
+  %6 = matmul(%4, %5) : bf16[s0, 24]
+  %7 = permute(%4) {dims=[1, 0]} : bf16[64, s0]
+  %8 = input() {name="x"} : bf16[s0, 24]
+  %9 = matmul(%7, %8) : bf16[64, 24]
+  %10 = sum(%4) {dims=[0], keepdim=true} : bf16[1, 64]
+  %11 = reshape(%10) {shape=<64>} : bf16[64]
+  return (%6, %9, %11)
+})";
+
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  for (size_t at = 0; (at = s.find(from, at)) != std::string::npos; at += to.size()) s.replace(at, from.size(), to);
+  return s;
+}
+
+TEST(GemmPlan, GeluBackwardRidesOnTheCallThatComputesItsGradient) {
+  FusionPlan p = plan(kGeluMlpBackward, true);
+  EXPECT_EQ(p.kernels.size(), 3u) << p.to_string();  // three GEMMs, nothing else
+  EXPECT_EQ(count(p, KernelGroup::Kind::Gemm), 3u);
+  const GemmCall& dh = call_of(p, 2);
+  EXPECT_EQ(dh.epilogue_name(), "dgelu_tanh+bias_grad");
+  EXPECT_EQ(dh.aux, 3);  // reads the saved gelu input
+  EXPECT_TRUE(dh.reads_aux());
+  EXPECT_EQ(dh.result, 4);
+  EXPECT_EQ(dh.bias_grad, 10);
+  EXPECT_EQ(dh.bias_grad_operand, GemmCall::kBiasGradOfResult);
+  EXPECT_EQ(dh.written(), (std::vector<int>{4, 10}));
+  // The weight-gradient call reads dpre transposed; the bias gradient is
+  // already the first call's, so it takes no second copy of it.
+  EXPECT_EQ(call_of(p, 9).epilogue_name(), "none");
+  EXPECT_TRUE(call_of(p, 9).a.transposed);
+  EXPECT_EQ(call_of(p, 6).epilogue_name(), "none");
+  EXPECT_TRUE(golden::matches_golden("planner/gemm_dgelu_backward.txt", plan_text(p)));
+  // Without epilogues: the gelu backward and the bias gradient are kernels.
+  FusionPlan plain = plan(kGeluMlpBackward, false);
+  EXPECT_EQ(plain.kernels.size(), 5u) << plain.to_string();
+}
+
+TEST(GemmPlan, GeluBackwardStaysAKernelWhereDgeluCannotTakeIt) {
+  auto dgelu_calls = [](const FusionPlan& p) {
+    int n = 0;
+    for (auto& k : p.kernels) n += k.kind == KernelGroup::Kind::Gemm && k.gemm.reads_aux();
+    return n;
+  };
+  // float32 and float16: cuBLASLt's gelu is bfloat16-only here (see the forward).
+  EXPECT_EQ(dgelu_calls(plan(replace_all(kGeluMlpBackward, "bf16", "f32"), true)), 0);
+  EXPECT_EQ(dgelu_calls(plan(replace_all(kGeluMlpBackward, "bf16", "f16"), true)), 0);
+  // the erf gelu: cuBLASLt's is the tanh approximation
+  EXPECT_EQ(dgelu_calls(plan(replace_all(kGeluMlpBackward, "\"tanh\"", "\"none\""), true)), 0);
+  // a width that is no multiple of 8 (the aux's leading dimension)
+  std::string narrow = replace_all(kGeluMlpBackward, "64", "36");
+  EXPECT_EQ(dgelu_calls(plan(narrow, true)), 0) << plan(narrow, true).to_string();
+  // dh is needed on its own (a graph output): D holds the gelu backward instead
+  std::string dh_out = replace_all(kGeluMlpBackward, "return (%6, %9, %11)", "return (%6, %9, %11, %2)");
+  EXPECT_EQ(dgelu_calls(plan(dh_out, true)), 0);
+  // the gradient input is not the GEMM's result (gelu_backward(pre, dh))
+  std::string swapped = replace_all(kGeluMlpBackward, "gelu_backward(%2, %3)", "gelu_backward(%3, %2)");
+  EXPECT_EQ(dgelu_calls(plan(swapped, true)), 0);
+  // the saved input is computed in the graph and not stored: no buffer to read
+  const char* computed = R"(graph {
+  %0 = input() {name="g"} : bf16[s0, 16]
+  %1 = input() {name="w2"} : bf16[16, 64]
+  %2 = matmul(%0, %1) : bf16[s0, 64]
+  %3 = input() {name="pre"} : bf16[s0, 64]
+  %4 = neg(%3) : bf16[s0, 64]
+  %5 = gelu_backward(%2, %4) {approximate="tanh"} : bf16[s0, 64]
+  return (%5)
+})";
+  FusionPlan pc = plan(computed, true);
+  EXPECT_EQ(dgelu_calls(pc), 0) << pc.to_string();
+  EXPECT_EQ(pc.kernels.size(), 2u);
+  // ... and the same graph reading the saved input itself is one call
+  FusionPlan pi = plan(replace_all(computed, "gelu_backward(%2, %4)", "gelu_backward(%2, %3)"), true);
+  EXPECT_EQ(dgelu_calls(pi), 1) << pi.to_string();
+  EXPECT_EQ(pi.kernels.size(), 1u);
+}
+
+TEST(GemmPlan, ForwardGeluAuxNeedsAWidthThatIsAMultipleOfEight) {
+  std::string narrow = replace_all(kGeluAuxResidual, "256", "36");
+  FusionPlan p = plan(narrow, true);
+  EXPECT_EQ(p.kernels[0].gemm.epilogue_name(), "bias");  // the gelu is a kernel
+  EXPECT_EQ(count(p, KernelGroup::Kind::Gemm), 2u);
+  EXPECT_EQ(p.kernels.size(), 3u) << p.to_string();
+}
+
+// Linear(24, 64) -> relu -> Linear(64, 16) under torch.autocast(bfloat16),
+// inference: the weights, the input and the biases are float32 and cast.
+const char* kAutocastMlp = R"(graph {
+  %0 = input() {name="b1"} : f32[64]
+  %1 = cast(%0) {dtype=bf16} : bf16[64]
+  %2 = input() {name="w1"} : f32[64, 24]
+  %3 = cast(%2) {dtype=bf16} : bf16[64, 24]
+  %4 = input() {name="x"} : f32[s0, 24]
+  %5 = cast(%4) {dtype=bf16} : bf16[s0, 24]
+  %6 = input() {name="b2"} : f32[16]
+  %7 = cast(%6) {dtype=bf16} : bf16[16]
+  %8 = input() {name="w2"} : f32[16, 64]
+  %9 = cast(%8) {dtype=bf16} : bf16[16, 64]
+  %10 = permute(%3) {dims=[1, 0]} : bf16[24, 64]
+  %11 = permute(%9) {dims=[1, 0]} : bf16[64, 16]
+  %12 = matmul(%5, %10) : bf16[s0, 64]
+  %13 = add(%12, %1) : bf16[s0, 64]
+  %14 = relu(%13) : bf16[s0, 64]
+  %15 = matmul(%14, %11) : bf16[s0, 16]
+  %16 = add(%15, %7) : bf16[s0, 16]
+  return (%16)
+})";
+
+TEST(GemmPlan, AutocastBiasIsReadAsFloat32ByTheEpilogue) {
+  FusionPlan p = plan(kAutocastMlp, true, true);
+  // The bfloat16 block's two calls with the same epilogues, plus one cast
+  // kernel per float32 GEMM operand (w1, x, w2), which autocast asks for.
+  EXPECT_EQ(count(p, KernelGroup::Kind::Gemm), 2u);
+  EXPECT_EQ(p.kernels.size(), 5u) << p.to_string();
+  EXPECT_EQ(call_of(p, 12).epilogue_name(), "bias+relu");
+  EXPECT_EQ(call_of(p, 12).bias, 0);  // the float32 input, not its cast
+  EXPECT_EQ(call_of(p, 15).epilogue_name(), "bias");
+  EXPECT_EQ(call_of(p, 15).bias, 6);
+  for (auto& k : p.kernels)
+    if (k.kind == KernelGroup::Kind::Pointwise) {
+      ASSERT_EQ(k.roots.size(), 1u);
+      EXPECT_EQ(p.graph.node(k.roots[0]).op, "cast");
+      EXPECT_NE(p.graph.node(k.roots[0]).shape.size(), 1u) << "a bias cast is a kernel: " << p.to_string();
+    }
+  EXPECT_TRUE(golden::matches_golden("planner/gemm_autocast_mlp.txt", plan_text(p)));
+  // Without float32 biases (cuBLASLt refused one): the bias adds, relu
+  // included, are kernels after plain calls.
+  FusionPlan same = plan(kAutocastMlp, true, false);
+  EXPECT_EQ(call_of(same, 12).epilogue_name(), "none");
+  EXPECT_EQ(same.kernels.size(), 7u) << same.to_string();
+}
+
+TEST(GemmPlan, OnlyAFloat32InputCastToTheGemmsDtypeIsAFloat32Bias) {
+  // a float16 input cast to bfloat16: cuBLASLt takes no such bias
+  std::string f16 = replace_all(kAutocastMlp, "f32[64]", "f16[64]");
+  EXPECT_EQ(call_of(plan(f16, true, true), 12).epilogue_name(), "none");
+  // a computed float32 bias: not in memory as float32
+  const char* computed = R"(graph {
+  %0 = input() {name="x"} : bf16[s0, 24]
+  %1 = input() {name="w"} : bf16[24, 64]
+  %2 = matmul(%0, %1) : bf16[s0, 64]
+  %3 = input() {name="b"} : f32[64]
+  %4 = neg(%3) : f32[64]
+  %5 = cast(%4) {dtype=bf16} : bf16[64]
+  %6 = add(%2, %5) : bf16[s0, 64]
+  return (%6)
+})";
+  FusionPlan pc = plan(computed, true, true);
+  EXPECT_EQ(pc.kernels[0].gemm.epilogue_name(), "none") << pc.to_string();
+  FusionPlan pi = plan(replace_all(computed, "cast(%4)", "cast(%3)"), true, true);
+  EXPECT_EQ(pi.kernels[0].gemm.epilogue_name(), "bias") << pi.to_string();
+  EXPECT_EQ(pi.kernels[0].gemm.bias, 3);
+  // a float32 GEMM: its bias is float32 anyway (an input, no cast)
+  FusionPlan f32 = plan(replace_all(kMlp, "bf16", "f32"), true, true);
+  EXPECT_EQ(f32.kernels[0].gemm.epilogue_name(), "bias+relu");
+}
+
+// The backward of the autocast block with a tanh-gelu (x needs no
+// gradient): the weight and bias gradients are cast to float32.
+const char* kAutocastGeluBackward = R"(graph {
+  %0 = input() {name="tangents_1"} : bf16[s0, 16]
+  %1 = input() {name="permute_2"} : bf16[16, 64]
+  %2 = matmul(%0, %1) : bf16[s0, 64]
+  %3 = input() {name="permute_3"} : bf16[16, s0]
+  %4 = input() {name="gelu"} : bf16[s0, 64]
+  %5 = matmul(%3, %4) : bf16[16, 64]
+  %6 = sum(%0) {dims=[0], keepdim=true} : bf16[1, 16]
+  %7 = input() {name="add"} : bf16[s0, 64]
+  %8 = gelu_backward(%2, %7) {approximate="tanh"} : bf16[s0, 64]
+  %9 = permute(%5) {dims=[1, 0]} : bf16[64, 16]
+  %10 = reshape(%6) {shape=<16>} : bf16[16]
+  %11 = permute(%8) {dims=[1, 0]} : bf16[64, s0]
+  %12 = sum(%8) {dims=[0], keepdim=true} : bf16[1, 64]
+  %13 = permute(%9) {dims=[1, 0]} : bf16[16, 64]
+  %14 = cast(%10) {dtype=f32} : f32[16]
+  %15 = input() {name="_to_copy_2"} : bf16[s0, 24]
+  %16 = matmul(%11, %15) : bf16[64, 24]
+  %17 = reshape(%12) {shape=<64>} : bf16[64]
+  %18 = cast(%13) {dtype=f32} : f32[16, 64]
+  %19 = permute(%16) {dims=[1, 0]} : bf16[24, 64]
+  %20 = cast(%17) {dtype=f32} : f32[64]
+  %21 = permute(%19) {dims=[1, 0]} : bf16[64, 24]
+  %22 = cast(%21) {dtype=f32} : f32[64, 24]
+  return (%14, %18, %20, %22)
+})";
+
+TEST(GemmPlan, AutocastBiasGradientIsWrittenInFloat32) {
+  FusionPlan p = plan(kAutocastGeluBackward, true, true);
+  const GemmCall& dh = call_of(p, 2);
+  EXPECT_EQ(dh.epilogue_name(), "dgelu_tanh+bias_grad");
+  EXPECT_EQ(dh.bias_grad, 20);  // the float32 cast, written by the call
+  EXPECT_EQ(p.graph.node(dh.bias_grad).dtype, DType::Float32);
+  EXPECT_EQ(dh.written(), (std::vector<int>{8, 20}));
+  // Kernels: the other bias gradient (a sum of the incoming gradient, with
+  // its cast) and the two weight gradients' casts to float32.
+  EXPECT_EQ(count(p, KernelGroup::Kind::Gemm), 3u);
+  EXPECT_EQ(p.kernels.size(), 6u) << p.to_string();
+  EXPECT_TRUE(golden::matches_golden("planner/gemm_autocast_gelu_backward.txt", plan_text(p)));
+  // Without float32 bias gradients: the call writes the bfloat16 sum and a
+  // kernel casts it.
+  FusionPlan same = plan(kAutocastGeluBackward, true, false);
+  EXPECT_EQ(call_of(same, 2).bias_grad, 12);
+  EXPECT_EQ(same.kernels.size(), 7u) << same.to_string();
 }
 
 }  // namespace

@@ -39,10 +39,12 @@ def _packet(target):
 
 def _decompositions():
     # Core ATen decompositions, except the ops opfuse maps to its own
-    # composite ops; addmm is split so its bias add fuses with what follows.
+    # composite or elementwise ops; addmm is split so its bias add fuses with what follows.
     table = dict(core_aten_decompositions())
+    # gelu_backward stays one op: the planner gives it to the GEMM that
+    # computes its gradient input (cuBLASLt's DGELU epilogue).
     for op in (aten.native_layer_norm_backward.default, aten._softmax_backward_data.default,
-               aten._log_softmax_backward_data.default):
+               aten._log_softmax_backward_data.default, aten.gelu_backward.default):
         table.pop(op, None)
     # The CPU flash-attention op's decomposition covers its forward only: with
     # it, AOTAutograd saves the wrong tensors for its backward (wrong

@@ -353,6 +353,10 @@ def _gelu(c, node, x, approximate="none"):
     return c.add("gelu", [c.val(x)], approximate=approximate)
 
 
+def _gelu_backward(c, node, grad, x, approximate="none"):
+    return c.add("gelu_backward", [c.val(grad), c.val(x)], approximate=approximate)
+
+
 def _softmax(op):
     def h(c, node, x, dim, half_to_float=False):
         return c.add(op, [c.val(x)], dim=dim)
@@ -423,7 +427,7 @@ HANDLERS = {
     aten.reciprocal: _unary("reciprocal"), aten.relu: _unary("relu"), aten.sigmoid: _unary("sigmoid"),
     aten.tanh: _unary("tanh"), aten.erf: _unary("erf"), aten.sin: _unary("sin"), aten.cos: _unary("cos"),
     aten.sign: _unary("sign"), aten.isnan: _unary("isnan"), aten.silu: _unary("silu"),
-    aten.gelu: _gelu, aten.pow: _pow,
+    aten.gelu: _gelu, aten.gelu_backward: _gelu_backward, aten.pow: _pow,
     aten.maximum: _binary("maximum"), aten.minimum: _binary("minimum"),
     aten.clamp: _clamp, aten.clamp_min: lambda c, n, x, m: _clamp(c, n, x, min=m),
     aten.clamp_max: lambda c, n, x, m: _clamp(c, n, x, max=m),

@@ -60,9 +60,10 @@ class FusedPartition:
     partition's eager module for inputs it was not compiled for."""
 
     def __init__(self, compiled: "_C.CompiledGraph", eager: torch.fx.GraphModule, tensor_positions, input_dtypes,
-                 name: str, dump=None, device=None, ir_text=None):
+                 name: str, dump=None, device=None, ir_text=None, gemm_epilogues=2):
         self.ir_text = ir_text
-        self.plain = None  # the same graph without GEMM epilogues, built when cuBLASLt refuses one
+        self.gemm_epilogues = gemm_epilogues  # the level `compiled` was planned with (CompiledGraph's argument)
+        self.plain = None  # the same graph with fewer GEMM epilogues, built when cuBLASLt refuses one
         self.compiled = compiled
         self.eager = eager
         self.tensor_positions = tensor_positions  # which call arguments are tensors
@@ -180,18 +181,27 @@ class FusedPartition:
         return outs[0] if self.single else outs
 
     def _gemm_fallback(self, key, args, reason):
-        """cuBLASLt refused a GEMM with its epilogue (a layout or alignment
-        it does not take): this input layout runs the same graph planned
-        without epilogues from now on, i.e. plain GEMMs with the epilogues in
-        generated kernels; where even a plain GEMM is refused, that partition
-        runs eagerly."""
-        if self.ir_text is None or self.compiled.target != "cuda":
+        """cuBLASLt refused a GEMM with its epilogue (a layout, alignment or
+        dtype it does not take): this input layout runs the same graph
+        planned with fewer epilogues from now on: first without float32
+        biases beside 16-bit GEMMs (autocast's; their casts become kernels),
+        then without epilogues (plain GEMMs, the epilogues in generated
+        kernels); where even a plain GEMM is refused, the partition runs
+        eagerly."""
+        if self.ir_text is None or self.compiled.target != "cuda" or self.gemm_epilogues <= 0:
             log.info("%s: %s; running eagerly", self.name, reason)
             return self.eager(*args)
         if self.plain is None:
-            plain = _C.CompiledGraph(self.ir_text, target="cuda", gemm_epilogues=0)
-            self.plain = FusedPartition(plain, self.eager, self.tensor_positions, self.input_dtypes,
-                                        self.name + "_plain", self.dump, self.device)
+            level = self.gemm_epilogues - 1
+            fewer = _C.CompiledGraph(self.ir_text, target="cuda", gemm_epilogues=level)
+            if level > 0 and fewer.plan_text() == self.compiled.plan_text():  # that level changes nothing here
+                level = 0
+                fewer = _C.CompiledGraph(self.ir_text, target="cuda", gemm_epilogues=0)
+            self.plain = FusedPartition(fewer, self.eager, self.tensor_positions, self.input_dtypes,
+                                        f"{self.name}_epilogues{level}", self.dump, self.device,
+                                        self.ir_text, gemm_epilogues=level)
         self._refused.add(key)
-        log.info("%s: %s; this layout uses plain GEMMs with the epilogue in generated kernels", self.name, reason)
+        log.info("%s: %s; this layout uses %s from now on", self.name, reason,
+                 "plain GEMMs with the epilogue in generated kernels" if self.plain.gemm_epilogues == 0 else
+                 "GEMM epilogues without float32 biases (their casts in generated kernels)")
         return self.plain(*args)

@@ -1,0 +1,308 @@
+"""GEMM epilogues of training and autocast graphs: the gelu backward on the
+call that computes its gradient input (cuBLASLt's DGELU / DGELU_BGRAD,
+reading the gelu input the forward's GELU_AUX saved), and autocast's float32
+biases and bias gradients read and written by 16-bit calls (BIAS_DATA_TYPE).
+
+Two kinds of test:
+- Plans (run anywhere): the graphs torch.compile hands to opfuse on this
+  machine, planned again for CUDA, must use those epilogues. The GPU tests'
+  launch counts are these plans' counts.
+- GPU runs (skipped without CUDA): values against eager and a float64
+  reference (test_gemm's rule), and the launches counted by opfuse.stats().
+  A count that is off with a log line "cuBLASLt ..." in the failure message
+  means cuBLASLt refused an epilogue at run time and the partition fell back
+  (to a plan with fewer epilogues): the answer is still right, the fusion is
+  not there on that cuBLASLt.
+"""
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opfuse
+from opfuse import _C
+from opfuse.frontend import backend
+
+from test_gemm import check_against_reference, compiled, randn, run_counted
+
+gpu = pytest.mark.gpu
+
+
+def needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+
+@pytest.fixture
+def partitions(monkeypatch):
+    """The IR text of every partition opfuse compiles meanwhile, by name
+    ("forward_fused_0", "backward_fused_0", "inference_fused_0", ...)."""
+    texts = {}
+    original = backend._compile_partition
+
+    def record(sub, name, dump):
+        fused, compiled_graph = original(sub, name, dump)
+        texts[name] = fused.ir_text
+        return fused, compiled_graph
+
+    monkeypatch.setattr(backend, "_compile_partition", record)
+    return texts
+
+
+class CudaPlan:
+    """A partition planned for CUDA (no GPU needed to plan)."""
+
+    def __init__(self, ir_text):
+        self.cg = _C.CompiledGraph(ir_text, target="cuda")
+        self.text = self.cg.plan_text()
+        self.calls = self.cg.num_library_calls
+        self.kernels = self.cg.num_kernels
+        self.epilogues = re.findall(r"epilogue=(\S+)", self.text)
+        buffers = self.cg.buffers()
+        gemms = self.cg.gemms([7] * len(self.cg.symbols()))
+        # dtype of the bias each call reads, or of the bias gradient it writes
+        self.bias_dtypes = [buffers[g["bias"]][1] if g["bias"] >= 0 else None for g in gemms]
+        self.bias_grad_dtypes = [buffers[g["bias_grad"]][1] if g["bias_grad"] >= 0 else None for g in gemms]
+        # ops of each generated kernel
+        self.kernel_ops = [k["ops"] for k in self.cg.kernels()]
+
+    def __repr__(self):
+        return self.text
+
+
+def gelu_mlp(hidden, dtype=torch.bfloat16, device="cpu", seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, hidden), torch.nn.GELU(approximate="tanh"),
+                               torch.nn.Linear(hidden, 16)).to(device=device, dtype=dtype)
+
+
+def relu_mlp(device="cpu", seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)).to(device)
+
+
+# -- the gelu_backward op itself (now one IR op, not a decomposition) -------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu_backward_is_one_kernel_with_pytorchs_values(dtype, approximate, device):
+    def f(g, x):
+        return torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+    g, x = randn(37, 50, dtype=dtype, device=device), randn(37, 50, dtype=dtype, device=device, scale=3)
+    out, calls, kernels = run_counted(compiled(f), g, x)
+    assert (calls, kernels) == (0, 1)
+    ref = f(g.double(), x.double())
+    check_against_reference(out, f(g, x), ref)
+
+
+# -- plans of the graphs torch.compile gives (no GPU needed) -----------------
+
+@pytest.mark.parametrize("hidden", [64, 36])
+def test_plan_bf16_gelu_mlp_training(hidden, partitions):
+    model = gelu_mlp(hidden)
+    x = randn(40, 24, dtype=torch.bfloat16).requires_grad_()
+    compiled(model)(x).sum().backward()
+    fw, bw = CudaPlan(partitions["forward_fused_0"]), CudaPlan(partitions["backward_fused_0"])
+    if hidden == 64:
+        assert fw.epilogues == ["bias+gelu_tanh+aux", "bias"], fw
+        assert (fw.calls, fw.kernels) == (2, 0), fw
+        # dh = g @ w2 carries the gelu backward and the first bias's gradient;
+        # dx and both weight gradients are plain calls; the second bias's
+        # gradient (a sum of the incoming gradient, whose transpose reaches
+        # the dW2 call as another input) is the one kernel.
+        assert sorted(bw.epilogues) == sorted(["dgelu_tanh+bias_grad", "none", "none", "none"]), bw
+        assert (bw.calls, bw.kernels) == (4, 1), bw
+        assert bw.kernel_ops == [["sum"]], bw
+    else:
+        # 36 is no multiple of 8 (cuBLASLt's aux leading dimension): the gelu
+        # and its backward are kernels, planned so (no run-time refusal).
+        assert fw.epilogues == ["bias", "bias"], fw
+        assert (fw.calls, fw.kernels) == (2, 1), fw
+        assert "dgelu_tanh+bias_grad" not in bw.epilogues and "bias_grad" in bw.epilogues, bw
+        assert (bw.calls, bw.kernels) == (4, 2), bw
+
+
+def test_plan_autocast_mlp_inference(partitions):
+    model = relu_mlp()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(model)(randn(40, 24))
+    p = CudaPlan(partitions["inference_fused_0"])
+    # The bfloat16 block's two calls with the same epilogues, reading the
+    # float32 biases; the kernels are the casts of the GEMM operands that
+    # autocast asks for (w1, x, w2), none for a bias.
+    assert p.epilogues == ["bias+relu", "bias"], p
+    assert p.bias_dtypes == ["f32", "f32"], p
+    assert (p.calls, p.kernels) == (2, 3), p
+    assert all(ops == ["cast"] for ops in p.kernel_ops), p
+
+
+def test_plan_autocast_gelu_mlp_training(partitions):
+    model = gelu_mlp(64, dtype=torch.float32)
+    x = randn(40, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(model)(x)
+    out.float().sum().backward()
+    fw, bw = CudaPlan(partitions["forward_fused_0"]), CudaPlan(partitions["backward_fused_0"])
+    assert fw.epilogues == ["bias+gelu_tanh+aux", "bias"], fw
+    assert fw.bias_dtypes == ["f32", "f32"], fw
+    assert (fw.calls, fw.kernels) == (2, 3), fw  # casts of w1, x, w2 (w2's stored transposed for the backward)
+    # The backward's first call writes the float32 gradient of b1 itself.
+    i = bw.epilogues.index("dgelu_tanh+bias_grad")
+    assert bw.bias_grad_dtypes[i] == "f32", bw
+    # Kernels: b2's gradient (sum and cast), and the weight gradients' casts
+    # to float32 (a GEMM writes its own dtype).
+    assert (bw.calls, bw.kernels) == (3, 3), bw
+
+
+def test_fewer_epilogue_levels_are_what_the_fallback_builds(partitions):
+    # The run-time fallback (runtime.FusedPartition._gemm_fallback) plans
+    # again at level 1 (no float32 biases) then 0 (none): what those plans are.
+    model = relu_mlp()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(model)(randn(40, 24))
+    text = partitions["inference_fused_0"]
+    counts = []
+    for level in (2, 1, 0):
+        cg = _C.CompiledGraph(text, target="cuda", gemm_epilogues=level)
+        counts.append((cg.num_library_calls, cg.num_kernels, re.findall(r"epilogue=(\S+)", cg.plan_text())))
+    assert counts == [(2, 3, ["bias+relu", "bias"]), (2, 5, ["none", "none"]), (2, 5, ["none", "none"])]
+
+
+# -- GPU runs ------------------------------------------------------------------
+
+def refusals(caplog):
+    return "\n".join(r.getMessage() for r in caplog.records if "cuBLASLt" in r.getMessage() or "GEMM" in r.getMessage())
+
+
+def train_step_counted(model, x, grad, autocast=False):
+    """Forward and backward once warm; (output, forward counts, backward counts) of the second step."""
+    def forward():
+        if autocast:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return model(x)
+        return model(x)
+    forward().backward(grad)
+    for p in model.parameters():
+        p.grad = None
+    if x.grad is not None:
+        x.grad = None
+    opfuse.reset_stats()
+    out = forward()
+    s = opfuse.stats()
+    fw = (s["library_calls"], s["kernel_launches"])
+    opfuse.reset_stats()
+    out.backward(grad)
+    s = opfuse.stats()
+    return out, fw, (s["library_calls"], s["kernel_launches"])
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 5, 16, 67])
+@pytest.mark.parametrize("hidden", [64, 136, 36])
+def test_gpu_bf16_gelu_mlp_training_uses_dgelu(m, hidden, caplog):
+    needs_cuda()
+    caplog.set_level(logging.INFO, logger="opfuse")
+    model = gelu_mlp(hidden, device="cuda")
+    eager = gelu_mlp(hidden, device="cuda")
+    ref = gelu_mlp(hidden, dtype=torch.float64, device="cuda")
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    x = randn(m, 24, dtype=torch.bfloat16, device="cuda").requires_grad_()
+    xe, xr = x.detach().clone().requires_grad_(), x.detach().double().requires_grad_()
+    grad = randn(m, 16, dtype=torch.bfloat16, device="cuda")
+    out, fw, bw = train_step_counted(compiled(model), x, grad)
+    e_out = eager(xe)
+    e_out.backward(grad)
+    r_out = ref(xr)
+    r_out.backward(grad.double())
+    pairs = [(out, e_out, r_out), (x.grad, xe.grad, xr.grad)]
+    pairs += [(p.grad, pe.grad, pr.grad) for p, pe, pr in zip(model.parameters(), eager.parameters(), ref.parameters())]
+    for o, e, r in pairs:
+        check_against_reference(o, e, r, factor=3)
+    # Counts planned by test_plan_bf16_gelu_mlp_training.
+    want_fw, want_bw = ((2, 0), (4, 1)) if hidden % 8 == 0 else ((2, 1), (4, 2))
+    assert (fw, bw) == (want_fw, want_bw), f"forward {fw}, backward {bw} (calls, kernels)\n{refusals(caplog)}"
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 7, 16, 130])
+def test_gpu_autocast_mlp_inference_reads_float32_biases(m, caplog):
+    needs_cuda()
+    caplog.set_level(logging.INFO, logger="opfuse")
+    model = relu_mlp(device="cuda")
+    x = randn(m, 24, device="cuda")
+    f = compiled(model)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out, calls, kernels = run_counted(f, x)
+        eager = model(x)
+    ref = relu_mlp(device="cuda").double()
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    with torch.no_grad():
+        check_against_reference(out, eager, ref(x.double()))
+    # Planned by test_plan_autocast_mlp_inference: two calls with bias+relu
+    # and bias, three cast kernels (w1, x, w2), no bias kernel.
+    assert (calls, kernels) == (2, 3), f"(calls, kernels) = {(calls, kernels)}\n{refusals(caplog)}"
+
+
+@gpu
+def test_gpu_autocast_float32_bias_at_an_odd_storage_offset():
+    # A float32 bias 3 elements into its storage (4-byte aligned): right
+    # whether cuBLASLt takes that alignment or the partition falls back.
+    needs_cuda()
+    storage = randn(300, device="cuda")
+    x, w, b = randn(21, 32, device="cuda"), randn(48, 32, device="cuda", scale=0.2), storage[3:51]
+    f = lambda x, w, b: torch.relu(F.linear(x, w, b))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out, calls, _ = run_counted(compiled(f), x, w, b)
+        eager = f(x, w, b)
+    check_against_reference(out, eager, f(x.double(), w.double(), b.double()))
+    assert calls == 1
+
+
+@gpu
+@pytest.mark.parametrize("m", [3, 16, 67])
+def test_gpu_autocast_gelu_mlp_training(m, caplog):
+    needs_cuda()
+    caplog.set_level(logging.INFO, logger="opfuse")
+    model = gelu_mlp(64, dtype=torch.float32, device="cuda")
+    eager = gelu_mlp(64, dtype=torch.float32, device="cuda")
+    ref = gelu_mlp(64, dtype=torch.float64, device="cuda")
+    ref.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    x = randn(m, 24, device="cuda")
+    grad = randn(m, 16, dtype=torch.bfloat16, device="cuda")
+    out, fw, bw = train_step_counted(compiled(model), x, grad, autocast=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        e_out = eager(x)
+    e_out.backward(grad)
+    r_out = ref(x.double())
+    r_out.backward(grad.double())
+    check_against_reference(out, e_out, r_out, factor=3)
+    for p, pe, pr in zip(model.parameters(), eager.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.float32
+        check_against_reference(p.grad, pe.grad, pr.grad, factor=3)
+    # Planned by test_plan_autocast_gelu_mlp_training.
+    assert (fw, bw) == ((2, 3), (3, 3)), f"forward {fw}, backward {bw} (calls, kernels)\n{refusals(caplog)}"
+
+
+@gpu
+@pytest.mark.parametrize("layout, fused", [("contiguous", True), ("row stride 72", True),
+                                           ("row stride 68", False), ("transposed", False)])
+def test_gpu_dgelu_reads_the_saved_input_in_place_or_falls_back(layout, fused, caplog):
+    # gelu_backward(g @ w, pre): DGELU reads pre with its row stride when
+    # that is a multiple of 8; otherwise the partition runs a plain GEMM and
+    # the gelu backward in a kernel. Same answer either way.
+    needs_cuda()
+    caplog.set_level(logging.INFO, logger="opfuse")
+    m, n, k = 29, 64, 40
+    g, w = randn(m, k, dtype=torch.bfloat16, device="cuda"), randn(k, n, dtype=torch.bfloat16, device="cuda", scale=0.2)
+    if layout == "contiguous":
+        pre = randn(m, n, dtype=torch.bfloat16, device="cuda", scale=2)
+    elif layout.startswith("row stride"):
+        pre = randn(m, int(layout.split()[-1]), dtype=torch.bfloat16, device="cuda", scale=2)[:, :n]
+    else:
+        pre = randn(n, m, dtype=torch.bfloat16, device="cuda", scale=2).t()
+    f = lambda g, w, pre: torch.ops.aten.gelu_backward(g @ w, pre, approximate="tanh")
+    out, calls, kernels = run_counted(compiled(f), g, w, pre)
+    check_against_reference(out, f(g, w, pre), f(g.double(), w.double(), pre.double()))
+    assert (calls, kernels) == ((1, 0) if fused else (1, 1)), f"{layout}: {(calls, kernels)}\n{refusals(caplog)}"
