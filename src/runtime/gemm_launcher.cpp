@@ -59,6 +59,7 @@ int lt_type(DType t) {
 }
 
 constexpr int kCandidates = 8;  // algorithms asked of the heuristic and timed
+constexpr lt::Status kStatusInvalidValue = 7, kStatusNotSupported = 15;  // cublasStatus_t
 
 int alignment(const void* p) {
   auto v = reinterpret_cast<uintptr_t>(p);
@@ -337,7 +338,13 @@ void run_gemm(const GemmArgs& g) {
                       &algo, g.workspace, g.workspace_bytes, g.stream);
   };
   if (!p->tuned) autotune(*p, g.stream, enqueue);
-  check(enqueue(p->algo), "cublasLtMatmul");
+  // cuBLASLt checks some combinations only when the call is made (nothing
+  // is enqueued then): a refusal, like the heuristic's, for the fallback.
+  lt::Status status = enqueue(p->algo);
+  if (status == kStatusInvalidValue || status == kStatusNotSupported)
+    throw GemmUnsupported(std::string("cublasLtMatmul refused this GEMM (epilogue ") + std::to_string(epilogue) + "): " +
+                          (api.GetStatusString ? api.GetStatusString(status) : "") + " (status " + std::to_string(status) + ")");
+  check(status, "cublasLtMatmul");
 }
 
 }  // namespace opfuse

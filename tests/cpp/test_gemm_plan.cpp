@@ -310,9 +310,11 @@ TEST(GemmPlan, GeluBackwardRidesOnTheCallThatComputesItsGradient) {
   EXPECT_TRUE(call_of(p, 9).a.transposed);
   EXPECT_EQ(call_of(p, 6).epilogue_name(), "none");
   EXPECT_TRUE(golden::matches_golden("planner/gemm_dgelu_backward.txt", plan_text(p)));
-  // Without epilogues: the gelu backward and the bias gradient are kernels.
+  // Without epilogues: the gelu backward and the bias gradient are a row
+  // kernel between the calls.
   FusionPlan plain = plan(kGeluMlpBackward, false);
-  EXPECT_EQ(plain.kernels.size(), 5u) << plain.to_string();
+  EXPECT_EQ(plain.kernels.size(), 4u) << plain.to_string();
+  EXPECT_EQ(count(plain, KernelGroup::Kind::Row), 1u);
 }
 
 TEST(GemmPlan, GeluBackwardStaysAKernelWhereDgeluCannotTakeIt) {
@@ -440,7 +442,7 @@ const char* kAutocastGeluBackward = R"(graph {
   %0 = input() {name="tangents_1"} : bf16[s0, 16]
   %1 = input() {name="permute_2"} : bf16[16, 64]
   %2 = matmul(%0, %1) : bf16[s0, 64]
-  %3 = input() {name="permute_3"} : bf16[16, s0]
+  %3 = permute(%0) {dims=[1, 0]} : bf16[16, s0]
   %4 = input() {name="gelu"} : bf16[s0, 64]
   %5 = matmul(%3, %4) : bf16[16, 64]
   %6 = sum(%0) {dims=[0], keepdim=true} : bf16[1, 16]
@@ -470,15 +472,21 @@ TEST(GemmPlan, AutocastBiasGradientIsWrittenInFloat32) {
   EXPECT_EQ(dh.bias_grad, 20);  // the float32 cast, written by the call
   EXPECT_EQ(p.graph.node(dh.bias_grad).dtype, DType::Float32);
   EXPECT_EQ(dh.written(), (std::vector<int>{8, 20}));
-  // Kernels: the other bias gradient (a sum of the incoming gradient, with
-  // its cast) and the two weight gradients' casts to float32.
+  // The other bias gradient, a sum of the incoming gradient, is cast to
+  // float32 by the weight-gradient call that reads that gradient transposed.
+  const GemmCall& dw2 = call_of(p, 5);
+  EXPECT_EQ(dw2.epilogue_name(), "bias_grad");
+  EXPECT_EQ(dw2.bias_grad_operand, GemmCall::kBiasGradOfA);
+  EXPECT_EQ(dw2.bias_grad, 14);
+  // Kernels: the two weight gradients' casts to float32.
   EXPECT_EQ(count(p, KernelGroup::Kind::Gemm), 3u);
-  EXPECT_EQ(p.kernels.size(), 6u) << p.to_string();
+  EXPECT_EQ(p.kernels.size(), 5u) << p.to_string();
   EXPECT_TRUE(golden::matches_golden("planner/gemm_autocast_gelu_backward.txt", plan_text(p)));
-  // Without float32 bias gradients: the call writes the bfloat16 sum and a
-  // kernel casts it.
+  // Without float32 bias gradients: the calls write the bfloat16 sums and
+  // kernels cast them.
   FusionPlan same = plan(kAutocastGeluBackward, true, false);
   EXPECT_EQ(call_of(same, 2).bias_grad, 12);
+  EXPECT_EQ(call_of(same, 5).bias_grad, 6);
   EXPECT_EQ(same.kernels.size(), 7u) << same.to_string();
 }
 

@@ -39,7 +39,8 @@ def _packet(target):
 
 def _decompositions():
     # Core ATen decompositions, except the ops opfuse maps to its own
-    # composite or elementwise ops; addmm is split so its bias add fuses with what follows.
+    # composite or elementwise ops; addmm is split so its bias add fuses
+    # with what follows.
     table = dict(core_aten_decompositions())
     # gelu_backward stays one op: the planner gives it to the GEMM that
     # computes its gradient input (cuBLASLt's DGELU epilogue).
@@ -109,12 +110,31 @@ def _feeds_gemm(node) -> bool:
     return False
 
 
+def _transpose_read_by_gemms(node) -> bool:
+    """A swap of the last two dims of a tensor (not of another view) that
+    only GEMMs read. Inside the partition it costs nothing either (the
+    planner makes it the call's transpose flag and reads the tensor in
+    place), and there the planner sees which tensor the GEMM reads
+    transposed: a weight-gradient GEMM of dy^T @ x then also computes the
+    bias gradient sum(dy, 0) (BGRADB) instead of leaving it to a kernel."""
+    if _packet(node.target) != aten.permute or not node.users or len(node.args) < 2:
+        return False
+    src = node.args[0]
+    if not isinstance(src, torch.fx.Node) or (src.op == "call_function" and _packet(src.target) in VIEW_ONLY):
+        return False
+    r = len(node.args[1])
+    if r < 2 or [d % r for d in node.args[1]] != list(range(r - 2)) + [r - 1, r - 2]:
+        return False
+    return all(u.op == "call_function" and _packet(u.target) in convert.GEMM_OPS for u in node.users)
+
+
 def _view_for_gemm_from_outside(node, support) -> bool:
     """A view of something computed outside opfuse (a graph input, a weight,
     an unsupported op) that a GEMM reads: left to PyTorch, where it is free,
     so the GEMM gets it as an input and reads it in place through its
-    strides. Inside the partition it would cost a copy kernel."""
-    if _packet(node.target) not in VIEW_ONLY:
+    strides. Inside the partition it would cost a copy kernel (a transpose
+    that only GEMMs read costs none: see _transpose_read_by_gemms)."""
+    if _packet(node.target) not in VIEW_ONLY or _transpose_read_by_gemms(node):
         return False
     root = node
     while root.op == "call_function" and _packet(root.target) in VIEW_ONLY and root.args and isinstance(root.args[0], torch.fx.Node):
