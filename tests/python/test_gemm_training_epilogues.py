@@ -174,8 +174,31 @@ def test_fewer_epilogue_levels_are_what_the_fallback_builds(partitions):
 
 # -- GPU runs ------------------------------------------------------------------
 
-def refusals(caplog):
-    return "\n".join(r.getMessage() for r in caplog.records if "cuBLASLt" in r.getMessage() or "GEMM" in r.getMessage())
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def opfuse_log():
+    """opfuse's log lines meanwhile (scripts/gpu-check runs pytest without
+    its logging plugin, so no caplog)."""
+    log = logging.getLogger("opfuse")
+    handler, level = _Collect(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    yield handler.messages
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
+def refusals(messages):
+    """The fallback's log lines: why cuBLASLt did not take an epilogue."""
+    return "\n".join(m for m in messages if "cuBLASLt" in m or "GEMM" in m) or "(no fallback logged)"
 
 
 def train_step_counted(model, x, grad, autocast=False):
@@ -203,9 +226,8 @@ def train_step_counted(model, x, grad, autocast=False):
 @gpu
 @pytest.mark.parametrize("m", [1, 5, 16, 67])
 @pytest.mark.parametrize("hidden", [64, 136, 36])
-def test_gpu_bf16_gelu_mlp_training_uses_dgelu(m, hidden, caplog):
+def test_gpu_bf16_gelu_mlp_training_uses_dgelu(m, hidden, opfuse_log):
     needs_cuda()
-    caplog.set_level(logging.INFO, logger="opfuse")
     model = gelu_mlp(hidden, device="cuda")
     eager = gelu_mlp(hidden, device="cuda")
     ref = gelu_mlp(hidden, dtype=torch.float64, device="cuda")
@@ -224,14 +246,13 @@ def test_gpu_bf16_gelu_mlp_training_uses_dgelu(m, hidden, caplog):
         check_against_reference(o, e, r, factor=3)
     # Counts planned by test_plan_bf16_gelu_mlp_training.
     want_fw, want_bw = ((2, 0), (4, 0)) if hidden % 8 == 0 else ((2, 1), (4, 1))
-    assert (fw, bw) == (want_fw, want_bw), f"forward {fw}, backward {bw} (calls, kernels)\n{refusals(caplog)}"
+    assert (fw, bw) == (want_fw, want_bw), f"forward {fw}, backward {bw} (calls, kernels)\n{refusals(opfuse_log)}"
 
 
 @gpu
 @pytest.mark.parametrize("m", [1, 7, 16, 130])
-def test_gpu_autocast_mlp_inference_reads_float32_biases(m, caplog):
+def test_gpu_autocast_mlp_inference_reads_float32_biases(m, opfuse_log):
     needs_cuda()
-    caplog.set_level(logging.INFO, logger="opfuse")
     model = relu_mlp(device="cuda")
     x = randn(m, 24, device="cuda")
     f = compiled(model)
@@ -244,7 +265,7 @@ def test_gpu_autocast_mlp_inference_reads_float32_biases(m, caplog):
         check_against_reference(out, eager, ref(x.double()))
     # Planned by test_plan_autocast_mlp_inference: two calls with bias+relu
     # and bias, three cast kernels (w1, x, w2), no bias kernel.
-    assert (calls, kernels) == (2, 3), f"(calls, kernels) = {(calls, kernels)}\n{refusals(caplog)}"
+    assert (calls, kernels) == (2, 3), f"(calls, kernels) = {(calls, kernels)}\n{refusals(opfuse_log)}"
 
 
 @gpu
@@ -264,9 +285,8 @@ def test_gpu_autocast_float32_bias_at_an_odd_storage_offset():
 
 @gpu
 @pytest.mark.parametrize("m", [3, 16, 67])
-def test_gpu_autocast_gelu_mlp_training(m, caplog):
+def test_gpu_autocast_gelu_mlp_training(m, opfuse_log):
     needs_cuda()
-    caplog.set_level(logging.INFO, logger="opfuse")
     model = gelu_mlp(64, dtype=torch.float32, device="cuda")
     eager = gelu_mlp(64, dtype=torch.float32, device="cuda")
     ref = gelu_mlp(64, dtype=torch.float64, device="cuda")
@@ -284,18 +304,17 @@ def test_gpu_autocast_gelu_mlp_training(m, caplog):
         assert p.grad.dtype == torch.float32
         check_against_reference(p.grad, pe.grad, pr.grad, factor=3)
     # Planned by test_plan_autocast_gelu_mlp_training.
-    assert (fw, bw) == ((2, 3), (3, 2)), f"forward {fw}, backward {bw} (calls, kernels)\n{refusals(caplog)}"
+    assert (fw, bw) == ((2, 3), (3, 2)), f"forward {fw}, backward {bw} (calls, kernels)\n{refusals(opfuse_log)}"
 
 
 @gpu
 @pytest.mark.parametrize("layout, fused", [("contiguous", True), ("row stride 72", True),
                                            ("row stride 68", False), ("transposed", False)])
-def test_gpu_dgelu_reads_the_saved_input_in_place_or_falls_back(layout, fused, caplog):
+def test_gpu_dgelu_reads_the_saved_input_in_place_or_falls_back(layout, fused, opfuse_log):
     # gelu_backward(g @ w, pre): DGELU reads pre with its row stride when
     # that is a multiple of 8; otherwise the partition runs a plain GEMM and
     # the gelu backward in a kernel. Same answer either way.
     needs_cuda()
-    caplog.set_level(logging.INFO, logger="opfuse")
     m, n, k = 29, 64, 40
     g, w = randn(m, k, dtype=torch.bfloat16, device="cuda"), randn(k, n, dtype=torch.bfloat16, device="cuda", scale=0.2)
     if layout == "contiguous":
@@ -307,4 +326,4 @@ def test_gpu_dgelu_reads_the_saved_input_in_place_or_falls_back(layout, fused, c
     f = lambda g, w, pre: torch.ops.aten.gelu_backward(g @ w, pre, approximate="tanh")
     out, calls, kernels = run_counted(compiled(f), g, w, pre)
     check_against_reference(out, f(g, w, pre), f(g.double(), w.double(), pre.double()))
-    assert (calls, kernels) == ((1, 0) if fused else (1, 1)), f"{layout}: {(calls, kernels)}\n{refusals(caplog)}"
+    assert (calls, kernels) == ((1, 0) if fused else (1, 1)), f"{layout}: {(calls, kernels)}\n{refusals(opfuse_log)}"
