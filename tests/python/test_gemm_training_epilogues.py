@@ -172,6 +172,37 @@ def test_fewer_epilogue_levels_are_what_the_fallback_builds(partitions):
     assert counts == [(2, 3, ["bias+relu", "bias"]), (2, 5, ["none", "none"]), (2, 5, ["none", "none"])]
 
 
+def test_refused_epilogues_fall_back_one_level_at_a_time(partitions, monkeypatch):
+    # runtime.FusedPartition._gemm_fallback without a GPU: what each refusal
+    # builds (the partitions are not run: __call__ reports their level).
+    from opfuse.frontend.runtime import FusedPartition
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(relu_mlp())(randn(40, 24))
+    autocast_text = partitions.pop("inference_fused_0")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled(relu_mlp().to(torch.bfloat16))(randn(40, 24, dtype=torch.bfloat16))
+    bf16_text = partitions["inference_fused_0"]
+    monkeypatch.setattr(FusedPartition, "__call__", lambda self, *args: self.gemm_epilogues)
+    eager = torch.fx.symbolic_trace(torch.nn.Identity())
+
+    def partition(text):
+        return FusedPartition(_C.CompiledGraph(text, target="cuda"), eager, [], [], "p", device="cuda", ir_text=text)
+
+    top = partition(autocast_text)
+    assert top._gemm_fallback("layout", (), "refused") == 1  # float32 biases off: their casts are kernels
+    assert top.plain.compiled.num_kernels == 5 and "layout" in top._refused
+    assert top.plain._gemm_fallback("layout", (), "refused") == 0  # then no epilogues
+    assert top.plain.plain.compiled.plan_text() == _C.CompiledGraph(autocast_text, target="cuda",
+                                                                    gemm_epilogues=0).plan_text()
+    bottom = top.plain.plain
+    bottom.eager = lambda *args: "eager"
+    assert bottom._gemm_fallback("layout", (), "refused") == "eager"  # a plain GEMM refused
+    # Without float32 biases level 1 plans what level 2 did: straight to 0.
+    assert partition(bf16_text)._gemm_fallback("layout", (), "refused") == 0
+
+
 # -- GPU runs ------------------------------------------------------------------
 
 class _Collect(logging.Handler):
