@@ -97,6 +97,29 @@ def test_gelu_backward_is_one_kernel_with_pytorchs_values(dtype, approximate, de
     check_against_reference(out, f(g, x), ref)
 
 
+def test_gelu_backward_compiles_for_the_gpu():
+    # NVRTC needs no GPU: the CUDA prelude's opf_gelu_*_backward for half and
+    # double values, in the vectorized and the scalar kernel.
+    try:
+        _C.nvrtc_version()
+    except Exception as e:
+        pytest.skip(f"NVRTC not available: {e}")
+    ir = """graph {
+  %0 = input() {name="g"} : bf16[s0, 64]
+  %1 = input() {name="x"} : bf16[s0, 64]
+  %2 = gelu_backward(%0, %1) {approximate="tanh"} : bf16[s0, 64]
+  %3 = gelu_backward(%0, %1) {approximate="none"} : bf16[s0, 64]
+  %4 = input() {name="y"} : f64[s0, 64]
+  %5 = gelu_backward(%4, %4) {approximate="tanh"} : f64[s0, 64]
+  %6 = gelu_backward(%4, %4) {approximate="none"} : f64[s0, 64]
+  return (%2, %3, %5, %6)
+}"""
+    cg = _C.CompiledGraph(ir, target="cuda")
+    for arch in (80, 90):
+        cubin, _, log = cg.compile_cuda([[8, 64]] * 3, [[64, 1]] * 3, arch, False)
+        assert len(cubin) > 0, log
+
+
 # -- plans of the graphs torch.compile gives (no GPU needed) -----------------
 
 @pytest.mark.parametrize("hidden", [64, 36])
