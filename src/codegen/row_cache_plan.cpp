@@ -49,7 +49,7 @@ RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loa
     std::vector<bool> emitted(loop.size(), false);
     for (size_t i = loop.size(); i-- > 0;) {
       const KStmt& st = loop[i];
-      bool effect = st.kind == KStmt::Store || st.kind == KStmt::Update;
+      bool effect = st.kind == KStmt::Store || st.kind == KStmt::Update || st.kind == KStmt::Partial;
       if (!effect && !needed.count(st.dst)) {
         p.skip[s].insert(st.dst);
         continue;
@@ -67,7 +67,7 @@ RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loa
       for (int a : st.args) needed.insert(a);
     }
     for (size_t i = 0; i < loop.size(); ++i)
-      if (emitted[i] && loop[i].varying && loop[i].dst >= 0 && loop[i].kind != KStmt::Store && loop[i].kind != KStmt::Update)
+      if (emitted[i] && loop[i].varying && loop[i].dst >= 0 && loop[i].kind != KStmt::Store && loop[i].kind != KStmt::Update && loop[i].kind != KStmt::Partial)
         computed.emplace(keys[i], Computed{s, i, loop[i].dst});
   }
   // Register arrays: a value whose last read comes before another's write

@@ -75,6 +75,9 @@ struct PlannerOptions {
   // GEMM library calls (cuBLASLt). Off on the CPU, where PyTorch runs the
   // GEMM and the epilogue fuses into the next generated kernel instead.
   bool gemm_epilogues = false;
+  // Split sums over leading dims into per-block partials that a row kernel
+  // over the same rows computes (split_column_sums.cpp). CUDA only.
+  bool column_partials = false;
 };
 
 // Runs the graph passes and groups the realized nodes into kernels.
