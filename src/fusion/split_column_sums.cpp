@@ -37,12 +37,16 @@ bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
   return true;
 }
 
-// Parts: a power of two in [256, 1024] with at least 8 rows a part. A
-// multiple of every rows-per-block the row emitter uses (at most 256), so
-// that the grid covers the parts exactly.
-int64_t parts_for(int64_t rows) {
+// Parts: a power of two from 256 with at least 8 rows a part, so the
+// partials are at most an eighth of the rows. The grid is parts / (rows a
+// block takes): a block per row for rows over 1024 elements (up to 1024
+// blocks), lane groups of 8 to 32 rows a block for shorter rows (up to
+// 8192 parts, so that there are still hundreds of blocks). Powers of two
+// from 256 are multiples of every rows-per-block the emitter uses.
+int64_t parts_for(int64_t rows, int64_t cols) {
+  int64_t most = cols <= 1024 ? 8192 : 1024;
   int64_t p = 256;
-  while (p < 1024 && p * 2 * 8 <= rows) p *= 2;
+  while (p < most && p * 2 * 8 <= rows) p *= 2;
   return p;
 }
 
@@ -91,7 +95,7 @@ Graph split_column_sums(const Graph& g) {
         cols >= 1 && cols <= kMaxCols && has_row_partner(g, xs, lead)) {
       std::vector<int64_t> dims;
       for (size_t i = 0; i < lead; ++i) dims.push_back(static_cast<int64_t>(i));
-      int p = out.add("column_partials", ins, {{"dims", dims}, {"parts", parts_for(rows)}});
+      int p = out.add("column_partials", ins, {{"dims", dims}, {"parts", parts_for(rows, cols)}});
       bool keep = n.get_bool("keepdim", false);
       int s = out.add("sum", {p}, {{"dims", std::vector<int64_t>{0}}, {"keepdim", keep}});
       if (keep && lead > 1) s = out.add("reshape", {s}, {{"shape", n.shape}});

@@ -83,7 +83,7 @@ def test_cuda_plan_computes_weight_and_bias_gradients_beside_dx(lead, cols):
     # One pass over dy and x (dx and both partials), then two small column sums.
     assert len(ks) == 3, cg.plan_text()
     assert ks[0].split("stores=")[1].count("column_partials") == 2 and "reads=(%0:input,%1:input" in ks[0], ks[0]
-    parts = min(1024, max(256, 1 << (rows // 8).bit_length() - 1))
+    parts = min(8192 if cols <= 1024 else 1024, max(256, 1 << (rows // 8).bit_length() - 1))
     for k in ks[1:]:
         assert f"row [{parts}, {cols}] reduce=[0]" in k, k
 
