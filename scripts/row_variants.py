@@ -5,6 +5,9 @@ runs in its own process, times every op and shape with CUDA events, and
 prints TB/s (input read once + output written once, over the time).
 
   python3 scripts/row_variants.py [--variants 8:32,1:32,4:16] [--shapes 8192x32768,4096x262144]
+
+A variant is max_cluster:cache_values[:cache_row_invariant[:column_partials]]
+(OPFUSE_ROW_CACHE_INVARIANT, OPFUSE_COLUMN_PARTIALS; defaults 0 and 1).
 """
 import argparse
 import os
@@ -71,9 +74,14 @@ def main():
         child(shapes, a.ops.split(","))
         return
     for v in a.variants.split(","):
-        cluster, values = v.split(":")
-        env = dict(os.environ, OPFUSE_ROW_MAX_CLUSTER=cluster, OPFUSE_ROW_CACHE_VALUES=values)
-        print(f"variant max_cluster={cluster} cache_values={values}", flush=True)
+        # cluster:values[:invariant[:partials]]
+        cluster, values, *rest = v.split(":")
+        invariant = rest[0] if rest else "0"
+        partials = rest[1] if len(rest) > 1 else "1"
+        env = dict(os.environ, OPFUSE_ROW_MAX_CLUSTER=cluster, OPFUSE_ROW_CACHE_VALUES=values,
+                   OPFUSE_ROW_CACHE_INVARIANT=invariant, OPFUSE_COLUMN_PARTIALS=partials)
+        print(f"variant max_cluster={cluster} cache_values={values} cache_row_invariant={invariant} "
+              f"column_partials={partials}", flush=True)
         subprocess.run([sys.executable, __file__, "--child", "--shapes", a.shapes, "--ops", a.ops], env=env, check=False)
 
 

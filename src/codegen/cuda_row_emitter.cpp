@@ -305,7 +305,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   cache_ = RowCachePlan{};
   if (known && k_->stages.size() > 1) {
     StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
-    RowCachePlan frontier = plan_row_cache(*k_, key, false), loads = plan_row_cache(*k_, key, true);
+    bool invariant = env_int("OPFUSE_ROW_CACHE_INVARIANT", 0) != 0;  // the plan before row-invariant values were reloaded
+    RowCachePlan frontier = plan_row_cache(*k_, key, false, invariant), loads = plan_row_cache(*k_, key, true, invariant);
     cache_ = frontier.slots() <= loads.slots() ? frontier : loads;
   }
   partial_buffers_.clear();
