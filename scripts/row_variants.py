@@ -5,6 +5,9 @@ runs in its own process, times every op and shape with CUDA events, and
 prints TB/s (input read once + output written once, over the time).
 
   python3 scripts/row_variants.py [--variants 8:32,1:32,4:16] [--shapes 8192x32768,4096x262144]
+
+A variant is max_cluster:cache_values[:cache_row_invariant[:column_partials]]
+(OPFUSE_ROW_CACHE_INVARIANT, OPFUSE_COLUMN_PARTIALS; defaults 0 and 1).
 """
 import argparse
 import os
@@ -12,6 +15,8 @@ import subprocess
 import sys
 
 OPS = ("softmax", "log_softmax", "layer_norm", "rms_norm")
+# Also: layer_norm_backward (dx, dweight, dbias from dy, x, mean, rstd, w),
+# whose weight and bias sums are column partials inside the dx kernel.
 
 
 def child(shapes, ops):
@@ -20,7 +25,12 @@ def child(shapes, ops):
     import opfuse  # noqa: F401
     fns = {"softmax": lambda x, w, b: torch.softmax(x, -1), "log_softmax": lambda x, w, b: torch.log_softmax(x, -1),
            "layer_norm": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5),
-           "rms_norm": lambda x, w, b: F.rms_norm(x, (x.shape[-1],), w, eps=1e-6)}
+           "rms_norm": lambda x, w, b: F.rms_norm(x, (x.shape[-1],), w, eps=1e-6),
+           "layer_norm_backward": lambda dy, x, mean, rstd, w, b: torch.ops.aten.native_layer_norm_backward(
+               dy, x, [x.shape[-1]], mean, rstd, w, b, [True, True, True])}
+    floats = {"layer_norm_backward": lambda x, w, b: (torch.randn_like(x).float(), x.float(),
+                                                      *torch.ops.aten.native_layer_norm(x.float(), [x.shape[-1]], None, None, 1e-5)[1:],
+                                                      w.float(), b.float())}
     for shape in shapes:
         r, c = shape
         x = torch.randn(r, c, device="cuda", dtype=torch.bfloat16)
@@ -29,21 +39,27 @@ def child(shapes, ops):
         for op in ops:
             torch._dynamo.reset()
             fn = torch.compile(fns[op], backend="opfuse", dynamic=False)
-            out = fn(x, w, b)
-            ref = fns[op](x.float(), w.float(), b.float())
-            err = (out.float() - ref).abs().max().item()
+            if op in floats:
+                ref_args = floats[op](x, w, b)
+                args = tuple(a.to(x.dtype) if a.shape == x.shape or a.dim() == 1 else a for a in ref_args)
+            else:
+                ref_args, args = (x.float(), w.float(), b.float()), (x, w, b)
+            out = fn(*args)
+            ref = fns[op](*ref_args)
+            outs, refs = (out, ref) if isinstance(out, (tuple, list)) else ((out,), (ref,))
+            err = max((o.float() - r).abs().max().item() / max(1.0, r.abs().max().item()) for o, r in zip(outs, refs))
             times = []
             for _ in range(30):
                 s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 s.record()
                 for _ in range(5):
-                    fn(x, w, b)
+                    fn(*args)
                 e.record()
                 e.synchronize()
                 times.append(s.elapsed_time(e) / 5)
             ms = sorted(times)[len(times) // 2]
-            nbytes = 2 * x.numel() * x.element_size()
-            print(f"  {op:12s} {r}x{c:<7d} {ms * 1000:8.1f} us {nbytes / ms / 1e9:6.2f} TB/s  max err {err:.3g}", flush=True)
+            nbytes = (3 if op in floats else 2) * x.numel() * x.element_size()
+            print(f"  {op:12s} {r}x{c:<7d} {ms * 1000:8.1f} us {nbytes / ms / 1e9:6.2f} TB/s  max rel err {err:.3g}", flush=True)
 
 
 def main():
@@ -58,9 +74,14 @@ def main():
         child(shapes, a.ops.split(","))
         return
     for v in a.variants.split(","):
-        cluster, values = v.split(":")
-        env = dict(os.environ, OPFUSE_ROW_MAX_CLUSTER=cluster, OPFUSE_ROW_CACHE_VALUES=values)
-        print(f"variant max_cluster={cluster} cache_values={values}", flush=True)
+        # cluster:values[:invariant[:partials]]
+        cluster, values, *rest = v.split(":")
+        invariant = rest[0] if rest else "0"
+        partials = rest[1] if len(rest) > 1 else "1"
+        env = dict(os.environ, OPFUSE_ROW_MAX_CLUSTER=cluster, OPFUSE_ROW_CACHE_VALUES=values,
+                   OPFUSE_ROW_CACHE_INVARIANT=invariant, OPFUSE_COLUMN_PARTIALS=partials)
+        print(f"variant max_cluster={cluster} cache_values={values} cache_row_invariant={invariant} "
+              f"column_partials={partials}", flush=True)
         subprocess.run([sys.executable, __file__, "--child", "--shapes", a.shapes, "--ops", a.ops], env=env, check=False)
 
 

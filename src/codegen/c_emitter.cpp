@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <stdexcept>
 
 #include "ir/ops.h"
 
@@ -156,7 +157,12 @@ void CEmitter::statement(const KStmt& s, const KStage& stage) {
     }
     case KStmt::Store: line(store(s.buffer, offset(s.buffer, s.index), value(s.args[0]))); break;
     case KStmt::Update: update(s, stage); break;
+    case KStmt::Partial: partial(s); break;
   }
+}
+
+void CEmitter::partial(const KStmt&) {
+  throw std::runtime_error("opfuse: column partials are computed only by CUDA row kernels (split_column_sums runs for CUDA)");
 }
 
 void CEmitter::update(const KStmt& s, const KStage& stage) {

@@ -50,6 +50,8 @@ class CEmitter {
   virtual void statement(const KStmt& s, const KStage& stage);
   // How an Update folds a value into an accumulator (per thread on GPUs).
   void update(const KStmt& s, const KStage& stage);
+  // A column partial's update (KStmt::Partial); only the CUDA row emitter has them.
+  virtual void partial(const KStmt& s);
   void accumulator_init(const KAccumulator& a);
   void accumulator_finish(const KAccumulator& a);
   std::string acc_name(const KAccumulator& a, const char* part = "") const;

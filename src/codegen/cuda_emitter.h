@@ -30,6 +30,7 @@ struct CudaLaunch {
   int items = 0;           // row kernels: per-thread register cache length (0: none)
   int cluster = 1;          // row kernels: blocks per row (a thread-block cluster)
   int vec_threads = 0, vec_rows_per_block = 0, vec_cluster = 1;  // row kernels: geometry of the vector twin
+  int64_t parts = 0;       // row kernels with column partials: grid x rows_per_block = parts
   Expr numel, rows, cols;  // launch geometry in terms of size symbols
   std::string name, vec_name;  // scalar and vector entry points
 };
@@ -63,6 +64,10 @@ class CudaEmitter : public CEmitter {
   int cluster_reductions_ = 0;    // slots used so far
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)
+  std::vector<int> partial_buffers_;    // column_partials buffers of this kernel
+  int partial_items_ = 0;               // vectors per thread the partials cover
+  void partial(const KStmt& s) override;
+  void store_partials(int threads_per_row, const std::string& slot);
 
   std::map<std::string, std::string> lane_of_;  // access (buffer@offset) -> lane array
   std::string last_var_;                        // the innermost loop variable

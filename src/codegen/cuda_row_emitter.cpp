@@ -2,6 +2,7 @@
 // the stage loops, and the reductions across the threads of a row.
 #include <algorithm>
 #include <cstdlib>
+#include <stdexcept>
 
 #include "codegen/cuda_emitter.h"
 #include "ir/ops.h"
@@ -209,7 +210,13 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     if (s.varying && s.dst >= 0) loop_varying_.insert(s.dst);
   }
   std::string V = std::to_string(vec_), T = std::to_string(threads_per_row);
-  if (caching_) {
+  // The stage adding column partials iterates like a cached stage (a fixed
+  // number of unrolled items), so each partial sits at a constant register index.
+  bool partials = false;
+  for (const KStmt& s : loop) partials = partials || s.kind == KStmt::Partial;
+  bool unrolled = caching_ || partials;
+  if (!caching_ && partials) items = partial_items_;
+  if (unrolled) {
     line("#pragma unroll");
     line("for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
     ++indent_;
@@ -242,10 +249,44 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
   in_row_loop_ = false;
   --indent_;
   line("}");
-  if (caching_) {
+  if (unrolled) {
     --indent_;
     line("}");
   }
+}
+
+// Adds to this thread's partial of the column the current element is in;
+// groups that redo the last row (past the end) add nothing.
+void CudaEmitter::partial(const KStmt& s) {
+  std::string idx = in_lanes_ ? "it_ * " + std::to_string(vec_) + " + j_" : "it_";
+  line("if (real_) pp" + std::to_string(s.buffer) + "[" + idx + "] += " + value(s.args[0]) + ";");
+}
+
+// After the rows: each thread writes its columns of the partials to the
+// part `slot` (row `slot` of the [parts, cols] buffer).
+void CudaEmitter::store_partials(int threads_per_row, const std::string& slot) {
+  if (partial_buffers_.empty()) return;
+  std::string V = std::to_string(vec_), T = std::to_string(threads_per_row);
+  line("{");
+  ++indent_;
+  line("const int64_t slot_ = " + slot + ";");
+  line("#pragma unroll");
+  line("for (int it_ = 0; it_ < " + std::to_string(partial_items_) + "; ++it_) {");
+  ++indent_;
+  line("const int64_t c_ = ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
+  line("#pragma unroll");
+  line("for (int j_ = 0; j_ < " + V + "; ++j_)");
+  ++indent_;
+  std::string stores;
+  for (int b : partial_buffers_) {
+    std::string bs = std::to_string(b);
+    stores += " " + store(b, "slot_ * cols + c_ + j_", "pp" + bs + "[it_ * " + V + " + j_]");
+  }
+  line("if (c_ + j_ < cols) {" + stores + " }");
+  indent_ -= 2;
+  line("}");
+  --indent_;
+  line("}");
 }
 
 void CudaEmitter::row_kernel(const std::string& name, int vec) {
@@ -264,10 +305,17 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   cache_ = RowCachePlan{};
   if (known && k_->stages.size() > 1) {
     StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
-    RowCachePlan frontier = plan_row_cache(*k_, key, false), loads = plan_row_cache(*k_, key, true);
+    bool invariant = env_int("OPFUSE_ROW_CACHE_INVARIANT", 0) != 0;  // the plan before row-invariant values were reloaded
+    RowCachePlan frontier = plan_row_cache(*k_, key, false, invariant), loads = plan_row_cache(*k_, key, true, invariant);
     cache_ = frontier.slots() <= loads.slots() ? frontier : loads;
   }
-  bool cluster_ok = arch_ >= 90;
+  partial_buffers_.clear();
+  for (size_t b = 0; b < k_->buffers.size(); ++b)
+    if (k_->buffers[b].partials) partial_buffers_.push_back(static_cast<int>(b));
+  bool partials = !partial_buffers_.empty();
+  if (partials && (!known || k_->parts <= 0))
+    throw std::runtime_error("opfuse: column partials need a row length known when the kernel is generated");
+  bool cluster_ok = arch_ >= 90 && !partials;  // partials need each row whole in one block
   for (const KStage& st : k_->stages)
     for (const KAccumulator& a : st.accs)
       if (a.combiner != "sum" && a.combiner != "max" && a.combiner != "min" && a.combiner != "prod") cluster_ok = false;
@@ -294,6 +342,23 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     }
     cache_ = RowCachePlan{};
   }
+  partial_items_ = 0;
+  if (partials) {
+    // At most 16 partial values a thread per partials buffer: more threads
+    // (or lanes) per row where the row would need more.
+    int64_t nv = ceil_div(ncols, vec);
+    if (g.grouped) {
+      while (g.lanes < 32 && ceil_div(nv, g.lanes) * vec > 16) g.lanes *= 2;
+      g.rows_per_block = g.threads / g.lanes;
+      if (g.items > 0) g.items = static_cast<int>(ceil_div(nv, g.lanes));
+    } else {
+      while (g.threads < 1024 && ceil_div(nv, g.threads) * vec > 16) g.threads *= 2;
+      if (g.items > 0) g.items = static_cast<int>(ceil_div(nv, g.threads));
+    }
+    partial_items_ = static_cast<int>(ceil_div(nv, g.grouped ? g.lanes : g.threads));
+    if (k_->parts % g.rows_per_block != 0)
+      throw std::runtime_error("opfuse: column partials' parts must be a multiple of the rows a block takes");
+  }
   caching_ = g.items > 0 && cache_.slots() > 0;
   grouped_rows_ = g.grouped;
   lanes_ = g.lanes;
@@ -303,6 +368,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   launch_.rows_per_block = g.rows_per_block;
   launch_.cluster = cluster_;
   launch_.items = caching_ ? g.items : 0;
+  launch_.parts = partials ? k_->parts : 0;
   int threads_per_row = columns_ ? g.threads / 32 : grouped_rows_ ? lanes_ : g.threads;
 
   // The body is printed to a side buffer first: the register arrays and
@@ -371,6 +437,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   line("const int64_t rows = " + size_c(split.rows) + ";");
   line("const int64_t cols = " + size_c(split.cols) + ";");
+  auto partial_declarations = [&]() {
+    for (int b : partial_buffers_)
+      line(value_type(k_->buffers[static_cast<size_t>(b)].dtype) + " pp" + std::to_string(b) + "[" +
+           std::to_string(partial_items_ * vec) + "] = {};");
+  };
   std::string chunk = std::to_string(static_cast<int64_t>(g.items) * threads_per_row * vec);
   if (columns_) {
     // Lanes take neighbouring outputs, warps (and cluster blocks) split the
@@ -388,6 +459,18 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       line("const int64_t cbegin_ = 0, cend_ = cols;");
     }
     line("{");
+  } else if (grouped_rows_ && partials) {
+    // Column partials: the block's groups step through the rows together
+    // (every lane takes part in each row's shuffles); a group past the last
+    // row redoes it without adding to its partials.
+    std::string RPB = std::to_string(g.rows_per_block), L = std::to_string(lanes_);
+    line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
+    line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
+    partial_declarations();
+    line("for (int64_t rbase_ = (int64_t)blockIdx.x * " + RPB + "; rbase_ < rows; rbase_ += (int64_t)gridDim.x * " + RPB + ") {");
+    line("  int64_t row_ = rbase_ + threadIdx.x / " + L + ";");
+    line("  const bool real_ = row_ < rows;");
+    line("  if (!real_) row_ = rows - 1;");
   } else if (grouped_rows_) {
     // A group past the last row redoes the last row (same values to the same
     // places) rather than leaving its warp's shuffles short of lanes.
@@ -405,7 +488,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   } else {
     line("const int tid_ = threadIdx.x;");
     line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
+    partial_declarations();
     line("for (int64_t row_ = blockIdx.x; row_ < rows; row_ += gridDim.x) {");
+    if (partials) line("  const bool real_ = true;");
   }
   line("  (void)cbase_; (void)cbegin_; (void)cend_;");
   for (int i = 0; i < cache_.slots() && caching_; ++i)
@@ -413,6 +498,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
          std::to_string(g.items * vec) + "];");
   out_ << body;
   line("}");
+  if (partials)
+    store_partials(threads_per_row, grouped_rows_ ? "(int64_t)blockIdx.x * " + std::to_string(g.rows_per_block) + " + threadIdx.x / " +
+                                                        std::to_string(lanes_)
+                                                  : "(int64_t)blockIdx.x");
   if (cluster_ > 1) line("opf_cluster_sync();");
   --indent_;
   line("}");

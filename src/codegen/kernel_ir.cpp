@@ -27,6 +27,7 @@ std::string stmt_str(const KStmt& s) {
     }
     case KStmt::Store: os << "store b" << s.buffer << index_str(s.index) << " = " << v(s.args[0]); break;
     case KStmt::Update: os << "acc" << s.acc << " <- " << v(s.args[0]); break;
+    case KStmt::Partial: os << "partial b" << s.buffer << " += " << v(s.args[0]); break;
   }
   os << " : " << dtype_name(s.type);
   return os.str();

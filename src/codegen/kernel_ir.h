@@ -21,13 +21,17 @@ struct KBuffer {
   Shape shape;
   bool strided = false;  // a graph input: strides come at run time; else contiguous
   bool written = false;  // an output of this kernel
+  bool partials = false; // a column_partials node: filled by Partial statements
 };
 
 struct KStmt {
-  enum Kind { Load, Const, Compute, Cast, Store, Update } kind = Compute;
+  // Partial: adds args[0] into this thread's running column partial of
+  // `buffer` (a column_partials node; written once after the rows, by the
+  // emitter).
+  enum Kind { Load, Const, Compute, Cast, Store, Update, Partial } kind = Compute;
   int dst = -1;               // value defined (Load, Const, Compute, Cast)
   DType type = DType::Float32;  // type of dst (a compute type)
-  int buffer = -1;            // Load / Store
+  int buffer = -1;            // Load / Store / Partial
   std::vector<Expr> index;    // Load / Store: the multi-index into the buffer
   Node node;                  // Compute: the op and its attributes
   std::vector<int> args;      // operand values
@@ -64,6 +68,7 @@ struct KernelIR {
   std::vector<KStage> stages;
   std::vector<DType> value_types;  // by value id
   std::vector<std::string> symbols;  // size symbols used, in order
+  int64_t parts = 0;               // column_partials' parts (0: none); rows are dealt out modulo parts
 
   std::string to_string() const;
 };

@@ -96,6 +96,7 @@ class Lowerer {
 
   KernelIR run() {
     if (ir_.row) lower_reductions();
+    lower_partials();
     lower_stores();
     std::vector<std::string> syms;
     for (auto& d : ir_.domain) collect_symbols(d, &syms);
@@ -128,6 +129,7 @@ class Lowerer {
     b.shape = n.shape;
     b.strided = n.op == "input";
     b.written = written;
+    b.partials = written && n.op == "column_partials";
     if (!written) buffer_of_[node] = static_cast<int>(ir_.buffers.size());
     ir_.buffers.push_back(b);
   }
@@ -158,7 +160,7 @@ class Lowerer {
   }
 
   int emit(KStmt s) {
-    if (s.kind != KStmt::Store && s.kind != KStmt::Update) s.dst = new_value(s.type, s.varying);
+    if (s.kind != KStmt::Store && s.kind != KStmt::Update && s.kind != KStmt::Partial) s.dst = new_value(s.type, s.varying);
     int dst = s.dst;
     (s.varying ? stage().loop : stage().pre).push_back(std::move(s));
     return dst;
@@ -365,7 +367,7 @@ class Lowerer {
     };
     std::vector<int> reds;
     for (int r : k_.roots)
-      if (op_def(g_.node(r)).kind == OpKind::Reduction) reds.push_back(r);
+      if (op_def(g_.node(r)).kind == OpKind::Reduction && g_.node(r).op != "column_partials") reds.push_back(r);
     int max_level = 0;
     for (int r : reds) max_level = std::max(max_level, level_of(r));
     for (int lv = 1; lv <= max_level; ++lv) {
@@ -422,11 +424,39 @@ class Lowerer {
     return idx;
   }
 
+  // column_partials roots: in the last stage, each element of the row adds
+  // its value into its column's partial (the emitter keeps the partials and
+  // writes them after the rows).
+  void lower_partials() {
+    for (size_t b = 0; b < ir_.buffers.size(); ++b) {
+      const KBuffer& buf = ir_.buffers[b];
+      const Node& p = g_.node(buf.node);
+      if (p.op != "column_partials" || !here(p.id)) continue;
+      if (!ir_.row) throw LoweringConflict(p.where() + ": column partials need a row kernel");
+      size_t lead = reduction_dims(p, g_.node(p.inputs[0]).rank()).size();
+      std::vector<int64_t> trailing;
+      for (size_t a = lead; a < ir_.domain.size(); ++a) trailing.push_back(static_cast<int64_t>(a));
+      if (ir_.reduce_axes != trailing || !same_shape(g_.node(p.inputs[0]).shape, ir_.domain))
+        throw LoweringConflict(p.where() + ": its rows are not this kernel's rows");
+      int64_t parts = p.get_int("parts");
+      if (ir_.parts != 0 && ir_.parts != parts) throw LoweringConflict(p.where() + ": partials with different parts");
+      ir_.parts = parts;
+      stage();
+      int v = convert(value_at(p.inputs[0], vars_), compute_dtype(p.dtype));
+      KStmt s;
+      s.kind = KStmt::Partial;
+      s.buffer = static_cast<int>(b);
+      s.args = {v};
+      s.varying = true;
+      stage().loop.push_back(s);
+    }
+  }
+
   void lower_stores() {
     stage();
     for (size_t b = 0; b < ir_.buffers.size(); ++b) {
       const KBuffer& buf = ir_.buffers[b];
-      if (!buf.written) continue;
+      if (!buf.written || buf.partials) continue;
       const Node& root = g_.node(buf.node);
       std::vector<Expr> idx;
       bool full = root.rank() == static_cast<int>(ir_.domain.size());

@@ -1,6 +1,7 @@
 #include "codegen/row_cache_plan.h"
 
 #include <algorithm>
+#include <set>
 #include <sstream>
 
 namespace opfuse {
@@ -18,9 +19,17 @@ struct Cached {
   std::vector<std::pair<size_t, int>> readers;
 };
 
+bool mentions(const Expr& e, const std::set<std::string>& vars) {
+  if (!e) return false;
+  if (e->kind == ExprNode::Var && vars.count(e->name)) return true;
+  for (auto& a : e->args)
+    if (mentions(a, vars)) return true;
+  return false;
+}
+
 }  // namespace
 
-RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loads_only) {
+RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loads_only, bool cache_row_invariant) {
   RowCachePlan p;
   size_t ns = k.stages.size();
   p.read.resize(ns);
@@ -29,10 +38,30 @@ RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loa
   struct Computed { size_t stage, pos; int value; };
   std::map<std::string, Computed> computed;  // key -> where first computed
   std::map<std::string, Cached> cached;
+  // Values the same for every row (a weight, bias or their products) are
+  // not cached: each stage reloads them, from L1, and their registers hold
+  // more of the row instead (layer_norm backward caches dy and x, not w too).
+  std::set<std::string> kept_vars;
+  for (size_t a = 0; a < k.domain.size(); ++a)
+    if (std::find(k.reduce_axes.begin(), k.reduce_axes.end(), static_cast<int64_t>(a)) == k.reduce_axes.end())
+      kept_vars.insert("x" + std::to_string(a));
   for (size_t s = 0; s < ns; ++s) {
     const std::vector<KStmt>& loop = k.stages[s].loop;
     std::map<int, std::string> value_key;
     std::vector<std::string> keys(loop.size());
+    std::set<int> row_invariant;
+    for (size_t i = 0; i < loop.size(); ++i) {
+      const KStmt& st = loop[i];
+      bool inv = st.kind == KStmt::Const || (st.kind == KStmt::Load && !std::any_of(st.index.begin(), st.index.end(), [&](const Expr& e) {
+                                               return mentions(e, kept_vars);
+                                             }));
+      if (st.kind == KStmt::Compute || st.kind == KStmt::Cast) {
+        inv = !st.args.empty();
+        for (int a : st.args) inv = inv && row_invariant.count(a);
+        for (auto& e : st.index) inv = inv && !mentions(e, kept_vars);
+      }
+      if (inv && st.dst >= 0 && !cache_row_invariant) row_invariant.insert(st.dst);
+    }
     for (size_t i = 0; i < loop.size(); ++i) {
       std::vector<std::string> args;
       for (int a : loop[i].args) {
@@ -49,12 +78,12 @@ RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loa
     std::vector<bool> emitted(loop.size(), false);
     for (size_t i = loop.size(); i-- > 0;) {
       const KStmt& st = loop[i];
-      bool effect = st.kind == KStmt::Store || st.kind == KStmt::Update;
+      bool effect = st.kind == KStmt::Store || st.kind == KStmt::Update || st.kind == KStmt::Partial;
       if (!effect && !needed.count(st.dst)) {
         p.skip[s].insert(st.dst);
         continue;
       }
-      bool reusable = !effect && st.varying && (!loads_only || st.kind == KStmt::Load);
+      bool reusable = !effect && st.varying && (!loads_only || st.kind == KStmt::Load) && !row_invariant.count(st.dst);
       auto earlier = reusable ? computed.find(keys[i]) : computed.end();
       if (earlier != computed.end()) {
         const Computed& w = earlier->second;
@@ -67,7 +96,7 @@ RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loa
       for (int a : st.args) needed.insert(a);
     }
     for (size_t i = 0; i < loop.size(); ++i)
-      if (emitted[i] && loop[i].varying && loop[i].dst >= 0 && loop[i].kind != KStmt::Store && loop[i].kind != KStmt::Update)
+      if (emitted[i] && loop[i].varying && loop[i].dst >= 0 && loop[i].kind != KStmt::Store && loop[i].kind != KStmt::Update && loop[i].kind != KStmt::Partial)
         computed.emplace(keys[i], Computed{s, i, loop[i].dst});
   }
   // Register arrays: a value whose last read comes before another's write

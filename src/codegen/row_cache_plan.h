@@ -35,7 +35,9 @@ struct RowCachePlan {
 using StatementKey = std::function<std::string(const KStmt&, const std::vector<std::string>& arg_keys)>;
 
 // loads_only: cache only loads (the plan when the frontier is wider).
-RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loads_only);
+// cache_row_invariant: also cache values that are the same for every row
+// (weights, biases), which are otherwise reloaded from L1 in each stage.
+RowCachePlan plan_row_cache(const KernelIR& k, const StatementKey& key, bool loads_only, bool cache_row_invariant = false);
 
 std::string to_string(const RowCachePlan& p);
 

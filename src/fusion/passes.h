@@ -18,6 +18,10 @@ Graph decompose_composites(const Graph& g);
 // output depends on. Graph inputs are kept, in order, even when unused.
 Graph eliminate_common_subexpressions(const Graph& g);
 
+// CUDA only, after the passes above: sums over leading dims that a row
+// reduction's kernel can compute as partials (split_column_sums.cpp).
+Graph split_column_sums(const Graph& g);
+
 struct GraphPass {
   const char* name;
   Graph (*run)(const Graph&);

@@ -85,6 +85,9 @@ struct PlannerOptions {
   // float32 input, as autocast writes a linear layer) and write a float32
   // bias gradient (cuBLASLt's BIAS_DATA_TYPE). Off: those casts are kernels.
   bool gemm_float32_bias = false;
+  // Split sums over leading dims into per-block partials that a row kernel
+  // over the same rows computes (split_column_sums.cpp). CUDA only.
+  bool column_partials = false;
 };
 
 // Runs the graph passes and groups the realized nodes into kernels.

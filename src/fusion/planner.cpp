@@ -105,6 +105,13 @@ class Planner {
         k.kind = KernelGroup::Kind::Row;
         k.domain = x.shape;
         k.reduce_axes = reduction_dims(n, x.rank());
+        if (n.op == "column_partials") {
+          // Rows are the leading dims it sums over: the same loop nest as a
+          // row reduction over the trailing dims, which it can fuse into.
+          std::vector<int64_t> trailing;
+          for (int64_t a = static_cast<int64_t>(k.reduce_axes.size()); a < x.rank(); ++a) trailing.push_back(a);
+          k.reduce_axes = trailing;
+        }
       } else {
         k.domain = n.shape;
       }
@@ -290,7 +297,16 @@ class Planner {
     if (!can_lower(trial, t)) return false;
     // The memory gate: fusing must not raise the peak of live buffers
     // (horizontal fusion can start a buffer's life earlier).
-    if (peak_bytes(kernel_of) > peak_bytes(p_.kernel_of) * 1.001) return false;
+    // Column partials are exempt: they are at most an eighth of the rows
+    // they summarise (parts <= rows / 8, split_column_sums.cpp), which the
+    // kernel reads anyway, and fusing them saves a pass over those rows.
+    auto all_partials = [&](int k) {
+      for (int r : ks_[static_cast<size_t>(k)].roots)
+        if (g_.node(r).op != "column_partials") return false;
+      return true;
+    };
+    bool only_partials = all_partials(a) || all_partials(b);
+    if (!only_partials && peak_bytes(kernel_of) > peak_bytes(p_.kernel_of) * 1.001) return false;
     ks_[static_cast<size_t>(a)] = m;
     ks_[static_cast<size_t>(b)].roots.clear();
     alive_[static_cast<size_t>(b)] = false;
@@ -390,6 +406,7 @@ FusionPlan plan_fusion(const Graph& g, const PlannerOptions& opt) {
   FusionPlan plan;
   plan.graph = g;
   for (const GraphPass& pass : graph_passes()) plan.graph = pass.run(plan.graph);
+  if (opt.column_partials) plan.graph = split_column_sums(plan.graph);
   Planner(plan, opt).run();
   return plan;
 }

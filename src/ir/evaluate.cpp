@@ -192,6 +192,20 @@ void eval_reduction(const Node& n, const HostTensor& x, HostTensor& out) {
   store(out, std::move(result));
 }
 
+// column_partials (ops.cpp): leading index i goes to part i % parts.
+void eval_column_partials(const Node& n, const HostTensor& x, HostTensor& out) {
+  int64_t rank = static_cast<int64_t>(x.shape.size());
+  size_t lead = reduction_dims(n, rank).size();
+  int64_t outer = 1, inner = 1;
+  for (size_t i = 0; i < x.shape.size(); ++i) (i < lead ? outer : inner) *= x.shape[i];
+  int64_t parts = n.get_int("parts");
+  Values result(static_cast<size_t>(parts * inner), 0.0);
+  for (int64_t i = 0; i < outer; ++i)
+    for (int64_t c = 0; c < inner; ++c)
+      result[static_cast<size_t>((i % parts) * inner + c)] += x.data[static_cast<size_t>(i * inner + c)];
+  store(out, std::move(result));
+}
+
 // ---- layout ----------------------------------------------------------------
 
 void eval_layout(const Node& n, const std::vector<const HostTensor*>& in, HostTensor& out) {
@@ -329,7 +343,10 @@ HostTensor evaluate_node(const Graph& g, const Node& n, const std::vector<const 
       store(out, {n.get_float("value")});
       break;
     case OpKind::Elementwise: eval_elementwise(g, n, def, inputs, out); break;
-    case OpKind::Reduction: eval_reduction(n, *inputs[0], out); break;
+    case OpKind::Reduction:
+      if (n.op == "column_partials") eval_column_partials(n, *inputs[0], out);
+      else eval_reduction(n, *inputs[0], out);
+      break;
     case OpKind::Broadcast:
     case OpKind::Layout: eval_layout(n, inputs, out); break;
     case OpKind::Composite: eval_detail::evaluate_composite(n, inputs, out); break;

@@ -361,6 +361,34 @@ void def_reductions() {
   }
 }
 
+// column_partials: the first step of a sum over the leading dims `dims`
+// (= [0, k)) split in two. out[p, rest...] sums x over the leading index i
+// (flattened) with i % parts == p; the sum over dim 0 of it finishes the
+// reduction. Made by the split_column_sums pass so that a row kernel over
+// the same domain can compute the partials while it reads the rows (a
+// layer_norm backward's weight and bias gradients beside dx).
+void def_column_partials() {
+  OpDef d;
+  d.name = "column_partials";
+  d.kind = OpKind::Reduction;
+  d.min_inputs = d.max_inputs = 1;
+  d.infer = [](const Graph& g, Node& n) {
+    const Node& x = g.node(n.inputs[0]);
+    auto dims = reduction_dims(n, x.rank());
+    for (size_t i = 0; i < dims.size(); ++i)
+      if (dims[i] != static_cast<int64_t>(i)) throw GraphError(n.where() + ": 'dims' must be the leading dims");
+    if (dims.empty() || static_cast<int64_t>(dims.size()) >= x.rank())
+      throw GraphError(n.where() + ": needs at least one kept trailing dim and one reduced leading dim");
+    int64_t parts = n.get_int("parts");
+    if (parts < 1) throw GraphError(n.where() + ": 'parts' must be positive");
+    if (!is_floating(x.dtype)) throw GraphError(n.where() + ": needs a floating input");
+    n.shape = {cst(parts)};
+    for (size_t i = dims.size(); i < x.shape.size(); ++i) n.shape.push_back(x.shape[i]);
+    n.dtype = x.dtype == DType::Float64 ? DType::Float64 : DType::Float32;
+  };
+  registry()["column_partials"] = d;
+}
+
 void def_layout() {
   auto def = [](const std::string& name, OpKind kind, int lo, int hi, std::function<void(const Graph&, Node&)> f) {
     OpDef d;
@@ -545,6 +573,7 @@ bool registered = [] {
   def_gemm();
   register_elementwise();
   def_reductions();
+  def_column_partials();
   def_layout();
   def_composite();
   return true;

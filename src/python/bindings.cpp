@@ -1,5 +1,7 @@
 // The nanobind module opfuse._C: the C++ core as Python sees it. Tensors
 // cross as raw pointers, shapes and strides, so no libtorch is linked.
+#include <cstdlib>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -181,6 +183,9 @@ NB_MODULE(_C, m) {
              int level = gemm_epilogues < 0 ? (opt.target == Target::CUDA ? 2 : 0) : gemm_epilogues;
              opt.planner.gemm_epilogues = level >= 1;
              opt.planner.gemm_float32_bias = level >= 2;
+             // Column partials in row kernels on the GPU (OPFUSE_COLUMN_PARTIALS=0: off, for comparisons).
+             const char* cp = std::getenv("OPFUSE_COLUMN_PARTIALS");
+             opt.planner.column_partials = opt.target == Target::CUDA && fuse && !(cp && std::string(cp) == "0");
              if (bandwidth > 0) opt.planner.bandwidth_bytes_per_s = bandwidth;
              if (flops > 0) opt.planner.flops_per_s = flops;
              Graph g = parse_graph(text);

@@ -413,7 +413,11 @@ void CompiledGraph::launch_cuda_kernel(const Variant& v, size_t i, const std::ve
       int rpb = vec_ok ? cl.vec_rows_per_block : cl.rows_per_block;
       int cluster = vec_ok ? cl.vec_cluster : cl.cluster;
       if (vec_ok) threads = static_cast<unsigned>(cl.vec_threads);
-      if (cluster > 1) {
+      if (cl.parts > 0) {
+        // Column partials: block b (with its rpb row groups) owns parts
+        // [b * rpb, (b + 1) * rpb) and steps through the rows modulo parts.
+        grid = static_cast<unsigned>(cl.parts / rpb);
+      } else if (cluster > 1) {
         // Exactly one cluster per row (per 32 outputs of a column reduction): the kernel has no loop over rows.
         int64_t blocks = (rows + rpb - 1) / rpb * cluster;
         if (blocks > (int64_t{1} << 31) - 1) throw std::runtime_error("opfuse: too many rows for a cluster row kernel");

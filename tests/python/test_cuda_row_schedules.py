@@ -201,3 +201,38 @@ def test_online_softmax_pass_with_special_values(dtype):
         out = torch.compile(fn, backend="opfuse", dynamic=False)(x)
         ref = fn(x.double()).to(dtype)
         torch.testing.assert_close(out, ref, equal_nan=True, **TOL[dtype])
+
+
+# Column partials (split_column_sums.cpp): dweight and dbias summed per block
+# inside the dx kernel, then over the blocks. Lane groups (256, 1000), a block
+# per row with the row cached (4096) or looped on the scalar twin (1031, not
+# a multiple of 8), rows not a multiple of the parts, 3-D inputs.
+@pytest.mark.parametrize("shape", [(32768, 256), (4099, 1000), (2048, 1031), (3000, 4096), (3, 1401, 768)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_weight_gradients_from_column_partials(shape, dtype, tmp_path, monkeypatch):
+    cols = shape[-1]
+    x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(*shape, device="cuda", dtype=dtype)
+    for name, fn, params in (("ln", layer_norm, (x, w, b)), ("rms", rms_norm, (x, w))):
+        monkeypatch.setenv("OPFUSE_DUMP", str(tmp_path / name))
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda x, w, b: fn(x, w, b), backend="opfuse", dynamic=False)
+        out = compiled(x, w, b)
+        grads = torch.autograd.grad(out, params, dy)
+        # The backward's plan: one kernel stores dx and every weight/bias
+        # partial (dy and x read once); the partials' sums are small kernels.
+        plans = [p.read_text() for p in (tmp_path / name).rglob("*backward*plan.txt")]
+        kernels = [line for t in plans for line in t.splitlines() if line.startswith("kernel ")]
+        fused = [k for k in kernels if "column_partials" in k.split("stores=")[1]]
+        assert len(fused) == 1, "\n".join(plans)
+        stores = fused[0].split("stores=")[1].split(" reads=")[0]
+        assert stores.count("column_partials") == len(params) - 1 and stores.count(":") == len(params), fused[0]
+        xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+        refs = torch.autograd.grad(fn(xd, wd, bd), (xd, wd, bd)[:len(params)], dy.double())
+        eager = torch.autograd.grad(fn(x, w, b), params, dy)
+        for g, r, e in zip(grads, refs, eager):
+            assert g.dtype == e.dtype and g.shape == e.shape
+            err = (g.double() - r).abs().max().item()
+            assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, (name, err)

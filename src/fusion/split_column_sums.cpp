@@ -1,0 +1,112 @@
+// split_column_sums: a sum over the leading dims of a value that a row
+// reduction over the trailing dims also reads becomes column_partials
+// (ops.cpp) followed by a sum over the partials' dim 0.
+//
+// Why: layer_norm's backward computes dx per row (a row reduction over the
+// trailing dims) and dweight, dbias per column (sums over the leading dims)
+// from the same dy and x. As two kernels both read dy and x, 5 passes over
+// memory where 3 are the floor (60% at best). The partials share the row
+// kernel's domain and reduce axes, so the planner fuses them into it: each
+// block (or lane group) adds its rows' values into registers and writes one
+// partial row at the end; a small column reduction of [parts, cols] float32
+// finishes (docs/perf-notes.md, "layer_norm backward").
+//
+// CUDA only (PlannerOptions::column_partials): the row emitter of the CPU
+// backend does not compute partials. Only for shapes known at compile time,
+// with at least 2048 rows (so each part gets several rows) and rows of at
+// most 8192 elements (the partials live in registers).
+#include <algorithm>
+
+#include "fusion/passes.h"
+#include "ir/ops.h"
+
+namespace opfuse {
+namespace {
+
+constexpr int64_t kMinRows = 2048;
+constexpr int64_t kMaxCols = 8192;
+
+bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) {
+    int64_t c = 0;
+    if (!is_const(s[i], &c)) return false;
+    p *= c;
+  }
+  *out = p;
+  return true;
+}
+
+// Parts: a power of two from 256 with at least 8 rows a part, so the
+// partials are at most an eighth of the rows. The grid is parts / (rows a
+// block takes): a block per row for rows over 1024 elements (up to 1024
+// blocks), lane groups of 8 to 32 rows a block for shorter rows (up to
+// 8192 parts, so that there are still hundreds of blocks). Powers of two
+// from 256 are multiples of every rows-per-block the emitter uses.
+int64_t parts_for(int64_t rows, int64_t cols) {
+  int64_t most = cols <= 1024 ? 8192 : 1024;
+  int64_t p = 256;
+  while (p < most && p * 2 * 8 <= rows) p *= 2;
+  return p;
+}
+
+// The number of leading dims `n` sums over, or 0 when it is not a sum over
+// leading dims that keeps at least one trailing dim.
+size_t leading_sum_dims(const Graph& g, const Node& n) {
+  if (n.op != "sum") return 0;
+  const Node& x = g.node(n.inputs[0]);
+  if (!is_floating(x.dtype) || x.dtype == DType::Float64 || !is_floating(n.dtype)) return 0;
+  auto dims = reduction_dims(n, x.rank());
+  for (size_t i = 0; i < dims.size(); ++i)
+    if (dims[i] != static_cast<int64_t>(i)) return 0;
+  return dims.size() < static_cast<size_t>(x.rank()) ? dims.size() : 0;
+}
+
+// A row reduction over dims [lead, rank) of a value shaped like `shape`.
+bool has_row_partner(const Graph& g, const Shape& shape, size_t lead) {
+  for (const Node& r : g.nodes) {
+    if (op_def(r).kind != OpKind::Reduction || r.op == "column_partials") continue;
+    const Node& x = g.node(r.inputs[0]);
+    if (!same_shape(x.shape, shape)) continue;
+    auto dims = reduction_dims(r, x.rank());
+    bool trailing = dims.size() == shape.size() - lead;
+    for (size_t i = 0; trailing && i < dims.size(); ++i) trailing = dims[i] == static_cast<int64_t>(lead + i);
+    if (trailing) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Graph split_column_sums(const Graph& g) {
+  Graph out;
+  std::vector<int> remap(g.nodes.size(), -1);
+  for (const Node& n : g.nodes) {
+    std::vector<int> ins;
+    for (int i : n.inputs) ins.push_back(remap[static_cast<size_t>(i)]);
+    if (n.op == "input" || n.op == "scalar") {
+      remap[static_cast<size_t>(n.id)] = out.add_typed(n.op, {}, n.attrs, n.dtype, n.shape);
+      continue;
+    }
+    size_t lead = leading_sum_dims(g, n);
+    int64_t rows = 0, cols = 0;
+    const Shape& xs = lead ? g.node(n.inputs[0]).shape : Shape{};
+    if (lead && known_product(xs, 0, lead, &rows) && known_product(xs, lead, xs.size(), &cols) && rows >= kMinRows &&
+        cols >= 1 && cols <= kMaxCols && has_row_partner(g, xs, lead)) {
+      std::vector<int64_t> dims;
+      for (size_t i = 0; i < lead; ++i) dims.push_back(static_cast<int64_t>(i));
+      int p = out.add("column_partials", ins, {{"dims", dims}, {"parts", parts_for(rows, cols)}});
+      bool keep = n.get_bool("keepdim", false);
+      int s = out.add("sum", {p}, {{"dims", std::vector<int64_t>{0}}, {"keepdim", keep}});
+      if (keep && lead > 1) s = out.add("reshape", {s}, {{"shape", n.shape}});
+      if (out.node(s).dtype != n.dtype) s = out.add("cast", {s}, {{"dtype", n.dtype}});
+      remap[static_cast<size_t>(n.id)] = s;
+      continue;
+    }
+    remap[static_cast<size_t>(n.id)] = out.add(n.op, ins, n.attrs);
+  }
+  for (int o : g.outputs) out.outputs.push_back(remap[static_cast<size_t>(o)]);
+  return out;
+}
+
+}  // namespace opfuse

@@ -1,0 +1,172 @@
+"""Column partials: a sum over leading dims that a row kernel over the same
+rows computes as it reads them (split_column_sums.cpp). Checked without a
+GPU: the op's reference semantics, the plan the CUDA target makes for a
+layer_norm backward (dx, dweight and dbias in one pass over dy and x), that
+the CPU target and small or symbolic shapes keep the plain sums, and that
+the kernels compile for sm_80 and sm_90 without spills. The GPU tests
+against float64 are in test_cuda_row_schedules.py."""
+import re
+
+import numpy as np
+import pytest
+
+from opfuse import _C
+
+
+def nvrtc_or_skip():
+    try:
+        return _C.nvrtc_version()
+    except Exception as e:  # no NVRTC on this machine
+        pytest.skip(f"NVRTC not available: {e}")
+
+
+def layer_norm_backward_ir(rows, cols, dt="bf16", lead=None):
+    """dx, dweight, dbias of layer_norm as AOTAutograd's graph has them."""
+    lead = lead or [rows]
+    shape = ", ".join(str(d) for d in lead + [cols])
+    stat = ", ".join(str(d) for d in lead + [1])
+    dims = ", ".join(str(i) for i in range(len(lead)))
+    return f"""graph {{
+  %0 = input() {{name="dy"}} : {dt}[{shape}]
+  %1 = input() {{name="x"}} : {dt}[{shape}]
+  %2 = input() {{name="mean"}} : f32[{stat}]
+  %3 = input() {{name="rstd"}} : f32[{stat}]
+  %4 = input() {{name="w"}} : {dt}[{cols}]
+  %5 = layer_norm_backward(%0, %1, %2, %3, %4) {{normalized_ndim=1}} : {dt}[{shape}]
+  %6 = cast(%0) {{dtype=f32}} : f32[{shape}]
+  %7 = cast(%1) {{dtype=f32}} : f32[{shape}]
+  %8 = sub(%7, %2) : f32[{shape}]
+  %9 = mul(%8, %3) : f32[{shape}]
+  %10 = mul(%6, %9) : f32[{shape}]
+  %11 = sum(%10) {{dims=[{dims}], keepdim=false}} : f32[{cols}]
+  %12 = cast(%11) {{dtype={dt}}} : {dt}[{cols}]
+  %13 = sum(%6) {{dims=[{dims}], keepdim=false}} : f32[{cols}]
+  %14 = cast(%13) {{dtype={dt}}} : {dt}[{cols}]
+  return (%5, %12, %14)
+}}"""
+
+
+def kernels_of(plan_text):
+    return [line for line in plan_text.splitlines() if line.startswith("kernel ")]
+
+
+def test_column_partials_reference_semantics():
+    ir = """graph {
+  %0 = input() {name="x"} : f32[5, 3, 4]
+  %1 = column_partials(%0) {dims=[0, 1], parts=4} : f32[4, 4]
+  return (%1)
+}"""
+    x = np.random.default_rng(0).standard_normal((5, 3, 4))
+    ((_, out),) = _C.evaluate(ir, [x])
+    rows = x.reshape(15, 4)
+    want = np.stack([rows[p::4].sum(0) for p in range(4)])
+    np.testing.assert_allclose(np.asarray(out).reshape(4, 4), want.astype(np.float32), rtol=1e-6)  # stored as float32
+
+
+@pytest.mark.parametrize("bad,why", [("dims=[1], parts=4", "leading"), ("dims=[0], parts=0", "positive"),
+                                     ("dims=[0, 1, 2], parts=4", "kept")])
+def test_column_partials_rejects_bad_attributes(bad, why):
+    ir = f"""graph {{
+  %0 = input() {{name="x"}} : f32[5, 3, 4]
+  %1 = column_partials(%0) {{{bad}}} : f32[4, 4]
+  return (%1)
+}}"""
+    with pytest.raises(Exception, match=why):
+        _C.verify(ir)
+
+
+@pytest.mark.parametrize("lead,cols", [([32768], 4096), ([262144], 256), ([4, 1031], 1000)])
+def test_cuda_plan_computes_weight_and_bias_gradients_beside_dx(lead, cols):
+    rows = int(np.prod(lead))
+    cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols, lead=lead), target="cuda")
+    ks = kernels_of(cg.plan_text())
+    # One pass over dy and x (dx and both partials), then two small column sums.
+    assert len(ks) == 3, cg.plan_text()
+    assert ks[0].split("stores=")[1].count("column_partials") == 2 and "reads=(%0:input,%1:input" in ks[0], ks[0]
+    parts = min(8192 if cols <= 1024 else 1024, max(256, 1 << (rows // 8).bit_length() - 1))
+    for k in ks[1:]:
+        assert f"row [{parts}, {cols}] reduce=[0]" in k, k
+
+
+def test_cpu_plan_and_small_or_unknown_shapes_keep_plain_sums():
+    cpu = _C.CompiledGraph(layer_norm_backward_ir(32768, 4096), target="cpu")
+    assert "column_partials" not in cpu.plan_text()
+    small = _C.CompiledGraph(layer_norm_backward_ir(1000, 4096), target="cuda")
+    assert "column_partials" not in small.plan_text()  # fewer than 2048 rows
+    wide = _C.CompiledGraph(layer_norm_backward_ir(8192, 16384), target="cuda")
+    assert "column_partials" not in wide.plan_text()  # partials would not fit in registers
+    sym = layer_norm_backward_ir(1, 1).replace("[1, 1]", "[s0, s1]").replace("[1]", "[s1]")
+    assert "column_partials" not in _C.CompiledGraph(sym, target="cuda").plan_text()
+
+
+@pytest.mark.parametrize("lead", [[4099], [3, 1401]])
+def test_keepdim_sums_split_too(lead):
+    """rms_norm's weight gradient in AOTAutograd's graph: sum(keepdim=True)."""
+    shape = ", ".join(str(d) for d in lead + [768])
+    kept = ", ".join("1" for _ in lead) + ", 768"
+    dims = ", ".join(str(i) for i in range(len(lead)))
+    ir = f"""graph {{
+  %0 = input() {{name="dy"}} : f32[{shape}]
+  %1 = input() {{name="x"}} : f32[{shape}]
+  %2 = mul(%0, %1) : f32[{shape}]
+  %3 = sum(%2) {{dims=[{dims}], keepdim=true}} : f32[{kept}]
+  %4 = sum(%2) {{dims=[{len(lead)}], keepdim=true}} : f32[{", ".join(str(d) for d in lead)}, 1]
+  return (%3, %4)
+}}"""
+    cg = _C.CompiledGraph(ir, target="cuda")
+    ks = kernels_of(cg.plan_text())
+    assert len(ks) == 2 and "column_partials" in ks[0], cg.plan_text()
+    assert list(cg.output_shape(0, [])) == [1] * len(lead) + [768]
+
+
+def test_switch_turns_column_partials_off(monkeypatch):
+    monkeypatch.setenv("OPFUSE_COLUMN_PARTIALS", "0")
+    cg = _C.CompiledGraph(layer_norm_backward_ir(32768, 4096), target="cuda")
+    assert "column_partials" not in cg.plan_text()
+
+
+def test_split_graph_evaluates_like_the_original():
+    """The CUDA plan's graph (partials, then a sum over them) against the
+    original graph on the float64 oracle."""
+    rows, cols = 2600, 24
+    ir = layer_norm_backward_ir(rows, cols, dt="f32")
+    cg = _C.CompiledGraph(ir, target="cuda")
+    split = cg.graph_text()
+    assert "column_partials" in split
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((rows, cols))
+    mean = x.mean(1, keepdims=True)
+    rstd = 1 / np.sqrt(x.var(1, keepdims=True) + 1e-5)
+    args = [np.ascontiguousarray(a) for a in (rng.standard_normal((rows, cols)), x, mean, rstd, rng.standard_normal(cols))]
+    want = _C.evaluate(ir, args)
+    got = _C.evaluate(split, args)
+    for (_, g), (_, w) in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def contiguous(shapes):
+    out = []
+    for s in shapes:
+        st, acc = [], 1
+        for d in reversed(s):
+            st.insert(0, acc)
+            acc *= d
+        out.append(st)
+    return out
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("lead,cols", [([32768], 4096), ([262144], 256), ([2048], 1031), ([4, 1031], 1000),
+                                       ([8192], 8192)])
+def test_partials_kernels_compile_without_spills(arch, lead, cols):
+    nvrtc_or_skip()
+    rows = int(np.prod(lead))
+    cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols, lead=lead), target="cuda")
+    assert "column_partials" in cg.plan_text()
+    shapes = [lead + [cols], lead + [cols], lead + [1], lead + [1], [cols]]
+    src = cg.cuda_source(shapes, contiguous(shapes), arch)
+    assert "pp" in src and "real_" in src
+    cubin, _, log = cg.compile_cuda(shapes, contiguous(shapes), arch, False)
+    assert len(cubin) > 0
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    assert spills and all(int(s) == 0 for s in spills), log[-3000:]
