@@ -69,7 +69,8 @@ def gemm_ceiling() -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--variants", action="store_true", help="also time the VARIANT_CONFIGS tiles")
+    ap.add_argument("--variants", nargs="?", const="all", choices=["all", "sm90"],
+                    help="also time the variant tiles (sm90: only the Hopper kernel's)")
     ap.add_argument("--quick", action="store_true", help="S in {2048, 8192} only")
     ap.add_argument("--seqlens", default=None, help="comma-separated S values")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; the best median is kept")
@@ -120,7 +121,7 @@ def main(argv=None):
                         if cfg != fwd.last_config:
                             impls[f"opfuse[{cfg.tag()}]"] = (
                                 lambda cfg=cfg: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
-                if a.variants:
+                if a.variants == "all":
                     for cfg in [ar.default_config(D, fwd.arch, fwd.smem_limit)] + ar.VARIANT_CONFIGS[D]:
                         if (cfg != cfg0 and f"opfuse[{cfg.tag()}]" not in impls
                                 and ar.smem_bytes(D, cfg) <= (fwd.smem_limit or 1 << 30)):
