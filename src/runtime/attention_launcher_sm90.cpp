@@ -18,6 +18,7 @@ namespace opfuse::attention {
 namespace {
 
 constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+constexpr int kDevAttrMultiprocessorCount = 16;  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 // cuda.h's CUtensorMap enums
 constexpr int kTmaBf16 = 9, kTmaF16 = 6;
 constexpr int kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2, kTmaOobZero = 0;
@@ -129,13 +130,13 @@ TensorMap encode(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64
 
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
-         (pingpong ? "p" : "");
+         (pingpong ? "p" : "") + (persistent ? "" : "n");
 }
 
 bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
 
 AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
-  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?))");
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
     throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
@@ -144,13 +145,14 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.block_n = std::stoi(m[2]);
   t.stages = std::stoi(m[3]);
   t.pingpong = m[4].length() > 0;
+  t.persistent = m[5].length() == 0;
   return t;
 }
 
 bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 128; }
 
 AttnSm90Tile attn_sm90_default_tile(int head_dim) {
-  if (head_dim == 64) return {128, 2, 4, true};
+  if (head_dim == 64) return {128, 3, 4, true};
   if (head_dim == 128) return {128, 2, 2, true};
   throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
 }
@@ -158,13 +160,14 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim) {
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   // Mirrors attn_runtime_sm90.VARIANT_SM90 (the benchmark's variants).
   std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim)};
-  if (head_dim == 64) r.insert(r.end(), {{128, 2, 4, false}, {128, 3, 4, false}, {128, 3, 4, true}});
-  else r.insert(r.end(), {{128, 2, 2, false}, {128, 2, 3, true}, {64, 2, 4, true}});
+  if (head_dim == 64) r.insert(r.end(), {{128, 3, 4, true, false}, {128, 2, 4, true}, {128, 3, 4, false}});
+  else r.insert(r.end(), {{128, 2, 2, true, false}, {128, 2, 2, false}, {128, 2, 3, true}});
   return r;
 }
 
 int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t) {
-  return t.block_m() * head_dim * 2 + 2 * t.stages * t.block_n * head_dim * 2 + 8 * (1 + 4 * t.stages) + 1024;
+  const int q = t.block_m() * head_dim * 2, kv = t.block_n * head_dim * 2, rest = 2 * t.stages * kv + 8 * (4 + 4 * t.stages) + 1024;
+  return (2 * q + rest <= 227 * 1024 ? 2 * q : q) + rest;
 }
 
 std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t) {
@@ -257,8 +260,23 @@ void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, 
   TensorMap tv = encode(a.elem, a.v, a.v_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(v)");
   AttnFwdParams params = p;
   void* args[] = {&params, tq.bytes, tk.bytes, tv.bytes};
-  const unsigned grid_x = static_cast<unsigned>((a.seqlen_q + tile.block_m() - 1) / tile.block_m());
-  check_cuda(c.LaunchKernel(fn, grid_x, static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.batch),
+  // Persistent: one CTA per SM (1 CTA fits an SM), each looping over tiles.
+  static std::map<CUcontext, int> sm_counts;
+  int sms = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    int& n = sm_counts[ctx];
+    if (n == 0) {
+      CUdevice dev = 0;
+      check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+      check_cuda(c.DeviceGetAttribute(&n, kDevAttrMultiprocessorCount, dev), "cuDeviceGetAttribute(SM count)");
+    }
+    sms = n;
+  }
+  const int64_t tiles = (a.seqlen_q + tile.block_m() - 1) / tile.block_m() * a.heads_q * a.batch;
+  if (tiles > INT32_MAX) throw std::invalid_argument("attention sm90: more than 2^31 tiles");
+  const unsigned grid_x = static_cast<unsigned>(tile.persistent && tiles > sms ? sms : tiles);
+  check_cuda(c.LaunchKernel(fn, grid_x, 1, 1,
                             static_cast<unsigned>(tile.threads()), 1, 1, static_cast<unsigned>(smem), stream, args, nullptr),
              "cuLaunchKernel(attention sm90)");
 }

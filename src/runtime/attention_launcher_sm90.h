@@ -15,11 +15,13 @@
 namespace opfuse::attention {
 
 // BLOCK_N keys per block, `consumers` warpgroups of 64 query rows each, a
-// `stages`-deep K/V ring, and ping-pong (consumers take turns issuing their
-// matrix products). Tag form "wg128x128s2p" (BLOCK_M x BLOCK_N, s stages, p).
+// `stages`-deep K/V ring, ping-pong (consumers take turns issuing their
+// matrix products), and (host only) a persistent grid of min(tiles, SMs) CTAs
+// rather than one CTA per tile. Tag form "wg128x128s2p" (BLOCK_M x BLOCK_N,
+// s stages, p ping-pong; a trailing "n": not persistent).
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
-  bool pingpong = true;
+  bool pingpong = true, persistent = true;
   int block_m() const { return 64 * consumers; }
   int threads() const { return 128 * (consumers + 1); }
   std::string tag() const;
@@ -32,7 +34,8 @@ bool attn_sm90_head_dim_supported(int64_t head_dim);  // 64, 128
 AttnSm90Tile attn_sm90_default_tile(int head_dim);
 // The default and the benchmark variants (what CI compiles).
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim);
-// Sm90Tile::kSmemBytes: Q, the K/V ring, the mbarriers, 1 KB to align the base.
+// Sm90Tile::kSmemBytes: Q (two buffers when they fit), the K/V ring, the
+// mbarriers, 1 KB to align the base.
 int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t);
 std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t);
 // False when OPFUSE_ATTN_SM90=0 (forces the mma.sync kernel, for comparison).

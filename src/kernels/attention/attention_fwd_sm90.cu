@@ -124,6 +124,14 @@ __device__ __forceinline__ bool vote_any(bool x) {
                : "r"((u32)x));
   return r != 0;
 }
+// threadIdx.x through an opaque read: values derived from it are recomputed
+// where they are used instead of being kept live (or spilled) across the
+// main loop.
+__device__ __forceinline__ int tid_opaque() {
+  int r;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
+  return r;
+}
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   u32 r;
   asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
@@ -358,12 +366,15 @@ struct Sm90Tile {
   static constexpr int kChunks64 = HEAD_DIM / 64;  // 128-byte column chunks of a row
   static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVBytes = BLOCK_N * HEAD_DIM * 2;  // one K or one V tile
-  // smem (from a 1024-byte aligned base): Q | K[STAGES] | V[STAGES] | barriers
-  static constexpr int kOffK = kQBytes;
+  static constexpr int kBarBytes = 8 * (4 + 4 * STAGES);
+  static constexpr int kLimit = 227 * 1024;
+  // Two Q buffers when they fit: the next tile's Q then loads while this
+  // tile's O is staged through (and stored from) its own Q buffer.
+  static constexpr int kQBufs = 2 * kQBytes + 2 * STAGES * kKVBytes + kBarBytes + 1024 <= kLimit ? 2 : 1;
+  // smem (from a 1024-byte aligned base): Q[kQBufs] | K[STAGES] | V[STAGES] | barriers
+  static constexpr int kOffK = kQBufs * kQBytes;
   static constexpr int kOffV = kOffK + STAGES * kKVBytes;
   static constexpr int kOffBar = kOffV + STAGES * kKVBytes;
-  // barriers: q_full, full_k[S], full_v[S], empty_k[S], empty_v[S]
-  static constexpr int kBarBytes = 8 * (1 + 4 * STAGES);
   // + 1024 so that the base can be aligned up by hand
   static constexpr int kSmemBytes = kOffBar + kBarBytes + 1024;
   // Registers per thread after setmaxnreg: the producer keeps the minimum,
@@ -377,13 +388,45 @@ struct Sm90Tile {
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128");
   static_assert(NUM_CONSUMERS >= 1 && NUM_CONSUMERS <= 3, "1 to 3 consumer warpgroups");
   static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 K/V stages");
-  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+  static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
 };
+
+// One output tile (BLOCK_M query rows of one (batch, head)): what it loads.
+struct TileWork {
+  int m_start, head, batch, head_kv;
+  int n_blocks;      // key blocks [0, n_blocks) are visible to some row; 0: none
+  int n_mask_start;  // key blocks >= this one need the mask
+};
+
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m, int t) {
+  TileWork w;
+  const int x = t % num_m, yz = t / num_m;
+  w.head = yz % p.heads_q;
+  w.batch = yz / p.heads_q;
+  w.head_kv = w.head / p.q_per_kv;
+  // Causal: within a head the heaviest query blocks (the last ones) come first.
+  const int m_block = IS_CAUSAL ? num_m - 1 - x : x;
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  w.m_start = m_block * BLOCK_M;
+  const int m_end = (w.m_start + BLOCK_M < Sq) ? w.m_start + BLOCK_M : Sq;
+  int key_end = Sk;
+  if (IS_CAUSAL) key_end = (m_end + Sk - Sq < Sk) ? m_end + Sk - Sq : Sk;
+  w.n_blocks = key_end > 0 ? (key_end + BLOCK_N - 1) / BLOCK_N : 0;
+  // Keys [0, full_end) are visible to every row of the tile.
+  int full_end = Sk;
+  if (IS_CAUSAL) full_end = (w.m_start + Sk - Sq + 1 < Sk) ? w.m_start + Sk - Sq + 1 : Sk;
+  w.n_mask_start = full_end > 0 ? full_end / BLOCK_N : 0;
+  return w;
+}
 
 // ---------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------
 
+// Persistent: CTA i computes the tiles i, i + gridDim.x, ... (tile t = m block
+// fastest, then head, then batch), so a grid of one CTA per SM overlaps one
+// tile's epilogue with the next tile's loads. Any grid size is correct.
 template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_N, int NUM_CONSUMERS, int STAGES, bool PINGPONG>
 __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     attention_fwd_sm90(const AttnFwdParams p, const __grid_constant__ TmaDesc tm_q, const __grid_constant__ TmaDesc tm_k,
@@ -391,6 +434,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   using Tile = Sm90Tile<HEAD_DIM, BLOCK_N, NUM_CONSUMERS, STAGES>;
   constexpr int BLOCK_M = Tile::kBlockM;
   constexpr int kChunks64 = Tile::kChunks64;
+  constexpr int kQBufs = Tile::kQBufs;
   constexpr int kNS = BLOCK_N / 2;   // S accumulator floats per thread
   constexpr int kNO = HEAD_DIM / 2;  // O accumulator floats per thread
 
@@ -398,11 +442,12 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   // TMA with the 128-byte swizzle and the wgmma descriptors (base offset 0)
   // need 1024-byte aligned tiles; the dynamic base is aligned up by hand.
   const u32 smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const u32 sQ = smem;
+  const u32 sQ0 = smem;
   const u32 sK0 = smem + Tile::kOffK;
   const u32 sV0 = smem + Tile::kOffV;
-  const u32 bar_q = smem + Tile::kOffBar;
-  const u32 bar_full_k = bar_q + 8;
+  const u32 bar_q_full = smem + Tile::kOffBar;  // [2]
+  const u32 bar_q_empty = bar_q_full + 16;      // [2]
+  const u32 bar_full_k = bar_q_empty + 16;      // [STAGES] each
   const u32 bar_full_v = bar_full_k + 8 * STAGES;
   const u32 bar_empty_k = bar_full_v + 8 * STAGES;
   const u32 bar_empty_v = bar_empty_k + 8 * STAGES;
@@ -411,42 +456,14 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   const int warpgroup = tid / 128;
   const int Sq = p.seqlen_q;
   const int Sk = p.seqlen_k;
-  // Causal: the heaviest query blocks (the last ones) are launched first.
-  const int m_block = IS_CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int head_kv = head / p.q_per_kv;
-  const int m_start = m_block * BLOCK_M;
-  const int m_end = (m_start + BLOCK_M < Sq) ? m_start + BLOCK_M : Sq;
-  // Keys [0, key_end) are visible to at least one row of the block.
-  int key_end = Sk;
-  if (IS_CAUSAL) key_end = (m_end + Sk - Sq < Sk) ? m_end + Sk - Sq : Sk;
-
-  char* o_base = (char*)p.o + 2 * (batch * p.o_batch_stride + head * p.o_head_stride);
-  const i64 o_rs = 2 * p.o_row_stride;
-  float* lse_base = p.lse ? p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride : nullptr;
-
-  if (key_end <= 0) {
-    // No row of the block sees a key: O = 0, LSE = -inf (before any barrier).
-    constexpr int kChunks = HEAD_DIM / 8;
-    for (int c = tid; c < BLOCK_M * kChunks; c += Tile::kThreads) {
-      const int row = m_start + c / kChunks;
-      if (row < Sq) store_zero16_global(o_base + row * o_rs + (c % kChunks) * 16);
-    }
-    if (lse_base)
-      for (int r = tid; r < BLOCK_M; r += Tile::kThreads)
-        if (m_start + r < Sq) store_f32_global(lse_base + m_start + r, neg_inf());
-    return;
-  }
-  const int n_blocks = (key_end + BLOCK_N - 1) / BLOCK_N;
-  // Keys [0, full_end) are visible to every row of the block: key blocks
-  // below n_mask_start need no mask.
-  int full_end = Sk;
-  if (IS_CAUSAL) full_end = (m_start + Sk - Sq + 1 < Sk) ? m_start + Sk - Sq + 1 : Sk;
-  const int n_mask_start = full_end > 0 ? full_end / BLOCK_N : 0;
+  const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
+  const int num_tiles = num_m * p.heads_q * p.batch;
 
   if (tid == 0) {
-    mbar_init(bar_q, 1);
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(bar_q_full + 8 * b, 1);
+      mbar_init(bar_q_empty + 8 * b, 4 * NUM_CONSUMERS);
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar_full_k + 8 * s, 1);
       mbar_init(bar_full_v + 8 * s, 1);
@@ -465,24 +482,34 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       prefetch_tma_desc(&tm_q);
       prefetch_tma_desc(&tm_k);
       prefetch_tma_desc(&tm_v);
-      mbar_arrive_expect_tx(bar_q, Tile::kQBytes);
-#pragma unroll
-      for (int c = 0; c < kChunks64; ++c) tma_load_4d(sQ + c * BLOCK_M * 128, &tm_q, c * 64, m_start, head, batch, bar_q);
-      for (int it = 0; it < n_blocks; ++it) {
-        const int n = n_blocks - 1 - it;
-        const int s = it % STAGES;
-        const u32 parity = ((it / STAGES) & 1) ^ 1;
-        const u32 sK = sK0 + s * Tile::kKVBytes, sV = sV0 + s * Tile::kKVBytes;
-        mbar_wait(bar_empty_k + 8 * s, parity);
-        mbar_arrive_expect_tx(bar_full_k + 8 * s, Tile::kKVBytes);
-#pragma unroll
-        for (int c = 0; c < kChunks64; ++c)
-          tma_load_4d(sK + c * BLOCK_N * 128, &tm_k, c * 64, n * BLOCK_N, head_kv, batch, bar_full_k + 8 * s);
-        mbar_wait(bar_empty_v + 8 * s, parity);
-        mbar_arrive_expect_tx(bar_full_v + 8 * s, Tile::kKVBytes);
+      int q_count = 0, kv_count = 0;
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+        const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+        if (w.n_blocks == 0) continue;  // the consumers write 0 / -inf
+        const int qb = q_count % kQBufs;
+        mbar_wait(bar_q_empty + 8 * qb, ((q_count / kQBufs) & 1) ^ 1);
+        ++q_count;
+        mbar_arrive_expect_tx(bar_q_full + 8 * qb, Tile::kQBytes);
+        const u32 sQ = sQ0 + qb * Tile::kQBytes;
 #pragma unroll
         for (int c = 0; c < kChunks64; ++c)
-          tma_load_4d(sV + c * BLOCK_N * 128, &tm_v, c * 64, n * BLOCK_N, head_kv, batch, bar_full_v + 8 * s);
+          tma_load_4d(sQ + c * BLOCK_M * 128, &tm_q, c * 64, w.m_start, w.head, w.batch, bar_q_full + 8 * qb);
+        for (int it = 0; it < w.n_blocks; ++it, ++kv_count) {
+          const int n = w.n_blocks - 1 - it;
+          const int s = kv_count % STAGES;
+          const u32 parity = ((kv_count / STAGES) & 1) ^ 1;
+          const u32 sK = sK0 + s * Tile::kKVBytes, sV = sV0 + s * Tile::kKVBytes;
+          mbar_wait(bar_empty_k + 8 * s, parity);
+          mbar_arrive_expect_tx(bar_full_k + 8 * s, Tile::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < kChunks64; ++c)
+            tma_load_4d(sK + c * BLOCK_N * 128, &tm_k, c * 64, n * BLOCK_N, w.head_kv, w.batch, bar_full_k + 8 * s);
+          mbar_wait(bar_empty_v + 8 * s, parity);
+          mbar_arrive_expect_tx(bar_full_v + 8 * s, Tile::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < kChunks64; ++c)
+            tma_load_4d(sV + c * BLOCK_N * 128, &tm_v, c * 64, n * BLOCK_N, w.head_kv, w.batch, bar_full_v + 8 * s);
+        }
       }
     }
   } else {
@@ -492,7 +519,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     const int lane = tid & 31;
     const int warp_in_wg = (tid / 32) & 3;
     const bool lane0 = lane == 0;
-    // Row of accumulator half h within the CTA tile.
+    // Row of accumulator half h within the tile: row_in_tile0 + 8 h.
     const int row_in_tile0 = wg * 64 + warp_in_wg * 16 + (lane >> 2);
     const float scale_log2 = p.scale_log2;
 
@@ -505,212 +532,251 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     auto turn_pass = [&]() {
       if constexpr (PINGPONG && NUM_CONSUMERS > 1) named_bar_arrive(1 + (wg + 1) % NUM_CONSUMERS, kPairThreads);
     };
-
-    // Descriptors. Q rows of this consumer: chunk c of the Q tile at
-    // sQ + c * BLOCK_M * 128, rows wg * 64 .. + 63 (8 KB, 1024-aligned).
-    auto q_desc = [&](int ks) {
-      return make_desc(sQ + (ks / 4) * BLOCK_M * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
-    };
-    auto k_desc = [&](u32 sK, int ks) { return make_desc(sK + (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32, 16, 1024); };
-    auto v_desc = [&](u32 sV, int kk) { return make_desc(sV + kk * 16 * 128, BLOCK_N * 128, 1024); };
-
-    float acc_s[kNS];
-    float acc_o[kNO];
-    u32 p_frag[BLOCK_N / 16][4];
-#pragma unroll
-    for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
-    float row_max[2] = {neg_inf(), neg_inf()};
-    float row_sum[2] = {0.f, 0.f};  // this thread's part of the row sums
-
-    auto issue_s = [&](u32 sK) {
-#pragma unroll
-      for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma_ss<Elem, BLOCK_N>(acc_s, q_desc(ks), k_desc(sK, ks), ks > 0);
-      wgmma_commit();
-    };
-    auto issue_pv = [&](u32 sV) {
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_o, p_frag[kk], v_desc(sV, kk), 1);
-      wgmma_commit();
-    };
     auto release = [&](u32 bar) {
       syncwarp();
       if (lane0) mbar_arrive(bar);
     };
 
-    // Mask of key block n: the ragged end of Sk and, when causal, keys past
-    // the diagonal of each row.
-    auto apply_mask = [&](int n) {
-      const int col0 = n * BLOCK_N + 2 * (lane & 3);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = m_start + row_in_tile0 + 8 * h;
-        int col_end = Sk;
-        if (IS_CAUSAL) col_end = (row + Sk - Sq + 1 < Sk) ? row + Sk - Sq + 1 : Sk;
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (col0 + 8 * j + e >= col_end) acc_s[4 * j + 2 * h + e] = neg_inf();
-      }
-    };
-
-    // Online softmax, part 1 (no access to O or P, so it may overlap P V):
-    // new row maxima (log2 units) and S -> exp2(S * scale_log2 - max) in place.
-    // Returns the correction factors of O and the row sums.
+    float acc_s[kNS];
+    float acc_o[kNO];
+    u32 p_frag[BLOCK_N / 16][4];
+    float row_max[2], row_sum[2];  // running max (log2 units); this thread's part of the row sums
     float corr[2];
     bool grow_any;
-    auto softmax_exp = [&]() {
-      float m_new[2];
-      bool grow = false;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = fmax2(acc_s[2 * h], acc_s[2 * h + 1]);
-#pragma unroll
-        for (int j = 1; j < BLOCK_N / 8; ++j) mx = fmax2(mx, fmax2(acc_s[4 * j + 2 * h], acc_s[4 * j + 2 * h + 1]));
-        mx = fmax2(mx, shfl_xor(mx, 1));
-        mx = fmax2(mx, shfl_xor(mx, 2));
-        m_new[h] = mx * scale_log2;  // -inf for a row whose keys are all masked
-        grow |= m_new[h] > row_max[h];
-      }
-      // The warp rescales only when one of its rows' max grew (uniform branch).
-      grow_any = vote_any(grow);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        corr[h] = 1.f;
-        if (grow_any) {
-          const float m_ref = fmax2(row_max[h], m_new[h]);
-          // -inf == -inf (a row that has seen no key yet) keeps corr = 1.
-          corr[h] = (m_ref == row_max[h]) ? 1.f : ex2(row_max[h] - m_ref);
-          row_max[h] = m_ref;
+
+    // Consumer 0 takes the first turn; the last consumer's final pass is
+    // matched by consumer 0's extra wait after the loop.
+    if (PINGPONG && NUM_CONSUMERS > 1 && wg == NUM_CONSUMERS - 1) named_bar_arrive(1, kPairThreads);
+
+    int q_count = 0, kv_count = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+      char* o_base = (char*)p.o + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
+      const i64 o_rs = 2 * p.o_row_stride;
+      float* lse_base = p.lse ? p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride : nullptr;
+      constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
+      const int tw = tid - 128 * warpgroup;  // thread in this consumer
+
+      if (w.n_blocks == 0) {
+        // No row of the tile sees a key: O = 0, LSE = -inf (this consumer's rows).
+#pragma unroll 1
+        for (int c = tw; c < 64 * kChunks; c += 128) {
+          const int row = w.m_start + wg * 64 + c / kChunks;
+          if (row < Sq) store_zero16_global(o_base + row * o_rs + (c % kChunks) * 16);
         }
-        // A row still at -inf has only masked scores: exp2(-inf - 0) = 0.
-        const float m_sub = (row_max[h] == neg_inf()) ? 0.f : row_max[h];
-        float sum = 0.f;
+        if (lse_base && tw < 64 && w.m_start + wg * 64 + tw < Sq)
+          store_f32_global(lse_base + w.m_start + wg * 64 + tw, neg_inf());
+        continue;
+      }
+
+      const int qb = q_count % kQBufs;
+      const u32 sQ = sQ0 + qb * Tile::kQBytes;
+      mbar_wait(bar_q_full + 8 * qb, (q_count / kQBufs) & 1);
+      ++q_count;
+
+      // Descriptors. Q rows of this consumer: chunk c of the Q tile at
+      // sQ + c * BLOCK_M * 128, rows wg * 64 .. + 63 (8 KB, 1024-aligned).
+      auto q_desc = [&](int ks) {
+        return make_desc(sQ + (ks / 4) * BLOCK_M * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
+      };
+      auto k_desc = [&](u32 sK, int ks) { return make_desc(sK + (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32, 16, 1024); };
+      auto v_desc = [&](u32 sV, int kk) { return make_desc(sV + kk * 16 * 128, BLOCK_N * 128, 1024); };
+      auto issue_s = [&](u32 sK) {
 #pragma unroll
-        for (int j = 0; j < BLOCK_N / 8; ++j)
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma_ss<Elem, BLOCK_N>(acc_s, q_desc(ks), k_desc(sK, ks), ks > 0);
+        wgmma_commit();
+      };
+      auto issue_pv = [&](u32 sV) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = ex2(acc_s[4 * j + 2 * h + e] * scale_log2 - m_sub);
-            acc_s[4 * j + 2 * h + e] = pv;
-            sum += pv;
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_o, p_frag[kk], v_desc(sV, kk), 1);
+        wgmma_commit();
+      };
+
+      // Mask of key block n: the ragged end of Sk and, when causal, keys past
+      // the diagonal of each row.
+      auto apply_mask = [&](int n) {
+        const int col0 = n * BLOCK_N + 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = w.m_start + row_in_tile0 + 8 * h;
+          int col_end = Sk;
+          if (IS_CAUSAL) col_end = (row + Sk - Sq + 1 < Sk) ? row + Sk - Sq + 1 : Sk;
+#pragma unroll
+          for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (col0 + 8 * j + e >= col_end) acc_s[4 * j + 2 * h + e] = neg_inf();
+        }
+      };
+
+      // Online softmax, part 1 (no access to O or P, so it may overlap P V):
+      // new row maxima (log2 units) and S -> exp2(S * scale_log2 - max) in
+      // place; sets the correction factors of O and updates the row sums.
+      auto softmax_exp = [&]() {
+        float m_new[2];
+        bool grow = false;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = fmax2(acc_s[2 * h], acc_s[2 * h + 1]);
+#pragma unroll
+          for (int j = 1; j < BLOCK_N / 8; ++j) mx = fmax2(mx, fmax2(acc_s[4 * j + 2 * h], acc_s[4 * j + 2 * h + 1]));
+          mx = fmax2(mx, shfl_xor(mx, 1));
+          mx = fmax2(mx, shfl_xor(mx, 2));
+          m_new[h] = mx * scale_log2;  // -inf for a row whose keys are all masked
+          grow |= m_new[h] > row_max[h];
+        }
+        // The warp rescales only when one of its rows' max grew (uniform branch).
+        grow_any = vote_any(grow);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          corr[h] = 1.f;
+          if (grow_any) {
+            const float m_ref = fmax2(row_max[h], m_new[h]);
+            // -inf == -inf (a row that has seen no key yet) keeps corr = 1.
+            corr[h] = (m_ref == row_max[h]) ? 1.f : ex2(row_max[h] - m_ref);
+            row_max[h] = m_ref;
           }
-        row_sum[h] = row_sum[h] * corr[h] + sum;
+          // A row still at -inf has only masked scores: exp2(-inf - 0) = 0.
+          const float m_sub = (row_max[h] == neg_inf()) ? 0.f : row_max[h];
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pv = ex2(acc_s[4 * j + 2 * h + e] * scale_log2 - m_sub);
+              acc_s[4 * j + 2 * h + e] = pv;
+              sum += pv;
+            }
+          row_sum[h] = row_sum[h] * corr[h] + sum;
+        }
+      };
+      // Part 2 (after the previous P V has completed): rescale O, P to 16 bits.
+      auto rescale_and_pack = [&]() {
+        if (grow_any) {
+#pragma unroll
+          for (int j = 0; j < HEAD_DIM / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              acc_o[4 * j + 2 * h] *= corr[h];
+              acc_o[4 * j + 2 * h + 1] *= corr[h];
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+          p_frag[kk][0] = pack2<Elem>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+          p_frag[kk][1] = pack2<Elem>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+          p_frag[kk][2] = pack2<Elem>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+          p_frag[kk][3] = pack2<Elem>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+        }
+      };
+
+#pragma unroll
+      for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
+      row_max[0] = row_max[1] = neg_inf();
+      row_sum[0] = row_sum[1] = 0.f;
+      const int n_blocks = w.n_blocks;
+
+      // ---- first key block: S only ----
+      {
+        const int n = n_blocks - 1;
+        const int s = kv_count % STAGES;
+        mbar_wait(bar_full_k + 8 * s, (kv_count / STAGES) & 1);
+        turn_wait();
+        wgmma_fence();
+        issue_s(sK0 + s * Tile::kKVBytes);
+        turn_pass();
+        wgmma_wait<0>();
+        fence_regs(acc_s);
+        release(bar_empty_k + 8 * s);
+        if (n >= w.n_mask_start) apply_mask(n);
+        softmax_exp();
+        rescale_and_pack();
       }
-    };
-    // Part 2 (after the previous P V has completed): rescale O, P to 16 bits.
-    auto rescale_and_pack = [&]() {
-      if (grow_any) {
-#pragma unroll
-        for (int j = 0; j < HEAD_DIM / 8; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            acc_o[4 * j + 2 * h] *= corr[h];
-            acc_o[4 * j + 2 * h + 1] *= corr[h];
-          }
+
+      // ---- key blocks 1 .. n_blocks-1: S(it) with P V(it - 1) ----
+      auto iteration = [&](const int it, const bool masked) {
+        const int n = n_blocks - 1 - it;
+        const int c = kv_count + it;
+        const int s = c % STAGES, sp = (c - 1) % STAGES;
+        mbar_wait(bar_full_k + 8 * s, (c / STAGES) & 1);
+        mbar_wait(bar_full_v + 8 * sp, ((c - 1) / STAGES) & 1);
+        turn_wait();
+        wgmma_fence();
+        issue_s(sK0 + s * Tile::kKVBytes);
+        issue_pv(sV0 + sp * Tile::kKVBytes);
+        turn_pass();
+        wgmma_wait<1>();  // S(it) is complete, P V(it - 1) may still run
+        fence_regs(acc_s);
+        release(bar_empty_k + 8 * s);
+        if (masked) apply_mask(n);
+        softmax_exp();
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+        release(bar_empty_v + 8 * sp);
+        rescale_and_pack();
+      };
+      int it = 1;
+      for (; it < n_blocks && n_blocks - 1 - it >= w.n_mask_start; ++it) iteration(it, true);
+      for (; it < n_blocks; ++it) iteration(it, false);
+
+      // ---- last P V ----
+      {
+        const int c = kv_count + n_blocks - 1;
+        const int sp = c % STAGES;
+        mbar_wait(bar_full_v + 8 * sp, (c / STAGES) & 1);
+        turn_wait();
+        wgmma_fence();
+        issue_pv(sV0 + sp * Tile::kKVBytes);
+        turn_pass();
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+        release(bar_empty_v + 8 * sp);
       }
+      kv_count += n_blocks;
+
+      // ---- epilogue: normalise, LSE, stage O in this consumer's Q rows, store ----
+      const int e_tid = tid_opaque();
+      const int e_lane = e_tid & 31;
+      const int e_row0 = wg * 64 + ((e_tid / 32) & 3) * 16 + (e_lane >> 2);  // row_in_tile0
+      const int e_tw = e_tid & 127;
+      float inv_sum[2];
 #pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        p_frag[kk][0] = pack2<Elem>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
-        p_frag[kk][1] = pack2<Elem>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
-        p_frag[kk][2] = pack2<Elem>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
-        p_frag[kk][3] = pack2<Elem>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+      for (int h = 0; h < 2; ++h) {
+        float s = row_sum[h];
+        s += shfl_xor(s, 1);
+        s += shfl_xor(s, 2);
+        inv_sum[h] = (s > 0.f) ? rcp(s) : 0.f;
+        const int row = w.m_start + e_row0 + 8 * h;
+        if (lse_base && (e_lane & 3) == 0 && row < Sq)
+          store_f32_global(lse_base + row, (s > 0.f) ? (row_max[h] + lg2(s)) * 0.69314718055994531f : neg_inf());
       }
-    };
-
-    if (PINGPONG && NUM_CONSUMERS > 1 && wg == NUM_CONSUMERS - 1) named_bar_arrive(1, kPairThreads);  // consumer 0 starts
-    mbar_wait(bar_q, 0);
-
-    // ---- first key block: S only ----
-    {
-      const int n = n_blocks - 1;
-      mbar_wait(bar_full_k, 0);
-      turn_wait();
-      wgmma_fence();
-      issue_s(sK0);
-      turn_pass();
-      wgmma_wait<0>();
-      fence_regs(acc_s);
-      release(bar_empty_k);
-      if (n >= n_mask_start) apply_mask(n);
-      softmax_exp();
-      rescale_and_pack();
-    }
-
-    // ---- key blocks 1 .. n_blocks-1: S(it) with P V(it - 1) ----
-    auto iteration = [&](const int it, const bool masked) {
-      const int n = n_blocks - 1 - it;
-      const int s = it % STAGES, sp = (it - 1) % STAGES;
-      mbar_wait(bar_full_k + 8 * s, (it / STAGES) & 1);
-      mbar_wait(bar_full_v + 8 * sp, ((it - 1) / STAGES) & 1);
-      turn_wait();
-      wgmma_fence();
-      issue_s(sK0 + s * Tile::kKVBytes);
-      issue_pv(sV0 + sp * Tile::kKVBytes);
-      turn_pass();
-      wgmma_wait<1>();  // S(it) is complete, P V(it - 1) may still run
-      fence_regs(acc_s);
-      release(bar_empty_k + 8 * s);
-      if (masked) apply_mask(n);
-      softmax_exp();
-      wgmma_wait<0>();
-      fence_regs(acc_o);
-      release(bar_empty_v + 8 * sp);
-      rescale_and_pack();
-    };
-    int it = 1;
-    for (; it < n_blocks && n_blocks - 1 - it >= n_mask_start; ++it) iteration(it, true);
-    for (; it < n_blocks; ++it) iteration(it, false);
-
-    // ---- last P V ----
-    {
-      const int sp = (n_blocks - 1) % STAGES;
-      mbar_wait(bar_full_v + 8 * sp, ((n_blocks - 1) / STAGES) & 1);
-      turn_wait();
-      wgmma_fence();
-      issue_pv(sV0 + sp * Tile::kKVBytes);
-      // The last consumer's final pass would be one arrival too many.
-      if (wg != NUM_CONSUMERS - 1) turn_pass();
-      wgmma_wait<0>();
-      fence_regs(acc_o);
-      release(bar_empty_v + 8 * sp);
-    }
-
-    // ---- epilogue: normalise, LSE, stage O in this consumer's Q rows, store ----
-    float inv_sum[2];
+      // Every warp of this consumer is past its last wgmma on these Q rows.
+      named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
+      // Same 128-byte swizzle as the TMA wrote Q: 16-byte chunk c of row r sits
+      // at chunk c ^ (r % 8), so the 8 rows of a store go to different banks.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float s = row_sum[h];
-      s += shfl_xor(s, 1);
-      s += shfl_xor(s, 2);
-      inv_sum[h] = (s > 0.f) ? rcp(s) : 0.f;
-      const int row = m_start + row_in_tile0 + 8 * h;
-      if (lse_base && (lane & 3) == 0 && row < Sq)
-        store_f32_global(lse_base + row, (s > 0.f) ? (row_max[h] + lg2(s)) * 0.69314718055994531f : neg_inf());
-    }
-    // Every warp of this consumer is past its last wgmma on these Q rows.
-    named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
-    // Same 128-byte swizzle as the TMA wrote Q: 16-byte chunk c of row r sits
-    // at chunk c ^ (r % 8), so the 8 rows of a store go to different banks.
+      for (int h = 0; h < 2; ++h) {
+        const int r = e_row0 + 8 * h;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row_in_tile0 + 8 * h;
-#pragma unroll
-      for (int j = 0; j < HEAD_DIM / 8; ++j) {
-        const int col = 8 * j + 2 * (lane & 3);
-        const u32 addr = sQ + (col / 64) * BLOCK_M * 128 + r * 128 + ((((col % 64) / 8) ^ (r & 7)) << 4) + (col % 8) * 2;
-        st_shared_u32(addr, pack2<Elem>(acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]));
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+          const int col = 8 * j + 2 * (e_lane & 3);
+          const u32 addr = sQ + (col / 64) * BLOCK_M * 128 + r * 128 + ((((col % 64) / 8) ^ (r & 7)) << 4) + (col % 8) * 2;
+          st_shared_u32(addr, pack2<Elem>(acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]));
+        }
       }
-    }
-    named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
-    constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
-    const int t = tid - 128 * warpgroup;
+      named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
 #pragma unroll
-    for (int i = 0; i < 64 * kChunks / 128; ++i) {
-      const int c = t + i * 128;
-      const int r = wg * 64 + c / kChunks, ch = c % kChunks;
-      const u32 src = sQ + (ch / 8) * BLOCK_M * 128 + r * 128 + (((ch % 8) ^ (r & 7)) << 4);
-      if (m_start + r < Sq) copy16_shared_to_global(o_base + (m_start + r) * o_rs + ch * 16, src);
+      for (int i = 0; i < 64 * kChunks / 128; ++i) {
+        const int c = e_tw + i * 128;
+        const int r = wg * 64 + c / kChunks, ch = c % kChunks;
+        const u32 src = sQ + (ch / 8) * BLOCK_M * 128 + r * 128 + (((ch % 8) ^ (r & 7)) << 4);
+        if (w.m_start + r < Sq) copy16_shared_to_global(o_base + (w.m_start + r) * o_rs + ch * 16, src);
+      }
+      // This warp is done with the Q buffer: the producer may load a later
+      // tile's Q into it once every consumer warp has said so.
+      release(bar_q_empty + 8 * qb);
     }
+    if (PINGPONG && NUM_CONSUMERS > 1 && wg == 0) turn_wait();  // matches the last consumer's final pass
   }
 }
 

@@ -410,6 +410,7 @@ class AttentionForward:
         self.arch = arch
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self.smem_limit = getattr(props, "shared_memory_per_block_optin", None)
+        self.num_sms = props.multi_processor_count
         self.nvrtc = Nvrtc()
         self.driver = CudaDriver()
         self.source = KERNEL_SOURCE.read_text()
@@ -499,6 +500,7 @@ class AttentionForward:
             sm = self.sm90
             tms = [sm.encode_tensor_map(self.driver, elem, t.data_ptr(), t.shape, t.stride(), rows)
                    for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
+            grid = cfg.grid(Sq, Hq, B, self.num_sms)
             sm.launch_sm90(self.driver, fn, grid, cfg, sm.smem_bytes_sm90(D, cfg), stream, p, *tms)
             return out, lse
         self.driver.launch(fn, grid, (cfg.num_warps * 32, 1, 1), smem_bytes(D, cfg), stream, p)

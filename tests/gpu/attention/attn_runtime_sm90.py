@@ -28,6 +28,7 @@ class Sm90Config:
     consumers: int  # consumer warpgroups of 64 query rows each
     stages: int  # K/V ring depth
     pingpong: bool  # consumers take turns issuing their products
+    persistent: bool = True  # host only: grid of min(tiles, SMs) CTAs looping over tiles, else one CTA a tile
 
     @property
     def block_m(self) -> int:
@@ -38,32 +39,45 @@ class Sm90Config:
         return 128 * (self.consumers + 1)
 
     def tag(self) -> str:
-        return f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
+        return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
+                f"{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(5))
+
+    def grid(self, seqlen_q: int, heads_q: int, batch: int, num_sms: int):
+        tiles = -(-seqlen_q // self.block_m) * heads_q * batch
+        return (min(tiles, num_sms) if self.persistent else tiles, 1, 1)
 
 
 # Default per head dim, then the variants the benchmark may time (CI compiles all).
 DEFAULT_SM90 = {
-    64: Sm90Config(128, 2, 4, True),
+    64: Sm90Config(128, 3, 4, True),
     128: Sm90Config(128, 2, 2, True),
 }
 VARIANT_SM90 = {
-    64: [Sm90Config(128, 2, 4, False), Sm90Config(128, 3, 4, False), Sm90Config(128, 3, 4, True)],
-    128: [Sm90Config(128, 2, 2, False), Sm90Config(128, 2, 3, True), Sm90Config(64, 2, 4, True)],
+    64: [Sm90Config(128, 3, 4, True, False), Sm90Config(128, 2, 4, True), Sm90Config(128, 3, 4, False)],
+    128: [Sm90Config(128, 2, 2, True, False), Sm90Config(128, 2, 2, False), Sm90Config(128, 2, 3, True)],
 }
 
 
+SMEM_LIMIT_SM90 = 227 * 1024
+
+
+def q_buffers_sm90(head_dim: int, cfg: Sm90Config) -> int:
+    """Sm90Tile::kQBufs: two Q buffers when they fit."""
+    q, kv = cfg.block_m * head_dim * 2, cfg.block_n * head_dim * 2
+    return 2 if 2 * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 1024 <= SMEM_LIMIT_SM90 else 1
+
+
 def smem_bytes_sm90(head_dim: int, cfg: Sm90Config) -> int:
-    """Sm90Tile::kSmemBytes: Q, the K/V ring, the mbarriers and 1 KB to align the base."""
-    q = cfg.block_m * head_dim * 2
-    kv = cfg.block_n * head_dim * 2
-    return q + 2 * cfg.stages * kv + 8 * (1 + 4 * cfg.stages) + 1024
+    """Sm90Tile::kSmemBytes: Q buffers, the K/V ring, the mbarriers and 1 KB to align the base."""
+    q, kv = cfg.block_m * head_dim * 2, cfg.block_n * head_dim * 2
+    return q_buffers_sm90(head_dim, cfg) * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 1024
 
 
 def name_expression_sm90(elem: str, head_dim: int, causal: bool, cfg: Sm90Config) -> str:
@@ -72,12 +86,16 @@ def name_expression_sm90(elem: str, head_dim: int, causal: bool, cfg: Sm90Config
 
 
 def all_instantiations_sm90():
-    out = []
+    """(elem, head_dim, causal, cfg), one per kernel (configs differing only on the host share one)."""
+    out, seen = [], set()
     for d in HEAD_DIMS_SM90:
         for cfg in [DEFAULT_SM90[d]] + VARIANT_SM90[d]:
             for elem in ar.ELEMENTS:
                 for causal in (False, True):
-                    out.append((elem, d, causal, cfg))
+                    e = name_expression_sm90(elem, d, causal, cfg)
+                    if e not in seen:
+                        seen.add(e)
+                        out.append((elem, d, causal, cfg))
     return out
 
 
@@ -173,6 +191,7 @@ def encode_tensor_map(driver: ar.CudaDriver, elem: str, ptr: int, shape, strides
 
 
 def launch_sm90(driver: ar.CudaDriver, fn, grid, cfg: Sm90Config, smem: int, stream, params, tm_q, tm_k, tm_v):
+    """grid: cfg.grid(...) (persistent CTAs loop over the tiles)."""
     args = (ctypes.c_void_p * 4)(*(ctypes.cast(ctypes.pointer(x), ctypes.c_void_p) for x in (params, tm_q, tm_k, tm_v)))
     driver.check(driver.lib.cuLaunchKernel(fn, grid[0], grid[1], grid[2], cfg.num_threads, 1, 1, smem,
                                            ctypes.c_void_p(stream), args, None), "cuLaunchKernel(sm90)")

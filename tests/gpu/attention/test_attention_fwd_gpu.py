@@ -242,3 +242,22 @@ def test_sm90_many_key_blocks_and_rerun(fwd):
     o2, l2 = fwd(q, k, v)
     torch.cuda.synchronize()
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_sm90_persistent_grid_matches_one_cta_per_tile(fwd, D, causal):
+    # More tiles than SMs (each CTA loops over several, Q buffers and mbarrier
+    # phases carry across tiles), with tiles that see no key (causal, Sq > Sk).
+    _needs_sm90(fwd)
+    import dataclasses
+
+    seed = _seed("persist", D, causal)
+    q = randn(3, 24, 700, D, dtype=torch.bfloat16, seed=seed)
+    k = randn(3, 8, 300, D, dtype=torch.bfloat16, seed=seed + 1)
+    v = randn(3, 8, 300, D, dtype=torch.bfloat16, seed=seed + 2)
+    cfg = fwd.sm90.DEFAULT_SM90[D]
+    assert cfg.persistent and cfg.grid(700, 24, 3, fwd.num_sms)[0] < -(-700 // cfg.block_m) * 24 * 3
+    o1, l1 = run_and_check(fwd, q, k, v, causal, config=cfg)
+    o2, l2 = run_and_check(fwd, q, k, v, causal, config=dataclasses.replace(cfg, persistent=False))
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)

@@ -106,7 +106,6 @@ def test_source_includes_no_header():
 
 # ---- the Hopper kernel (attention_fwd_sm90.cu), compiled for sm_90a ----
 
-import glob  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -155,7 +154,7 @@ def test_sm90_every_instantiation_compiles_without_spills(compiled_sm90):
 
 def _ptx_entries(ptx: str):
     """{entry name: its PTX text}."""
-    parts = re.split(r"^\.visible \.entry (\S+?)\(", ptx, flags=re.M)
+    parts = re.split(r"^\.(?:visible|weak) \.entry (\S+?)\(", ptx, flags=re.M)
     return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
@@ -168,7 +167,7 @@ def test_sm90_ptx_uses_wgmma_tma_mbarriers_and_setmaxnreg(compiled_sm90):
         # loops; the last P V replaces one): D/16 steps for S, BLOCK_N/16 for P V.
         assert body.count("wgmma.mma_async") == 3 * (d // 16 + cfg.block_n // 16), e
         assert "wgmma.wait_group" in body and "wgmma.commit_group" in body and "wgmma.fence" in body, e
-        assert body.count("cp.async.bulk.tensor.4d") == 3, e  # Q, K, V loads
+        assert body.count("cp.async.bulk.tensor.4d") == 3 * (d // 64), e  # Q, K, V: one per 64 columns
         assert "mbarrier.try_wait.parity" in body and "mbarrier.arrive.expect_tx" in body, e
         assert "setmaxnreg.dec" in body and "setmaxnreg.inc" in body, e
         assert "mma.sync" not in body and "ldmatrix" not in body, e
@@ -181,9 +180,13 @@ def _cuobjdump():
     for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
         if home and os.path.exists(os.path.join(home, "bin", "cuobjdump")):
             return os.path.join(home, "bin", "cuobjdump")
-    hits = glob.glob(os.path.join(os.path.dirname(os.__file__), "site-packages", "triton", "backends", "nvidia", "bin",
-                                  "cuobjdump"))
-    return hits[0] if hits else None
+    import sys
+
+    for d in sys.path:  # Triton's wheel carries one
+        hit = os.path.join(d, "triton", "backends", "nvidia", "bin", "cuobjdump")
+        if os.path.exists(hit):
+            return hit
+    return None
 
 
 def test_sm90_sass_uses_hgmma_and_tma(compiled_sm90, tmp_path):
