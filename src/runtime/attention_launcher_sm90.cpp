@@ -151,17 +151,18 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
 
 bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 128; }
 
-AttnSm90Tile attn_sm90_default_tile(int head_dim) {
-  if (head_dim == 64) return {128, 3, 4, true};
-  if (head_dim == 128) return {128, 2, 2, true};
+AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal) {
+  // Mirrors attn_runtime_sm90.DEFAULT_SM90.
+  if (head_dim == 64) return {128, 3, 4, true, !causal};
+  if (head_dim == 128) return {128, 2, 2, true, !causal};
   throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
 }
 
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   // Mirrors attn_runtime_sm90.VARIANT_SM90 (the benchmark's variants).
-  std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim)};
-  if (head_dim == 64) r.insert(r.end(), {{128, 3, 4, true, false}, {128, 2, 4, true}, {128, 3, 4, false}});
-  else r.insert(r.end(), {{128, 2, 2, true, false}, {128, 2, 2, false}, {128, 2, 3, true}});
+  std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim, false), attn_sm90_default_tile(head_dim, true)};
+  if (head_dim == 64) r.insert(r.end(), {{128, 2, 4, true}, {128, 2, 4, true, false}});
+  else r.push_back({128, 2, 2, false});
   return r;
 }
 
@@ -231,7 +232,7 @@ AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const Attn
 void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, CUcontext ctx, CUstream stream) {
   const CudaApi& c = cuda();
   const int D = static_cast<int>(a.head_dim);
-  const AttnSm90Tile tile = a.tile.empty() ? attn_sm90_default_tile(D) : AttnSm90Tile::parse(a.tile);
+  const AttnSm90Tile tile = a.tile.empty() ? attn_sm90_default_tile(D, a.causal) : AttnSm90Tile::parse(a.tile);
   const int smem = attn_sm90_smem_bytes(D, tile);
   struct Loaded {
     CUmodule module = nullptr;

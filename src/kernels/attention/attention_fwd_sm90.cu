@@ -401,11 +401,16 @@ struct TileWork {
 template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m, int t) {
   TileWork w;
-  const int x = t % num_m, yz = t / num_m;
-  w.head = yz % p.heads_q;
-  w.batch = yz / p.heads_q;
+  // Not causal: m block fastest (CTAs that run together share a head's K and
+  // V in L2). Causal: tiles in order of decreasing work (the last query
+  // blocks first, all heads of one m block together, so that CTAs running
+  // together still walk the same key blocks): a scheduler that hands tiles
+  // out in this order balances like longest-processing-time-first.
+  const int hb = IS_CAUSAL ? t % (p.heads_q * p.batch) : t / num_m;
+  const int x = IS_CAUSAL ? t / (p.heads_q * p.batch) : t % num_m;
+  w.head = hb % p.heads_q;
+  w.batch = hb / p.heads_q;
   w.head_kv = w.head / p.q_per_kv;
-  // Causal: within a head the heaviest query blocks (the last ones) come first.
   const int m_block = IS_CAUSAL ? num_m - 1 - x : x;
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
   w.m_start = m_block * BLOCK_M;
@@ -424,9 +429,11 @@ __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m,
 // The kernel
 // ---------------------------------------------------------------------------
 
-// Persistent: CTA i computes the tiles i, i + gridDim.x, ... (tile t = m block
-// fastest, then head, then batch), so a grid of one CTA per SM overlaps one
-// tile's epilogue with the next tile's loads. Any grid size is correct.
+// Persistent: with G = gridDim.x CTAs, round k hands tiles [k G, k G + G) out,
+// CTA i taking k G + i in even rounds and k G + G - 1 - i in odd ones (the
+// snake evens out the decreasing work of causal tiles), so a grid of one CTA
+// per SM overlaps one tile's epilogue with the next tile's loads. Any grid
+// size is correct; with one CTA per tile it is the plain launch.
 template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_N, int NUM_CONSUMERS, int STAGES, bool PINGPONG>
 __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     attention_fwd_sm90(const AttnFwdParams p, const __grid_constant__ TmaDesc tm_q, const __grid_constant__ TmaDesc tm_k,
@@ -483,7 +490,9 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       prefetch_tma_desc(&tm_k);
       prefetch_tma_desc(&tm_v);
       int q_count = 0, kv_count = 0;
-      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      for (int k = 0, base = 0; base < num_tiles; ++k, base += gridDim.x) {
+        const int t = base + ((k & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+        if (t >= num_tiles) continue;
         const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
         if (w.n_blocks == 0) continue;  // the consumers write 0 / -inf
         const int qb = q_count % kQBufs;
@@ -549,7 +558,9 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     if (PINGPONG && NUM_CONSUMERS > 1 && wg == NUM_CONSUMERS - 1) named_bar_arrive(1, kPairThreads);
 
     int q_count = 0, kv_count = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    for (int k = 0, base = 0; base < num_tiles; ++k, base += gridDim.x) {
+      const int t = base + ((k & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+      if (t >= num_tiles) continue;
       const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
       char* o_base = (char*)p.o + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
       const i64 o_rs = 2 * p.o_row_stride;

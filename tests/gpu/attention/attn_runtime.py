@@ -463,7 +463,7 @@ class AttentionForward:
         # head dim is not covered, or OPFUSE_ATTN_SM90=0.
         sm90_cfg = config if isinstance(config, self.sm90.Sm90Config) else None
         if config is None and not self.sm90.sm90_unsupported_reason(self.arch, D, Sk):
-            sm90_cfg = self.sm90.DEFAULT_SM90[D]
+            sm90_cfg = self.sm90.default_config_sm90(D, causal)
         if sm90_cfg is not None:
             why = self.sm90.sm90_unsupported_reason(self.arch, D, Sk).replace("OPFUSE_ATTN_SM90=0", "")
             if why:
@@ -555,7 +555,7 @@ def main(argv=None):
         import attn_runtime_sm90 as sm90
 
         jobs += [("sm_90a", elem, d, causal, cfg.tag()) for (elem, d, causal, cfg) in sm90.all_instantiations_sm90()
-                 if not a.defaults_only or cfg == sm90.DEFAULT_SM90[d]]
+                 if not a.defaults_only or cfg in sm90.DEFAULT_SM90.values()]
     with cf.ProcessPoolExecutor(max_workers=a.j) as ex:
         for arch, elem, d, causal, tag, res, cached in ex.map(_compile_one, jobs):
             print(f"{arch} {elem:4} D={d:3} causal={int(causal)} {tag:12} regs={res['registers']} "

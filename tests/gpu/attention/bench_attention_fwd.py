@@ -117,7 +117,7 @@ def main(argv=None):
                 if fwd.last_config != cfg0:
                     impls["opfuse-mma"] = (lambda cfg=cfg0: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
                 if a.variants and fwd.sm90.sm90_unsupported_reason(fwd.arch, D, S) == "":
-                    for cfg in [fwd.sm90.DEFAULT_SM90[D]] + fwd.sm90.VARIANT_SM90[D]:
+                    for cfg in fwd.sm90.configs_sm90(D):
                         if cfg != fwd.last_config:
                             impls[f"opfuse[{cfg.tag()}]"] = (
                                 lambda cfg=cfg: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))

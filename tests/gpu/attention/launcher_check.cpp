@@ -137,7 +137,7 @@ int main(int argc, char** argv) {
     for (int D : {64, 128})
       for (bool causal : {false, true}) {
         for (const char* t : {"wg128x128s2n", "default"}) {
-          const at::AttnSm90Tile tile = std::string(t) == "default" ? at::attn_sm90_default_tile(D) : at::AttnSm90Tile::parse(t);
+          const at::AttnSm90Tile tile = std::string(t) == "default" ? at::attn_sm90_default_tile(D, causal) : at::AttnSm90Tile::parse(t);
           std::printf("%s hit=%d\n", at::attn_sm90_name_expression(at::AttnElem::BF16, D, causal, tile).c_str(),
                       at::attn_sm90_compile(at::AttnElem::BF16, D, causal, tile).cache_hit);
         }

@@ -216,8 +216,7 @@ def test_sm90_dispatch_and_switch(fwd, D, monkeypatch):
 def _sm90_variant_params():
     import attn_runtime_sm90 as sm90
 
-    return [pytest.param(d, cfg, id=f"D{d}-{cfg.tag()}") for d in sm90.HEAD_DIMS_SM90
-            for cfg in [sm90.DEFAULT_SM90[d]] + sm90.VARIANT_SM90[d]]
+    return [pytest.param(d, cfg, id=f"D{d}-{cfg.tag()}") for d in sm90.HEAD_DIMS_SM90 for cfg in sm90.configs_sm90(d)]
 
 
 @pytest.mark.parametrize("Sq,Sk", [(113, 203), (1, 239), (1023, 1024), (512, 256), (700, 64)])
@@ -256,7 +255,7 @@ def test_sm90_persistent_grid_matches_one_cta_per_tile(fwd, D, causal):
     q = randn(3, 24, 700, D, dtype=torch.bfloat16, seed=seed)
     k = randn(3, 8, 300, D, dtype=torch.bfloat16, seed=seed + 1)
     v = randn(3, 8, 300, D, dtype=torch.bfloat16, seed=seed + 2)
-    cfg = fwd.sm90.DEFAULT_SM90[D]
+    cfg = dataclasses.replace(fwd.sm90.default_config_sm90(D, causal), persistent=True)
     assert cfg.persistent and cfg.grid(700, 24, 3, fwd.num_sms)[0] < -(-700 // cfg.block_m) * 24 * 3
     o1, l1 = run_and_check(fwd, q, k, v, causal, config=cfg)
     o2, l2 = run_and_check(fwd, q, k, v, causal, config=dataclasses.replace(cfg, persistent=False))
