@@ -1,4 +1,5 @@
 #include "runtime/attention_launcher.h"
+#include "runtime/attention_launcher_sm90.h"
 
 #include <dlfcn.h>
 
@@ -288,8 +289,35 @@ std::string attn_unsupported_reason(const AttnForwardArgs& a) {
     for (int d = 0; d < 3; ++d)
       if (t.st[d] % 8 != 0) return std::string(t.name) + ": strides must be multiples of 8 elements";
   }
-  if (!a.tile.empty()) AttnTile::parse(a.tile);  // throws on a bad tag
+  if (!a.tile.empty()) {  // throws on a bad tag
+    if (AttnSm90Tile::is_tag(a.tile)) AttnSm90Tile::parse(a.tile);
+    else AttnTile::parse(a.tile);
+  }
   return {};
+}
+
+AttnFwdParams attn_make_params(const AttnForwardArgs& a) {
+  AttnFwdParams p{};
+  p.q = a.q;
+  p.k = a.k;
+  p.v = a.v;
+  p.o = a.o;
+  p.lse = a.lse;
+  p.q_batch_stride = a.q_strides[0], p.q_head_stride = a.q_strides[1], p.q_row_stride = a.q_strides[2];
+  p.k_batch_stride = a.k_strides[0], p.k_head_stride = a.k_strides[1], p.k_row_stride = a.k_strides[2];
+  p.v_batch_stride = a.v_strides[0], p.v_head_stride = a.v_strides[1], p.v_row_stride = a.v_strides[2];
+  p.o_batch_stride = a.o_strides[0], p.o_head_stride = a.o_strides[1], p.o_row_stride = a.o_strides[2];
+  p.lse_batch_stride = a.lse_strides[0], p.lse_head_stride = a.lse_strides[1];
+  p.batch = static_cast<int32_t>(a.batch);
+  p.heads_q = static_cast<int32_t>(a.heads_q);
+  p.heads_kv = static_cast<int32_t>(a.heads_kv);
+  p.q_per_kv = static_cast<int32_t>(a.heads_q / a.heads_kv);
+  p.seqlen_q = static_cast<int32_t>(a.seqlen_q);
+  p.seqlen_k = static_cast<int32_t>(a.seqlen_k);
+  const double scale = a.softmax_scale > 0 ? a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(a.head_dim));
+  p.softmax_scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  return p;
 }
 
 void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
@@ -317,6 +345,13 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
       info.smem_optin = attn_max_smem_for_arch(info.arch);
   }
   if (info.arch < 80) throw std::invalid_argument("attention kernel needs sm_80 or newer");
+  // sm_90: the Hopper kernel (attention_launcher_sm90.h) for the head dims it
+  // covers, unless an mma.sync tile is asked for or OPFUSE_ATTN_SM90=0.
+  if (AttnSm90Tile::is_tag(a.tile) || (a.tile.empty() && info.arch == 90)) {
+    const std::string why = attn_sm90_unsupported_reason(a, info.arch);
+    if (why.empty()) return attn_forward_sm90_launch(a, attn_make_params(a), ctx, stream);
+    if (!a.tile.empty()) throw std::invalid_argument("attention tile " + a.tile + ": " + why);
+  }
   const int D = static_cast<int>(a.head_dim);
   const AttnTile tile = a.tile.empty() ? attn_choose_tile(D, a.seqlen_q, a.seqlen_k, a.causal, info.arch, info.smem_optin)
                                        : AttnTile::parse(a.tile);
@@ -336,26 +371,7 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
       check_cuda(c.FuncSetAttribute(lf.fn, kAttrMaxDynamicSharedBytes, smem), "cuFuncSetAttribute(max dynamic smem)");
   }
 
-  AttnFwdParams p{};
-  p.q = a.q;
-  p.k = a.k;
-  p.v = a.v;
-  p.o = a.o;
-  p.lse = a.lse;
-  p.q_batch_stride = a.q_strides[0], p.q_head_stride = a.q_strides[1], p.q_row_stride = a.q_strides[2];
-  p.k_batch_stride = a.k_strides[0], p.k_head_stride = a.k_strides[1], p.k_row_stride = a.k_strides[2];
-  p.v_batch_stride = a.v_strides[0], p.v_head_stride = a.v_strides[1], p.v_row_stride = a.v_strides[2];
-  p.o_batch_stride = a.o_strides[0], p.o_head_stride = a.o_strides[1], p.o_row_stride = a.o_strides[2];
-  p.lse_batch_stride = a.lse_strides[0], p.lse_head_stride = a.lse_strides[1];
-  p.batch = static_cast<int32_t>(a.batch);
-  p.heads_q = static_cast<int32_t>(a.heads_q);
-  p.heads_kv = static_cast<int32_t>(a.heads_kv);
-  p.q_per_kv = static_cast<int32_t>(a.heads_q / a.heads_kv);
-  p.seqlen_q = static_cast<int32_t>(a.seqlen_q);
-  p.seqlen_k = static_cast<int32_t>(a.seqlen_k);
-  const double scale = a.softmax_scale > 0 ? a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
-  p.softmax_scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  AttnFwdParams p = attn_make_params(a);
   const unsigned grid_x = static_cast<unsigned>((a.seqlen_q + tile.block_m - 1) / tile.block_m);
   void* params[] = {&p};
   check_cuda(c.LaunchKernel(lf.fn, grid_x, static_cast<unsigned>(a.heads_q), static_cast<unsigned>(a.batch),

@@ -96,7 +96,7 @@ struct AttnForwardArgs {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0;
   bool causal = false;
   double softmax_scale = 0;  // <= 0: 1 / sqrt(head_dim)
-  std::string tile;          // empty: attn_choose_tile
+  std::string tile;          // empty: the default (sm_90, D 64/128: the Hopper kernel); "wg...": a Hopper tile
   int device = -1;           // CUDA device of the tensors; >= 0: make its primary context current
                              // when the thread has none or another device's (PyTorch's context)
 };
@@ -104,6 +104,9 @@ struct AttnForwardArgs {
 // Empty when the kernel covers the problem, else why not (head dim,
 // alignment, strides, sizes): the caller then takes another path.
 std::string attn_unsupported_reason(const AttnForwardArgs& a);
+
+// The kernel argument for a checked problem (scale <= 0: 1 / sqrt(head_dim)).
+AttnFwdParams attn_make_params(const AttnForwardArgs& a);
 
 // Checks, chooses the tile, compiles or loads the instantiation into the
 // current CUDA context (once per context), and launches on `stream`. No

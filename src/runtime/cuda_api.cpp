@@ -88,6 +88,7 @@ const CudaApi& cuda() {
     if (!bind(h, api.EventElapsedTime, "cuEventElapsedTime_v2", &ignore)) bind(h, api.EventElapsedTime, "cuEventElapsedTime", &ignore);
     bind(h, api.EventDestroy, "cuEventDestroy_v2", &ignore);
     bind(h, api.StreamIsCapturing, "cuStreamIsCapturing", &ignore);
+    bind(h, api.TensorMapEncodeTiled, "cuTensorMapEncodeTiled", &ignore);
     if (ok && api.Init(0) == 0) api.loaded = true;
     else if (ok) api.error = "cuInit failed (no usable GPU or driver)";
   });

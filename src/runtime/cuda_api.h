@@ -61,6 +61,13 @@ struct CudaApi {
   CUresult (*FuncSetAttribute)(CUfunction, int, int) = nullptr;
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                            void**, void**) = nullptr;
+  // Optional (CUDA 12+; null on older drivers): TMA tensor maps for the
+  // Hopper attention kernel. Arguments as cuTensorMapEncodeTiled's, with the
+  // enums as int and the CUtensorMap as 128 bytes at `tensor_map`.
+  CUresult (*TensorMapEncodeTiled)(void* tensor_map, int dtype, uint32_t rank, void* global_address,
+                                   const uint64_t* global_dim, const uint64_t* global_strides, const uint32_t* box_dim,
+                                   const uint32_t* element_strides, int interleave, int swizzle, int l2_promotion,
+                                   int oob_fill) = nullptr;
 };
 
 const NvrtcApi& nvrtc();  // loads on first use; .loaded false with .error when absent

@@ -410,11 +410,16 @@ class AttentionForward:
         self.arch = arch
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         self.smem_limit = getattr(props, "shared_memory_per_block_optin", None)
+        self.num_sms = props.multi_processor_count
         self.nvrtc = Nvrtc()
         self.driver = CudaDriver()
         self.source = KERNEL_SOURCE.read_text()
         self._functions = {}
         self.compile_info = {}
+        # The Hopper kernel (attn_runtime_sm90.py) for the head dims it covers.
+        import attn_runtime_sm90 as sm90
+
+        self.sm90 = sm90
 
     def function(self, elem, head_dim, causal, cfg):
         key = (self.driver.current_context(), elem, head_dim, causal, cfg)
@@ -454,7 +459,17 @@ class AttentionForward:
         if not scale > 0:
             raise ValueError("softmax scale must be > 0")
         elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
-        cfg = config or choose_config(D, Sq, Sk, bool(causal), self.arch, self.smem_limit)
+        # sm_90: the Hopper kernel unless a mma.sync tile is asked for, the
+        # head dim is not covered, or OPFUSE_ATTN_SM90=0.
+        sm90_cfg = config if isinstance(config, self.sm90.Sm90Config) else None
+        if config is None and not self.sm90.sm90_unsupported_reason(self.arch, D, Sk):
+            sm90_cfg = self.sm90.default_config_sm90(D, causal)
+        if sm90_cfg is not None:
+            why = self.sm90.sm90_unsupported_reason(self.arch, D, Sk).replace("OPFUSE_ATTN_SM90=0", "")
+            if why:
+                raise ValueError(f"sm90 config {sm90_cfg.tag()}: {why}")
+        cfg = sm90_cfg or config or choose_config(D, Sq, Sk, bool(causal), self.arch, self.smem_limit)
+        self.last_config = cfg
         if out is None:
             out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
         if want_lse and lse is None:
@@ -463,7 +478,7 @@ class AttentionForward:
             raise ValueError("out: needs a contiguous last dim, 16-byte alignment, strides multiple of 8")
         if B == 0 or Hq == 0 or Sq == 0:
             return out, lse
-        fn = self.function(elem, D, bool(causal), cfg)
+        fn = self.function_sm90(elem, D, bool(causal), cfg) if sm90_cfg else self.function(elem, D, bool(causal), cfg)
         p = AttnFwdParams()
         p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         p.lse = lse.data_ptr() if lse is not None else None
@@ -481,8 +496,25 @@ class AttentionForward:
         if grid[1] > 65535 or grid[2] > 65535:
             raise ValueError("heads and batch must each be <= 65535")
         stream = torch.cuda.current_stream(q.device).cuda_stream
+        if sm90_cfg:
+            sm = self.sm90
+            tms = [sm.encode_tensor_map(self.driver, elem, t.data_ptr(), t.shape, t.stride(), rows)
+                   for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
+            grid = cfg.grid(Sq, Hq, B, self.num_sms)
+            sm.launch_sm90(self.driver, fn, grid, cfg, sm.smem_bytes_sm90(D, cfg), stream, p, *tms)
+            return out, lse
         self.driver.launch(fn, grid, (cfg.num_warps * 32, 1, 1), smem_bytes(D, cfg), stream, p)
         return out, lse
+
+    def function_sm90(self, elem, head_dim, causal, cfg):
+        key = (self.driver.current_context(), "sm90", elem, head_dim, causal, cfg)
+        fn = self._functions.get(key)
+        if fn is None:
+            info = self.sm90.compile_kernel_sm90(self.nvrtc, elem, head_dim, causal, cfg)
+            _, fn = self.driver.load_function(info["cubin"], info["lowered"], self.sm90.smem_bytes_sm90(head_dim, cfg))
+            self._functions[key] = fn
+            self.compile_info[(elem, head_dim, causal, cfg)] = info
+        return fn
 
 
 # ---------------------------------------------------------------------------
@@ -493,6 +525,11 @@ class AttentionForward:
 def _compile_one(args):
     arch, elem, d, causal, tag = args
     nv = Nvrtc()
+    if tag.startswith("wg"):  # the Hopper kernel (attn_runtime_sm90.py)
+        import attn_runtime_sm90 as sm90
+
+        info = sm90.compile_kernel_sm90(nv, elem, d, causal, sm90.Sm90Config.parse(tag))
+        return (sm90.ARCH_SM90, elem, d, causal, tag, info["resources"], info["cached"])
     info = compile_kernel(nv, arch, elem, d, causal, FwdConfig.parse(tag))
     return (arch, elem, d, causal, tag, info["resources"], info["cached"])
 
@@ -514,6 +551,11 @@ def main(argv=None):
     jobs = [(arch, elem, d, causal, cfg.tag())
             for arch in archs
             for (elem, d, causal, cfg) in all_instantiations(include_variants=not a.defaults_only)]
+    if any(arch.startswith("sm_90") for arch in archs):
+        import attn_runtime_sm90 as sm90
+
+        jobs += [("sm_90a", elem, d, causal, cfg.tag()) for (elem, d, causal, cfg) in sm90.all_instantiations_sm90()
+                 if not a.defaults_only or cfg in sm90.DEFAULT_SM90.values()]
     with cf.ProcessPoolExecutor(max_workers=a.j) as ex:
         for arch, elem, d, causal, tag, res, cached in ex.map(_compile_one, jobs):
             print(f"{arch} {elem:4} D={d:3} causal={int(causal)} {tag:12} regs={res['registers']} "

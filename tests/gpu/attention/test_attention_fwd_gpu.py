@@ -70,7 +70,7 @@ def run_and_check(fwd, q, k, v, causal, scale=None, config=None):
     pt = attention_sdpa_math_lowp(q, k, v, causal, scale)
     err = (out.float() - ref).abs().max().item() if out.numel() else 0.0
     pt_err = (pt.float() - ref).abs().max().item() if out.numel() else 0.0
-    cfg = config or ar.choose_config(D, Sq, k.shape[2], causal, fwd.arch, fwd.smem_limit)
+    cfg = fwd.last_config  # the tile that ran (sm_90: attention_fwd_sm90 for D = 64, 128)
     ok = not torch.isnan(out).any().item() and err <= 2 * pt_err + 1e-5
     assert ok, (f"output: err {err:.3e} vs pytorch {pt_err:.3e} ({cfg.tag()})\n  "
                 + describe(out, ref, lse, ref_lse, cfg.block_m))
@@ -192,3 +192,71 @@ def test_bad_inputs_are_rejected(fwd):
     with pytest.raises(ValueError, match="contiguous"):
         x = randn(1, 2, 64, 16, dtype=torch.bfloat16, seed=8).transpose(-1, -2)
         fwd(x, x, x)
+
+
+# ---- the Hopper kernel (attention_fwd_sm90.cu); the grid above runs it by default on sm_90 ----
+
+def _needs_sm90(fwd):
+    if not fwd.arch.startswith("sm_90"):
+        pytest.skip("needs an sm_90 device")
+
+
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
+def test_sm90_dispatch_and_switch(fwd, D, monkeypatch):
+    _needs_sm90(fwd)
+    q = randn(1, 2, 200, D, dtype=torch.bfloat16, seed=D)
+    k = randn(1, 2, 300, D, dtype=torch.bfloat16, seed=D + 1)
+    run_and_check(fwd, q, k, k, True)
+    assert isinstance(fwd.last_config, fwd.sm90.Sm90Config) == (D in (64, 128)), fwd.last_config
+    monkeypatch.setenv("OPFUSE_ATTN_SM90", "0")
+    run_and_check(fwd, q, k, k, True)
+    assert isinstance(fwd.last_config, ar.FwdConfig), fwd.last_config
+
+
+def _sm90_variant_params():
+    import attn_runtime_sm90 as sm90
+
+    return [pytest.param(d, cfg, id=f"D{d}-{cfg.tag()}") for d in sm90.HEAD_DIMS_SM90 for cfg in sm90.configs_sm90(d)]
+
+
+@pytest.mark.parametrize("Sq,Sk", [(113, 203), (1, 239), (1023, 1024), (512, 256), (700, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D,cfg", _sm90_variant_params())
+def test_sm90_variants(fwd, D, cfg, causal, Sq, Sk):
+    _needs_sm90(fwd)
+    seed = _seed("sm90", D, cfg, causal, Sq, Sk)
+    q = randn(2, 4, Sq, D, dtype=torch.float16, seed=seed)
+    k = randn(2, 2, Sk, D, dtype=torch.float16, seed=seed + 1)
+    v = randn(2, 2, Sk, D, dtype=torch.float16, seed=seed + 2)
+    run_and_check(fwd, q, k, v, causal, config=cfg)
+
+
+def test_sm90_many_key_blocks_and_rerun(fwd):
+    # Long rows: every ring slot is reused many times (mbarrier phases wrap).
+    _needs_sm90(fwd)
+    q = randn(1, 2, 300, 128, dtype=torch.bfloat16, seed=11)
+    k = randn(1, 2, 4099, 128, dtype=torch.bfloat16, seed=12)
+    v = randn(1, 2, 4099, 128, dtype=torch.bfloat16, seed=13)
+    o1, l1 = run_and_check(fwd, q, k, v, False)
+    o2, l2 = fwd(q, k, v)
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_sm90_persistent_grid_matches_one_cta_per_tile(fwd, D, causal):
+    # More tiles than SMs (each CTA loops over several, Q buffers and mbarrier
+    # phases carry across tiles), with tiles that see no key (causal, Sq > Sk).
+    _needs_sm90(fwd)
+    import dataclasses
+
+    seed = _seed("persist", D, causal)
+    q = randn(3, 24, 700, D, dtype=torch.bfloat16, seed=seed)
+    k = randn(3, 8, 300, D, dtype=torch.bfloat16, seed=seed + 1)
+    v = randn(3, 8, 300, D, dtype=torch.bfloat16, seed=seed + 2)
+    cfg = dataclasses.replace(fwd.sm90.default_config_sm90(D, causal), persistent=True)
+    assert cfg.persistent and cfg.grid(700, 24, 3, fwd.num_sms)[0] < -(-700 // cfg.block_m) * 24 * 3
+    o1, l1 = run_and_check(fwd, q, k, v, causal, config=cfg)
+    o2, l2 = run_and_check(fwd, q, k, v, causal, config=dataclasses.replace(cfg, persistent=False))
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)

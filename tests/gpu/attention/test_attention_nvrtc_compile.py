@@ -102,3 +102,105 @@ def test_nvrtc_rejects_bad_template_arguments():
 def test_source_includes_no_header():
     src = ar.KERNEL_SOURCE.read_text()
     assert not re.search(r"^\s*#\s*include", src, re.M), "NVRTC on target machines has no CUDA headers"
+
+
+# ---- the Hopper kernel (attention_fwd_sm90.cu), compiled for sm_90a ----
+
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
+import attn_runtime_sm90 as sm90  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def compiled_sm90():
+    """One NVRTC program with every sm_90a instantiation (about 2 minutes on one core)."""
+    nv = _nvrtc_or_skip()
+    inst = sm90.all_instantiations_sm90()
+    exprs = [sm90.name_expression_sm90(*i) for i in inst]
+    ptx, cubin, log, lowered = sm90.compile_ptx_and_cubin_sm90(nv, exprs)
+    per_fn, cur = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = m.group(1)
+            per_fn[cur] = ""
+        if cur:
+            per_fn[cur] += line + "\n"
+    return dict(inst=inst, exprs=exprs, ptx=ptx, cubin=cubin, log=log, lowered=lowered, per_fn=per_fn)
+
+
+def test_sm90_every_instantiation_compiles_without_spills(compiled_sm90):
+    c = compiled_sm90
+    # ptxas warns (C7508, C7515...) when it ignores setmaxnreg or serialises wgmma.
+    warnings = [l for l in c["log"].splitlines() if "warning" in l.lower()]
+    assert not warnings, "\n".join(warnings[:20])
+    problems = []
+    print(f"\nsm_90a: {'instantiation':86} regs stack spill_st spill_ld smem")
+    for (elem, d, causal, cfg), e in zip(c["inst"], c["exprs"]):
+        r = ar.parse_ptxas(c["per_fn"].get(c["lowered"][e], ""))
+        smem = sm90.smem_bytes_sm90(d, cfg)
+        print(f"sm_90a: {e[len('opfuse_attn::'):]:86} {r['registers']} {r['stack']} {r['spill_stores']} "
+              f"{r['spill_loads']} {smem}")
+        if r["registers"] is None:
+            problems.append(f"{e}: no ptxas report")
+        elif r["stack"] or r["spill_stores"] or r["spill_loads"]:
+            problems.append(f"{e}: spills ({r})")
+        if smem > ar.MAX_SMEM_PER_BLOCK["sm_90"]:
+            problems.append(f"{e}: {smem} bytes of shared memory")
+    assert not problems, "\n".join(problems)
+
+
+def _ptx_entries(ptx: str):
+    """{entry name: its PTX text}."""
+    parts = re.split(r"^\.(?:visible|weak) \.entry (\S+?)\(", ptx, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def test_sm90_ptx_uses_wgmma_tma_mbarriers_and_setmaxnreg(compiled_sm90):
+    c = compiled_sm90
+    entries = _ptx_entries(c["ptx"])
+    for (elem, d, causal, cfg), e in zip(c["inst"], c["exprs"]):
+        body = entries[c["lowered"][e]]
+        # Three issue sites of each product (first block, masked and unmasked
+        # loops; the last P V replaces one): D/16 steps for S, BLOCK_N/16 for P V.
+        assert body.count("wgmma.mma_async") == 3 * (d // 16 + cfg.block_n // 16), e
+        assert "wgmma.wait_group" in body and "wgmma.commit_group" in body and "wgmma.fence" in body, e
+        assert body.count("cp.async.bulk.tensor.4d") == 3 * (d // 64), e  # Q, K, V: one per 64 columns
+        assert "mbarrier.try_wait.parity" in body and "mbarrier.arrive.expect_tx" in body, e
+        assert "setmaxnreg.dec" in body and "setmaxnreg.inc" in body, e
+        assert "mma.sync" not in body and "ldmatrix" not in body, e
+
+
+def _cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and os.path.exists(os.path.join(home, "bin", "cuobjdump")):
+            return os.path.join(home, "bin", "cuobjdump")
+    import sys
+
+    for d in sys.path:  # Triton's wheel carries one
+        hit = os.path.join(d, "triton", "backends", "nvidia", "bin", "cuobjdump")
+        if os.path.exists(hit):
+            return hit
+    return None
+
+
+def test_sm90_sass_uses_hgmma_and_tma(compiled_sm90, tmp_path):
+    tool = _cuobjdump()
+    if not tool:
+        pytest.skip("no cuobjdump")
+    path = tmp_path / "sm90.cubin"
+    path.write_bytes(compiled_sm90["cubin"])
+    sass = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    funcs = re.split(r"Function : ", sass)[1:]
+    assert len(funcs) == len(compiled_sm90["exprs"])
+    for f in funcs:
+        name = f.split()[0]
+        assert "HGMMA.64x" in f and "UTMALDG.4D" in f, name
+        assert " HMMA" not in f, name  # no mma.sync fallback inside
+        assert "LDL" not in f and "STL" not in f, name  # nothing in local memory
+        assert "USETMAXREG" in f, name

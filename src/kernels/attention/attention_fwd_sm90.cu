@@ -1,0 +1,794 @@
+// opfuse attention forward for Hopper (sm_90a): wgmma, TMA, warp specialisation.
+//
+// Compiled at run time by NVRTC for sm_90a (wgmma and setmaxnreg exist only
+// there). It includes NO header: every device helper is inline PTX, like
+// attention_fwd.cu, whose semantics it shares exactly:
+//
+//   O[b, h, i, :] = softmax_j(scale * Q[b, h, i, :] . K[b, h / G, j, :]) V[b, h / G, j, :]
+//   LSE[b, h, i]  = log sum_j exp(scale * Q[b, h, i, :] . K[b, h / G, j, :])   (natural log, float32)
+//
+// G = Hq / Hkv (GQA / MQA); causal masks align bottom-right (query i sees key
+// j iff j <= i + Sk - Sq); rows that see no key give O = 0 and LSE = -inf.
+// The CPU reference is attention_reference.{h,cpp}; docs/attention.md has the
+// design notes and the measurements.
+//
+// Design (one CTA = BLOCK_M = 64 * NUM_CONSUMERS query rows of one (batch, head)):
+// - warpgroup 0 is the producer: after giving registers away (setmaxnreg.dec)
+//   one thread issues TMA tile loads (cp.async.bulk.tensor) of Q once and of
+//   K and V per key block into a STAGES-deep ring; each load completes on a
+//   "full" mbarrier with an expected transaction count, and a slot is reused
+//   only after every consumer warp has arrived on its "empty" mbarrier;
+// - warpgroups 1..NUM_CONSUMERS are consumers (setmaxnreg.inc), each owning 64
+//   query rows: S = Q K^T with wgmma (both operands from shared memory through
+//   128-byte-swizzled matrix descriptors), online softmax in registers, and
+//   O += P V with wgmma (P from registers as the A operand, V from shared
+//   memory as an N-major, "transposed" B operand; allowed for 16-bit types);
+// - within a consumer, the products of one key block are issued together:
+//   S(j) = Q K(j)^T and O += P(j-1) V(j-1); the softmax of S(j) then runs while
+//   the tensor cores still work on P(j-1) V(j-1) (wait_group 1, then 0 before O
+//   is rescaled);
+// - with PINGPONG, consumers take turns issuing their products (named
+//   barriers, round robin), so one warpgroup's softmax overlaps another's
+//   matrix products;
+// - TMA zero-fills rows past Sq / Sk (the tensor maps bound every head), so the
+//   kernel needs no bounds checks on loads; the ragged end of Sk and the causal
+//   diagonal are masked in registers, key blocks are visited from the last to
+//   the first so that only the first ones carry the mask.
+//
+// Entry point: attention_fwd_sm90<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_N,
+// NUM_CONSUMERS, STAGES, PINGPONG>, e.g. through the NVRTC name expression
+//   "opfuse_attn::attention_fwd_sm90<opfuse_attn::bf16, 128, false, 128, 2, 2, true>"
+// Launch: grid (ceil(Sq / BLOCK_M), Hq, B), block (NUM_CONSUMERS + 1) * 128
+// threads, dynamic shared memory Sm90Tile<...>::kSmemBytes (raise
+// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first), four arguments:
+// AttnFwdParams by value (the struct of attention_fwd.cu) and the tensor maps
+// of Q, K and V (CUtensorMap, 128 bytes each, by value). Each tensor map is
+// 4-D over (D, S, H, B) with the tensor's byte strides, bf16 / f16, box
+// (64, rows, 1, 1) with rows = BLOCK_M for Q and BLOCK_N for K and V,
+// CU_TENSOR_MAP_SWIZZLE_128B, zero OOB fill (docs/attention.md, "Hopper").
+
+namespace opfuse_attn {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+typedef unsigned long long u64;
+
+struct bf16 { u16 bits; };
+struct f16 { u16 bits; };
+
+// Kernel argument shared with attention_fwd.cu (same layout; only append).
+struct AttnFwdParams {
+  const void* q;  // [B, Hq, Sq, D]
+  const void* k;  // [B, Hkv, Sk, D]
+  const void* v;  // [B, Hkv, Sk, D]
+  void* o;        // [B, Hq, Sq, D], same dtype as q
+  float* lse;     // [B, Hq, Sq] float32, or null to skip
+  i64 q_batch_stride, q_head_stride, q_row_stride;
+  i64 k_batch_stride, k_head_stride, k_row_stride;
+  i64 v_batch_stride, v_head_stride, v_row_stride;
+  i64 o_batch_stride, o_head_stride, o_row_stride;
+  i64 lse_batch_stride, lse_head_stride;
+  int batch, heads_q, heads_kv, q_per_kv;
+  int seqlen_q, seqlen_k;
+  float softmax_scale;
+  float scale_log2;
+};
+static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is a launch ABI");
+
+// CUtensorMap: 128 opaque bytes, 64-byte aligned, made on the host by
+// cuTensorMapEncodeTiled. Passed as a __grid_constant__ parameter so that its
+// address (in the parameter space) can be given to the TMA unit.
+struct alignas(64) TmaDesc {
+  u64 opaque[16];
+};
+
+// ---------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float neg_inf() {
+  float r;
+  asm("mov.b32 %0, 0xff800000;" : "=f"(r));
+  return r;
+}
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float lg2(float x) {
+  float r;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float rcp(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float fmax2(float a, float b) {
+  float r;
+  asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+__device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
+  float r;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(x), "r"(lane_mask));
+  return r;
+}
+__device__ __forceinline__ bool vote_any(bool x) {
+  u32 r;
+  asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 %0, 1, 0, q; }"
+               : "=r"(r)
+               : "r"((u32)x));
+  return r != 0;
+}
+// threadIdx.x through an opaque read: values derived from it are recomputed
+// where they are used instead of being kept live (or spilled) across the
+// main loop.
+__device__ __forceinline__ int tid_opaque() {
+  int r;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void copy16_shared_to_global(void* dst, u32 src) {
+  u32 a, b, c, d;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(src) : "memory");
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void store_zero16_global(void* dst) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(dst), "r"(0u) : "memory");
+}
+__device__ __forceinline__ void store_f32_global(float* dst, float v) {
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(dst), "f"(v) : "memory");
+}
+
+// --- mbarriers (shared::cta; a lone CTA is its own cluster) ---
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (the TMA unit).
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Arrives once and raises the phase's expected transaction bytes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Waits until the phase with the given parity has completed. A fresh barrier
+// is in phase 0, and waiting for parity 1 (the phase "before" it) returns at
+// once: that is how the producer's first pass over the ring starts.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// --- TMA: a 4-D tile (c0 = column, c1 = row, c2 = head, c3 = batch) into shared memory ---
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];" ::"r"(dst),
+      "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_tma_desc(const TmaDesc* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"((u64)map) : "memory");
+}
+
+// --- register reallocation between warpgroups (sm_90a) ---
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+
+// --- named barriers (id 0 is __syncthreads') ---
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// --- wgmma ---
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads/writes across a wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"):
+// bits 0-13 start address >> 4, 16-29 leading-dimension byte offset >> 4,
+// 32-45 stride-dimension byte offset >> 4, 49-51 base offset (0: every tile
+// here starts 1024-byte aligned), 62-63 swizzle (1 = 128-byte swizzle).
+// With the 128-byte swizzle a "swizzle atom" is 8 rows of 128 bytes (1024 B):
+// - K-major (Q and K: rows of 64 elements along the reduction dim): SBO =
+//   1024 (from one 8-row group to the next), LBO unused (1). Stepping k by
+//   16 elements inside the 128-byte row adds 32 bytes to the start address:
+//   the hardware applies the XOR swizzle to the final address bits, as the
+//   TMA did when it wrote the tile.
+// - N-major (V: [keys, D] with D contiguous, the B operand of P V with
+//   trans-b = 1): SBO = 1024 (from one group of 8 keys to the next), LBO =
+//   the distance between 64-column (128-byte) chunks of D.
+__device__ __forceinline__ u64 make_desc(u32 saddr, u32 lbo_bytes, u32 sbo_bytes) {
+  return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(lbo_bytes >> 4) << 16) | ((u64)(sbo_bytes >> 4) << 32) |
+         (1ull << 62);
+}
+
+// wgmma.mma_async wrappers. wgmma_ss: D (+)= A B with both from shared memory,
+// K-major (trans-a = trans-b = 0). wgmma_rs_tb: D (+)= A B with A from
+// registers (the m16k16 fragment of mma.sync per warp) and B N-major
+// (trans-b = 1). scale_d = 0 overwrites D. The accumulator of m64nN is N / 2
+// floats per thread: d[4 j + 2 h + e] is row 16 w + lane / 4 + 8 h, column
+// 8 j + 2 (lane % 4) + e of the warpgroup's 64 x N tile (w = warp in group).
+// (Operand lists generated; one specialisation per element type and N.)
+template <typename Elem, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 da, u64 db, int scale_d);
+template <typename Elem, int N>
+__device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const u32 (&a)[4], u64 db, int scale_d);
+
+// Two floats to the 16-bit pair of an A fragment; lo goes to the low half
+// (the lower column index).
+template <typename Elem>
+__device__ __forceinline__ u32 pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <>
+__device__ __forceinline__ u32 pack2<f16>(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ void syncwarp() { asm volatile("bar.warp.sync 0xffffffff;" ::: "memory"); }
+
+// ---- generated by hand-written script: operand lists of wgmma.mma_async (m64nNk16) ----
+template <>
+__device__ __forceinline__ void wgmma_ss<bf16, 64>(float (&d)[32], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<bf16, 64>(float (&d)[32], const u32 (&a)[4], u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<bf16, 128>(float (&d)[64], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<bf16, 128>(float (&d)[64], const u32 (&a)[4], u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<f16, 64>(float (&d)[32], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<f16, 64>(float (&d)[32], const u32 (&a)[4], u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<f16, 128>(float (&d)[64], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<f16, 128>(float (&d)[64], const u32 (&a)[4], u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// ---------------------------------------------------------------------------
+// Tile geometry (the launchers mirror kSmemBytes: docs/attention.md, "Hopper")
+// ---------------------------------------------------------------------------
+
+template <int HEAD_DIM, int BLOCK_N, int NUM_CONSUMERS, int STAGES>
+struct Sm90Tile {
+  static constexpr int kBlockM = 64 * NUM_CONSUMERS;
+  static constexpr int kThreads = (NUM_CONSUMERS + 1) * 128;
+  static constexpr int kChunks64 = HEAD_DIM / 64;  // 128-byte column chunks of a row
+  static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
+  static constexpr int kKVBytes = BLOCK_N * HEAD_DIM * 2;  // one K or one V tile
+  static constexpr int kBarBytes = 8 * (4 + 4 * STAGES);
+  static constexpr int kLimit = 227 * 1024;
+  // Two Q buffers when they fit: the next tile's Q then loads while this
+  // tile's O is staged through (and stored from) its own Q buffer.
+  static constexpr int kQBufs = 2 * kQBytes + 2 * STAGES * kKVBytes + kBarBytes + 1024 <= kLimit ? 2 : 1;
+  // smem (from a 1024-byte aligned base): Q[kQBufs] | K[STAGES] | V[STAGES] | barriers
+  static constexpr int kOffK = kQBufs * kQBytes;
+  static constexpr int kOffV = kOffK + STAGES * kKVBytes;
+  static constexpr int kOffBar = kOffV + STAGES * kKVBytes;
+  // + 1024 so that the base can be aligned up by hand
+  static constexpr int kSmemBytes = kOffBar + kBarBytes + 1024;
+  // Registers per thread after setmaxnreg: the producer keeps the minimum,
+  // the consumers share the rest of the 64K-register file (multiples of 8).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs =
+      ((65536 / 128 - kProducerRegs) / NUM_CONSUMERS) / 8 * 8 > 240 ? 240
+                                                                     : ((65536 / 128 - kProducerRegs) / NUM_CONSUMERS) / 8 * 8;
+
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the sm_90 kernel covers head dims 64 and 128");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128");
+  static_assert(NUM_CONSUMERS >= 1 && NUM_CONSUMERS <= 3, "1 to 3 consumer warpgroups");
+  static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 K/V stages");
+  static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
+};
+
+// One output tile (BLOCK_M query rows of one (batch, head)): what it loads.
+struct TileWork {
+  int m_start, head, batch, head_kv;
+  int n_blocks;      // key blocks [0, n_blocks) are visible to some row; 0: none
+  int n_mask_start;  // key blocks >= this one need the mask
+};
+
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m, int t) {
+  TileWork w;
+  // Not causal: m block fastest (CTAs that run together share a head's K and
+  // V in L2). Causal: tiles in order of decreasing work (the last query
+  // blocks first, all heads of one m block together, so that CTAs running
+  // together still walk the same key blocks): a scheduler that hands tiles
+  // out in this order balances like longest-processing-time-first.
+  const int hb = IS_CAUSAL ? t % (p.heads_q * p.batch) : t / num_m;
+  const int x = IS_CAUSAL ? t / (p.heads_q * p.batch) : t % num_m;
+  w.head = hb % p.heads_q;
+  w.batch = hb / p.heads_q;
+  w.head_kv = w.head / p.q_per_kv;
+  const int m_block = IS_CAUSAL ? num_m - 1 - x : x;
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  w.m_start = m_block * BLOCK_M;
+  const int m_end = (w.m_start + BLOCK_M < Sq) ? w.m_start + BLOCK_M : Sq;
+  int key_end = Sk;
+  if (IS_CAUSAL) key_end = (m_end + Sk - Sq < Sk) ? m_end + Sk - Sq : Sk;
+  w.n_blocks = key_end > 0 ? (key_end + BLOCK_N - 1) / BLOCK_N : 0;
+  // Keys [0, full_end) are visible to every row of the tile.
+  int full_end = Sk;
+  if (IS_CAUSAL) full_end = (w.m_start + Sk - Sq + 1 < Sk) ? w.m_start + Sk - Sq + 1 : Sk;
+  w.n_mask_start = full_end > 0 ? full_end / BLOCK_N : 0;
+  return w;
+}
+
+// ---------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------
+
+// Persistent: with G = gridDim.x CTAs, round k hands tiles [k G, k G + G) out,
+// CTA i taking k G + i in even rounds and k G + G - 1 - i in odd ones (the
+// snake evens out the decreasing work of causal tiles), so a grid of one CTA
+// per SM overlaps one tile's epilogue with the next tile's loads. Any grid
+// size is correct; with one CTA per tile it is the plain launch.
+template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_N, int NUM_CONSUMERS, int STAGES, bool PINGPONG>
+__global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
+    attention_fwd_sm90(const AttnFwdParams p, const __grid_constant__ TmaDesc tm_q, const __grid_constant__ TmaDesc tm_k,
+                       const __grid_constant__ TmaDesc tm_v) {
+  using Tile = Sm90Tile<HEAD_DIM, BLOCK_N, NUM_CONSUMERS, STAGES>;
+  constexpr int BLOCK_M = Tile::kBlockM;
+  constexpr int kChunks64 = Tile::kChunks64;
+  constexpr int kQBufs = Tile::kQBufs;
+  constexpr int kNS = BLOCK_N / 2;   // S accumulator floats per thread
+  constexpr int kNO = HEAD_DIM / 2;  // O accumulator floats per thread
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // TMA with the 128-byte swizzle and the wgmma descriptors (base offset 0)
+  // need 1024-byte aligned tiles; the dynamic base is aligned up by hand.
+  const u32 smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 sQ0 = smem;
+  const u32 sK0 = smem + Tile::kOffK;
+  const u32 sV0 = smem + Tile::kOffV;
+  const u32 bar_q_full = smem + Tile::kOffBar;  // [2]
+  const u32 bar_q_empty = bar_q_full + 16;      // [2]
+  const u32 bar_full_k = bar_q_empty + 16;      // [STAGES] each
+  const u32 bar_full_v = bar_full_k + 8 * STAGES;
+  const u32 bar_empty_k = bar_full_v + 8 * STAGES;
+  const u32 bar_empty_v = bar_empty_k + 8 * STAGES;
+
+  const int tid = threadIdx.x;
+  const int warpgroup = tid / 128;
+  const int Sq = p.seqlen_q;
+  const int Sk = p.seqlen_k;
+  const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
+  const int num_tiles = num_m * p.heads_q * p.batch;
+
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(bar_q_full + 8 * b, 1);
+      mbar_init(bar_q_empty + 8 * b, 4 * NUM_CONSUMERS);
+    }
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar_full_k + 8 * s, 1);
+      mbar_init(bar_full_v + 8 * s, 1);
+      // one arrival per consumer warp
+      mbar_init(bar_empty_k + 8 * s, 4 * NUM_CONSUMERS);
+      mbar_init(bar_empty_v + 8 * s, 4 * NUM_CONSUMERS);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ------------------------------ producer ------------------------------
+    setmaxnreg_dec<Tile::kProducerRegs>();
+    if (tid == 0) {
+      prefetch_tma_desc(&tm_q);
+      prefetch_tma_desc(&tm_k);
+      prefetch_tma_desc(&tm_v);
+      int q_count = 0, kv_count = 0;
+      for (int k = 0, base = 0; base < num_tiles; ++k, base += gridDim.x) {
+        const int t = base + ((k & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+        if (t >= num_tiles) continue;
+        const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+        if (w.n_blocks == 0) continue;  // the consumers write 0 / -inf
+        const int qb = q_count % kQBufs;
+        mbar_wait(bar_q_empty + 8 * qb, ((q_count / kQBufs) & 1) ^ 1);
+        ++q_count;
+        mbar_arrive_expect_tx(bar_q_full + 8 * qb, Tile::kQBytes);
+        const u32 sQ = sQ0 + qb * Tile::kQBytes;
+#pragma unroll
+        for (int c = 0; c < kChunks64; ++c)
+          tma_load_4d(sQ + c * BLOCK_M * 128, &tm_q, c * 64, w.m_start, w.head, w.batch, bar_q_full + 8 * qb);
+        for (int it = 0; it < w.n_blocks; ++it, ++kv_count) {
+          const int n = w.n_blocks - 1 - it;
+          const int s = kv_count % STAGES;
+          const u32 parity = ((kv_count / STAGES) & 1) ^ 1;
+          const u32 sK = sK0 + s * Tile::kKVBytes, sV = sV0 + s * Tile::kKVBytes;
+          mbar_wait(bar_empty_k + 8 * s, parity);
+          mbar_arrive_expect_tx(bar_full_k + 8 * s, Tile::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < kChunks64; ++c)
+            tma_load_4d(sK + c * BLOCK_N * 128, &tm_k, c * 64, n * BLOCK_N, w.head_kv, w.batch, bar_full_k + 8 * s);
+          mbar_wait(bar_empty_v + 8 * s, parity);
+          mbar_arrive_expect_tx(bar_full_v + 8 * s, Tile::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < kChunks64; ++c)
+            tma_load_4d(sV + c * BLOCK_N * 128, &tm_v, c * 64, n * BLOCK_N, w.head_kv, w.batch, bar_full_v + 8 * s);
+        }
+      }
+    }
+  } else {
+    // ------------------------------ consumers -----------------------------
+    setmaxnreg_inc<Tile::kConsumerRegs>();
+    const int wg = warpgroup - 1;  // this consumer's 64 rows: wg * 64 ...
+    const int lane = tid & 31;
+    const int warp_in_wg = (tid / 32) & 3;
+    const bool lane0 = lane == 0;
+    // Row of accumulator half h within the tile: row_in_tile0 + 8 h.
+    const int row_in_tile0 = wg * 64 + warp_in_wg * 16 + (lane >> 2);
+    const float scale_log2 = p.scale_log2;
+
+    // Round-robin turns for the products (PINGPONG): consumer c waits on
+    // barrier 1 + c and, once its products are issued, lets consumer c + 1 go.
+    constexpr int kPairThreads = 256;
+    auto turn_wait = [&]() {
+      if constexpr (PINGPONG && NUM_CONSUMERS > 1) named_bar_sync(1 + wg, kPairThreads);
+    };
+    auto turn_pass = [&]() {
+      if constexpr (PINGPONG && NUM_CONSUMERS > 1) named_bar_arrive(1 + (wg + 1) % NUM_CONSUMERS, kPairThreads);
+    };
+    auto release = [&](u32 bar) {
+      syncwarp();
+      if (lane0) mbar_arrive(bar);
+    };
+
+    float acc_s[kNS];
+    float acc_o[kNO];
+    u32 p_frag[BLOCK_N / 16][4];
+    float row_max[2], row_sum[2];  // running max (log2 units); this thread's part of the row sums
+    float corr[2];
+    bool grow_any;
+
+    // Consumer 0 takes the first turn; the last consumer's final pass is
+    // matched by consumer 0's extra wait after the loop.
+    if (PINGPONG && NUM_CONSUMERS > 1 && wg == NUM_CONSUMERS - 1) named_bar_arrive(1, kPairThreads);
+
+    int q_count = 0, kv_count = 0;
+    for (int k = 0, base = 0; base < num_tiles; ++k, base += gridDim.x) {
+      const int t = base + ((k & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
+      if (t >= num_tiles) continue;
+      const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+      char* o_base = (char*)p.o + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
+      const i64 o_rs = 2 * p.o_row_stride;
+      float* lse_base = p.lse ? p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride : nullptr;
+      constexpr int kChunks = HEAD_DIM / 8;  // 16-byte chunks per row
+      const int tw = tid - 128 * warpgroup;  // thread in this consumer
+
+      if (w.n_blocks == 0) {
+        // No row of the tile sees a key: O = 0, LSE = -inf (this consumer's rows).
+#pragma unroll 1
+        for (int c = tw; c < 64 * kChunks; c += 128) {
+          const int row = w.m_start + wg * 64 + c / kChunks;
+          if (row < Sq) store_zero16_global(o_base + row * o_rs + (c % kChunks) * 16);
+        }
+        if (lse_base && tw < 64 && w.m_start + wg * 64 + tw < Sq)
+          store_f32_global(lse_base + w.m_start + wg * 64 + tw, neg_inf());
+        continue;
+      }
+
+      const int qb = q_count % kQBufs;
+      const u32 sQ = sQ0 + qb * Tile::kQBytes;
+      mbar_wait(bar_q_full + 8 * qb, (q_count / kQBufs) & 1);
+      ++q_count;
+
+      // Descriptors. Q rows of this consumer: chunk c of the Q tile at
+      // sQ + c * BLOCK_M * 128, rows wg * 64 .. + 63 (8 KB, 1024-aligned).
+      auto q_desc = [&](int ks) {
+        return make_desc(sQ + (ks / 4) * BLOCK_M * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
+      };
+      auto k_desc = [&](u32 sK, int ks) { return make_desc(sK + (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32, 16, 1024); };
+      auto v_desc = [&](u32 sV, int kk) { return make_desc(sV + kk * 16 * 128, BLOCK_N * 128, 1024); };
+      auto issue_s = [&](u32 sK) {
+#pragma unroll
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma_ss<Elem, BLOCK_N>(acc_s, q_desc(ks), k_desc(sK, ks), ks > 0);
+        wgmma_commit();
+      };
+      auto issue_pv = [&](u32 sV) {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_o, p_frag[kk], v_desc(sV, kk), 1);
+        wgmma_commit();
+      };
+
+      // Mask of key block n: the ragged end of Sk and, when causal, keys past
+      // the diagonal of each row.
+      auto apply_mask = [&](int n) {
+        const int col0 = n * BLOCK_N + 2 * (lane & 3);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = w.m_start + row_in_tile0 + 8 * h;
+          int col_end = Sk;
+          if (IS_CAUSAL) col_end = (row + Sk - Sq + 1 < Sk) ? row + Sk - Sq + 1 : Sk;
+#pragma unroll
+          for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (col0 + 8 * j + e >= col_end) acc_s[4 * j + 2 * h + e] = neg_inf();
+        }
+      };
+
+      // Online softmax, part 1 (no access to O or P, so it may overlap P V):
+      // new row maxima (log2 units) and S -> exp2(S * scale_log2 - max) in
+      // place; sets the correction factors of O and updates the row sums.
+      auto softmax_exp = [&]() {
+        float m_new[2];
+        bool grow = false;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = fmax2(acc_s[2 * h], acc_s[2 * h + 1]);
+#pragma unroll
+          for (int j = 1; j < BLOCK_N / 8; ++j) mx = fmax2(mx, fmax2(acc_s[4 * j + 2 * h], acc_s[4 * j + 2 * h + 1]));
+          mx = fmax2(mx, shfl_xor(mx, 1));
+          mx = fmax2(mx, shfl_xor(mx, 2));
+          m_new[h] = mx * scale_log2;  // -inf for a row whose keys are all masked
+          grow |= m_new[h] > row_max[h];
+        }
+        // The warp rescales only when one of its rows' max grew (uniform branch).
+        grow_any = vote_any(grow);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          corr[h] = 1.f;
+          if (grow_any) {
+            const float m_ref = fmax2(row_max[h], m_new[h]);
+            // -inf == -inf (a row that has seen no key yet) keeps corr = 1.
+            corr[h] = (m_ref == row_max[h]) ? 1.f : ex2(row_max[h] - m_ref);
+            row_max[h] = m_ref;
+          }
+          // A row still at -inf has only masked scores: exp2(-inf - 0) = 0.
+          const float m_sub = (row_max[h] == neg_inf()) ? 0.f : row_max[h];
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pv = ex2(acc_s[4 * j + 2 * h + e] * scale_log2 - m_sub);
+              acc_s[4 * j + 2 * h + e] = pv;
+              sum += pv;
+            }
+          row_sum[h] = row_sum[h] * corr[h] + sum;
+        }
+      };
+      // Part 2 (after the previous P V has completed): rescale O, P to 16 bits.
+      auto rescale_and_pack = [&]() {
+        if (grow_any) {
+#pragma unroll
+          for (int j = 0; j < HEAD_DIM / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              acc_o[4 * j + 2 * h] *= corr[h];
+              acc_o[4 * j + 2 * h + 1] *= corr[h];
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+          p_frag[kk][0] = pack2<Elem>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+          p_frag[kk][1] = pack2<Elem>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+          p_frag[kk][2] = pack2<Elem>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+          p_frag[kk][3] = pack2<Elem>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+        }
+      };
+
+#pragma unroll
+      for (int i = 0; i < kNO; ++i) acc_o[i] = 0.f;
+      row_max[0] = row_max[1] = neg_inf();
+      row_sum[0] = row_sum[1] = 0.f;
+      const int n_blocks = w.n_blocks;
+
+      // ---- first key block: S only ----
+      {
+        const int n = n_blocks - 1;
+        const int s = kv_count % STAGES;
+        mbar_wait(bar_full_k + 8 * s, (kv_count / STAGES) & 1);
+        turn_wait();
+        wgmma_fence();
+        issue_s(sK0 + s * Tile::kKVBytes);
+        turn_pass();
+        wgmma_wait<0>();
+        fence_regs(acc_s);
+        release(bar_empty_k + 8 * s);
+        if (n >= w.n_mask_start) apply_mask(n);
+        softmax_exp();
+        rescale_and_pack();
+      }
+
+      // ---- key blocks 1 .. n_blocks-1: S(it) with P V(it - 1) ----
+      auto iteration = [&](const int it, const bool masked) {
+        const int n = n_blocks - 1 - it;
+        const int c = kv_count + it;
+        const int s = c % STAGES, sp = (c - 1) % STAGES;
+        mbar_wait(bar_full_k + 8 * s, (c / STAGES) & 1);
+        mbar_wait(bar_full_v + 8 * sp, ((c - 1) / STAGES) & 1);
+        turn_wait();
+        wgmma_fence();
+        issue_s(sK0 + s * Tile::kKVBytes);
+        issue_pv(sV0 + sp * Tile::kKVBytes);
+        turn_pass();
+        wgmma_wait<1>();  // S(it) is complete, P V(it - 1) may still run
+        fence_regs(acc_s);
+        release(bar_empty_k + 8 * s);
+        if (masked) apply_mask(n);
+        softmax_exp();
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+        release(bar_empty_v + 8 * sp);
+        rescale_and_pack();
+      };
+      int it = 1;
+      for (; it < n_blocks && n_blocks - 1 - it >= w.n_mask_start; ++it) iteration(it, true);
+      for (; it < n_blocks; ++it) iteration(it, false);
+
+      // ---- last P V ----
+      {
+        const int c = kv_count + n_blocks - 1;
+        const int sp = c % STAGES;
+        mbar_wait(bar_full_v + 8 * sp, (c / STAGES) & 1);
+        turn_wait();
+        wgmma_fence();
+        issue_pv(sV0 + sp * Tile::kKVBytes);
+        turn_pass();
+        wgmma_wait<0>();
+        fence_regs(acc_o);
+        release(bar_empty_v + 8 * sp);
+      }
+      kv_count += n_blocks;
+
+      // ---- epilogue: normalise, LSE, stage O in this consumer's Q rows, store ----
+      const int e_tid = tid_opaque();
+      const int e_lane = e_tid & 31;
+      const int e_row0 = wg * 64 + ((e_tid / 32) & 3) * 16 + (e_lane >> 2);  // row_in_tile0
+      const int e_tw = e_tid & 127;
+      float inv_sum[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float s = row_sum[h];
+        s += shfl_xor(s, 1);
+        s += shfl_xor(s, 2);
+        inv_sum[h] = (s > 0.f) ? rcp(s) : 0.f;
+        const int row = w.m_start + e_row0 + 8 * h;
+        if (lse_base && (e_lane & 3) == 0 && row < Sq)
+          store_f32_global(lse_base + row, (s > 0.f) ? (row_max[h] + lg2(s)) * 0.69314718055994531f : neg_inf());
+      }
+      // Every warp of this consumer is past its last wgmma on these Q rows.
+      named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
+      // Same 128-byte swizzle as the TMA wrote Q: 16-byte chunk c of row r sits
+      // at chunk c ^ (r % 8), so the 8 rows of a store go to different banks.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = e_row0 + 8 * h;
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+          const int col = 8 * j + 2 * (e_lane & 3);
+          const u32 addr = sQ + (col / 64) * BLOCK_M * 128 + r * 128 + ((((col % 64) / 8) ^ (r & 7)) << 4) + (col % 8) * 2;
+          st_shared_u32(addr, pack2<Elem>(acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]));
+        }
+      }
+      named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
+#pragma unroll
+      for (int i = 0; i < 64 * kChunks / 128; ++i) {
+        const int c = e_tw + i * 128;
+        const int r = wg * 64 + c / kChunks, ch = c % kChunks;
+        const u32 src = sQ + (ch / 8) * BLOCK_M * 128 + r * 128 + (((ch % 8) ^ (r & 7)) << 4);
+        if (w.m_start + r < Sq) copy16_shared_to_global(o_base + (w.m_start + r) * o_rs + ch * 16, src);
+      }
+      // This warp is done with the Q buffer: the producer may load a later
+      // tile's Q into it once every consumer warp has said so.
+      release(bar_q_empty + 8 * qb);
+    }
+    if (PINGPONG && NUM_CONSUMERS > 1 && wg == 0) turn_wait();  // matches the last consumer's final pass
+  }
+}
+
+}  // namespace opfuse_attn

@@ -1,0 +1,286 @@
+#include "runtime/attention_launcher_sm90.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <regex>
+#include <stdexcept>
+#include <tuple>
+
+#include "runtime/compile_cache.h"
+#include "runtime/hash.h"
+
+#include "attention_fwd_sm90_cu.inc"  // static const char attention_fwd_sm90_cu[]
+
+namespace opfuse::attention {
+namespace {
+
+constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+constexpr int kDevAttrMultiprocessorCount = 16;  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+// cuda.h's CUtensorMap enums
+constexpr int kTmaBf16 = 9, kTmaF16 = 6;
+constexpr int kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2, kTmaOobZero = 0;
+
+// NVRTC's name-expression calls, looked up in the library runtime/cuda_api.h
+// loaded (RTLD_GLOBAL). (attention_launcher.cpp does the same for the
+// mma.sync kernel; a shared helper is a follow-up.)
+struct NameApi {
+  nvrtcResult (*AddNameExpression)(nvrtcProgram, const char*) = nullptr;
+  nvrtcResult (*GetLoweredName)(nvrtcProgram, const char*, const char**) = nullptr;
+};
+
+const NameApi& name_api() {
+  static NameApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const NvrtcApi& n = nvrtc();
+    if (!n.loaded) return;
+    std::string path = n.path;
+    if (auto p = path.find(" (already loaded)"); p != std::string::npos) path = path.substr(0, p);
+    void* h = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    void* from = h ? h : RTLD_DEFAULT;
+    api.AddNameExpression = reinterpret_cast<decltype(api.AddNameExpression)>(dlsym(from, "nvrtcAddNameExpression"));
+    api.GetLoweredName = reinterpret_cast<decltype(api.GetLoweredName)>(dlsym(from, "nvrtcGetLoweredName"));
+  });
+  return api;
+}
+
+// wgmma and setmaxnreg exist only on the arch-specific target.
+std::vector<std::string> compile_options() { return {"--gpu-architecture=sm_90a", "-std=c++17", "--ptxas-options=-v", "-lineinfo"}; }
+
+AttnCompiled compile_expression(const std::string& expr) {
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  const NameApi& na = name_api();
+  if (!na.AddNameExpression || !na.GetLoweredName)
+    throw std::runtime_error("NVRTC at " + n.path + " lacks nvrtcAddNameExpression/nvrtcGetLoweredName");
+  nvrtcProgram prog = nullptr;
+  if (int r = n.CreateProgram(&prog, attention_fwd_sm90_cu, "attention_fwd_sm90.cu", 0, nullptr, nullptr))
+    throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
+  struct Guard {
+    const NvrtcApi& n;
+    nvrtcProgram& p;
+    ~Guard() { n.DestroyProgram(&p); }
+  } guard{n, prog};
+  if (int r = na.AddNameExpression(prog, expr.c_str()))
+    throw std::runtime_error(std::string("nvrtcAddNameExpression: ") + n.GetErrorString(r));
+  std::vector<std::string> opts = compile_options();
+  std::vector<const char*> copts;
+  for (auto& o : opts) copts.push_back(o.c_str());
+  int rc = n.CompileProgram(prog, static_cast<int>(copts.size()), copts.data());
+  AttnCompiled out;
+  out.expression = expr;
+  size_t log_size = 0;
+  n.GetProgramLogSize(prog, &log_size);
+  out.log.resize(log_size);
+  if (log_size) n.GetProgramLog(prog, out.log.data());
+  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
+  if (rc != 0) throw std::runtime_error("NVRTC failed to compile " + expr + " for sm_90a:\n" + out.log.substr(0, 8000));
+  const char* lowered = nullptr;
+  if (int r = na.GetLoweredName(prog, expr.c_str(), &lowered); r || !lowered)
+    throw std::runtime_error("nvrtcGetLoweredName failed for " + expr);
+  out.lowered = lowered;
+  size_t size = 0;
+  n.GetCUBINSize(prog, &size);
+  out.cubin.resize(size);
+  n.GetCUBIN(prog, out.cubin.data());
+  if (out.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for " + expr);
+  return out;
+}
+
+// Cache entry: "opfuse-attn-sm90-cubin\n<lowered name>\n" then the cubin.
+constexpr const char kMagic[] = "opfuse-attn-sm90-cubin\n";
+
+bool unpack(const std::string& bytes, AttnCompiled* c) {
+  const size_t m = sizeof(kMagic) - 1;
+  if (bytes.compare(0, m, kMagic) != 0) return false;
+  size_t nl = bytes.find('\n', m);
+  if (nl == std::string::npos || nl == m) return false;
+  c->lowered = bytes.substr(m, nl - m);
+  c->cubin = bytes.substr(nl + 1);
+  return !c->cubin.empty();
+}
+
+// A 4-D map over a [B, H, S, D] tensor with element strides (b, h, s, 1):
+// dims (D, S, H, B), box (64, rows, 1, 1), 128-byte swizzle, zero fill
+// outside the tensor (rows past S never reach another head's data).
+struct TensorMap {
+  alignas(64) unsigned char bytes[128];
+};
+TensorMap encode(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64_t batch, int64_t heads, int64_t seqlen,
+                 int head_dim, int box_rows, const char* what) {
+  const CudaApi& c = cuda();
+  if (!c.TensorMapEncodeTiled) throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled");
+  TensorMap m{};
+  const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(seqlen), static_cast<uint64_t>(heads),
+                            static_cast<uint64_t>(batch)};
+  const uint64_t gstrides[3] = {2 * static_cast<uint64_t>(strides[2]), 2 * static_cast<uint64_t>(strides[1]),
+                                2 * static_cast<uint64_t>(strides[0])};
+  const uint32_t box[4] = {64, static_cast<uint32_t>(box_rows), 1, 1};
+  const uint32_t estr[4] = {1, 1, 1, 1};
+  check_cuda(c.TensorMapEncodeTiled(m.bytes, e == AttnElem::BF16 ? kTmaBf16 : kTmaF16, 4, const_cast<void*>(ptr), dims,
+                                    gstrides, box, estr, kTmaInterleaveNone, kTmaSwizzle128B, kTmaL2Promo128B, kTmaOobZero),
+             what);
+  return m;
+}
+
+}  // namespace
+
+std::string AttnSm90Tile::tag() const {
+  return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
+         (pingpong ? "p" : "") + (persistent ? "" : "n");
+}
+
+bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
+
+AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(n?))");
+  std::smatch m;
+  if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
+    throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
+  AttnSm90Tile t;
+  t.consumers = std::stoi(m[1]) / 64;
+  t.block_n = std::stoi(m[2]);
+  t.stages = std::stoi(m[3]);
+  t.pingpong = m[4].length() > 0;
+  t.persistent = m[5].length() == 0;
+  return t;
+}
+
+bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 128; }
+
+AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal) {
+  // Mirrors attn_runtime_sm90.DEFAULT_SM90.
+  (void)causal;
+  if (head_dim == 64) return {128, 3, 4, true, true};
+  if (head_dim == 128) return {128, 2, 2, true, true};
+  throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
+}
+
+std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
+  // Mirrors attn_runtime_sm90.VARIANT_SM90 (the benchmark's variants).
+  std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim, false)};
+  if (head_dim == 64) r.insert(r.end(), {{128, 3, 4, true, false}, {128, 2, 4, true}, {128, 2, 4, true, false}});
+  else r.insert(r.end(), {{128, 2, 2, true, false}, {128, 2, 2, false}});
+  return r;
+}
+
+int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t) {
+  const int q = t.block_m() * head_dim * 2, kv = t.block_n * head_dim * 2, rest = 2 * t.stages * kv + 8 * (4 + 4 * t.stages) + 1024;
+  return (2 * q + rest <= 227 * 1024 ? 2 * q : q) + rest;
+}
+
+std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t) {
+  return std::string("opfuse_attn::attention_fwd_sm90<opfuse_attn::") + attn_elem_name(e) + ", " +
+         std::to_string(head_dim) + ", " + (causal ? "true" : "false") + ", " + std::to_string(t.block_n) + ", " +
+         std::to_string(t.consumers) + ", " + std::to_string(t.stages) + ", " + (t.pingpong ? "true" : "false") + ">";
+}
+
+bool attn_sm90_enabled() {
+  const char* v = std::getenv("OPFUSE_ATTN_SM90");
+  return !(v && std::string(v) == "0");
+}
+
+std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
+  if (arch != 90) return "sm_" + std::to_string(arch) + " is not sm_90";
+  if (!a.tile.empty() && !AttnSm90Tile::is_tag(a.tile)) return "an mma.sync tile was asked for";
+  if (a.tile.empty() && !attn_sm90_enabled()) return "OPFUSE_ATTN_SM90=0";
+  if (!attn_sm90_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64 or 128";
+  if (a.seqlen_k == 0) return "Sk = 0 (a tensor map needs non-empty dims)";
+  if (!cuda().TensorMapEncodeTiled) return "the CUDA driver has no cuTensorMapEncodeTiled";
+  // TMA: global strides below 2^40 bytes (multiples of 16 bytes is
+  // attn_unsupported_reason's multiple-of-8-elements rule).
+  for (const int64_t* st : {a.q_strides, a.k_strides, a.v_strides})
+    for (int d = 0; d < 3; ++d)
+      if (st[d] <= 0 || 2 * st[d] >= (int64_t{1} << 40)) return "a stride is not in (0, 2^39) elements";
+  return {};
+}
+
+AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache) {
+  if (!attn_sm90_head_dim_supported(head_dim))
+    throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
+  const std::string expr = attn_sm90_name_expression(e, head_dim, causal, t);
+  if (!use_cache) return compile_expression(expr);
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  std::string opts;
+  for (auto& o : compile_options()) opts += o + " ";
+  const std::string key = content_hash(std::string(attention_fwd_sm90_cu) + "\n" + expr + "\n" + opts + "\nnvrtc " +
+                                       std::to_string(n.major) + "." + std::to_string(n.minor));
+  AttnCompiled fresh;
+  bool built = false;
+  auto build = [&](const std::string& out) {
+    fresh = compile_expression(expr);
+    built = true;
+    write_file_atomic(out, kMagic + fresh.lowered + "\n" + fresh.cubin);
+  };
+  CacheLookup found = cache_get_or_build("attention", key, ".cubin", build);
+  if (built) return fresh;
+  bool ok = false;
+  AttnCompiled c;
+  c.expression = expr;
+  if (std::string bytes = read_file(found.path, &ok); ok && unpack(bytes, &c)) {
+    c.cache_hit = true;
+    return c;
+  }
+  cache_evict(found.path);  // another layout or a damaged entry: rebuild
+  cache_get_or_build("attention", key, ".cubin", build);
+  return fresh;
+}
+
+void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, CUcontext ctx, CUstream stream) {
+  const CudaApi& c = cuda();
+  const int D = static_cast<int>(a.head_dim);
+  const AttnSm90Tile tile = a.tile.empty() ? attn_sm90_default_tile(D, a.causal) : AttnSm90Tile::parse(a.tile);
+  const int smem = attn_sm90_smem_bytes(D, tile);
+  struct Loaded {
+    CUmodule module = nullptr;
+    CUfunction fn = nullptr;
+  };
+  static std::mutex mu;
+  static std::map<std::tuple<CUcontext, std::string>, Loaded> functions;
+  const std::string expr = attn_sm90_name_expression(a.elem, D, a.causal, tile);
+  CUfunction fn = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    Loaded& lf = functions[{ctx, expr}];
+    if (!lf.fn) {
+      AttnCompiled comp = attn_sm90_compile(a.elem, D, a.causal, tile);
+      if (c.ModuleLoadData(&lf.module, comp.cubin.data()) != 0) {
+        comp = attn_sm90_compile(a.elem, D, a.causal, tile, /*use_cache=*/false);
+        check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(attention sm90)");
+      }
+      check_cuda(c.ModuleGetFunction(&lf.fn, lf.module, comp.lowered.c_str()), "cuModuleGetFunction(attention sm90)");
+      check_cuda(c.FuncSetAttribute(lf.fn, kAttrMaxDynamicSharedBytes, smem), "cuFuncSetAttribute(max dynamic smem)");
+    }
+    fn = lf.fn;
+  }
+  TensorMap tq = encode(a.elem, a.q, a.q_strides, a.batch, a.heads_q, a.seqlen_q, D, tile.block_m(), "cuTensorMapEncodeTiled(q)");
+  TensorMap tk = encode(a.elem, a.k, a.k_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(k)");
+  TensorMap tv = encode(a.elem, a.v, a.v_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(v)");
+  AttnFwdParams params = p;
+  void* args[] = {&params, tq.bytes, tk.bytes, tv.bytes};
+  // Persistent: one CTA per SM (1 CTA fits an SM), each looping over tiles.
+  static std::map<CUcontext, int> sm_counts;
+  int sms = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    int& n = sm_counts[ctx];
+    if (n == 0) {
+      CUdevice dev = 0;
+      check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+      check_cuda(c.DeviceGetAttribute(&n, kDevAttrMultiprocessorCount, dev), "cuDeviceGetAttribute(SM count)");
+    }
+    sms = n;
+  }
+  const int64_t tiles = (a.seqlen_q + tile.block_m() - 1) / tile.block_m() * a.heads_q * a.batch;
+  if (tiles > INT32_MAX) throw std::invalid_argument("attention sm90: more than 2^31 tiles");
+  const unsigned grid_x = static_cast<unsigned>(tile.persistent && tiles > sms ? sms : tiles);
+  check_cuda(c.LaunchKernel(fn, grid_x, 1, 1,
+                            static_cast<unsigned>(tile.threads()), 1, 1, static_cast<unsigned>(smem), stream, args, nullptr),
+             "cuLaunchKernel(attention sm90)");
+}
+
+}  // namespace opfuse::attention

@@ -1,0 +1,55 @@
+// The launcher of the Hopper attention forward kernel
+// (src/kernels/attention/attention_fwd_sm90.cu, embedded as a string):
+// its tiles, NVRTC compilation for sm_90a through the disk cache, the TMA
+// tensor maps (cuTensorMapEncodeTiled) and the launch. attn_forward_cuda
+// (attention_launcher.h) dispatches here on sm_90 devices for the head dims
+// the kernel covers (64, 128) unless OPFUSE_ATTN_SM90=0; everything else runs
+// on the mma.sync kernel. Launch ABI: docs/attention.md, "Hopper".
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/attention_launcher.h"
+
+namespace opfuse::attention {
+
+// BLOCK_N keys per block, `consumers` warpgroups of 64 query rows each, a
+// `stages`-deep K/V ring, ping-pong (consumers take turns issuing their
+// matrix products), and (host only) a persistent grid of min(tiles, SMs) CTAs
+// rather than one CTA per tile. Tag form "wg128x128s2p" (BLOCK_M x BLOCK_N,
+// s stages, p ping-pong; a trailing "n": not persistent).
+struct AttnSm90Tile {
+  int block_n = 128, consumers = 2, stages = 2;
+  bool pingpong = true, persistent = true;
+  int block_m() const { return 64 * consumers; }
+  int threads() const { return 128 * (consumers + 1); }
+  std::string tag() const;
+  static AttnSm90Tile parse(const std::string& tag);  // throws std::invalid_argument
+  static bool is_tag(const std::string& tag);         // "wg..." (else an mma.sync tile)
+  bool operator==(const AttnSm90Tile&) const = default;
+};
+
+bool attn_sm90_head_dim_supported(int64_t head_dim);  // 64, 128
+// The same for causal and not today (the persistent grid; docs/attention.md).
+AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal);
+// The default and the benchmark variants (what CI compiles).
+std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim);
+// Sm90Tile::kSmemBytes: Q (two buffers when they fit), the K/V ring, the
+// mbarriers, 1 KB to align the base.
+int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t);
+std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t);
+// False when OPFUSE_ATTN_SM90=0 (forces the mma.sync kernel, for comparison).
+bool attn_sm90_enabled();
+// Empty when the Hopper kernel takes the problem on sm_<arch> (with a.tile
+// empty or a "wg" tag), else why not; the caller then uses the mma.sync kernel.
+std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch);
+
+// Compiles one instantiation for sm_90a with NVRTC (no GPU needed).
+AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache = true);
+
+// Encodes the tensor maps and launches on `stream` in the current context
+// `ctx`; `p` is the kernel's AttnFwdParams, filled by attn_forward_cuda.
+void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, CUcontext ctx, CUstream stream);
+
+}  // namespace opfuse::attention

@@ -1,0 +1,255 @@
+"""The Hopper forward (src/kernels/attention/attention_fwd_sm90.cu) for the ctypes harness.
+
+Configurations, NVRTC compilation for sm_90a, the TMA tensor maps
+(cuTensorMapEncodeTiled from libcuda) and the launch. attn_runtime.AttentionForward
+dispatches here on sm_90 devices for the head dims the kernel covers (64 and
+128) unless OPFUSE_ATTN_SM90=0; everything else stays on the mma.sync kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import os
+import re
+
+import attn_runtime as ar
+
+KERNEL_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_fwd_sm90.cu"
+HEAD_DIMS_SM90 = (64, 128)
+ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Config:
+    block_n: int
+    consumers: int  # consumer warpgroups of 64 query rows each
+    stages: int  # K/V ring depth
+    pingpong: bool  # consumers take turns issuing their products
+    persistent: bool = True  # host only: grid of min(tiles, SMs) CTAs looping over tiles, else one CTA a tile
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    def tag(self) -> str:
+        return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
+                f"{'' if self.persistent else 'n'}")
+
+    @staticmethod
+    def parse(tag: str) -> "Sm90Config":
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(n?)", tag)
+        if not m or int(m.group(1)) % 64:
+            raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(5))
+
+    def grid(self, seqlen_q: int, heads_q: int, batch: int, num_sms: int):
+        tiles = -(-seqlen_q // self.block_m) * heads_q * batch
+        return (min(tiles, num_sms) if self.persistent else tiles, 1, 1)
+
+
+# Default per (head dim, causal), then the variants the benchmark may time
+# (CI compiles all). The persistent grid everywhere: with causal tiles handed
+# out in order of decreasing work in snake rounds it matched or beat one CTA
+# per tile in 7 of 8 causal cases of the third H200 run (commit 6e378ba,
+# docs/attention.md, "Hopper"); in the second run, with head-major rounds, it
+# had lost on causal problems.
+DEFAULT_SM90 = {
+    (64, False): Sm90Config(128, 3, 4, True),
+    (64, True): Sm90Config(128, 3, 4, True),
+    (128, False): Sm90Config(128, 2, 2, True),
+    (128, True): Sm90Config(128, 2, 2, True),
+}
+VARIANT_SM90 = {
+    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, False), Sm90Config(128, 2, 4, True),
+         Sm90Config(128, 2, 4, True, False)],
+    128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, False), Sm90Config(128, 2, 2, False)],
+}
+
+
+def default_config_sm90(head_dim: int, causal: bool) -> Sm90Config:
+    return DEFAULT_SM90[(head_dim, bool(causal))]
+
+
+def configs_sm90(head_dim: int):
+    """The defaults and the variants of one head dim, without repeats."""
+    out = []
+    for cfg in [DEFAULT_SM90[(head_dim, False)], DEFAULT_SM90[(head_dim, True)]] + VARIANT_SM90[head_dim]:
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+SMEM_LIMIT_SM90 = 227 * 1024
+
+
+def q_buffers_sm90(head_dim: int, cfg: Sm90Config) -> int:
+    """Sm90Tile::kQBufs: two Q buffers when they fit."""
+    q, kv = cfg.block_m * head_dim * 2, cfg.block_n * head_dim * 2
+    return 2 if 2 * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 1024 <= SMEM_LIMIT_SM90 else 1
+
+
+def smem_bytes_sm90(head_dim: int, cfg: Sm90Config) -> int:
+    """Sm90Tile::kSmemBytes: Q buffers, the K/V ring, the mbarriers and 1 KB to align the base."""
+    q, kv = cfg.block_m * head_dim * 2, cfg.block_n * head_dim * 2
+    return q_buffers_sm90(head_dim, cfg) * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 1024
+
+
+def name_expression_sm90(elem: str, head_dim: int, causal: bool, cfg: Sm90Config) -> str:
+    return (f"opfuse_attn::attention_fwd_sm90<opfuse_attn::{elem}, {head_dim}, {'true' if causal else 'false'}, "
+            f"{cfg.block_n}, {cfg.consumers}, {cfg.stages}, {'true' if cfg.pingpong else 'false'}>")
+
+
+def all_instantiations_sm90():
+    """(elem, head_dim, causal, cfg), one per kernel (configs differing only on the host share one)."""
+    out, seen = [], set()
+    for d in HEAD_DIMS_SM90:
+        for cfg in configs_sm90(d):
+            for elem in ar.ELEMENTS:
+                for causal in (False, True):
+                    e = name_expression_sm90(elem, d, causal, cfg)
+                    if e not in seen:
+                        seen.add(e)
+                        out.append((elem, d, causal, cfg))
+    return out
+
+
+def compile_options_sm90():
+    return ar.compile_options(ARCH_SM90)
+
+
+def sm90_enabled() -> bool:
+    """OPFUSE_ATTN_SM90=0 forces the mma.sync kernel (for comparison)."""
+    return os.environ.get("OPFUSE_ATTN_SM90", "1") != "0"
+
+
+def sm90_unsupported_reason(arch: str, head_dim: int, seqlen_k: int) -> str:
+    """Empty when the Hopper kernel takes the problem, else why not."""
+    if not arch.startswith("sm_90"):
+        return f"{arch} is not sm_90"
+    if not sm90_enabled():
+        return "OPFUSE_ATTN_SM90=0"
+    if head_dim not in HEAD_DIMS_SM90:
+        return f"head dim {head_dim} is not 64 or 128"
+    if seqlen_k == 0:
+        return "Sk = 0 (a tensor map needs non-empty dims)"
+    return ""
+
+
+def compile_kernel_sm90(nvrtc: ar.Nvrtc, elem: str, head_dim: int, causal: bool, cfg: Sm90Config,
+                        source: str | None = None, use_cache: bool = True):
+    """Compiles one instantiation for sm_90a. Returns dict(cubin, lowered, log, resources, cached)."""
+    if source is None:
+        source = KERNEL_SOURCE_SM90.read_text()
+    expr = name_expression_sm90(elem, head_dim, causal, cfg)
+    opts = compile_options_sm90()
+    key = hashlib.sha256("\0".join([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()).hexdigest()[:32]
+    cdir = ar.cache_dir()
+    cubin_path, meta_path = cdir / f"{key}.cubin", cdir / f"{key}.json"
+    if use_cache and cubin_path.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        return dict(cubin=cubin_path.read_bytes(), cached=True, **meta)
+    cubin, log, lowered = nvrtc.compile(source, "attention_fwd_sm90.cu", opts, [expr])
+    meta = dict(lowered=lowered[expr], log=log, resources=ar.parse_ptxas(log), expression=expr, arch=ARCH_SM90)
+    if use_cache:
+        try:
+            cdir.mkdir(parents=True, exist_ok=True)
+            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(cubin)
+            tmp.replace(cubin_path)
+            meta_path.write_text(json.dumps(meta))
+        except OSError:
+            pass
+    return dict(cubin=cubin, cached=False, **meta)
+
+
+# ---------------------------------------------------------------------------
+# Tensor maps (cuTensorMapEncodeTiled) and the launch
+# ---------------------------------------------------------------------------
+
+class CUtensorMap(ctypes.Structure):
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+CU_TENSOR_MAP_DATA_TYPE = {"f16": 6, "bf16": 9}
+CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+CU_TENSOR_MAP_SWIZZLE_128B = 3
+CU_TENSOR_MAP_L2_PROMOTION_L2_128B = 2
+CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zero
+
+
+def _bind_encode(lib):
+    f = lib.cuTensorMapEncodeTiled
+    f.argtypes = [ctypes.POINTER(CUtensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                  ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
+                  ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def encode_tensor_map(driver: ar.CudaDriver, elem: str, ptr: int, shape, strides, box_rows: int) -> CUtensorMap:
+    """4-D map over a [B, H, S, D] tensor with element strides (b, h, s, 1): dims (D, S, H, B),
+    box (64, box_rows, 1, 1), 128-byte swizzle (the kernel's shared-memory layout)."""
+    if not hasattr(driver, "_encode_tiled"):
+        driver._encode_tiled = _bind_encode(driver.lib)
+    B, H, S, D = shape
+    dims = (ctypes.c_uint64 * 4)(D, max(S, 1), max(H, 1), max(B, 1))
+    gstrides = (ctypes.c_uint64 * 3)(2 * strides[2], 2 * strides[1], 2 * strides[0])
+    box = (ctypes.c_uint32 * 4)(64, box_rows, 1, 1)
+    estr = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    m = CUtensorMap()
+    rc = driver._encode_tiled(ctypes.byref(m), CU_TENSOR_MAP_DATA_TYPE[elem], 4, ctypes.c_void_p(ptr), dims, gstrides,
+                              box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    driver.check(rc, f"cuTensorMapEncodeTiled(dims {tuple(dims)}, strides {tuple(gstrides)}, box {tuple(box)})")
+    return m
+
+
+def launch_sm90(driver: ar.CudaDriver, fn, grid, cfg: Sm90Config, smem: int, stream, params, tm_q, tm_k, tm_v):
+    """grid: cfg.grid(...) (persistent CTAs loop over the tiles)."""
+    args = (ctypes.c_void_p * 4)(*(ctypes.cast(ctypes.pointer(x), ctypes.c_void_p) for x in (params, tm_q, tm_k, tm_v)))
+    driver.check(driver.lib.cuLaunchKernel(fn, grid[0], grid[1], grid[2], cfg.num_threads, 1, 1, smem,
+                                           ctypes.c_void_p(stream), args, None), "cuLaunchKernel(sm90)")
+
+
+def compile_ptx_and_cubin_sm90(nvrtc: ar.Nvrtc, exprs, source: str | None = None):
+    """One NVRTC program for `exprs` (CI): returns (ptx text, cubin bytes, log, {expr: lowered})."""
+    L = nvrtc.lib
+    L.nvrtcGetPTXSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+    L.nvrtcGetPTX.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    if source is None:
+        source = KERNEL_SOURCE_SM90.read_text()
+    prog = ctypes.c_void_p()
+    nvrtc._check(L.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"attention_fwd_sm90.cu", 0, None, None),
+                 "nvrtcCreateProgram")
+    try:
+        for e in exprs:
+            nvrtc._check(L.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression")
+        opts = [o.encode() for o in compile_options_sm90()]
+        rc = L.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        L.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        L.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace")
+        nvrtc._check(rc, "nvrtcCompileProgram", log)
+        lowered = {}
+        for e in exprs:
+            p = ctypes.c_char_p()
+            nvrtc._check(L.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(p)), "nvrtcGetLoweredName")
+            lowered[e] = p.value.decode()
+        nvrtc._check(L.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+        ptx = ctypes.create_string_buffer(size.value)
+        nvrtc._check(L.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        nvrtc._check(L.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        nvrtc._check(L.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return ptx.value.decode(errors="replace"), cubin.raw, log, lowered
+    finally:
+        L.nvrtcDestroyProgram(ctypes.byref(prog))
