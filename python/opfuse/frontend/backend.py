@@ -160,7 +160,7 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, dump):
     if compiled.num_library_calls and device.type == "cuda":
         pass  # the layout key holds pointer alignment too: prepared on the first call
     elif all(isinstance(s, int) for t in example for s in list(t.shape) + list(t.stride())):
-        fused._by_layout[tuple((t.shape, t.stride(), t.dtype, t.device) for t in example)] = fused._prepare(example)
+        fused.prepare_layout(example)
     if dump is not None:
         sizes = [[s if isinstance(s, int) else 7 for s in t.shape] for t in example]
         dump.partition(name, ir_text, compiled, sizes)
