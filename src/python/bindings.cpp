@@ -104,47 +104,14 @@ Attrs attrs_from(const nb::dict& d) {
   return a;
 }
 
-// Pointers from Python: a list or tuple of ints (data_ptr() values).
-std::vector<void*> pointers_from(nb::handle seq) {
-  PyObject* o = seq.ptr();
-  bool list = PyList_Check(o);
-  if (!list && !PyTuple_Check(o)) throw nb::type_error("pointers must be a list or tuple of ints");
-  Py_ssize_t n = list ? PyList_GET_SIZE(o) : PyTuple_GET_SIZE(o);
-  std::vector<void*> p(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    p[static_cast<size_t>(i)] = PyLong_AsVoidPtr(list ? PyList_GET_ITEM(o, i) : PyTuple_GET_ITEM(o, i));
-    if (PyErr_Occurred()) throw nb::python_error();
-  }
-  return p;
-}
-
-RunOptions run_options(uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, bool allow_tf32, nb::object cpu_gemm) {
-  RunOptions o;
-  o.stream = reinterpret_cast<void*>(stream);
-  o.workspace = reinterpret_cast<void*>(workspace);
-  o.workspace_bytes = workspace_bytes;
-  o.allow_tf32 = allow_tf32;
-  if (!cpu_gemm.is_none())
-    o.cpu_gemm = [cpu_gemm](int g) {
-      nb::gil_scoped_acquire acquire;
-      cpu_gemm(g);
-    };
-  return o;
-}
-
-// CompiledGraph::prepare's result as Python holds it (the graph is kept
-// alive by nb::keep_alive on prepare).
-struct PreparedRunRef {
-  const CompiledGraph* graph = nullptr;
-  CompiledGraph::PreparedRun run;
-};
-
 }  // namespace
 
 // Hand-picked fused ops (opfuse.ops): bindings_ops.cpp.
 void bind_ops(nb::module_& m);
 // The skinny GEMM's launch, build and reference: bindings_skinny.cpp.
 void bind_skinny_gemm(nb::module_& m);
+// The launch path (PreparedRun, launch counters): bindings_launch.cpp.
+void bind_launch(nb::module_& m);
 
 NB_MODULE(_C, m) {
   m.doc() = "opfuse core: graph IR, fusion planner, code generation and runtime";
@@ -292,7 +259,16 @@ NB_MODULE(_C, m) {
              std::vector<void*> p;
              p.reserve(ptrs.size());
              for (auto x : ptrs) p.push_back(reinterpret_cast<void*>(x));
-             RunOptions o = run_options(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
+             RunOptions o;
+             o.stream = reinterpret_cast<void*>(stream);
+             o.workspace = reinterpret_cast<void*>(workspace);
+             o.workspace_bytes = workspace_bytes;
+             o.allow_tf32 = allow_tf32;
+             if (!cpu_gemm.is_none())
+               o.cpu_gemm = [cpu_gemm](int g) {
+                 nb::gil_scoped_acquire acquire;
+                 cpu_gemm(g);
+               };
              int gemm_kernels = 0;
              o.gemm_kernels = &gemm_kernels;
              {
@@ -303,44 +279,7 @@ NB_MODULE(_C, m) {
            },
            nb::arg("variant"), nb::arg("syms"), nb::arg("ptrs"), nb::arg("strides"), nb::arg("stream") = 0,
            nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0, nb::arg("allow_tf32") = false,
-           nb::arg("cpu_gemm") = nb::none())
-      .def("prepare",
-           [](const CompiledGraph& c, int variant, const std::vector<int64_t>& syms,
-              const std::vector<std::vector<int64_t>>& strides, int device) {
-             return PreparedRunRef{&c, c.prepare(variant, syms, strides, device)};
-           },
-           nb::arg("variant"), nb::arg("syms"), nb::arg("strides"), nb::arg("device") = -1, nb::keep_alive<0, 1>(),
-           "run() split in two: this part once per input layout, then PreparedRun.launch / .run per call.");
-
-  // The launch path: only pointers and the stream cross per call.
-  nb::class_<PreparedRunRef>(m, "PreparedRun")
-      .def_prop_ro("variant", [](const PreparedRunRef& r) { return r.run.variant_index; })
-      .def_prop_ro("syms", [](const PreparedRunRef& r) { return r.run.symbol_values; })
-      .def_prop_ro("strides", [](const PreparedRunRef& r) { return r.run.input_strides; })
-      .def("launch",
-           [](const PreparedRunRef& r, nb::handle ptrs, uintptr_t stream) {
-             std::vector<void*> p = pointers_from(ptrs);
-             RunOptions o;
-             o.stream = reinterpret_cast<void*>(stream);
-             nb::gil_scoped_release release;
-             r.graph->run_prepared(r.run, p, o);
-           },
-           nb::arg("ptrs"), nb::arg("stream") = 0, "Runs a graph without library calls: pointers (one per buffer), stream.")
-      .def("run",
-           [](const PreparedRunRef& r, nb::handle ptrs, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
-              bool allow_tf32, nb::object cpu_gemm) {
-             std::vector<void*> p = pointers_from(ptrs);
-             RunOptions o = run_options(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
-             int gemm_kernels = 0;
-             o.gemm_kernels = &gemm_kernels;
-             {
-               nb::gil_scoped_release release;
-               r.graph->run_prepared(r.run, p, o);
-             }
-             return gemm_kernels;  // GEMM steps run as opfuse kernels, not library calls
-           },
-           nb::arg("ptrs"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
-           nb::arg("allow_tf32") = false, nb::arg("cpu_gemm") = nb::none());
+           nb::arg("cpu_gemm") = nb::none());
   nb::exception<GemmUnsupported>(m, "GemmUnsupported");
   m.def("cublaslt_version", [] { return cublaslt_version(); });
   m.def("cublaslt_path", [] { return cublaslt().path; });
@@ -357,4 +296,5 @@ NB_MODULE(_C, m) {
   m.def("cuda_prelude", [] { return std::string(cuda_prelude()); });
   bind_ops(m);
   bind_skinny_gemm(m);
+  bind_launch(m);
 }

@@ -27,14 +27,8 @@ _empty_strided_cpu = getattr(_dynamo_guards, "_empty_strided_cpu", None)
 _empty_strided_cuda = getattr(_dynamo_guards, "_empty_strided_cuda", None)
 
 
-def _raw_stream(index: int) -> int:
-    if _get_raw_stream is not None:
-        return _get_raw_stream(index)
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-def _current_device() -> int:
-    return _get_device() if _get_device is not None else torch.cuda.current_device()
+_raw_stream = _get_raw_stream or (lambda index: torch.cuda.current_stream(index).cuda_stream)
+_current_device = _get_device or (lambda: torch.cuda.current_device())
 
 
 def ensure_context(device: torch.device) -> None:
@@ -103,17 +97,19 @@ class _Layout:
     """One input layout of a partition, prepared on its first call: all that
     a later call with the same layout needs, so it derives nothing."""
 
-    __slots__ = ("key", "prepared", "launch", "gemms", "out_specs", "outs", "fresh", "device")
+    __slots__ = ("key", "prepared", "call", "gemms", "out_specs", "outs", "result", "device")
 
-    def __init__(self, key, prepared, gemms, out_specs, outs, device):
+    def __init__(self, key, prepared, library_calls, n_inputs, single, gemms, out_specs, outs, device):
         self.key = key
         self.prepared = prepared  # _C.PreparedRun: variant, sizes, strides, argument blocks, grids
-        self.launch = None if gemms is not None or prepared is None else prepared.launch
+        # Graphs without library calls: allocation, pointers, launch and counting in one C++ call.
+        self.call = None if library_calls else prepared.call
         self.gemms = gemms  # CPU GEMM steps (PyTorch's matmul), or None
         self.out_specs = out_specs  # (sizes, strides, dtype) per buffer the partition writes
         self.outs = outs  # per graph output: (index into inputs + written buffers, view shape or None)
-        # The one output, when it is a written buffer as it is: returned as such.
-        self.fresh = outs[0][0] if len(outs) == 1 and outs[0][1] is None else -1
+        # A partition with one output that is a written buffer as it is: its index among them.
+        self.result = (outs[0][0] - n_inputs if single and len(outs) == 1 and outs[0][1] is None and outs[0][0] >= n_inputs
+                       else None)
         self.device = device  # CUDA device index
 
 
@@ -174,18 +170,20 @@ class FusedPartition:
             device = tensors[0].device.index if tensors else None
             if device is None:
                 device = _current_device()
-        prepared = self.compiled.prepare(variant, syms, strides, -1 if device is None else device)
         gemms = self.compiled.gemms(syms) if self.num_library_calls and not self.cuda else None
         out_specs = []
         for i, dt in enumerate(self.out_dtypes):
             size = tuple(self.compiled.buffer_shape(self.n_inputs + i, syms))
             out_specs.append((size, _contiguous_strides(size), dt))
+        prepared = _C.PreparedRun(self.compiled, variant, syms, strides, -1 if device is None else device,
+                                  self._empty, out_specs)
         # Outputs that are reshapes of a buffer are views of it (no copy kernel).
         outs = []
         for o, b in enumerate(self.outputs):
             shape = self.compiled.output_shape(o, syms)
             outs.append((b, None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else shape))
-        return _Layout(key, prepared, gemms, out_specs, outs, device)
+        return _Layout(key, prepared, self.num_library_calls, self.n_inputs, self.single, gemms, out_specs, outs,
+                       device)
 
     def prepare_layout(self, example) -> None:
         """Compiles and prepares the layout of `example` (tensors, fake ones
@@ -266,21 +264,11 @@ class FusedPartition:
             stream = _raw_stream(lay.device)
         else:
             stream = 0
-        empty = self._empty
-        bufs = [empty(*spec) for spec in lay.out_specs]
-        ptrs = [t.data_ptr() for t in tensors]
-        ptrs += [b.data_ptr() for b in bufs]
-        gemm_kernels = 0  # GEMM steps that ran as opfuse's skinny GEMM kernel, not as library calls
         try:
-            if lay.launch is not None:
-                lay.launch(ptrs, stream)
-            elif self.cuda:
-                gemm_kernels = lay.prepared.run(ptrs, stream, _workspace(lay.device, stream).data_ptr(),
-                                                WORKSPACE_BYTES, torch.backends.cuda.matmul.allow_tf32)
+            if lay.call is not None:
+                bufs = lay.call(tensors, stream)  # counts its launches
             else:
-                everything = [*tensors, *bufs]
-                gemms = lay.gemms
-                lay.prepared.run(ptrs, stream, cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
+                bufs = self._run_with_library_calls(lay, tensors, stream)
         except _C.GemmUnsupported as e:
             self._forget(lay)
             return self._gemm_fallback(lay.key, args, str(e))
@@ -290,12 +278,29 @@ class FusedPartition:
             if "ZeroDivisionError" in str(e):
                 raise RuntimeError("ZeroDivisionError") from None
             raise
-        bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels)
-        if lay.fresh >= self.n_inputs and self.single:
-            return bufs[lay.fresh - self.n_inputs]
+        if lay.result is not None:
+            return bufs[lay.result]
         everything = [*tensors, *bufs]
         outs = tuple(everything[i] if v is None else everything[i].view(v) for i, v in lay.outs)
         return outs[0] if self.single else outs
+
+    def _run_with_library_calls(self, lay: _Layout, tensors, stream: int) -> list:
+        """A graph with GEMM steps: cuBLASLt's workspace and TF32 setting on
+        the GPU, PyTorch's matmul on the CPU; returns the written buffers."""
+        empty = self._empty
+        bufs = [empty(*spec) for spec in lay.out_specs]
+        ptrs = [t.data_ptr() for t in tensors]
+        ptrs += [b.data_ptr() for b in bufs]
+        if self.cuda:
+            gemm_kernels = lay.prepared.run(ptrs, stream, _workspace(lay.device, stream).data_ptr(), WORKSPACE_BYTES,
+                                            torch.backends.cuda.matmul.allow_tf32)
+        else:
+            everything = [*tensors, *bufs]
+            gemms = lay.gemms
+            gemm_kernels = lay.prepared.run(ptrs, stream, cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
+        # GEMM steps that ran as opfuse's skinny GEMM kernel are kernel launches, not library calls.
+        bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels)
+        return bufs
 
     def _gemm_fallback(self, key, args, reason):
         """cuBLASLt refused a GEMM with its epilogue (a layout or alignment
