@@ -243,7 +243,7 @@ class FusedPartition:
     def __call__(self, *args):
         # The hot path: a recent layout's check (one C++ call over all the
         # tensors), the outputs' allocation, their pointers and the stream
-        # to the prepared C++ run, one stats update.
+        # to the prepared C++ run, which counts the launches.
         tensors = args if self._all_tensors else [args[i] for i in self.tensor_positions]
         for check, lay in self._recent:
             if check(*tensors):
