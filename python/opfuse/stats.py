@@ -1,6 +1,8 @@
 """Exact counters of what opfuse compiled and ran (opfuse.stats())."""
 import threading
 
+from . import _C
+
 _lock = threading.Lock()
 _COUNTERS = ("graphs_compiled", "kernels_compiled", "kernel_launches", "library_calls", "cache_hits", "cache_misses",
              "fallback_ops")
@@ -36,7 +38,9 @@ def stats() -> dict:
     cost PyTorch nothing, are not counted); compile_seconds: time spent in
     opfuse's compiler, Dynamo's and AOTAutograd's tracing excluded."""
     with _lock:
-        return dict(_stats)
+        out = dict(_stats)
+    out["kernel_launches"] += _C.launch_counts()  # the partitions' launch path counts in C++
+    return out
 
 
 def reset_stats() -> None:
@@ -44,3 +48,4 @@ def reset_stats() -> None:
         for k in _COUNTERS:
             _stats[k] = 0
         _stats["compile_seconds"] = 0.0
+        _C.reset_launch_counts()

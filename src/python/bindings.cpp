@@ -112,6 +112,8 @@ Attrs attrs_from(const nb::dict& d) {
 void bind_ops(nb::module_& m);
 // The skinny GEMM's launch, build and reference: bindings_skinny.cpp.
 void bind_skinny_gemm(nb::module_& m);
+// The launch path (PreparedRun, launch counters): bindings_launch.cpp.
+void bind_launch(nb::module_& m);
 
 NB_MODULE(_C, m) {
   m.doc() = "opfuse core: graph IR, fusion planner, code generation and runtime";
@@ -303,4 +305,5 @@ NB_MODULE(_C, m) {
   m.def("cuda_prelude", [] { return std::string(cuda_prelude()); });
   bind_ops(m);
   bind_skinny_gemm(m);
+  bind_launch(m);
 }

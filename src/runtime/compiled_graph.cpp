@@ -244,57 +244,130 @@ std::string CompiledGraph::source(int variant) const { return variants_.at(stati
 
 void CompiledGraph::run(int variant, const std::vector<int64_t>& symbol_values, const std::vector<void*>& ptrs,
                         const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& options) const {
-  const Variant& v = *variants_.at(static_cast<size_t>(variant));
+  run_prepared(prepare(variant, symbol_values, input_strides), ptrs, options);
+}
+
+CompiledGraph::PreparedRun CompiledGraph::prepare(int variant, const std::vector<int64_t>& symbol_values,
+                                                  const std::vector<std::vector<int64_t>>& input_strides, int device) const {
+  PreparedRun p;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // variant() may be adding to variants_
+    p.variant = variants_.at(static_cast<size_t>(variant)).get();
+  }
+  p.variant_index = variant;
+  if (symbol_values.size() != symbols_.size())
+    throw std::invalid_argument("expected " + std::to_string(symbols_.size()) + " size symbols, got " +
+                                std::to_string(symbol_values.size()));
+  if (input_strides.size() != input_nodes_.size())
+    throw std::invalid_argument("expected the strides of " + std::to_string(input_nodes_.size()) + " inputs, got " +
+                                std::to_string(input_strides.size()));
+  p.symbol_values = symbol_values;
+  p.input_strides = input_strides;
+  for (size_t i = 0; i < symbols_.size(); ++i) p.env[symbols_[i]] = symbol_values[i];
+  p.device = device;
+  if (target_ == Target::CUDA && device < 0) {
+    p.device = 0;
+    CUcontext ctx = nullptr;
+    CUdevice dev = 0;
+    const CudaApi& c = cuda();
+    if (c.loaded && c.CtxGetCurrent(&ctx) == 0 && ctx && c.CtxGetDevice(&dev) == 0) p.device = static_cast<int>(dev);
+  }
+  for (auto [gemm, index] : steps_) {
+    PreparedRun::Step st;
+    size_t i = static_cast<size_t>(index);
+    if (gemm) {
+      st.gemm = index;
+    } else if (target_ == Target::CUDA) {
+      prepare_cuda_kernel(*p.variant, i, symbol_values, p.env, input_strides, &st);
+    } else {
+      const Launch& l = launches_[i];
+      st.kernel = index;
+      st.ptr_buffers = l.buffers;
+      st.n_ptrs = l.buffers.size();
+      for (int s : l.symbols) st.args.push_back(symbol_values[static_cast<size_t>(s)]);
+      for (int b : l.strided_inputs) {
+        auto& sv = input_strides.at(static_cast<size_t>(b));
+        st.strides.insert(st.strides.end(), sv.begin(), sv.end());
+      }
+    }
+    p.steps.push_back(std::move(st));
+  }
+  // CPU: the buffers a run writes that are large enough for huge pages
+  // (huge_pages.h), with their sizes for this layout.
+  if (target_ == Target::CPU)
+    for (const auto& [b, bytes] : large_written_) {
+      int64_t n = evaluate(bytes, p.env);
+      if (n > 0 && static_cast<size_t>(n) >= kHugePagesMinBytes) p.huge_pages.emplace_back(b, static_cast<size_t>(n));
+    }
+  return p;
+}
+
+void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>& ptrs, const RunOptions& options) const {
+  if (ptrs.size() != buffers_.size())
+    throw std::invalid_argument("expected " + std::to_string(buffers_.size()) + " pointers, got " + std::to_string(ptrs.size()));
+  const Variant& v = *p.variant;
   if (target_ == Target::CUDA) {
-    SymbolEnv env;
-    for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
-    for (auto [gemm, i] : steps_) {
-      if (gemm) launch_gemm(gemms_[static_cast<size_t>(i)], env, ptrs, input_strides, options);
-      else launch_cuda_kernel(v, static_cast<size_t>(i), symbol_values, env, ptrs, input_strides, options.stream);
+    const CudaApi& c = cuda();
+    // A thread with no current context (autograd's backward threads) gets
+    // the device's primary context, as PyTorch's runtime calls would.
+    CUcontext ctx = nullptr;
+    check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+    if (!ctx) ensure_cuda_context(p.device);
+    int64_t local[64];
+    std::vector<int64_t> heap;
+    for (const PreparedRun::Step& st : p.steps) {
+      if (st.gemm >= 0) {
+        launch_gemm(gemms_[static_cast<size_t>(st.gemm)], p.env, ptrs, p.input_strides, options);
+        continue;
+      }
+      if (st.empty) continue;
+      int64_t* args = local;
+      if (st.args.size() > 64) {
+        heap.assign(st.args.size(), 0);
+        args = heap.data();
+      }
+      std::copy(st.args.begin(), st.args.end(), args);
+      for (size_t a = 0; a < st.n_ptrs; ++a)
+        args[a] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(st.ptr_buffers[a])]));
+      // The vector twin only when every vector access is aligned for every lane group.
+      bool vec = st.vec_possible;
+      for (size_t a = 0; a < st.vec_align.size() && vec; ++a)
+        vec = reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(st.vec_align[a].first)]) % st.vec_align[a].second == 0;
+      if (vec ? st.vec_too_many_rows : st.too_many_rows)
+        throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
+      size_t k = static_cast<size_t>(st.kernel);
+      void* params[] = {args};
+      check_cuda(c.LaunchKernel(vec ? v.cu_vector[k] : v.cu_scalar[k], vec ? st.vec_grid : st.grid, 1, 1,
+                                vec ? st.vec_threads : st.threads, 1, 1, 0, options.stream, params, nullptr),
+                 "cuLaunchKernel");
     }
     return;
   }
   // The buffers this run writes, before anything touches them: huge pages
-  // for the large ones (see huge_pages.h). Sizes were worked out when the
-  // graph was built; symbols are bound only when a size needs them.
-  if (!large_written_.empty() && huge_pages_enabled()) {
-    SymbolEnv env;
-    for (const auto& [b, bytes] : large_written_) {
-      if (static_cast<size_t>(b) >= ptrs.size()) continue;
-      int64_t n = 0;
-      if (!is_const(bytes, &n)) {
-        if (env.empty())
-          for (size_t i = 0; i < symbols_.size(); ++i) env[symbols_[i]] = symbol_values[i];
-        n = evaluate(bytes, env);
-      }
-      if (n > 0) advise_huge_pages(ptrs[static_cast<size_t>(b)], static_cast<size_t>(n));
-    }
-  }
-  std::vector<void*> bufs;
-  std::vector<int64_t> syms, strides;
-  for (auto [gemm, index] : steps_) {
-    size_t i = static_cast<size_t>(index);
-    if (gemm) {
+  // for the large ones (see huge_pages.h).
+  if (!p.huge_pages.empty() && huge_pages_enabled())
+    for (const auto& [b, bytes] : p.huge_pages)
+      advise_huge_pages(ptrs[static_cast<size_t>(b)], bytes);
+  void* local[32];
+  std::vector<void*> heap;
+  for (const PreparedRun::Step& st : p.steps) {
+    if (st.gemm >= 0) {
       if (!options.cpu_gemm)
         throw std::runtime_error("this graph has a GEMM, which on the CPU needs a matmul provider (RunOptions::cpu_gemm)");
       if (int e = v.take_error()) {  // a division by zero before the GEMM
         (void)e;
         throw std::domain_error("ZeroDivisionError");
       }
-      options.cpu_gemm(index);
+      options.cpu_gemm(st.gemm);
       continue;
     }
-    const Launch& l = launches_[i];
-    bufs.clear();
-    syms.clear();
-    strides.clear();
-    for (int b : l.buffers) bufs.push_back(ptrs[static_cast<size_t>(b)]);
-    for (int s : l.symbols) syms.push_back(symbol_values[static_cast<size_t>(s)]);
-    for (int b : l.strided_inputs) {
-      auto& st = input_strides[static_cast<size_t>(b)];
-      strides.insert(strides.end(), st.begin(), st.end());
+    void** bufs = local;
+    if (st.n_ptrs > 32) {
+      heap.resize(st.n_ptrs);
+      bufs = heap.data();
     }
-    v.fns[i](bufs.data(), syms.data(), strides.data());
+    for (size_t a = 0; a < st.n_ptrs; ++a) bufs[a] = ptrs[static_cast<size_t>(st.ptr_buffers[a])];
+    v.fns[static_cast<size_t>(st.kernel)](bufs, st.args.data(), st.strides.data());
   }
   if (int e = v.take_error()) {
     (void)e;
@@ -363,73 +436,73 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
   }
 }
 
-void CompiledGraph::launch_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values,
-                                       const SymbolEnv& env, const std::vector<void*>& ptrs,
-                                       const std::vector<std::vector<int64_t>>& input_strides, void* stream) const {
-  const CudaApi& c = cuda();
-  std::vector<int64_t> args;
-  {
-    const Launch& l = launches_[i];
-    const CudaLaunch& cl = v.launches[i];
-    const KernelIR& k = kernels_[i];
-    args.clear();
-    for (int b : l.buffers) args.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(b)])));
-    for (int s : l.symbols) args.push_back(symbol_values[static_cast<size_t>(s)]);
-    if (l.symbols.empty()) args.push_back(0);
-    size_t nst = 0;
-    for (int b : l.strided_inputs) {
-      auto& st = input_strides[static_cast<size_t>(b)];
-      args.insert(args.end(), st.begin(), st.end());
-      nst += st.size();
+void CompiledGraph::prepare_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values,
+                                        const SymbolEnv& env, const std::vector<std::vector<int64_t>>& input_strides,
+                                        PreparedRun::Step* st) const {
+  const Launch& l = launches_[i];
+  const CudaLaunch& cl = v.launches[i];
+  const KernelIR& k = kernels_[i];
+  st->kernel = static_cast<int>(i);
+  st->ptr_buffers = l.buffers;
+  st->n_ptrs = l.buffers.size();
+  std::vector<int64_t>& args = st->args;
+  args.assign(l.buffers.size(), 0);  // pointer slots, filled per run
+  for (int s : l.symbols) args.push_back(symbol_values[static_cast<size_t>(s)]);
+  if (l.symbols.empty()) args.push_back(0);
+  size_t nst = 0;
+  for (int b : l.strided_inputs) {
+    auto& sv = input_strides.at(static_cast<size_t>(b));
+    args.insert(args.end(), sv.begin(), sv.end());
+    nst += sv.size();
+  }
+  if (nst == 0) args.push_back(0);
+  // What the vector twin needs of sizes and strides; pointer alignment is left to each run.
+  bool vec_ok = v.cu_vector[i] != nullptr && !k.domain.empty() && evaluate(k.domain.back(), env) % cl.vec == 0;
+  for (int kb : cl.vec_buffers) {
+    if (!vec_ok) break;
+    const KBuffer& buf = k.buffers[static_cast<size_t>(kb)];
+    int buffer = l.buffers[static_cast<size_t>(kb)];
+    st->vec_align.emplace_back(buffer, static_cast<uintptr_t>(cl.vec) * static_cast<uintptr_t>(dtype_size(buf.dtype)));
+    if (buf.strided) {
+      auto& sv = input_strides.at(static_cast<size_t>(buffer));
+      for (size_t d = 0; d + 1 < sv.size() && vec_ok; ++d) vec_ok = sv[d] % cl.vec == 0;
+    } else if (!buf.shape.empty()) {
+      vec_ok = evaluate(buf.shape.back(), env) % cl.vec == 0;
     }
-    if (nst == 0) args.push_back(0);
-    CUfunction f = v.cu_scalar[i];
-    // The vector twin only when every vector access is aligned for every lane group.
-    bool vec_ok = v.cu_vector[i] != nullptr && !k.domain.empty() && evaluate(k.domain.back(), env) % cl.vec == 0;
-    for (int kb : cl.vec_buffers) {
-      if (!vec_ok) break;
-      const KBuffer& buf = k.buffers[static_cast<size_t>(kb)];
-      int64_t bytes = static_cast<int64_t>(cl.vec) * dtype_size(buf.dtype);
-      vec_ok = reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(l.buffers[static_cast<size_t>(kb)])]) % static_cast<uintptr_t>(bytes) == 0;
-      if (!vec_ok) break;
-      if (buf.strided) {
-        auto& st = input_strides[static_cast<size_t>(l.buffers[static_cast<size_t>(kb)])];
-        for (size_t d = 0; d + 1 < st.size() && vec_ok; ++d) vec_ok = st[d] % cl.vec == 0;
-      } else if (!buf.shape.empty()) {
-        vec_ok = evaluate(buf.shape.back(), env) % cl.vec == 0;
-      }
-    }
-    unsigned grid = 1, threads = static_cast<unsigned>(cl.threads);
-    if (vec_ok) f = v.cu_vector[i];
-    if (!cl.row) {
-      int64_t n = evaluate(cl.numel, env);
-      if (n == 0) return;
-      int vec = vec_ok ? cl.vec : 1;
-      int64_t blocks = (n + static_cast<int64_t>(cl.threads) * vec - 1) / (static_cast<int64_t>(cl.threads) * vec);
-      grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
-    } else {
-      int64_t rows = evaluate(cl.rows, env);
-      if (rows == 0) return;
-      int rpb = vec_ok ? cl.vec_rows_per_block : cl.rows_per_block;
-      int cluster = vec_ok ? cl.vec_cluster : cl.cluster;
-      if (vec_ok) threads = static_cast<unsigned>(cl.vec_threads);
+  }
+  st->vec_possible = vec_ok;
+  st->threads = static_cast<unsigned>(cl.threads);
+  if (!cl.row) {
+    int64_t n = evaluate(cl.numel, env);
+    st->empty = n == 0;
+    auto blocks = [&](int vec) {
+      int64_t per_block = static_cast<int64_t>(cl.threads) * vec;
+      return static_cast<unsigned>(std::min<int64_t>((n + per_block - 1) / per_block, 1 << 30));
+    };
+    st->grid = blocks(1);
+    st->vec_grid = blocks(cl.vec);
+    st->vec_threads = st->threads;
+  } else {
+    int64_t rows = evaluate(cl.rows, env);
+    st->empty = rows == 0;
+    st->vec_threads = static_cast<unsigned>(cl.vec_threads);
+    auto blocks = [&](int rpb, int cluster, bool* too_many) {
+      *too_many = false;
       if (cl.parts > 0) {
         // Column partials: block b (with its rpb row groups) owns parts
         // [b * rpb, (b + 1) * rpb) and steps through the rows modulo parts.
-        grid = static_cast<unsigned>(cl.parts / rpb);
-      } else if (cluster > 1) {
-        // Exactly one cluster per row (per 32 outputs of a column reduction): the kernel has no loop over rows.
-        int64_t blocks = (rows + rpb - 1) / rpb * cluster;
-        if (blocks > (int64_t{1} << 31) - 1) throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
-        grid = static_cast<unsigned>(blocks);
-      } else {
-        int64_t blocks = (rows + rpb - 1) / rpb;
-        grid = static_cast<unsigned>(std::min<int64_t>(blocks, 1 << 30));
+        return static_cast<unsigned>(cl.parts / rpb);
       }
-    }
-    void* params[] = {args.data()};
-    check_cuda(c.LaunchKernel(f, grid, 1, 1, threads, 1, 1, 0, stream, params, nullptr),
-               "cuLaunchKernel");
+      if (cluster > 1) {
+        // Exactly one cluster per row (per 32 outputs of a column reduction): the kernel has no loop over rows.
+        int64_t b = (rows + rpb - 1) / rpb * cluster;
+        *too_many = b > (int64_t{1} << 31) - 1;
+        return static_cast<unsigned>(*too_many ? 0 : b);
+      }
+      return static_cast<unsigned>(std::min<int64_t>((rows + rpb - 1) / rpb, 1 << 30));
+    };
+    st->grid = blocks(cl.rows_per_block, cl.cluster, &st->too_many_rows);
+    if (st->vec_possible) st->vec_grid = blocks(cl.vec_rows_per_block, cl.vec_cluster, &st->vec_too_many_rows);
   }
 }
 

@@ -67,7 +67,41 @@ struct KernelInfo {
 };
 
 class CompiledGraph {
+  struct Variant;
+
  public:
+  // Everything a run derives from one input layout (the variant, size
+  // symbols, strides, each kernel's argument block and launch geometry),
+  // worked out once by prepare(), so that a run with that layout only puts
+  // pointers into place and launches: the Python runtime's hot path.
+  struct PreparedRun {
+    const Variant* variant = nullptr;
+    int variant_index = -1;
+    int device = 0;  // CUDA: the device whose primary context a thread without one gets
+    std::vector<int64_t> symbol_values;
+    std::vector<std::vector<int64_t>> input_strides;
+    std::map<std::string, int64_t> env;  // the size symbols by name, for GEMM steps
+    struct Step {
+      int gemm = -1;     // >= 0: this step is gemms()[gemm]
+      int kernel = -1;   // else kernels()[kernel]
+      bool empty = false;  // nothing to compute (no elements, no rows): not launched
+      // The kernel's arguments: CUDA, one int64 block (pointers first, then
+      // symbols, then strides; `n_ptrs` pointer slots filled per run); CPU,
+      // the symbol and stride arrays (pointers are gathered per run).
+      std::vector<int64_t> args, strides;
+      std::vector<int> ptr_buffers;  // buffer index of each pointer slot
+      size_t n_ptrs = 0;
+      // CUDA: the vector twin is taken when the sizes and strides allow it
+      // (known here) and every vector-accessed pointer is aligned (per run).
+      bool vec_possible = false;
+      std::vector<std::pair<int, uintptr_t>> vec_align;  // (buffer, bytes)
+      unsigned grid = 1, threads = 1, vec_grid = 1, vec_threads = 1;
+      bool too_many_rows = false, vec_too_many_rows = false;  // a cluster grid past the limit
+    };
+    std::vector<Step> steps;
+    std::vector<std::pair<int, size_t>> huge_pages;  // CPU: (buffer, bytes) to advise before writing
+  };
+
   CompiledGraph(const Graph& g, const CompileOptions& opt);
 
   const FusionPlan& plan() const { return plan_; }
@@ -103,6 +137,14 @@ class CompiledGraph {
     o.stream = stream;
     run(variant, symbol_values, ptrs, input_strides, o);
   }
+
+  // The same run split in two: prepare() once per input layout (variant
+  // from variant(); sizes and strides as for run(); CUDA: the device, or -1
+  // for the current context's), then run_prepared() per call with the
+  // pointers (one per buffer, as for run()).
+  PreparedRun prepare(int variant, const std::vector<int64_t>& symbol_values,
+                      const std::vector<std::vector<int64_t>>& input_strides, int device = -1) const;
+  void run_prepared(const PreparedRun& p, const std::vector<void*>& ptrs, const RunOptions& options) const;
 
   Target target() const { return target_; }
   // The CUDA source of all kernels for a stride signature, and compiling it
@@ -149,11 +191,10 @@ class CompiledGraph {
 
   std::string cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches, int arch) const;
   void build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit);
-  // `env`: the size symbols' values, built once per run for every step.
+  // `env`: the size symbols' values, built once per layout for every step.
   using SymbolEnv = std::map<std::string, int64_t>;
-  void launch_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values, const SymbolEnv& env,
-                          const std::vector<void*>& ptrs, const std::vector<std::vector<int64_t>>& input_strides,
-                          void* stream) const;
+  void prepare_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values, const SymbolEnv& env,
+                           const std::vector<std::vector<int64_t>>& input_strides, PreparedRun::Step* step) const;
   void launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                    const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
 

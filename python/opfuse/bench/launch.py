@@ -6,11 +6,18 @@ called many times without synchronising; per call we report the host time of
 
   torch.compile   the whole compiled function: Dynamo's guards, AOTAutograd's
                   wrappers, then opfuse's partition (what a user pays)
-  partition       opfuse's FusedPartition.__call__ alone: input checks, layout
-                  lookup, output allocation, stream, the C++ run
-  run             the C++ CompiledGraph.run alone, outputs preallocated:
-                  argument packing and cuLaunchKernel
+  partition       opfuse's FusedPartition.__call__ alone: the layout check,
+                  output allocation, stream, the C++ run
+  run             the C++ run the partition makes (PreparedRun.launch) alone,
+                  outputs preallocated: pointers into the prepared argument
+                  blocks and cuLaunchKernel (until the launch-path change
+                  after 37659d9 this was CompiledGraph.run, which also
+                  converted size and stride lists and worked out the launch
+                  geometry on every call)
   eager           one eager PyTorch op (add) for scale
+
+On the CPU the same layers are timed (the kernel is a few microseconds of
+host work there, so "run" and "partition" include it).
 
 "partition" per fused kernel is the number the CUDA issue's 5 us target is
 about (the chain is one kernel).
@@ -65,8 +72,6 @@ def _find_partition(compiled_fn, args):
 
 
 def measure_launch(device: torch.device, quick: bool = False) -> dict:
-    from ..frontend.runtime import ensure_context
-
     calls = 200 if quick else CALLS
     n = 4096
     x, b1, b2 = (torch.randn(n, device=device) for _ in range(3))
@@ -76,17 +81,14 @@ def measure_launch(device: torch.device, quick: bool = False) -> dict:
     compiled_fn(x, b1, b2)
     part, part_args = _find_partition(compiled_fn, (x, b1, b2))
     tensors = [part_args[i] for i in part.tensor_positions]
-    if part.cuda:
-        ensure_context(tensors[0].device)
-    variant, syms, strides, out_shapes, _gemms, _views = part._by_layout[
-        tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)]
-    outs = [torch.empty(s, dtype=d, device=device) for s, d in zip(out_shapes, part.out_dtypes)]
+    layout = part.layout_of(tensors)
+    outs = [torch.empty_strided(size, stride, dtype=dt, device=device) for size, stride, dt in layout.out_specs]
     ptrs = [t.data_ptr() for t in tensors] + [o.data_ptr() for o in outs]
     stream = torch.cuda.current_stream(device).cuda_stream if part.cuda else 0
     results = {
         "torch.compile": _host_us(lambda: compiled_fn(x, b1, b2), calls, device),
         "partition": _host_us(lambda: part(*part_args), calls, device),
-        "run": _host_us(lambda: part.compiled.run(variant, syms, ptrs, strides, stream), calls, device),
+        "run": _host_us(lambda: layout.prepared.launch(ptrs, stream), calls, device),
         "eager add": _host_us(lambda: torch.add(x, b1), calls, device),
     }
     results["kernels"] = part.num_kernels

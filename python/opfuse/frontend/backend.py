@@ -158,11 +158,18 @@ def _trim_view_tails(partition) -> None:
 
 
 class _FusedModule(torch.nn.Module):
+    """A partition in the fused GraphModule. Called straight through: the
+    module hooks and the lookups of nn.Module.__call__ cost more than the
+    partition's own launch path, and nobody hooks this internal module."""
+
     def __init__(self, fused: FusedPartition):
         super().__init__()
         self.fused = fused
 
     def forward(self, *args):
+        return self.fused(*args)
+
+    def __call__(self, *args):
         return self.fused(*args)
 
 
@@ -182,7 +189,7 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, dump):
     if compiled.num_library_calls and device.type == "cuda":
         pass  # the layout key holds pointer alignment too: prepared on the first call
     elif all(isinstance(s, int) for t in example for s in list(t.shape) + list(t.stride())):
-        fused._by_layout[tuple((t.shape, t.stride(), t.dtype, t.device) for t in example)] = fused._prepare(example)
+        fused.prepare_layout(example)
     if dump is not None:
         sizes = [[s if isinstance(s, int) else 7 for s in t.shape] for t in example]
         dump.partition(name, ir_text, compiled, sizes)
@@ -225,7 +232,11 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
                     bump("fallback_ops")
                     _record_fallback(str(n.target), reason)
             continue
-        setattr(fused_gm, node.target, _FusedModule(fused))
+        module = _FusedModule(fused)
+        setattr(fused_gm, node.target, module)
+        # Also in the instance dict, where the generated code's
+        # `self.fused_N` finds it before nn.Module.__getattr__ (same object).
+        fused_gm.__dict__[node.target] = module
         bump("graphs_compiled")
         bump("kernels_compiled", compiled.num_kernels)
         n_ops = sum(1 for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
@@ -245,7 +256,13 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
             reason = "not supported by opfuse" if not _Support().is_node_supported(None, node) else "alone: a view"
             _record_fallback(str(node.target), reason)
     fused_gm.recompile()
-    # AOTAutograd calls compiled graphs with a boxed argument list.
+    # A lazy GraphModule's forward stays a trampoline (recompile check, then
+    # nn.Module.__call__) for as long as it is held: generate the code now
+    # and hand AOTAutograd the generated forward itself, with a boxed
+    # argument list as AOTAutograd calls compiled graphs.
+    real_recompile = getattr(fused_gm, "real_recompile", None)
+    if real_recompile is not None:
+        real_recompile()
     return make_boxed_func(fused_gm.forward)
 
 

@@ -15,15 +15,20 @@ log = logging.getLogger("opfuse")
 
 _thread = threading.local()
 
-# PyTorch's current stream as a raw handle: the private call Inductor's
-# generated code uses (no Stream object built per call), else the public one.
+# Private PyTorch calls that Inductor's generated code uses on its own hot
+# path, each with a public fallback: the current stream as a raw handle (no
+# Stream object per call), the current device without torch.cuda's Python
+# layer, and allocation without the argument parser and dispatcher.
 _get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_dynamo_guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+_TensorGuards = getattr(_dynamo_guards, "TensorGuards", None)
+_empty_strided_cpu = getattr(_dynamo_guards, "_empty_strided_cpu", None)
+_empty_strided_cuda = getattr(_dynamo_guards, "_empty_strided_cuda", None)
 
 
-def _raw_stream(index: int) -> int:
-    if _get_raw_stream is not None:
-        return _get_raw_stream(index)
-    return torch.cuda.current_stream(index).cuda_stream
+_raw_stream = _get_raw_stream or (lambda index: torch.cuda.current_stream(index).cuda_stream)
+_current_device = _get_device or (lambda: torch.cuda.current_device())
 
 
 def ensure_context(device: torch.device) -> None:
@@ -42,17 +47,74 @@ WORKSPACE_BYTES = 32 * 1024 * 1024
 _workspaces: dict = {}
 
 
-def _workspace(device: torch.device, stream: int) -> torch.Tensor:
-    """One workspace per (device, stream), from PyTorch's allocator, kept for
-    the process: GEMMs on one stream run in order, so they can share it."""
-    key = (device.index, stream)
+def _workspace(device: int, stream: int) -> torch.Tensor:
+    """One workspace per (device index, stream), from PyTorch's allocator, kept
+    for the process: GEMMs on one stream run in order, so they can share it."""
+    key = (device, stream)
     ws = _workspaces.get(key)
     if ws is None:
         # Have PyTorch load its cuBLAS (and cuBLASLt) first, so that opfuse's
         # dlopen finds that copy in the process instead of loading another.
         torch.cuda.current_blas_handle()
-        ws = _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        ws = _workspaces[key] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=torch.device("cuda", device))
     return ws
+
+
+def _layout_key(tensors, alignment: bool) -> tuple:
+    """What a compiled layout depends on: shape, strides, dtype, device (for
+    cuBLASLt also 16-byte alignment)."""
+    if alignment:
+        return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
+    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _layout_check(tensors, key: tuple, alignment: bool):
+    """A callable, given tensors, that is true only when they have the layout
+    `key` describes (the layout of `tensors`). PyTorch's TensorGuards (what
+    Dynamo's guards use) checks Python type, dispatch keys, dtype, device,
+    requires_grad, sizes and strides in one C++ call; stricter than the key,
+    so a tensor it rejects only takes the slow path. Where it is missing,
+    the key is recomputed and compared."""
+    check = None
+    if _TensorGuards is not None:
+        try:
+            check = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                  dynamic_dims_strides=[list(t.stride()) for t in tensors]).check
+            if not check(*tensors):
+                check = None
+        except Exception:  # another signature in another torch: the key below
+            check = None
+    if check is None:
+        return lambda *ts: _layout_key(ts, alignment) == key
+    if alignment:
+        align = tuple(t.data_ptr() % 16 for t in tensors)
+        guard = check
+        return lambda *ts: guard(*ts) and tuple(t.data_ptr() % 16 for t in ts) == align
+    return check
+
+
+class _Layout:
+    """One input layout of a partition, prepared on its first call: all that
+    a later call with the same layout needs, so it derives nothing."""
+
+    __slots__ = ("key", "prepared", "call", "gemms", "out_specs", "outs", "result", "device")
+
+    def __init__(self, key, prepared, library_calls, n_inputs, single, gemms, out_specs, outs, device):
+        self.key = key
+        self.prepared = prepared  # _C.PreparedRun: variant, sizes, strides, argument blocks, grids
+        # Graphs without library calls: allocation, pointers, launch and counting in one C++ call.
+        self.call = None if library_calls else prepared.call
+        self.gemms = gemms  # CPU GEMM steps (PyTorch's matmul), or None
+        self.out_specs = out_specs  # (sizes, strides, dtype) per buffer the partition writes
+        self.outs = outs  # per graph output: (index into inputs + written buffers, view shape or None)
+        # A partition with one output that is a written buffer as it is: its index among them.
+        self.result = (outs[0][0] - n_inputs if single and len(outs) == 1 and outs[0][1] is None and outs[0][0] >= n_inputs
+                       else None)
+        self.device = device  # CUDA device index
+
+
+_EAGER, _PLAIN = "eager", "plain"  # what the slow path returns when the layout is not run by opfuse
+_RECENT = 8  # layout checks tried before the slow path, most recent first
 
 
 class FusedPartition:
@@ -80,11 +142,22 @@ class FusedPartition:
         self.outputs = compiled.output_buffers()
         self.single = eager.graph.output_node().args[0]
         self.single = not isinstance(self.single, (tuple, list))
-        self._by_layout = {}
+        self._by_layout = {}  # layout key -> _Layout
+        self._recent = []  # (check, _Layout), most recent first: the fast path
         self._refused = set()  # layout keys cuBLASLt refused with epilogues
         self.gemm_alignment_key = bool(self.num_library_calls and self.cuda)
+        # Every call argument a tensor, in order: the arguments are the tensors.
+        n_args = len([n for n in eager.graph.nodes if n.op == "placeholder"])
+        self._all_tensors = list(tensor_positions) == list(range(n_args))
+        if self.cuda:
+            self._empty = _empty_strided_cuda or (
+                lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cuda"))
+        else:
+            self._empty = _empty_strided_cpu or (
+                lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cpu"))
+        self.slow_calls = 0  # calls that missed every recent layout check (tests, inspection)
 
-    def _prepare(self, tensors):
+    def _prepare(self, tensors, key=None) -> _Layout:
         shapes = [list(t.shape) for t in tensors]
         strides = [list(t.stride()) for t in tensors]
         syms = self.compiled.bind(shapes)
@@ -93,14 +166,35 @@ class FusedPartition:
             bump("cache_hits" if hit else "cache_misses")
             if self.dump is not None:
                 self.dump.kernel_source(self.name, variant, self.compiled.source(variant))
-        out_shapes = [self.compiled.buffer_shape(self.n_inputs + i, syms) for i in range(len(self.out_dtypes))]
+        device = None
+        if self.cuda:
+            device = tensors[0].device.index if tensors else None
+            if device is None:
+                device = _current_device()
         gemms = self.compiled.gemms(syms) if self.num_library_calls and not self.cuda else None
+        out_specs = []
+        for i, dt in enumerate(self.out_dtypes):
+            size = tuple(self.compiled.buffer_shape(self.n_inputs + i, syms))
+            out_specs.append((size, _contiguous_strides(size), dt))
+        prepared = _C.PreparedRun(self.compiled, variant, syms, strides, -1 if device is None else device,
+                                  self._empty, out_specs)
         # Outputs that are reshapes of a buffer are views of it (no copy kernel).
-        views = []
+        outs = []
         for o, b in enumerate(self.outputs):
             shape = self.compiled.output_shape(o, syms)
-            views.append(None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else shape)
-        return variant, syms, strides, out_shapes, gemms, views
+            outs.append((b, None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else shape))
+        return _Layout(key, prepared, self.num_library_calls, self.n_inputs, self.single, gemms, out_specs, outs,
+                       device)
+
+    def prepare_layout(self, example) -> None:
+        """Compiles and prepares the layout of `example` (tensors, fake ones
+        too) before the first call."""
+        key = _layout_key(example, False)
+        self._by_layout[key] = self._prepare(example, key)
+
+    def layout_of(self, tensors):
+        """The prepared layout these tensors would run with, or None (bench, tests)."""
+        return self._by_layout.get(_layout_key(tensors, self.gemm_alignment_key))
 
     @staticmethod
     def _cpu_gemm(spec, everything):
@@ -123,62 +217,91 @@ class FusedPartition:
                 return False
         return True
 
-    def __call__(self, *args):
-        # The hot path: one dict lookup keyed by the inputs' layout (shape,
-        # stride, dtype, device; for cuBLASLt also 16-byte alignment), whose
-        # entry was checked and prepared on the first call with that layout.
-        tensors = [args[i] for i in self.tensor_positions]
-        if self.gemm_alignment_key:
-            key = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
-        else:
-            key = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
-        entry = self._by_layout.get(key)
-        if entry is None:
+    def _layout(self, tensors):
+        """The slow path, for inputs no recent layout check accepts: the
+        layout by key (checked and prepared on its first call), made the
+        most recent; or _EAGER / _PLAIN."""
+        self.slow_calls += 1
+        key = _layout_key(tensors, self.gemm_alignment_key)
+        lay = self._by_layout.get(key)
+        if lay is None:
             if key in self._refused:
-                return self.plain(*args)
+                return _PLAIN
             if not self._check_inputs(tensors):
+                return _EAGER
+            if self.cuda and tensors:
+                ensure_context(tensors[0].device)  # variant() compiles for the current context's device
+            lay = self._by_layout[key] = self._prepare(tensors, key)
+        lay.key = key
+        self._recent.insert(0, (_layout_check(tensors, key, self.gemm_alignment_key), lay))
+        del self._recent[_RECENT:]
+        return lay
+
+    def _forget(self, lay: _Layout) -> None:
+        self._by_layout.pop(lay.key, None)
+        self._recent = [r for r in self._recent if r[1] is not lay]
+
+    def __call__(self, *args):
+        # The hot path: a recent layout's check (one C++ call over all the
+        # tensors), the outputs' allocation, their pointers and the stream
+        # to the prepared C++ run, which counts the launches.
+        tensors = args if self._all_tensors else [args[i] for i in self.tensor_positions]
+        for check, lay in self._recent:
+            if check(*tensors):
+                break
+        else:
+            lay = self._layout(tensors)
+            if lay is _EAGER:
                 return self.eager(*args)
-            entry = self._by_layout[key] = self._prepare(tensors)
-        variant, syms, strides, out_shapes, gemms, views = entry
+            if lay is _PLAIN:
+                return self.plain(*args)
         if self.cuda:
-            dev = tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device())
-            if dev.index != torch.cuda.current_device():
-                log.info("%s: inputs on %s but the current device is %d; running eagerly", self.name, dev,
-                         torch.cuda.current_device())
+            if lay.device != _current_device():
+                log.info("%s: inputs on cuda:%s but the current device is %d; running eagerly", self.name,
+                         lay.device, _current_device())
                 return self.eager(*args)
-            ensure_context(dev)
             # The stream is read at every call, so the caller's stream (and
             # CUDA graph capture) is respected.
-            stream = _raw_stream(dev.index)
+            stream = _raw_stream(lay.device)
         else:
-            dev, stream = self.device, 0
-        bufs = [torch.empty(s, dtype=d, device=dev) for s, d in zip(out_shapes, self.out_dtypes)]
-        ptrs = [t.data_ptr() for t in tensors] + [b.data_ptr() for b in bufs]
-        everything = tensors + bufs
-        gemm_kernels = 0  # GEMM steps that ran as opfuse's skinny GEMM kernel, not as library calls
+            stream = 0
         try:
-            if not self.num_library_calls:
-                self.compiled.run(variant, syms, ptrs, strides, stream)
-            elif self.cuda:
-                gemm_kernels = self.compiled.run(variant, syms, ptrs, strides, stream,
-                                                 workspace=_workspace(dev, stream).data_ptr(),
-                                                 workspace_bytes=WORKSPACE_BYTES,
-                                                 allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+            if lay.call is not None:
+                bufs = lay.call(tensors, stream)  # counts its launches
             else:
-                self.compiled.run(variant, syms, ptrs, strides, stream,
-                                  cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
+                bufs = self._run_with_library_calls(lay, tensors, stream)
         except _C.GemmUnsupported as e:
-            del self._by_layout[key]
-            return self._gemm_fallback(key, args, str(e))
+            self._forget(lay)
+            return self._gemm_fallback(lay.key, args, str(e))
         except ValueError as e:  # ZeroDivisionError from integer division, as eager raises
             raise RuntimeError(str(e)) from None
         except Exception as e:
             if "ZeroDivisionError" in str(e):
                 raise RuntimeError("ZeroDivisionError") from None
             raise
-        bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels)
-        outs = tuple(everything[i] if v is None else everything[i].view(v) for i, v in zip(self.outputs, views))
+        if lay.result is not None:
+            return bufs[lay.result]
+        everything = [*tensors, *bufs]
+        outs = tuple(everything[i] if v is None else everything[i].view(v) for i, v in lay.outs)
         return outs[0] if self.single else outs
+
+    def _run_with_library_calls(self, lay: _Layout, tensors, stream: int) -> list:
+        """A graph with GEMM steps: cuBLASLt's workspace and TF32 setting on
+        the GPU, PyTorch's matmul on the CPU; returns the written buffers."""
+        empty = self._empty
+        bufs = [empty(*spec) for spec in lay.out_specs]
+        ptrs = [t.data_ptr() for t in tensors]
+        ptrs += [b.data_ptr() for b in bufs]
+        if self.cuda:
+            gemm_kernels = lay.prepared.run(ptrs, stream, _workspace(lay.device, stream).data_ptr(), WORKSPACE_BYTES,
+                                            torch.backends.cuda.matmul.allow_tf32)
+        else:
+            everything = [*tensors, *bufs]
+            gemms = lay.gemms
+            gemm_kernels = lay.prepared.run(ptrs, stream, cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
+        # GEMM steps that ran as opfuse's skinny GEMM kernel are kernel launches, not library calls.
+        bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels)
+        return bufs
 
     def _gemm_fallback(self, key, args, reason):
         """cuBLASLt refused a GEMM with its epilogue (a layout, alignment or
@@ -205,3 +328,11 @@ class FusedPartition:
                  "plain GEMMs with the epilogue in generated kernels" if self.plain.gemm_epilogues == 0 else
                  "GEMM epilogues without float32 biases (their casts in generated kernels)")
         return self.plain(*args)
+
+
+def _contiguous_strides(size: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
