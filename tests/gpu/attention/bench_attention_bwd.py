@@ -35,6 +35,7 @@ def main(argv=None):
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-det", action="store_true", help="skip the deterministic mode")
+    ap.add_argument("--variants", action="store_true", help="also time the backward alone on the variant tiles")
     a = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -70,6 +71,11 @@ def main(argv=None):
                                                     out=grads), 2.5)}
                 if not a.no_det:
                     impls["opfuse-det"] = (lambda: ours_fb(True), 3.5)
+                if a.variants:
+                    for kv_t, q_t in list(zip(br.DKDV_TILES[D], br.DQ_TILES[D]))[1:]:
+                        impls[f"opfuse:bwd[{kv_t.tag()}]"] = (
+                            lambda kv_t=kv_t, q_t=q_t: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False,
+                                                           out=grads, tiles=(kv_t, q_t)), 2.5)
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -112,6 +118,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_attention_bwd.json").write_text(json.dumps(records, indent=1))
     names = ["opfuse", "opfuse-det", "opfuse:bwd", "sdpa-flash", "sdpa-cudnn"]
+    names += sorted({n for r in rows for n in r if n.startswith("opfuse:bwd[")})
     print("\nTFLOP/s fwd+bwd (opfuse:bwd = backward alone), bf16, hidden 2048, 16k tokens")
     print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>11}" for n in names) + "  ours/flash ours/cudnn")
     for r in rows:
