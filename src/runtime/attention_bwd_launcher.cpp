@@ -166,7 +166,8 @@ AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit) {
   // Mirrors attn_bwd_runtime.DKDV_TILES / DQ_TILES (docs/attention.md, "Backward").
   std::vector<AttnTile> kv, q;
   switch (head_dim) {
-    case 64: case 96: kv = {{64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
+    case 64: kv = {{128, 128, 8, 1}, {64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
+    case 96: kv = {{64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
     case 128: kv = {{64, 128, 8, 1}, {64, 64, 4, 1}}; q = {{128, 64, 8, 1}, {64, 64, 4, 1}}; break;
     case 256: kv = {{32, 64, 8, 1}}; q = {{64, 32, 4, 1}}; break;
     default:

@@ -59,14 +59,14 @@ class Tile:
 # dK/dV kernel: BLOCK_M queries per iteration x BLOCK_N keys per CTA. Warps own
 # 16 keys each; at D = 256 two warps share a key group (each half of D).
 DKDV_TILES = {
-    64: [Tile(64, 128, 8, 1)],
+    64: [Tile(128, 128, 8, 1), Tile(64, 128, 8, 1)],
     96: [Tile(64, 128, 8, 1)],
     128: [Tile(64, 128, 8, 1), Tile(64, 64, 4, 1)],
     256: [Tile(32, 64, 8, 1)],
 }
 # Deterministic dQ kernel: BLOCK_M = 16 * warps query rows per CTA, BLOCK_N keys per step.
 DQ_TILES = {
-    64: [Tile(128, 64, 8, 1)],
+    64: [Tile(128, 64, 8, 1), Tile(128, 64, 8, 1)],
     96: [Tile(128, 64, 8, 1)],
     128: [Tile(128, 64, 8, 1), Tile(64, 64, 4, 1)],
     256: [Tile(64, 32, 4, 1)],
