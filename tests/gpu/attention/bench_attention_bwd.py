@@ -49,6 +49,7 @@ def main(argv=None):
         records.append(dict(suite="attention_fwd_bwd", case=case, impl=impl, metric=metric, value=value,
                             floor=None, commit=commit, date=date, device=dev))
 
+    out_dir = pathlib.Path(a.out)
     print(f"device {dev}; commit {commit}", flush=True)
     for D in (int(x) for x in a.dims.split(",")):
         for causal in (False, True):
@@ -109,14 +110,13 @@ def main(argv=None):
                     record(case, name, "TFLOP/s", round(tf, 1))
                     record(case, name, "ms", round(ms, 4))
                 rows.append(row)
+                out_dir.mkdir(parents=True, exist_ok=True)  # after every case: a cut run keeps what it measured
+                (out_dir / "bench_attention_bwd.json").write_text(json.dumps(records, indent=1))
                 print(f"{case:34} grad maxdiff vs flash {diff:.2e}  " +
                       "  ".join(f"{n}={row[n]:.0f}" for n in impls if n in row), flush=True)
                 del q, k, v, dout, o, lse, grads, qg, kg, vg
                 torch.cuda.empty_cache()
 
-    out_dir = pathlib.Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_attention_bwd.json").write_text(json.dumps(records, indent=1))
     names = ["opfuse", "opfuse-det", "opfuse:bwd", "sdpa-flash", "sdpa-cudnn"]
     names += sorted({n for r in rows for n in r if n.startswith("opfuse:bwd[")})
     print("\nTFLOP/s fwd+bwd (opfuse:bwd = backward alone), bf16, hidden 2048, 16k tokens")
