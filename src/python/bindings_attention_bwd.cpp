@@ -88,6 +88,14 @@ void bind_attention_bwd(nb::module_& m) {
       "Empty when the backward kernels cover the problem, else the reason.");
   m.def("attention_backward_padded_rows", &at::attn_bwd_padded_rows);
   m.def(
+      "attention_backward_tiles",
+      [](int head_dim, int arch, int smem_limit) {
+        const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch, smem_limit);
+        return std::make_tuple(t.dkdv.tag(), t.dq.tag());
+      },
+      nb::arg("head_dim"), nb::arg("arch"), nb::arg("smem_limit") = 0,
+      "(dK/dV tile, deterministic dQ tile) the launcher uses, as tags such as '64x128w8b1'.");
+  m.def(
       "attention_backward_compile",
       [](const std::string& elem, int head_dim, bool causal, int arch, bool use_cache) {
         at::AttnBwdCompiled c;

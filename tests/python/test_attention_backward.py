@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -40,6 +42,24 @@ def test_backward_launcher_compiles_for_sm80_and_sm90():
         assert cubin[:4] == b"\x7fELF" and f"sm_{arch}" in log
     again = _C.attention_backward_compile(*jobs[0])
     assert again[4] and again[1] == results[0][1] and again[2] == results[0][2]  # from the disk cache
+
+
+def test_backward_tiles_match_the_harness():
+    # The C++ launcher and the ctypes harness (which the GPU tests and the
+    # benchmark use) must pick the same tiles, or the measured kernel is not
+    # the shipped one.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "gpu" / "attention"))
+    import attn_bwd_runtime as br
+
+    for arch, limit in ((80, 166912), (90, 232448), (86, 101376)):
+        for d in (64, 96, 128, 256):
+            try:
+                want = tuple(t.tag() for t in br.choose_tiles(d, f"sm_{arch}", limit))
+            except ValueError:
+                with pytest.raises(ValueError):
+                    _C.attention_backward_tiles(d, arch, limit)
+                continue
+            assert _C.attention_backward_tiles(d, arch, limit) == want, (arch, d)
 
 
 def _bwd_args(**over):
