@@ -110,6 +110,7 @@ Attrs attrs_from(const nb::dict& d) {
 
 // Hand-picked fused ops (opfuse.ops): bindings_ops.cpp.
 void bind_ops(nb::module_& m);
+void bind_attention_bwd(nb::module_& m);
 // The skinny GEMM's launch, build and reference: bindings_skinny.cpp.
 void bind_skinny_gemm(nb::module_& m);
 // The launch path (PreparedRun, launch counters): bindings_launch.cpp.
@@ -304,6 +305,7 @@ NB_MODULE(_C, m) {
   });
   m.def("cuda_prelude", [] { return std::string(cuda_prelude()); });
   bind_ops(m);
+  bind_attention_bwd(m);
   bind_skinny_gemm(m);
   bind_launch(m);
 }

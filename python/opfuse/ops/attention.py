@@ -1,6 +1,6 @@
 """opfuse.ops.attention: scaled dot-product attention as a torch custom op.
 
-    o = opfuse.ops.attention(q, k, v, causal=False, scale=None, attn_mask=None)
+    o = opfuse.ops.attention(q, k, v, causal=False, scale=None, attn_mask=None, deterministic=None)
 
 q [B, Hq, Sq, D], k and v [B, Hkv, Sk, D] with Hq a multiple of Hkv (GQA/MQA).
 Causal masking is aligned to the bottom-right corner (query i sees key j iff
@@ -22,14 +22,21 @@ Paths of the forward (torch.ops.opfuse.attention returns (o, lse)):
     over query rows), logged once per reason.
 The log-sum-exp (float32; float64 for float64 inputs) is saved for the backward.
 
-The backward (torch.ops.opfuse.attention_backward) is NOT a fused kernel yet:
-it evaluates the FlashAttention backward equations with PyTorch ops, with P
-recomputed from q, k and the saved LSE (no softmax recomputation of the
-statistics): dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
-dQ = scale dS K, dK = scale dS^T Q (summed over the query heads of a KV head),
-and for an additive mask that requires grad, dMask = dS summed to its shape.
-It works on CPU and CUDA in float32 (float64 for float64 inputs), chunked over
-query rows to bound the [Hq, rows, Sk] temporaries.
+Paths of the backward (torch.ops.opfuse.attention_backward -> [dq, dk, dv(, dmask)]):
+  - CUDA, bfloat16/float16, D in {64, 96, 128, 256}, no attn_mask: the fused
+    FlashAttention-2-style kernels (src/kernels/attention/attention_bwd.cu)
+    through the C++ launcher (src/runtime/attention_bwd_launcher.cpp), with
+    workspaces from PyTorch's allocator. dQ is summed with float32 atomics
+    unless the backward is deterministic: `deterministic=True`, or
+    `deterministic=None` (the default) while torch.use_deterministic_algorithms
+    is on; then a separate dQ kernel gives bitwise-equal reruns;
+  - everything else (CPU, a mask, float32/float64, other head dims): the
+    FlashAttention backward equations with PyTorch ops, P recomputed from q, k
+    and the saved LSE: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
+    dQ = scale dS K, dK = scale dS^T Q (summed over the query heads of a KV
+    head), and for an additive mask that requires grad, dMask = dS summed to
+    its shape; float32 (float64 for float64 inputs), chunked over query rows
+    to bound the [Hq, rows, Sk] temporaries; on CUDA logged once per reason.
 """
 from __future__ import annotations
 
@@ -241,8 +248,34 @@ def _forward_math(q, k, v, attn_mask, causal, scale):
 
 
 # ---------------------------------------------------------------------------
-# Backward (PyTorch ops; not a fused kernel yet)
+# Backward paths
 # ---------------------------------------------------------------------------
+
+
+def _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, deterministic):
+    """The fused backward kernels (attention_bwd.cu): [dq, dk, dv] in q's dtype."""
+    q, k, v, o, grad = (_kernel_ready(t) for t in (q, k, v, o, grad))
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
+    rows = _C.attention_backward_padded_rows(Sq)
+    delta = torch.empty((B, Hq, rows), dtype=torch.float32, device=q.device)
+    lse2 = torch.empty((B, Hq, rows), dtype=torch.float32, device=q.device)
+    acc = None if deterministic else torch.empty((B, Hq, rows, D), dtype=torch.float32, device=q.device)
+    elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
+    ts = (q, k, v, o, grad, dq, dk, dv)
+    ptrs = [t.data_ptr() for t in ts] + [lse.data_ptr(), delta.data_ptr(), lse2.data_ptr(),
+                                         acc.data_ptr() if acc is not None else 0]
+    strides = [list(t.stride()[:3]) for t in ts] + [list(lse.stride()[:2])]
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    _C.attention_backward_cuda(elem, ptrs, [B, Hq, Hkv, Sq, Sk, D], strides, bool(causal), float(scale),
+                               bool(deterministic), stream, q.device.index)
+    # preprocess and dQ (convert or the deterministic kernel) when Sq > 0, dK/dV when Sk > 0
+    bump("kernel_launches", 0 if B * Hq == 0 else 2 * (Sq > 0) + (Sk > 0))
+    return [dq, dk, dv]
 
 
 def _backward_math(grad, q, k, v, o, lse, attn_mask, causal, scale, want_dmask):
@@ -297,7 +330,9 @@ def _backward_math(grad, q, k, v, o, lse, attn_mask, causal, scale, want_dmask):
 
 @torch.library.custom_op("opfuse::attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], causal: bool,
-                  scale: float) -> tuple[Tensor, Tensor]:
+                  scale: float, deterministic: int = -1) -> tuple[Tensor, Tensor]:
+    # deterministic (-1: torch.are_deterministic_algorithms_enabled() when the
+    # backward runs, 0: no, 1: yes) only travels to the backward.
     _check(q, k, v, attn_mask)
     if q.device.type == "cpu":
         if os.environ.get("OPFUSE_DISABLE") == "1":
@@ -319,7 +354,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, causal, scale):
+def _(q, k, v, attn_mask, causal, scale, deterministic=-1):
     _check(q, k, v, attn_mask)
     B, Hq, Sq, D = q.shape
     return q.new_empty((B, Hq, Sq, D)), q.new_empty((B, Hq, Sq), dtype=_lse_dtype(q.dtype))
@@ -328,13 +363,29 @@ def _(q, k, v, attn_mask, causal, scale):
 @torch.library.custom_op("opfuse::attention_backward", mutates_args=())
 def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                            attn_mask: Optional[Tensor], causal: bool, scale: float,
-                           mask_grad: bool) -> list[Tensor]:
+                           mask_grad: bool, deterministic: int = -1) -> list[Tensor]:
     want = bool(mask_grad) and attn_mask is not None and attn_mask.dtype != torch.bool
+    if q.device.type == "cuda":
+        why = _cuda_kernel_reason(q, k, v, attn_mask, scale)
+        if not why and (lse.dtype != torch.float32 or grad.dtype != q.dtype or o.dtype != q.dtype):
+            why = "saved tensors of another dtype"
+        broken = ("bwd", q.device.index, q.dtype, q.shape[3], bool(causal))
+        if not why and broken in _broken:
+            why = f"the backward kernel failed before: {_broken[broken]}"
+        if not why:
+            det = torch.are_deterministic_algorithms_enabled() if deterministic < 0 else bool(deterministic)
+            try:
+                return _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, det)
+            except (RuntimeError, ValueError) as e:  # NVRTC or the driver refusing: fall back, never crash
+                _broken[broken] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                log.warning("opfuse.ops.attention: the CUDA backward kernel failed (%s); using PyTorch ops", e)
+                why = "a kernel failure"
+        _log_once(f"opfuse.ops.attention: PyTorch backward path on cuda for {why}")
     return _backward_math(grad, q, k, v, o, lse, attn_mask, causal, scale, want)
 
 
 @_attention_backward_op.register_fake
-def _(grad, q, k, v, o, lse, attn_mask, causal, scale, mask_grad):
+def _(grad, q, k, v, o, lse, attn_mask, causal, scale, mask_grad, deterministic=-1):
     out = [torch.empty_like(q, memory_format=torch.contiguous_format),
            torch.empty_like(k, memory_format=torch.contiguous_format),
            torch.empty_like(v, memory_format=torch.contiguous_format)]
@@ -344,9 +395,10 @@ def _(grad, q, k, v, o, lse, attn_mask, causal, scale, mask_grad):
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, attn_mask, causal, scale = inputs
+    q, k, v, attn_mask, causal, scale = inputs[:6]
     o, lse = output
     ctx.causal, ctx.scale = causal, scale
+    ctx.deterministic = inputs[6] if len(inputs) > 6 else -1
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse, attn_mask)
 
@@ -355,22 +407,27 @@ def _attention_bw(ctx, grad, _glse):
     q, k, v, o, lse, attn_mask = ctx.saved_tensors
     need = ctx.needs_input_grad
     mask_grad = bool(need[3]) and attn_mask is not None and attn_mask.dtype != torch.bool
-    grads = torch.ops.opfuse.attention_backward(grad, q, k, v, o, lse, attn_mask, ctx.causal, ctx.scale, mask_grad)
+    grads = torch.ops.opfuse.attention_backward(grad, q, k, v, o, lse, attn_mask, ctx.causal, ctx.scale, mask_grad,
+                                                ctx.deterministic)
     dq, dk, dv = grads[0], grads[1], grads[2]
     dmask = grads[3] if mask_grad else None
-    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dmask, None, None)
+    return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, dmask, None, None, None)
 
 
 _attention_op.register_autograd(_attention_bw, setup_context=_attention_setup)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
-              attn_mask: Optional[Tensor] = None) -> Tensor:
+              attn_mask: Optional[Tensor] = None, deterministic: Optional[bool] = None) -> Tensor:
     """Scaled dot-product attention (see the module docstring): q [B, Hq, Sq, D],
     k and v [B, Hkv, Sk, D]; causal masking aligned bottom-right; attn_mask
     bool (True = attend) or additive, broadcastable to [B, Hq, Sq, Sk];
-    scale defaults to 1/sqrt(D). Returns [B, Hq, Sq, D] in q's dtype."""
+    scale defaults to 1/sqrt(D). deterministic: the backward's dQ without
+    atomics (bitwise-equal reruns); None follows
+    torch.are_deterministic_algorithms_enabled() at backward time.
+    Returns [B, Hq, Sq, D] in q's dtype."""
     _check(q, k, v, attn_mask)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.opfuse.attention(q, k, v, attn_mask, bool(causal), float(scale))[0]
+    det = -1 if deterministic is None else int(bool(deterministic))
+    return torch.ops.opfuse.attention(q, k, v, attn_mask, bool(causal), float(scale), det)[0]

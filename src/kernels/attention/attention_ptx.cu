@@ -1,0 +1,177 @@
+// opfuse attention: device helpers shared by the NVRTC attention kernels.
+//
+// Not compiled alone: the launchers prepend this text to a kernel source
+// (attention_bwd.cu today; attention_fwd.cu still carries its own copy of the
+// same helpers and can switch once the sm_90 forward has landed). NVRTC on the
+// target machines finds no CUDA headers, so everything below is inline PTX.
+// Namespace opfuse_attn, as the kernels.
+
+namespace opfuse_attn {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+// Element tags. The kernels never do arithmetic on elements themselves: they
+// travel through cp.async / ldmatrix and the tensor cores, and are converted
+// to float by ElemOps::to_float2 where a kernel needs their values.
+struct bf16 { u16 bits; };
+struct f16 { u16 bits; };
+
+__device__ __forceinline__ float neg_inf() {
+  float r;
+  asm("mov.b32 %0, 0xff800000;" : "=f"(r));
+  return r;
+}
+__device__ __forceinline__ float pos_inf() {
+  float r;
+  asm("mov.b32 %0, 0x7f800000;" : "=f"(r));
+  return r;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+__device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
+  float r;
+  asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(x), "r"(lane_mask));
+  return r;
+}
+
+// Returns x unchanged, but the compiler cannot see through it (so it cannot
+// hoist what is computed from it out of a loop and keep it live).
+__device__ __forceinline__ int opaque32(int x) {
+  int r;
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16-byte async copy global -> shared; when !valid the destination is
+// zero-filled and nothing is read (src must still be a mapped address).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ float ld_shared_f32(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_global_u32(void* dst, u32 v) {
+  asm volatile("st.global.u32 [%0], %1;" ::"l"(dst), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_global_u32(const void* src) {
+  u32 v;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(src));
+  return v;
+}
+__device__ __forceinline__ void st_global_f32(float* dst, float v) {
+  asm volatile("st.global.f32 [%0], %1;" ::"l"(dst), "f"(v) : "memory");
+}
+__device__ __forceinline__ float ld_global_f32(const float* src) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(src));
+  return v;
+}
+__device__ __forceinline__ void st_global_f32x2(float* dst, float a, float b) {
+  asm volatile("st.global.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+__device__ __forceinline__ void ld_global_f32x2(const float* src, float& a, float& b) {
+  asm volatile("ld.global.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "l"(src));
+}
+
+// dst[0] += a, dst[1] += b without ordering (dst 8-byte aligned). sm_90 has a
+// vector reduction (one request for both); sm_80 issues two.
+__device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst), "f"(a) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(dst + 1), "f"(b) : "memory");
+#endif
+}
+
+// Per-element-type pieces: packing two floats, unpacking two elements, the mma.
+template <typename Elem>
+struct ElemOps;
+
+template <>
+struct ElemOps<bf16> {
+  // lo goes to the low half (the lower column index), as the mma expects.
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ void unpack(u32 v, float& lo, float& hi) {
+    asm("mov.b32 %0, %1;" : "=f"(lo) : "r"(v << 16));
+    asm("mov.b32 %0, %1;" : "=f"(hi) : "r"(v & 0xffff0000u));
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct ElemOps<f16> {
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ void unpack(u32 v, float& lo, float& hi) {
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(lo), "=f"(hi)
+        : "r"(v));
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ldmatrix lane offsets of an m16k16 / k16n16 fragment (rows, columns in elements):
+// - "row-major" A (and B via .trans from a [k][n] tile): matrices ordered
+//   (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15);
+// - B from an [n][k] tile (non-trans), and A via .trans from a [k][m] tile:
+//   (rows 0-7, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 0-7), (rows 8-15, cols 8-15).
+__device__ __forceinline__ int frag_row_a(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
+__device__ __forceinline__ int frag_col_a(int lane) { return (lane >> 4) * 8; }
+__device__ __forceinline__ int frag_row_b(int lane) { return (lane & 7) + (lane >> 4) * 8; }
+__device__ __forceinline__ int frag_col_b(int lane) { return ((lane >> 3) & 1) * 8; }
+
+}  // namespace opfuse_attn

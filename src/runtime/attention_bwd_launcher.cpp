@@ -1,0 +1,362 @@
+#include "runtime/attention_bwd_launcher.h"
+
+#include <dlfcn.h>
+
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <numbers>
+#include <stdexcept>
+#include <tuple>
+
+#include "runtime/compile_cache.h"
+#include "runtime/hash.h"
+
+#include "attention_bwd_cu.inc"  // static const char attention_bwd_cu[]
+#include "attention_ptx_cu.inc"  // static const char attention_ptx_cu[]
+
+namespace opfuse::attention {
+namespace {
+
+constexpr int kAttrMaxDynamicSharedBytes = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+constexpr int kDevAttrMaxSmemPerBlockOptin = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+enum Role { kPreprocess, kDkdvAtomic, kDkdv, kConvert, kDq, kRoles };
+
+const std::string& source() {
+  static const std::string s = std::string(attention_ptx_cu) + "\n" + attention_bwd_cu;
+  return s;
+}
+
+// NVRTC's name-expression API is not in runtime/cuda_api.h's table (the
+// forward launcher looks it up the same way).
+struct NameApi {
+  nvrtcResult (*AddNameExpression)(nvrtcProgram, const char*) = nullptr;
+  nvrtcResult (*GetLoweredName)(nvrtcProgram, const char*, const char**) = nullptr;
+};
+const NameApi& name_api() {
+  static NameApi api;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const NvrtcApi& n = nvrtc();
+    if (!n.loaded) return;
+    std::string path = n.path;
+    if (auto p = path.find(" (already loaded)"); p != std::string::npos) path = path.substr(0, p);
+    void* h = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    void* from = h ? h : RTLD_DEFAULT;
+    api.AddNameExpression = reinterpret_cast<decltype(api.AddNameExpression)>(dlsym(from, "nvrtcAddNameExpression"));
+    api.GetLoweredName = reinterpret_cast<decltype(api.GetLoweredName)>(dlsym(from, "nvrtcGetLoweredName"));
+  });
+  return api;
+}
+
+// The current context, after binding `device`'s primary context when the
+// thread has none or one of another device (autograd's backward threads may
+// have none).
+CUcontext current_context_for(int device) {
+  const CudaApi& c = cuda();
+  CUcontext ctx = nullptr;
+  check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (device < 0) return ctx;
+  CUdevice cur = -1;
+  if (ctx) check_cuda(c.CtxGetDevice(&cur), "cuCtxGetDevice");
+  if (ctx && cur == device) return ctx;
+  if (!c.DevicePrimaryCtxRetain || !c.CtxSetCurrent) return ctx;
+  CUcontext primary = nullptr;
+  check_cuda(c.DevicePrimaryCtxRetain(&primary, device), "cuDevicePrimaryCtxRetain");
+  check_cuda(c.CtxSetCurrent(primary), "cuCtxSetCurrent");
+  return primary;
+}
+
+std::vector<std::string> compile_options(int arch) {
+  return {"--gpu-architecture=sm_" + std::to_string(arch), "-std=c++17", "--ptxas-options=-v", "-lineinfo"};
+}
+
+AttnBwdCompiled nvrtc_compile(const std::vector<std::string>& exprs, int arch) {
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  const NameApi& na = name_api();
+  if (!na.AddNameExpression || !na.GetLoweredName)
+    throw std::runtime_error("NVRTC at " + n.path + " lacks nvrtcAddNameExpression/nvrtcGetLoweredName");
+  nvrtcProgram prog = nullptr;
+  if (int r = n.CreateProgram(&prog, source().c_str(), "attention_bwd.cu", 0, nullptr, nullptr))
+    throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
+  struct Guard {
+    const NvrtcApi& n;
+    nvrtcProgram& p;
+    ~Guard() { n.DestroyProgram(&p); }
+  } guard{n, prog};
+  for (const std::string& e : exprs)
+    if (int r = na.AddNameExpression(prog, e.c_str()))
+      throw std::runtime_error(std::string("nvrtcAddNameExpression: ") + n.GetErrorString(r));
+  const std::vector<std::string> opts = compile_options(arch);
+  std::vector<const char*> copts;
+  for (const auto& o : opts) copts.push_back(o.c_str());
+  const int rc = n.CompileProgram(prog, static_cast<int>(copts.size()), copts.data());
+  AttnBwdCompiled out;
+  out.expressions = exprs;
+  size_t log_size = 0;
+  n.GetProgramLogSize(prog, &log_size);
+  out.log.resize(log_size);
+  if (log_size) n.GetProgramLog(prog, out.log.data());
+  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
+  if (rc != 0)
+    throw std::runtime_error("NVRTC failed to compile the attention backward (" + exprs[1] + ") for sm_" +
+                             std::to_string(arch) + ":\n" + out.log.substr(0, 8000));
+  for (const std::string& e : exprs) {
+    const char* lowered = nullptr;
+    if (int r = na.GetLoweredName(prog, e.c_str(), &lowered); r || !lowered)
+      throw std::runtime_error("nvrtcGetLoweredName failed for " + e);
+    out.lowered.push_back(lowered);
+  }
+  size_t size = 0;
+  n.GetCUBINSize(prog, &size);
+  out.cubin.resize(size);
+  n.GetCUBIN(prog, out.cubin.data());
+  if (out.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for the attention backward");
+  return out;
+}
+
+// Cache entry: "opfuse-attn-bwd-cubin\n", one lowered name per line (kRoles
+// lines), then the cubin.
+constexpr const char kMagic[] = "opfuse-attn-bwd-cubin\n";
+
+std::string pack(const AttnBwdCompiled& c) {
+  std::string s = kMagic;
+  for (const auto& l : c.lowered) s += l + "\n";
+  return s + c.cubin;
+}
+
+bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
+  size_t pos = sizeof(kMagic) - 1;
+  if (bytes.compare(0, pos, kMagic) != 0) return false;
+  c->lowered.clear();
+  for (int i = 0; i < kRoles; ++i) {
+    const size_t nl = bytes.find('\n', pos);
+    if (nl == std::string::npos || nl == pos) return false;
+    c->lowered.push_back(bytes.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  c->cubin = bytes.substr(pos);
+  return !c->cubin.empty();
+}
+
+std::mutex& mu() {
+  static std::mutex m;
+  return m;
+}
+
+const char* b(bool x) { return x ? "true" : "false"; }
+
+}  // namespace
+
+int attn_bwd_dkdv_smem_bytes(int d, const AttnTile& t) {
+  const int sb = (d + 8) * 2, psb = (t.block_m + 8) * 2;
+  const int warps_d = t.num_warps / (t.block_n / 16);
+  const int stage = 2 * t.block_m * sb + 2 * t.block_m * 4;
+  return 2 * t.block_n * sb + 2 * stage + (warps_d > 1 ? 2 : 1) * t.block_n * psb;
+}
+
+int attn_bwd_dq_smem_bytes(int d, const AttnTile& t) {
+  const int sb = (d + 8) * 2;
+  return 2 * t.block_m * sb + 2 * 2 * t.block_n * sb;
+}
+
+AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit) {
+  const int limit = smem_limit > 0 ? smem_limit : attn_max_smem_for_arch(arch);
+  // Mirrors attn_bwd_runtime.DKDV_TILES / DQ_TILES (docs/attention.md, "Backward").
+  std::vector<AttnTile> kv, q;
+  switch (head_dim) {
+    case 64: kv = {{128, 128, 8, 1}, {64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
+    case 96: kv = {{64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
+    case 128: kv = {{64, 128, 8, 1}, {64, 64, 4, 1}}; q = {{128, 64, 8, 1}, {64, 64, 4, 1}}; break;
+    case 256: kv = {{32, 64, 8, 1}}; q = {{64, 32, 4, 1}}; break;
+    default:
+      throw std::invalid_argument("attention backward head dim must be 64, 96, 128 or 256, not " +
+                                  std::to_string(head_dim));
+  }
+  AttnBwdTiles t;
+  bool have_kv = false, have_q = false;
+  for (const AttnTile& x : kv)
+    if (!have_kv && attn_bwd_dkdv_smem_bytes(head_dim, x) <= limit) t.dkdv = x, have_kv = true;
+  for (const AttnTile& x : q)
+    if (!have_q && attn_bwd_dq_smem_bytes(head_dim, x) <= limit) t.dq = x, have_q = true;
+  if (!have_kv || !have_q)
+    throw std::invalid_argument("no attention backward tile for head dim " + std::to_string(head_dim) + " fits " +
+                                std::to_string(limit) + " bytes of shared memory");
+  return t;
+}
+
+std::vector<std::string> attn_bwd_name_expressions(AttnElem e, int d, bool causal, const AttnBwdTiles& t) {
+  const std::string el = std::string("opfuse_attn::") + attn_elem_name(e), D = std::to_string(d);
+  const AttnTile& kv = t.dkdv;
+  const std::string kvargs = el + ", " + D + ", " + b(causal) + ", " + std::to_string(kv.block_m) + ", " +
+                             std::to_string(kv.block_n) + ", " + std::to_string(kv.num_warps) + ", " +
+                             std::to_string(kv.min_blocks);
+  const AttnTile& q = t.dq;
+  return {
+      "opfuse_attn::attention_bwd_preprocess<" + el + ", " + D + ">",
+      "opfuse_attn::attention_bwd_dkdv<" + kvargs + ", true>",
+      "opfuse_attn::attention_bwd_dkdv<" + kvargs + ", false>",
+      "opfuse_attn::attention_bwd_dq_convert<" + el + ", " + D + ">",
+      "opfuse_attn::attention_bwd_dq<" + el + ", " + D + ", " + b(causal) + ", " + std::to_string(q.block_m) + ", " +
+          std::to_string(q.block_n) + ", " + std::to_string(q.num_warps) + ", " + std::to_string(q.min_blocks) + ">",
+  };
+}
+
+AttnBwdCompiled attn_bwd_compile(AttnElem e, int head_dim, bool causal, const AttnBwdTiles& t, int arch,
+                                 bool use_cache) {
+  if (!attn_head_dim_supported(head_dim))
+    throw std::invalid_argument("attention backward head dim must be 64, 96, 128 or 256, not " +
+                                std::to_string(head_dim));
+  const std::vector<std::string> exprs = attn_bwd_name_expressions(e, head_dim, causal, t);
+  if (!use_cache) return nvrtc_compile(exprs, arch);
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  std::string key_src = source() + "\n";
+  for (const auto& x : exprs) key_src += x + "\n";
+  for (const auto& o : compile_options(arch)) key_src += o + " ";
+  key_src += "\nnvrtc " + std::to_string(n.major) + "." + std::to_string(n.minor);
+  const std::string key = content_hash(key_src);
+  AttnBwdCompiled fresh;
+  bool built = false;
+  auto build = [&](const std::string& out) {
+    fresh = nvrtc_compile(exprs, arch);
+    built = true;
+    write_file_atomic(out, pack(fresh));
+  };
+  CacheLookup found = cache_get_or_build("attention", key, ".bwd.cubin", build);
+  if (built) return fresh;
+  bool ok = false;
+  AttnBwdCompiled c;
+  c.expressions = exprs;
+  if (std::string bytes = read_file(found.path, &ok); ok && unpack(bytes, &c)) {
+    c.cache_hit = true;
+    return c;
+  }
+  cache_evict(found.path);  // another layout or a damaged entry: rebuild
+  cache_get_or_build("attention", key, ".bwd.cubin", build);
+  return fresh;
+}
+
+int64_t attn_bwd_padded_rows(int64_t sq) { return (sq + kAttnBwdRowPad - 1) / kAttnBwdRowPad * kAttnBwdRowPad; }
+
+std::string attn_bwd_unsupported_reason(const AttnBackwardArgs& a) {
+  if (!attn_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64, 96, 128 or 256";
+  if (a.batch < 0 || a.heads_q < 0 || a.heads_kv < 0 || a.seqlen_q < 0 || a.seqlen_k < 0) return "negative size";
+  if (a.heads_kv == 0 ? a.heads_q != 0 : a.heads_q % a.heads_kv != 0) return "heads_q is not a multiple of heads_kv";
+  if (a.batch > 65535 || a.heads_q > 65535) return "batch and heads must each be <= 65535";
+  if (a.seqlen_q > INT32_MAX - kAttnBwdRowPad || a.seqlen_k > INT32_MAX) return "sequence lengths must fit in 32 bits";
+  if (std::isnan(a.softmax_scale) || a.softmax_scale < 0) return "softmax scale must be > 0";
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  struct T {
+    const char* name;
+    const void* p;
+    const int64_t* st;
+  } ts[] = {{"q", a.q, a.q_strides},   {"k", a.k, a.k_strides},    {"v", a.v, a.v_strides},
+            {"o", a.o, a.o_strides},   {"dout", a.dout, a.do_strides}, {"dq", a.dq, a.dq_strides},
+            {"dk", a.dk, a.dk_strides}, {"dv", a.dv, a.dv_strides}};
+  for (const T& t : ts) {
+    if (!aligned(t.p)) return std::string(t.name) + ": data pointer not 16-byte aligned";
+    for (int d = 0; d < 3; ++d)
+      if (t.st[d] % 8 != 0) return std::string(t.name) + ": strides must be multiples of 8 elements";
+  }
+  for (const void* w : {static_cast<const void*>(a.delta), static_cast<const void*>(a.lse_log2),
+                        static_cast<const void*>(a.dq_accum)})
+    if (!aligned(w)) return "workspace not 16-byte aligned";
+  return {};
+}
+
+void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
+  if (std::string why = attn_bwd_unsupported_reason(a); !why.empty())
+    throw std::invalid_argument("attention backward kernel: " + why);
+  if (a.batch == 0 || a.heads_q == 0) return;
+  const bool any_q = a.seqlen_q > 0, any_k = a.seqlen_k > 0;
+  if ((any_q && (!a.q || !a.o || !a.dout || !a.dq || !a.lse || !a.delta || !a.lse_log2)) ||
+      (any_k && (!a.k || !a.v || !a.dk || !a.dv)) || (any_q && !a.deterministic && !a.dq_accum))
+    throw std::invalid_argument("attention backward kernel: null pointer");
+  const CudaApi& c = cuda();
+  if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);
+  CUcontext ctx = current_context_for(a.device);
+  if (!ctx) throw std::runtime_error("no current CUDA context (initialise CUDA through PyTorch first)");
+  CUdevice dev = 0;
+  check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+
+  struct DevInfo {
+    int arch = 0, smem_optin = 0;
+  };
+  struct Loaded {
+    CUmodule module = nullptr;
+    CUfunction fn[kRoles] = {};
+  };
+  static std::map<CUcontext, DevInfo> devices;
+  static std::map<std::tuple<CUcontext, std::string>, Loaded> loaded;
+
+  const int D = static_cast<int>(a.head_dim);
+  std::lock_guard<std::mutex> lock(mu());
+  DevInfo& info = devices[ctx];
+  if (info.arch == 0) {
+    info.arch = current_device_arch();
+    if (c.DeviceGetAttribute(&info.smem_optin, kDevAttrMaxSmemPerBlockOptin, dev) != 0 || info.smem_optin <= 0)
+      info.smem_optin = attn_max_smem_for_arch(info.arch);
+  }
+  if (info.arch < 80) throw std::invalid_argument("attention backward kernel needs sm_80 or newer");
+  const AttnBwdTiles tiles = attn_bwd_choose_tiles(D, info.arch, info.smem_optin);
+  const int smem_kv = attn_bwd_dkdv_smem_bytes(D, tiles.dkdv), smem_q = attn_bwd_dq_smem_bytes(D, tiles.dq);
+  const std::vector<std::string> exprs = attn_bwd_name_expressions(a.elem, D, a.causal, tiles);
+  Loaded& lf = loaded[{ctx, exprs[kDkdv]}];
+  if (!lf.module) {
+    AttnBwdCompiled comp = attn_bwd_compile(a.elem, D, a.causal, tiles, info.arch);
+    if (c.ModuleLoadData(&lf.module, comp.cubin.data()) != 0) {
+      comp = attn_bwd_compile(a.elem, D, a.causal, tiles, info.arch, /*use_cache=*/false);
+      check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(attention backward)");
+    }
+    for (int r = 0; r < kRoles; ++r)
+      check_cuda(c.ModuleGetFunction(&lf.fn[r], lf.module, comp.lowered[static_cast<size_t>(r)].c_str()),
+                 "cuModuleGetFunction(attention backward)");
+    for (int r : {kDkdvAtomic, kDkdv})
+      if (smem_kv > 48 * 1024) check_cuda(c.FuncSetAttribute(lf.fn[r], kAttrMaxDynamicSharedBytes, smem_kv), "cuFuncSetAttribute");
+    if (smem_q > 48 * 1024) check_cuda(c.FuncSetAttribute(lf.fn[kDq], kAttrMaxDynamicSharedBytes, smem_q), "cuFuncSetAttribute");
+  }
+
+  AttnBwdParams p{};
+  p.q = a.q, p.k = a.k, p.v = a.v, p.o = a.o, p.dout = a.dout;
+  p.dq = a.dq, p.dk = a.dk, p.dv = a.dv;
+  p.lse = a.lse, p.dq_accum = a.deterministic ? nullptr : a.dq_accum, p.delta = a.delta, p.lse_log2 = a.lse_log2;
+  for (int d = 0; d < 3; ++d) {
+    p.q_strides[d] = a.q_strides[d], p.k_strides[d] = a.k_strides[d], p.v_strides[d] = a.v_strides[d];
+    p.o_strides[d] = a.o_strides[d], p.do_strides[d] = a.do_strides[d], p.dq_strides[d] = a.dq_strides[d];
+    p.dk_strides[d] = a.dk_strides[d], p.dv_strides[d] = a.dv_strides[d];
+  }
+  p.lse_strides[0] = a.lse_strides[0], p.lse_strides[1] = a.lse_strides[1];
+  p.batch = static_cast<int32_t>(a.batch);
+  p.heads_q = static_cast<int32_t>(a.heads_q);
+  p.heads_kv = static_cast<int32_t>(a.heads_kv);
+  p.q_per_kv = static_cast<int32_t>(a.heads_q / a.heads_kv);
+  p.seqlen_q = static_cast<int32_t>(a.seqlen_q);
+  p.seqlen_k = static_cast<int32_t>(a.seqlen_k);
+  p.seqlen_q_pad = static_cast<int32_t>(attn_bwd_padded_rows(a.seqlen_q));
+  const double scale = a.softmax_scale > 0 ? a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
+  p.softmax_scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+
+  void* params[] = {&p};
+  const unsigned B = static_cast<unsigned>(a.batch), Hq = static_cast<unsigned>(a.heads_q);
+  auto launch = [&](Role r, unsigned gx, unsigned gy, unsigned threads, unsigned smem) {
+    check_cuda(c.LaunchKernel(lf.fn[r], gx, gy, B, threads, 1, 1, smem, stream, params, nullptr),
+               "cuLaunchKernel(attention backward)");
+  };
+  if (p.seqlen_q_pad > 0) launch(kPreprocess, static_cast<unsigned>(p.seqlen_q_pad / 64), Hq, 256, 0);
+  const int64_t n_kblocks = (a.seqlen_k + tiles.dkdv.block_n - 1) / tiles.dkdv.block_n;
+  if (n_kblocks > 0)
+    launch(a.deterministic ? kDkdv : kDkdvAtomic, static_cast<unsigned>(n_kblocks), static_cast<unsigned>(a.heads_kv),
+           static_cast<unsigned>(tiles.dkdv.num_warps * 32), static_cast<unsigned>(smem_kv));
+  if (any_q) {
+    if (a.deterministic)
+      launch(kDq, static_cast<unsigned>((a.seqlen_q + tiles.dq.block_m - 1) / tiles.dq.block_m), Hq,
+             static_cast<unsigned>(tiles.dq.num_warps * 32), static_cast<unsigned>(smem_q));
+    else
+      launch(kConvert, static_cast<unsigned>((a.seqlen_q + 63) / 64), Hq, 256, 0);
+  }
+}
+
+}  // namespace opfuse::attention

@@ -1,0 +1,367 @@
+"""Run-time compilation and launch of src/kernels/attention/attention_bwd.cu.
+
+The backward's twin of attn_runtime.py (whose Nvrtc, CudaDriver and cache it
+reuses): tile choice, name expressions, the ctypes mirror of AttnBwdParams,
+and `AttentionBackward`, which runs the launch sequence of docs/attention.md
+("Backward") on PyTorch's current stream with workspaces from PyTorch's
+allocator.
+
+    bwd = AttentionBackward()
+    dq, dk, dv = bwd(dout, q, k, v, o, lse, causal=True, deterministic=False)
+
+`python attn_bwd_runtime.py precompile --arch sm_90 --out DIR` fills the
+cubin cache (OPFUSE_ATTN_CUBIN_DIR=DIR) for a GPU machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import re
+
+import attn_runtime as ar
+
+KERNEL_DIR = ar.REPO / "src" / "kernels" / "attention"
+COMMON_SOURCE = KERNEL_DIR / "attention_ptx.cu"
+BWD_SOURCE = KERNEL_DIR / "attention_bwd.cu"
+SOURCE_NAME = "attention_bwd.cu"
+ROW_PAD = 128  # workspace rows per (b, h): kBwdRowPad
+
+
+def source() -> str:
+    """What NVRTC compiles: the shared helpers, then the backward kernels."""
+    return COMMON_SOURCE.read_text() + "\n" + BWD_SOURCE.read_text()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    num_warps: int
+    min_blocks: int
+
+    def tag(self) -> str:
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}b{self.min_blocks}"
+
+    @staticmethod
+    def parse(tag: str) -> "Tile":
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)b(\d+)", tag)
+        if not m:
+            raise ValueError(f"bad tile tag {tag!r} (want e.g. 64x128w8b1)")
+        return Tile(*(int(g) for g in m.groups()))
+
+
+# dK/dV kernel: BLOCK_M queries per iteration x BLOCK_N keys per CTA. Warps own
+# 16 keys each; at D = 256 two warps share a key group (each half of D).
+DKDV_TILES = {
+    64: [Tile(128, 128, 8, 1), Tile(64, 128, 8, 1)],
+    96: [Tile(64, 128, 8, 1)],
+    128: [Tile(64, 128, 8, 1), Tile(64, 64, 4, 1)],
+    256: [Tile(32, 64, 8, 1)],
+}
+# Deterministic dQ kernel: BLOCK_M = 16 * warps query rows per CTA, BLOCK_N keys per step.
+DQ_TILES = {
+    64: [Tile(128, 64, 8, 1), Tile(128, 64, 8, 1)],
+    96: [Tile(128, 64, 8, 1)],
+    128: [Tile(128, 64, 8, 1), Tile(64, 64, 4, 1)],
+    256: [Tile(64, 32, 4, 1)],
+}
+HEAD_DIMS = ar.HEAD_DIMS
+ELEMENTS = ar.ELEMENTS
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def dkdv_smem(d: int, t: Tile) -> int:
+    """BwdKVTile::kSmemBytes."""
+    sb, psb = (d + 8) * 2, (t.block_m + 8) * 2
+    key_groups = t.block_n // 16
+    warps_d = t.num_warps // key_groups
+    stage = 2 * t.block_m * sb + 2 * t.block_m * 4
+    return 2 * t.block_n * sb + 2 * stage + (2 if warps_d > 1 else 1) * t.block_n * psb
+
+
+def dq_smem(d: int, t: Tile) -> int:
+    """BwdQTile::kSmemBytes."""
+    sb = (d + 8) * 2
+    return 2 * t.block_m * sb + 2 * 2 * t.block_n * sb
+
+
+def choose_tiles(d: int, arch: str = "sm_90", smem_limit: int | None = None) -> tuple[Tile, Tile]:
+    limit = smem_limit or ar.MAX_SMEM_PER_BLOCK.get(arch, 101376)
+    kv = next((t for t in DKDV_TILES[d] if dkdv_smem(d, t) <= limit), None)
+    q = next((t for t in DQ_TILES[d] if dq_smem(d, t) <= limit), None)
+    if kv is None or q is None:
+        raise ValueError(f"no attention backward tile for head dim {d} fits {limit} bytes of shared memory")
+    return kv, q
+
+
+def expressions(elem: str, d: int, causal: bool, kv: Tile, q: Tile) -> dict:
+    """Name expressions of every kernel one (elem, D, causal, tiles) problem launches."""
+    ns = "opfuse_attn::"
+    e = f"{ns}{elem}"
+    kvargs = f"{e}, {d}, {_b(causal)}, {kv.block_m}, {kv.block_n}, {kv.num_warps}, {kv.min_blocks}"
+    return {
+        "preprocess": f"{ns}attention_bwd_preprocess<{e}, {d}>",
+        "dkdv_atomic": f"{ns}attention_bwd_dkdv<{kvargs}, true>",
+        "dkdv": f"{ns}attention_bwd_dkdv<{kvargs}, false>",
+        "convert": f"{ns}attention_bwd_dq_convert<{e}, {d}>",
+        "dq": f"{ns}attention_bwd_dq<{e}, {d}, {_b(causal)}, {q.block_m}, {q.block_n}, {q.num_warps}, {q.min_blocks}>",
+    }
+
+
+def all_problems(include_variants: bool = True):
+    """(elem, D, causal, kv tile, q tile) for every instantiation we ship."""
+    out = []
+    for d in HEAD_DIMS:
+        pairs = list(zip(DKDV_TILES[d], DQ_TILES[d]))
+        if not include_variants:
+            pairs = pairs[:1]
+        for kv, q in pairs:
+            for elem in ELEMENTS:
+                for causal in (False, True):
+                    out.append((elem, d, causal, kv, q))
+    return out
+
+
+def compile_problem(nvrtc: ar.Nvrtc, arch: str, elem: str, d: int, causal: bool, kv: Tile, q: Tile,
+                    src: str | None = None, use_cache: bool = True):
+    """One NVRTC program holding the five kernels of a problem. Returns
+    dict(cubin, lowered {role: name}, log, resources {role: ptxas}, cached)."""
+    src = src if src is not None else source()
+    exprs = expressions(elem, d, causal, kv, q)
+    opts = ar.compile_options(arch)
+    key = hashlib.sha256("\0".join([src, *exprs.values(), " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()
+                         ).hexdigest()[:32]
+    cdir = ar.cache_dir()
+    cubin_path, meta_path = cdir / f"bwd-{key}.cubin", cdir / f"bwd-{key}.json"
+    if use_cache and cubin_path.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        return dict(cubin=cubin_path.read_bytes(), cached=True, **meta)
+    cubin, log, lowered = nvrtc.compile(src, SOURCE_NAME, opts, list(exprs.values()))
+    per_fn = split_ptxas_log(log)
+    meta = dict(lowered={r: lowered[e] for r, e in exprs.items()}, log=log,
+                resources={r: ar.parse_ptxas(per_fn.get(lowered[e], "")) for r, e in exprs.items()},
+                expressions=exprs, arch=arch)
+    if use_cache:
+        try:
+            cdir.mkdir(parents=True, exist_ok=True)
+            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(cubin)
+            tmp.replace(cubin_path)
+            meta_path.write_text(json.dumps(meta))
+        except OSError:
+            pass
+    return dict(cubin=cubin, cached=False, **meta)
+
+
+def compile_ptx(nvrtc: ar.Nvrtc, arch: str, expressions, src: str | None = None) -> str:
+    """The PTX NVRTC generates for some kernels (for checks of the instructions used)."""
+    L = nvrtc.lib
+    L.nvrtcGetPTXSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+    L.nvrtcGetPTX.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    prog = ctypes.c_void_p()
+    nvrtc._check(L.nvrtcCreateProgram(ctypes.byref(prog), (src or source()).encode(), SOURCE_NAME.encode(), 0, None,
+                                      None), "nvrtcCreateProgram")
+    try:
+        for e in expressions:
+            nvrtc._check(L.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression")
+        opts = [o.encode() for o in ar.compile_options(arch)]
+        nvrtc._check(L.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)),
+                     "nvrtcCompileProgram")
+        size = ctypes.c_size_t()
+        nvrtc._check(L.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+        buf = ctypes.create_string_buffer(size.value)
+        nvrtc._check(L.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+        return buf.value.decode()
+    finally:
+        L.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def split_ptxas_log(log: str) -> dict:
+    """ptxas -v output per entry function (mangled name -> its lines)."""
+    per_fn, cur = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = m.group(1)
+            per_fn[cur] = ""
+        if cur:
+            per_fn[cur] += line + "\n"
+    return per_fn
+
+
+# ---------------------------------------------------------------------------
+# Launch ABI
+# ---------------------------------------------------------------------------
+
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class AttnBwdParams(ctypes.Structure):
+    _fields_ = (
+        [(n, _P) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "dq_accum", "delta", "lse_log2")]
+        + [(f"{t}_{s}_stride", _I64) for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+           for s in ("batch", "head", "row")]
+        + [("lse_batch_stride", _I64), ("lse_head_stride", _I64)]
+        + [(n, _I32) for n in ("batch", "heads_q", "heads_kv", "q_per_kv", "seqlen_q", "seqlen_k", "seqlen_q_pad",
+                               "reserved")]
+        + [("softmax_scale", _F), ("scale_log2", _F)]
+    )
+
+
+assert ctypes.sizeof(AttnBwdParams) == 344, ctypes.sizeof(AttnBwdParams)
+
+
+def _kernel_ok(t) -> bool:
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
+
+
+class AttentionBackward:
+    """Callable: (dout, q, k, v, o, lse, causal, scale, deterministic) -> (dq, dk, dv)."""
+
+    def __init__(self, arch: str | None = None):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("AttentionBackward needs a CUDA device")
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
+        if arch is None:
+            major, minor = torch.cuda.get_device_capability()
+            arch = f"sm_{major}{minor}"
+        self.arch = arch
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.smem_limit = getattr(props, "shared_memory_per_block_optin", None)
+        self.nvrtc = ar.Nvrtc()
+        self.driver = ar.CudaDriver()
+        self.source = source()
+        self._fns = {}
+
+    def functions(self, elem, d, causal, kv, q):
+        key = (self.driver.current_context(), elem, d, causal, kv, q)
+        fns = self._fns.get(key)
+        if fns is None:
+            info = compile_problem(self.nvrtc, self.arch, elem, d, causal, kv, q, src=self.source)
+            smem = {"dkdv": dkdv_smem(d, kv), "dkdv_atomic": dkdv_smem(d, kv), "dq": dq_smem(d, q)}
+            fns = {}
+            for role, name in info["lowered"].items():
+                _, fns[role] = self.driver.load_function(info["cubin"], name, smem.get(role, 0))
+            self._fns[key] = fns
+        return fns
+
+    def __call__(self, dout, q, k, v, o, lse, causal=False, scale=None, deterministic=None, tiles=None,
+                 out=None):
+        import torch
+
+        B, Hq, Sq, D = q.shape
+        Hkv, Sk = k.shape[1], k.shape[2]
+        if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or Hq % Hkv:
+            raise ValueError(f"shape mismatch q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}")
+        if o.shape != q.shape or dout.shape != q.shape or lse.shape != (B, Hq, Sq):
+            raise ValueError("o and dout must be shaped like q, lse [B, Hq, Sq]")
+        if q.dtype not in (torch.bfloat16, torch.float16) or any(t.dtype != q.dtype for t in (k, v, o, dout)):
+            raise ValueError("q, k, v, o, dout must all be bfloat16 or all float16")
+        if lse.dtype != torch.float32 or lse.stride(-1) != 1:
+            raise ValueError("lse must be float32 with a contiguous last dim")
+        if D not in HEAD_DIMS:
+            raise ValueError(f"head dim {D} not in {HEAD_DIMS}")
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("dout", dout)):
+            if not _kernel_ok(t):
+                raise ValueError(f"{name}: needs a contiguous last dim, 16-byte aligned data, strides multiple of 8")
+        if scale is None:
+            scale = 1.0 / math.sqrt(D)
+        if not scale > 0:
+            raise ValueError("softmax scale must be > 0")
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        if B > 65535 or max(Hq, Hkv) > 65535:
+            raise ValueError("heads and batch must each be <= 65535")
+        elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
+        kv_t, q_t = tiles or choose_tiles(D, self.arch, self.smem_limit)
+        dev = q.device
+        if out is None:
+            dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), \
+                torch.empty_like(k, memory_format=torch.contiguous_format), \
+                torch.empty_like(v, memory_format=torch.contiguous_format)
+        else:
+            dq, dk, dv = out
+        if B == 0 or Hq == 0:
+            return dq, dk, dv
+        sq_pad = (Sq + ROW_PAD - 1) // ROW_PAD * ROW_PAD
+        delta = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
+        lse2 = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
+        acc = None if deterministic else torch.empty((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)
+        fns = self.functions(elem, D, bool(causal), kv_t, q_t)
+
+        p = AttnBwdParams()
+        p.q, p.k, p.v, p.o, p.dout = (t.data_ptr() for t in (q, k, v, o, dout))
+        p.dq, p.dk, p.dv = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+        p.lse, p.dq_accum, p.delta, p.lse_log2 = lse.data_ptr(), (acc.data_ptr() if acc is not None else None), \
+            delta.data_ptr(), lse2.data_ptr()
+        for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
+            for s, val in zip(("batch", "head", "row"), t.stride()[:3]):
+                setattr(p, f"{name}_{s}_stride", val)
+        p.lse_batch_stride, p.lse_head_stride = lse.stride()[:2]
+        p.batch, p.heads_q, p.heads_kv, p.q_per_kv = B, Hq, Hkv, Hq // Hkv
+        p.seqlen_q, p.seqlen_k, p.seqlen_q_pad = Sq, Sk, sq_pad
+        p.softmax_scale, p.scale_log2 = scale, scale * math.log2(math.e)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        L = self.driver.launch
+        if sq_pad:
+            L(fns["preprocess"], (sq_pad // 64, Hq, B), (256, 1, 1), 0, stream, p)
+        nkb = (Sk + kv_t.block_n - 1) // kv_t.block_n
+        if nkb:
+            L(fns["dkdv" if deterministic else "dkdv_atomic"], (nkb, Hkv, B), (kv_t.num_warps * 32, 1, 1),
+              dkdv_smem(D, kv_t), stream, p)
+        if Sq:
+            if deterministic:
+                L(fns["dq"], ((Sq + q_t.block_m - 1) // q_t.block_m, Hq, B), (q_t.num_warps * 32, 1, 1),
+                  dq_smem(D, q_t), stream, p)
+            else:
+                L(fns["convert"], ((Sq + 63) // 64, Hq, B), (256, 1, 1), 0, stream, p)
+        return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------
+# CLI: precompile / report
+# ---------------------------------------------------------------------------
+
+
+def _compile_one(args):
+    arch, elem, d, causal, kv, q = args
+    info = compile_problem(ar.Nvrtc(), arch, elem, d, causal, Tile.parse(kv), Tile.parse(q))
+    return (arch, elem, d, causal, kv, q, info["resources"], info["cached"])
+
+
+def main(argv=None):
+    import argparse
+    import concurrent.futures as cf
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["precompile", "report"])
+    ap.add_argument("--arch", action="append", help="sm_80, sm_90 (repeatable; default sm_90)")
+    ap.add_argument("--out", help="cubin cache dir (sets OPFUSE_ATTN_CUBIN_DIR)")
+    ap.add_argument("--defaults-only", action="store_true")
+    ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
+    a = ap.parse_args(argv)
+    if a.out:
+        os.environ["OPFUSE_ATTN_CUBIN_DIR"] = a.out
+    jobs = [(arch, elem, d, causal, kv.tag(), q.tag()) for arch in (a.arch or ["sm_90"])
+            for (elem, d, causal, kv, q) in all_problems(include_variants=not a.defaults_only)]
+    with cf.ProcessPoolExecutor(max_workers=a.j) as ex:
+        for arch, elem, d, causal, kv, q, res, cached in ex.map(_compile_one, jobs):
+            cols = " ".join(f"{r}={v['registers']}/{v['spill_stores']}" for r, v in res.items())
+            print(f"{arch} {elem:4} D={d:3} causal={int(causal)} kv={kv} q={q} regs/spill: {cols}"
+                  f"{' (cached)' if cached else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Attention forward+backward benchmark in the FlashAttention setup.
+
+hidden 2048 (H = 2048 / D), 16k tokens (B = 16384 / S), bf16, D in {64, 128},
+causal and not. TFLOP/s of forward+backward with FLOPs = 3.5 x the forward's
+4 * B * H * S * S * D (halved when causal); the backward alone is also timed
+(2.5 x). opfuse = attention_fwd.cu + attention_bwd.cu (atomic dQ; "opfuse-det"
+the deterministic mode) through the ctypes harness; PyTorch SDPA's flash and
+cuDNN backends fwd+bwd (autograd) in the same run. Median of
+triton.testing.do_bench; writes JSON records (suite attention_fwd_bwd) to --out.
+
+    python tests/gpu/attention/bench_attention_bwd.py --out $OUT [--seqlens 2048,4096] [--no-det]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import attn_bwd_runtime as br  # noqa: E402
+import attn_runtime as ar  # noqa: E402
+from bench_attention_fwd import bench_ms, commit_id  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--seqlens", default="512,2048,4096,8192,16384")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--no-det", action="store_true", help="skip the deterministic mode")
+    ap.add_argument("--variants", action="store_true", help="also time the backward alone on the variant tiles")
+    a = ap.parse_args(argv)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fwd, bwd = ar.AttentionForward(), br.AttentionBackward()
+    commit, date = commit_id(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    dev = torch.cuda.get_device_name()
+    records, rows = [], []
+
+    def record(case, impl, metric, value):
+        records.append(dict(suite="attention_fwd_bwd", case=case, impl=impl, metric=metric, value=value,
+                            floor=None, commit=commit, date=date, device=dev))
+
+    out_dir = pathlib.Path(a.out)
+    print(f"device {dev}; commit {commit}", flush=True)
+    for D in (int(x) for x in a.dims.split(",")):
+        for causal in (False, True):
+            for S in (int(x) for x in a.seqlens.split(",")):
+                B, H = 16384 // S, 2048 // D
+                f_fwd = 4 * B * H * S * S * D / (2 if causal else 1)
+                case = f"D{D}_S{S}_{'causal' if causal else 'full'}_bf16_B{B}_H{H}"
+                g = torch.Generator(device="cuda").manual_seed(S + D)
+                q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+                                 for _ in range(4))
+                o, lse = fwd(q, k, v, causal=causal)
+                grads = tuple(torch.empty_like(t) for t in (q, k, v))
+
+                def ours_fb(det=False):
+                    o2, lse2 = fwd(q, k, v, causal=causal)
+                    bwd(dout, q, k, v, o2, lse2, causal=causal, deterministic=det, out=grads)
+
+                impls = {"opfuse": (lambda: ours_fb(False), 3.5),
+                         "opfuse:bwd": (lambda: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False,
+                                                    out=grads), 2.5)}
+                if not a.no_det:
+                    impls["opfuse-det"] = (lambda: ours_fb(True), 3.5)
+                if a.variants:
+                    for kv_t, q_t in list(zip(br.DKDV_TILES[D], br.DQ_TILES[D]))[1:]:
+                        impls[f"opfuse:bwd[{kv_t.tag()}]"] = (
+                            lambda kv_t=kv_t, q_t=q_t: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False,
+                                                           out=grads, tiles=(kv_t, q_t)), 2.5)
+                qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                                      ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    def run(backend=backend):
+                        with sdpa_kernel(backend):
+                            out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                        torch.autograd.grad(out, (qg, kg, vg), dout)
+                    impls[name] = (run, 3.5)
+                # Sanity: our gradients against flash's (bottom-right = top-left when Sq == Sk).
+                ours_fb(False)
+                try:
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                    ref = torch.autograd.grad(out, (qg, kg, vg), dout)
+                    diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(grads, ref))
+                except RuntimeError as e:
+                    diff = float("nan")
+                    print(f"  sdpa-flash unavailable: {e}", flush=True)
+                row = dict(case=case, D=D, causal=causal, S=S, maxdiff=diff)
+                times = {}
+                for _ in range(a.rounds):
+                    for name, (fn, _) in impls.items():
+                        try:
+                            times.setdefault(name, []).append(bench_ms(fn))
+                        except RuntimeError as e:
+                            print(f"  {case} {name}: {e}", flush=True)
+                for name, ts in times.items():
+                    ms = min(ts)
+                    tf = impls[name][1] * f_fwd / ms / 1e9
+                    row[name] = tf
+                    record(case, name, "TFLOP/s", round(tf, 1))
+                    record(case, name, "ms", round(ms, 4))
+                rows.append(row)
+                out_dir.mkdir(parents=True, exist_ok=True)  # after every case: a cut run keeps what it measured
+                (out_dir / "bench_attention_bwd.json").write_text(json.dumps(records, indent=1))
+                print(f"{case:34} grad maxdiff vs flash {diff:.2e}  " +
+                      "  ".join(f"{n}={row[n]:.0f}" for n in impls if n in row), flush=True)
+                del q, k, v, dout, o, lse, grads, qg, kg, vg
+                torch.cuda.empty_cache()
+
+    names = ["opfuse", "opfuse-det", "opfuse:bwd", "sdpa-flash", "sdpa-cudnn"]
+    names += sorted({n for r in rows for n in r if n.startswith("opfuse:bwd[")})
+    print("\nTFLOP/s fwd+bwd (opfuse:bwd = backward alone), bf16, hidden 2048, 16k tokens")
+    print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>11}" for n in names) + "  ours/flash ours/cudnn")
+    for r in rows:
+        ours, fl, cu = r.get("opfuse"), r.get("sdpa-flash"), r.get("sdpa-cudnn")
+        ratio = lambda x, y: f"{x / y:10.2f}" if x and y else f"{'-':>10}"  # noqa: E731
+        print(f"{r['D']:>3} {str(r['causal']):>6} {r['S']:>6} " +
+              " ".join(f"{r[n]:11.0f}" if n in r else f"{'-':>11}" for n in names) +
+              f" {ratio(ours, fl)} {ratio(ours, cu)}")
+
+
+if __name__ == "__main__":
+    main()
