@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 OPS = ("softmax", "log_softmax", "layer_norm", "rms_norm")
-# Also: layer_norm_backward (dx, dweight, dbias from dy, x, mean, rstd, w),
+# Also: softmax_backward (dx from dy, y) and layer_norm_backward (dx,
+# dweight, dbias from dy, x, mean, rstd, w),
 # whose weight and bias sums are column partials inside the dx kernel.
 
 
@@ -26,9 +27,11 @@ def child(shapes, ops):
     fns = {"softmax": lambda x, w, b: torch.softmax(x, -1), "log_softmax": lambda x, w, b: torch.log_softmax(x, -1),
            "layer_norm": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5),
            "rms_norm": lambda x, w, b: F.rms_norm(x, (x.shape[-1],), w, eps=1e-6),
+           "softmax_backward": lambda dy, y: torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype),
            "layer_norm_backward": lambda dy, x, mean, rstd, w, b: torch.ops.aten.native_layer_norm_backward(
                dy, x, [x.shape[-1]], mean, rstd, w, b, [True, True, True])}
-    floats = {"layer_norm_backward": lambda x, w, b: (torch.randn_like(x).float(), x.float(),
+    floats = {"softmax_backward": lambda x, w, b: (torch.randn_like(x).float(), torch.softmax(x.float(), -1)),
+              "layer_norm_backward": lambda x, w, b: (torch.randn_like(x).float(), x.float(),
                                                       *torch.ops.aten.native_layer_norm(x.float(), [x.shape[-1]], None, None, 1e-5)[1:],
                                                       w.float(), b.float())}
     for shape in shapes:
