@@ -31,10 +31,6 @@ struct CudaLaunch {
   int cluster = 1;          // row kernels: blocks per row (a thread-block cluster)
   int vec_threads = 0, vec_rows_per_block = 0, vec_cluster = 1;  // row kernels: geometry of the vector twin
   int64_t parts = 0;       // row kernels with column partials: grid x rows_per_block = parts
-  // Row kernels whose later stages re-read the row from memory (loop
-  // stages): bytes of one row across the buffers read along it, so the
-  // runtime can cap the rows in flight to what L2 holds (0: not such a kernel).
-  int64_t reread_row_bytes = 0;
   Expr numel, rows, cols;  // launch geometry in terms of size symbols
   std::string name, vec_name;  // scalar and vector entry points
 };

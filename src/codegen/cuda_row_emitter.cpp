@@ -369,16 +369,6 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   launch_.cluster = cluster_;
   launch_.items = caching_ ? g.items : 0;
   launch_.parts = partials ? k_->parts : 0;
-  launch_.reread_row_bytes = 0;
-  if (known && !caching_ && !columns_ && !grouped_rows_ && cluster_ == 1 && !partials && k_->stages.size() > 1) {
-    int64_t bytes = 0;
-    for (const KBuffer& b : k_->buffers) {
-      if (b.written || b.shape.size() != k_->domain.size() || b.shape.empty()) continue;
-      int64_t last = 0;
-      if (is_const(b.shape.back(), &last) && last == ncols) bytes += ncols * dtype_size(b.dtype);
-    }
-    launch_.reread_row_bytes = bytes;
-  }
   int threads_per_row = columns_ ? g.threads / 32 : grouped_rows_ ? lanes_ : g.threads;
 
   // The body is printed to a side buffer first: the register arrays and

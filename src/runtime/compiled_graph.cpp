@@ -2,7 +2,6 @@
 #include "runtime/huge_pages.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <set>
 #include <stdexcept>
 
@@ -14,22 +13,6 @@
 
 namespace opfuse {
 namespace {
-
-bool row_l2_fit() {
-  const char* v = std::getenv("OPFUSE_ROW_L2_FIT");
-  return v && std::string(v) == "1";
-}
-
-// The current device's L2 size and SM count (attributes 38 and 16).
-int64_t device_attribute(int attr, int64_t dflt) {
-  const CudaApi& c = cuda();
-  CUdevice dev = 0;
-  int v = 0;
-  if (!c.loaded || c.CtxGetDevice(&dev) != 0 || c.DeviceGetAttribute(&v, attr, dev) != 0) return dflt;
-  return v;
-}
-int64_t device_l2_bytes() { return device_attribute(38, 50 << 20); }
-int64_t device_sm_count() { return device_attribute(16, 132); }
 
 // The ops a kernel computes, for names and reports.
 std::vector<std::string> member_ops(const FusionPlan& plan, const KernelGroup& k) {
@@ -520,17 +503,6 @@ void CompiledGraph::prepare_cuda_kernel(const Variant& v, size_t i, const std::v
     };
     st->grid = blocks(cl.rows_per_block, cl.cluster, &st->too_many_rows);
     if (st->vec_possible) st->vec_grid = blocks(cl.vec_rows_per_block, cl.vec_cluster, &st->vec_too_many_rows);
-    // Loop stages re-read each row: with OPFUSE_ROW_L2_FIT=1 the grid (a
-    // grid-stride loop over rows) is capped so that the rows in flight fit
-    // in 75% of L2 and the re-reads hit it, when that leaves at least two
-    // blocks an SM (docs/perf-notes.md).
-    if (cl.reread_row_bytes > 0 && row_l2_fit()) {
-      int64_t cap = static_cast<int64_t>(0.75 * static_cast<double>(device_l2_bytes())) / cl.reread_row_bytes;
-      if (cap >= 2 * device_sm_count()) {
-        st->grid = static_cast<unsigned>(std::min<int64_t>(st->grid, cap));
-        st->vec_grid = static_cast<unsigned>(std::min<int64_t>(st->vec_grid, cap));
-      }
-    }
   }
 }
 
