@@ -7,7 +7,7 @@ prints TB/s (input read once + output written once, over the time).
   python3 scripts/row_variants.py [--variants 8:32,1:32,4:16] [--shapes 8192x32768,4096x262144]
 
 A variant is max_cluster:cache_values[:cache_row_invariant[:column_partials]]
-(OPFUSE_ROW_CACHE_INVARIANT, OPFUSE_COLUMN_PARTIALS; defaults 0 and 1).
+(OPFUSE_ROW_CACHE_INVARIANT, OPFUSE_COLUMN_PARTIALS; defaults -1 = by row length, and 1).
 """
 import argparse
 import os
@@ -79,7 +79,7 @@ def main():
     for v in a.variants.split(","):
         # cluster:values[:invariant[:partials]]
         cluster, values, *rest = v.split(":")
-        invariant = rest[0] if rest else "0"
+        invariant = rest[0] if rest else "-1"
         partials = rest[1] if len(rest) > 1 else "1"
         env = dict(os.environ, OPFUSE_ROW_MAX_CLUSTER=cluster, OPFUSE_ROW_CACHE_VALUES=values,
                    OPFUSE_ROW_CACHE_INVARIANT=invariant, OPFUSE_COLUMN_PARTIALS=partials)

@@ -305,7 +305,14 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   cache_ = RowCachePlan{};
   if (known && k_->stages.size() > 1) {
     StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
-    bool invariant = env_int("OPFUSE_ROW_CACHE_INVARIANT", 0) != 0;  // the plan before row-invariant values were reloaded
+    // Values the same for every row (weights) are reloaded from L1 in short
+    // rows and cached in longer ones: layer_norm backward on the H200 (bf16,
+    // scripts/row_variants.py) ran 262144x256 in 151.7 us reloading them
+    // against 177.7 caching, and 32768x4096 in 346.7 us caching them against
+    // 404.9 reloading (three cached values at 512 threads beat two at 256).
+    // OPFUSE_ROW_CACHE_INVARIANT=0/1 forces either.
+    int forced = env_int("OPFUSE_ROW_CACHE_INVARIANT", -1);
+    bool invariant = forced >= 0 ? forced != 0 : ncols > 1024;
     RowCachePlan frontier = plan_row_cache(*k_, key, false, invariant), loads = plan_row_cache(*k_, key, true, invariant);
     cache_ = frontier.slots() <= loads.slots() ? frontier : loads;
   }

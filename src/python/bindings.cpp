@@ -183,7 +183,10 @@ NB_MODULE(_C, m) {
              // gemm_epilogues: 0 none, 1 epilogues in the GEMM's dtype, 2 also a float32 bias and bias
              // gradient beside 16-bit matrices (autocast). Default: 2 on the GPU (cuBLASLt); 0 on the
              // CPU, where PyTorch runs the GEMM plainly.
-             int level = gemm_epilogues < 0 ? (opt.target == Target::CUDA ? 2 : 0) : gemm_epilogues;
+             // Default 1: cuBLASLt takes a bias only in D's type (cublasLt.h on
+             // CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE; a float32 bias beside bf16 was refused
+             // with status 7 at every shape tried on the H200), so level 2 is opt-in.
+             int level = gemm_epilogues < 0 ? (opt.target == Target::CUDA ? 1 : 0) : gemm_epilogues;
              opt.planner.gemm_epilogues = level >= 1;
              opt.planner.gemm_float32_bias = level >= 2;
              // Column partials in row kernels on the GPU (OPFUSE_COLUMN_PARTIALS=0: off, for comparisons).

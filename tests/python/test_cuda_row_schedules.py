@@ -207,7 +207,7 @@ def test_online_softmax_pass_with_special_values(dtype):
 # inside the dx kernel, then over the blocks. Lane groups (256, 1000), a block
 # per row with the row cached (4096) or looped on the scalar twin (1031, not
 # a multiple of 8), rows not a multiple of the parts, 3-D inputs.
-@pytest.mark.parametrize("shape", [(32768, 256), (4099, 1000), (2048, 1031), (3000, 4096), (3, 1401, 768)])
+@pytest.mark.parametrize("shape", [(32769, 256), (4099, 1000), (2048, 1031), (3000, 4096), (3, 1401, 768)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_weight_gradients_from_column_partials(shape, dtype, tmp_path, monkeypatch):
     cols = shape[-1]
@@ -225,8 +225,8 @@ def test_norm_weight_gradients_from_column_partials(shape, dtype, tmp_path, monk
         # partial (dy and x read once); the partials' sums are small kernels.
         plans = [p.read_text() for p in (tmp_path / name).rglob("*backward*plan.txt")]
         kernels = [line for t in plans for line in t.splitlines() if line.startswith("kernel ")]
-        fused = [k for k in kernels if "column_partials" in k.split("stores=")[1]]
-        assert len(fused) == 1, "\n".join(plans)
+        fused = [k for k in kernels if "column_partials" in k.split("stores=")[1].split(" reads=")[0]]
+        assert len(fused) == 1, "\n".join(plans) or "no backward plan was dumped"
         stores = fused[0].split("stores=")[1].split(" reads=")[0]
         assert stores.count("column_partials") == len(params) - 1 and stores.count(":") == len(params), fused[0]
         xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))

@@ -122,7 +122,7 @@ class FusedPartition:
     partition's eager module for inputs it was not compiled for."""
 
     def __init__(self, compiled: "_C.CompiledGraph", eager: torch.fx.GraphModule, tensor_positions, input_dtypes,
-                 name: str, dump=None, device=None, ir_text=None, gemm_epilogues=2):
+                 name: str, dump=None, device=None, ir_text=None, gemm_epilogues=1):
         self.ir_text = ir_text
         self.gemm_epilogues = gemm_epilogues  # the level `compiled` was planned with (CompiledGraph's argument)
         self.plain = None  # the same graph with fewer GEMM epilogues, built when cuBLASLt refuses one
