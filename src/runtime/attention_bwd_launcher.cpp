@@ -1,6 +1,5 @@
 #include "runtime/attention_bwd_launcher.h"
 
-#include <dlfcn.h>
 
 #include <cmath>
 #include <map>
@@ -11,6 +10,7 @@
 
 #include "runtime/compile_cache.h"
 #include "runtime/hash.h"
+#include "runtime/nvrtc_named.h"
 
 #include "attention_bwd_cu.inc"  // static const char attention_bwd_cu[]
 #include "attention_ptx_cu.inc"  // static const char attention_ptx_cu[]
@@ -27,92 +27,16 @@ const std::string& source() {
   return s;
 }
 
-// NVRTC's name-expression API is not in runtime/cuda_api.h's table (the
-// forward launcher looks it up the same way).
-struct NameApi {
-  nvrtcResult (*AddNameExpression)(nvrtcProgram, const char*) = nullptr;
-  nvrtcResult (*GetLoweredName)(nvrtcProgram, const char*, const char**) = nullptr;
-};
-const NameApi& name_api() {
-  static NameApi api;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    const NvrtcApi& n = nvrtc();
-    if (!n.loaded) return;
-    std::string path = n.path;
-    if (auto p = path.find(" (already loaded)"); p != std::string::npos) path = path.substr(0, p);
-    void* h = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
-    void* from = h ? h : RTLD_DEFAULT;
-    api.AddNameExpression = reinterpret_cast<decltype(api.AddNameExpression)>(dlsym(from, "nvrtcAddNameExpression"));
-    api.GetLoweredName = reinterpret_cast<decltype(api.GetLoweredName)>(dlsym(from, "nvrtcGetLoweredName"));
-  });
-  return api;
-}
-
-// The current context, after binding `device`'s primary context when the
-// thread has none or one of another device (autograd's backward threads may
-// have none).
-CUcontext current_context_for(int device) {
-  const CudaApi& c = cuda();
-  CUcontext ctx = nullptr;
-  check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
-  if (device < 0) return ctx;
-  CUdevice cur = -1;
-  if (ctx) check_cuda(c.CtxGetDevice(&cur), "cuCtxGetDevice");
-  if (ctx && cur == device) return ctx;
-  if (!c.DevicePrimaryCtxRetain || !c.CtxSetCurrent) return ctx;
-  CUcontext primary = nullptr;
-  check_cuda(c.DevicePrimaryCtxRetain(&primary, device), "cuDevicePrimaryCtxRetain");
-  check_cuda(c.CtxSetCurrent(primary), "cuCtxSetCurrent");
-  return primary;
-}
-
-std::vector<std::string> compile_options(int arch) {
-  return {"--gpu-architecture=sm_" + std::to_string(arch), "-std=c++17", "--ptxas-options=-v", "-lineinfo"};
-}
+std::vector<std::string> compile_options(int arch) { return nvrtc_named_options("sm_" + std::to_string(arch)); }
 
 AttnBwdCompiled nvrtc_compile(const std::vector<std::string>& exprs, int arch) {
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  const NameApi& na = name_api();
-  if (!na.AddNameExpression || !na.GetLoweredName)
-    throw std::runtime_error("NVRTC at " + n.path + " lacks nvrtcAddNameExpression/nvrtcGetLoweredName");
-  nvrtcProgram prog = nullptr;
-  if (int r = n.CreateProgram(&prog, source().c_str(), "attention_bwd.cu", 0, nullptr, nullptr))
-    throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
-  struct Guard {
-    const NvrtcApi& n;
-    nvrtcProgram& p;
-    ~Guard() { n.DestroyProgram(&p); }
-  } guard{n, prog};
-  for (const std::string& e : exprs)
-    if (int r = na.AddNameExpression(prog, e.c_str()))
-      throw std::runtime_error(std::string("nvrtcAddNameExpression: ") + n.GetErrorString(r));
-  const std::vector<std::string> opts = compile_options(arch);
-  std::vector<const char*> copts;
-  for (const auto& o : opts) copts.push_back(o.c_str());
-  const int rc = n.CompileProgram(prog, static_cast<int>(copts.size()), copts.data());
+  NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_bwd.cu", exprs, "sm_" + std::to_string(arch),
+                                     "the attention backward (" + exprs.at(1) + ")");
   AttnBwdCompiled out;
   out.expressions = exprs;
-  size_t log_size = 0;
-  n.GetProgramLogSize(prog, &log_size);
-  out.log.resize(log_size);
-  if (log_size) n.GetProgramLog(prog, out.log.data());
-  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
-  if (rc != 0)
-    throw std::runtime_error("NVRTC failed to compile the attention backward (" + exprs[1] + ") for sm_" +
-                             std::to_string(arch) + ":\n" + out.log.substr(0, 8000));
-  for (const std::string& e : exprs) {
-    const char* lowered = nullptr;
-    if (int r = na.GetLoweredName(prog, e.c_str(), &lowered); r || !lowered)
-      throw std::runtime_error("nvrtcGetLoweredName failed for " + e);
-    out.lowered.push_back(lowered);
-  }
-  size_t size = 0;
-  n.GetCUBINSize(prog, &size);
-  out.cubin.resize(size);
-  n.GetCUBIN(prog, out.cubin.data());
-  if (out.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for the attention backward");
+  out.lowered = std::move(r.lowered);
+  out.cubin = std::move(r.cubin);
+  out.log = std::move(r.log);
   return out;
 }
 

@@ -1,8 +1,6 @@
 #include "runtime/attention_launcher.h"
 #include "runtime/attention_launcher_sm90.h"
 
-#include <dlfcn.h>
-
 #include <cmath>
 #include <map>
 #include <memory>
@@ -14,6 +12,7 @@
 
 #include "runtime/compile_cache.h"
 #include "runtime/hash.h"
+#include "runtime/nvrtc_named.h"
 
 #include "attention_fwd_cu.inc"  // static const char attention_fwd_cu[]
 
@@ -23,92 +22,16 @@ namespace {
 constexpr int kAttrMaxDynamicSharedBytes = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 constexpr int kDevAttrMaxSmemPerBlockOptin = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
-// NVRTC's name-expression API is not in runtime/cuda_api.h's table: look it
-// up in the library that table loaded (it was opened RTLD_GLOBAL).
-struct NameApi {
-  nvrtcResult (*AddNameExpression)(nvrtcProgram, const char*) = nullptr;
-  nvrtcResult (*GetLoweredName)(nvrtcProgram, const char*, const char**) = nullptr;
-};
-
-const NameApi& name_api() {
-  static NameApi api;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    const NvrtcApi& n = nvrtc();
-    if (!n.loaded) return;
-    void* h = nullptr;
-    std::string path = n.path;
-    if (auto p = path.find(" (already loaded)"); p != std::string::npos) path = path.substr(0, p);
-    if (!path.empty()) h = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
-    void* from = h ? h : RTLD_DEFAULT;
-    api.AddNameExpression = reinterpret_cast<decltype(api.AddNameExpression)>(dlsym(from, "nvrtcAddNameExpression"));
-    api.GetLoweredName = reinterpret_cast<decltype(api.GetLoweredName)>(dlsym(from, "nvrtcGetLoweredName"));
-  });
-  return api;
-}
-
-// The current context, after binding `device`'s primary context when the
-// thread has no context or one of another device.
-CUcontext current_context_for(int device) {
-  const CudaApi& c = cuda();
-  CUcontext ctx = nullptr;
-  check_cuda(c.CtxGetCurrent(&ctx), "cuCtxGetCurrent");
-  if (device < 0) return ctx;
-  CUdevice cur = -1;
-  if (ctx) check_cuda(c.CtxGetDevice(&cur), "cuCtxGetDevice");
-  if (ctx && cur == device) return ctx;
-  if (!c.DevicePrimaryCtxRetain || !c.CtxSetCurrent) return ctx;
-  CUcontext primary = nullptr;
-  check_cuda(c.DevicePrimaryCtxRetain(&primary, device), "cuDevicePrimaryCtxRetain");
-  check_cuda(c.CtxSetCurrent(primary), "cuCtxSetCurrent");
-  return primary;
-}
-
-std::vector<std::string> compile_options(int arch) {
-  // The options the kernel was measured with (tests/gpu/attention/attn_runtime.py).
-  return {"--gpu-architecture=sm_" + std::to_string(arch), "-std=c++17", "--ptxas-options=-v", "-lineinfo"};
-}
+std::vector<std::string> compile_options(int arch) { return nvrtc_named_options("sm_" + std::to_string(arch)); }
 
 // One NVRTC program for one name expression: (lowered name, cubin, log).
 AttnCompiled nvrtc_compile_expression(const std::string& expr, int arch) {
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  const NameApi& na = name_api();
-  if (!na.AddNameExpression || !na.GetLoweredName)
-    throw std::runtime_error("NVRTC at " + n.path + " lacks nvrtcAddNameExpression/nvrtcGetLoweredName");
-  nvrtcProgram prog = nullptr;
-  if (int r = n.CreateProgram(&prog, attention_fwd_cu, "attention_fwd.cu", 0, nullptr, nullptr))
-    throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
-  struct Guard {
-    const NvrtcApi& n;
-    nvrtcProgram& p;
-    ~Guard() { n.DestroyProgram(&p); }
-  } guard{n, prog};
-  if (int r = na.AddNameExpression(prog, expr.c_str()))
-    throw std::runtime_error(std::string("nvrtcAddNameExpression: ") + n.GetErrorString(r));
-  std::vector<std::string> opts = compile_options(arch);
-  std::vector<const char*> copts;
-  for (auto& o : opts) copts.push_back(o.c_str());
-  int rc = n.CompileProgram(prog, static_cast<int>(copts.size()), copts.data());
+  NvrtcNamed r = nvrtc_compile_named(attention_fwd_cu, "attention_fwd.cu", {expr}, "sm_" + std::to_string(arch), expr);
   AttnCompiled out;
   out.expression = expr;
-  size_t log_size = 0;
-  n.GetProgramLogSize(prog, &log_size);
-  out.log.resize(log_size);
-  if (log_size) n.GetProgramLog(prog, out.log.data());
-  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
-  if (rc != 0)
-    throw std::runtime_error("NVRTC failed to compile " + expr + " for sm_" + std::to_string(arch) + ":\n" +
-                             out.log.substr(0, 8000));
-  const char* lowered = nullptr;
-  if (int r = na.GetLoweredName(prog, expr.c_str(), &lowered); r || !lowered)
-    throw std::runtime_error("nvrtcGetLoweredName failed for " + expr);
-  out.lowered = lowered;
-  size_t size = 0;
-  n.GetCUBINSize(prog, &size);
-  out.cubin.resize(size);
-  n.GetCUBIN(prog, out.cubin.data());
-  if (out.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for " + expr);
+  out.lowered = r.lowered.at(0);
+  out.cubin = std::move(r.cubin);
+  out.log = std::move(r.log);
   return out;
 }
 

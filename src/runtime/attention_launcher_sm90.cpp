@@ -1,6 +1,5 @@
 #include "runtime/attention_launcher_sm90.h"
 
-#include <dlfcn.h>
 
 #include <cstdlib>
 #include <map>
@@ -11,6 +10,7 @@
 
 #include "runtime/compile_cache.h"
 #include "runtime/hash.h"
+#include "runtime/nvrtc_named.h"
 
 #include "attention_fwd_sm90_cu.inc"  // static const char attention_fwd_sm90_cu[]
 
@@ -23,70 +23,16 @@ constexpr int kDevAttrMultiprocessorCount = 16;  // CU_DEVICE_ATTRIBUTE_MULTIPRO
 constexpr int kTmaBf16 = 9, kTmaF16 = 6;
 constexpr int kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2, kTmaOobZero = 0;
 
-// NVRTC's name-expression calls, looked up in the library runtime/cuda_api.h
-// loaded (RTLD_GLOBAL). (attention_launcher.cpp does the same for the
-// mma.sync kernel; a shared helper is a follow-up.)
-struct NameApi {
-  nvrtcResult (*AddNameExpression)(nvrtcProgram, const char*) = nullptr;
-  nvrtcResult (*GetLoweredName)(nvrtcProgram, const char*, const char**) = nullptr;
-};
-
-const NameApi& name_api() {
-  static NameApi api;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    const NvrtcApi& n = nvrtc();
-    if (!n.loaded) return;
-    std::string path = n.path;
-    if (auto p = path.find(" (already loaded)"); p != std::string::npos) path = path.substr(0, p);
-    void* h = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
-    void* from = h ? h : RTLD_DEFAULT;
-    api.AddNameExpression = reinterpret_cast<decltype(api.AddNameExpression)>(dlsym(from, "nvrtcAddNameExpression"));
-    api.GetLoweredName = reinterpret_cast<decltype(api.GetLoweredName)>(dlsym(from, "nvrtcGetLoweredName"));
-  });
-  return api;
-}
-
 // wgmma and setmaxnreg exist only on the arch-specific target.
-std::vector<std::string> compile_options() { return {"--gpu-architecture=sm_90a", "-std=c++17", "--ptxas-options=-v", "-lineinfo"}; }
+std::vector<std::string> compile_options() { return nvrtc_named_options("sm_90a"); }
 
 AttnCompiled compile_expression(const std::string& expr) {
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  const NameApi& na = name_api();
-  if (!na.AddNameExpression || !na.GetLoweredName)
-    throw std::runtime_error("NVRTC at " + n.path + " lacks nvrtcAddNameExpression/nvrtcGetLoweredName");
-  nvrtcProgram prog = nullptr;
-  if (int r = n.CreateProgram(&prog, attention_fwd_sm90_cu, "attention_fwd_sm90.cu", 0, nullptr, nullptr))
-    throw std::runtime_error(std::string("nvrtcCreateProgram: ") + n.GetErrorString(r));
-  struct Guard {
-    const NvrtcApi& n;
-    nvrtcProgram& p;
-    ~Guard() { n.DestroyProgram(&p); }
-  } guard{n, prog};
-  if (int r = na.AddNameExpression(prog, expr.c_str()))
-    throw std::runtime_error(std::string("nvrtcAddNameExpression: ") + n.GetErrorString(r));
-  std::vector<std::string> opts = compile_options();
-  std::vector<const char*> copts;
-  for (auto& o : opts) copts.push_back(o.c_str());
-  int rc = n.CompileProgram(prog, static_cast<int>(copts.size()), copts.data());
+  NvrtcNamed r = nvrtc_compile_named(attention_fwd_sm90_cu, "attention_fwd_sm90.cu", {expr}, "sm_90a", expr);
   AttnCompiled out;
   out.expression = expr;
-  size_t log_size = 0;
-  n.GetProgramLogSize(prog, &log_size);
-  out.log.resize(log_size);
-  if (log_size) n.GetProgramLog(prog, out.log.data());
-  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
-  if (rc != 0) throw std::runtime_error("NVRTC failed to compile " + expr + " for sm_90a:\n" + out.log.substr(0, 8000));
-  const char* lowered = nullptr;
-  if (int r = na.GetLoweredName(prog, expr.c_str(), &lowered); r || !lowered)
-    throw std::runtime_error("nvrtcGetLoweredName failed for " + expr);
-  out.lowered = lowered;
-  size_t size = 0;
-  n.GetCUBINSize(prog, &size);
-  out.cubin.resize(size);
-  n.GetCUBIN(prog, out.cubin.data());
-  if (out.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for " + expr);
+  out.lowered = r.lowered.at(0);
+  out.cubin = std::move(r.cubin);
+  out.log = std::move(r.log);
   return out;
 }
 

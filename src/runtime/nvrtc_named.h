@@ -1,0 +1,34 @@
+// NVRTC programs compiled for named template instantiations (the
+// hand-written kernels in src/kernels/: attention forward, its Hopper
+// variant, the backward), and the CUDA context their launchers run in.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "runtime/cuda_api.h"
+
+namespace opfuse {
+
+struct NvrtcNamed {
+  std::vector<std::string> lowered;  // mangled entry point per name expression, in order
+  std::string cubin;
+  std::string log;                   // NVRTC/ptxas log
+};
+
+// The options: -std=c++17, ptxas -v and -lineinfo for `gpu_arch` (the
+// options the kernels were measured with; also part of their cache keys).
+std::vector<std::string> nvrtc_named_options(const std::string& gpu_arch);
+
+// Compiles `source` (named `file` in messages) with the name expressions
+// (e.g. "ns::kernel<bf16, 128>") for `gpu_arch` ("sm_90", "sm_90a") with
+// nvrtc_named_options. `what` names the program in errors. Throws std::runtime_error with
+// NVRTC's log when compilation fails.
+NvrtcNamed nvrtc_compile_named(const char* source, const char* file, const std::vector<std::string>& expressions,
+                               const std::string& gpu_arch, const std::string& what);
+
+// The current context, after binding `device`'s primary context when the
+// thread has none or one of another device (autograd's backward threads may
+// have none); device < 0: whatever is current.
+CUcontext current_context_for(int device);
+
+}  // namespace opfuse
