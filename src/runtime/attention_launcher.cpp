@@ -15,6 +15,7 @@
 #include "runtime/nvrtc_named.h"
 
 #include "attention_fwd_cu.inc"  // static const char attention_fwd_cu[]
+#include "attention_ptx_cu.inc"  // static const char attention_ptx_cu[]
 
 namespace opfuse::attention {
 namespace {
@@ -24,9 +25,15 @@ constexpr int kDevAttrMaxSmemPerBlockOptin = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHA
 
 std::vector<std::string> compile_options(int arch) { return nvrtc_named_options("sm_" + std::to_string(arch)); }
 
+// The shared PTX helpers, then the kernel.
+const std::string& source() {
+  static const std::string s = std::string(attention_ptx_cu) + "\n" + attention_fwd_cu;
+  return s;
+}
+
 // One NVRTC program for one name expression: (lowered name, cubin, log).
 AttnCompiled nvrtc_compile_expression(const std::string& expr, int arch) {
-  NvrtcNamed r = nvrtc_compile_named(attention_fwd_cu, "attention_fwd.cu", {expr}, "sm_" + std::to_string(arch), expr);
+  NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_fwd.cu", {expr}, "sm_" + std::to_string(arch), expr);
   AttnCompiled out;
   out.expression = expr;
   out.lowered = r.lowered.at(0);
@@ -165,7 +172,7 @@ AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile&
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
   std::string opts;
   for (auto& o : compile_options(arch)) opts += o + " ";
-  const std::string key = content_hash(std::string(attention_fwd_cu) + "\n" + expr + "\n" + opts + "\nnvrtc " +
+  const std::string key = content_hash(source() + "\n" + expr + "\n" + opts + "\nnvrtc " +
                                        std::to_string(n.major) + "." + std::to_string(n.minor));
   AttnCompiled fresh;
   bool built = false;

@@ -13,6 +13,7 @@
 #include "runtime/nvrtc_named.h"
 
 #include "attention_fwd_sm90_cu.inc"  // static const char attention_fwd_sm90_cu[]
+#include "attention_ptx_cu.inc"        // static const char attention_ptx_cu[]
 
 namespace opfuse::attention {
 namespace {
@@ -26,8 +27,14 @@ constexpr int kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2, 
 // wgmma and setmaxnreg exist only on the arch-specific target.
 std::vector<std::string> compile_options() { return nvrtc_named_options("sm_90a"); }
 
+// The shared PTX helpers, then the kernel.
+const std::string& source() {
+  static const std::string s = std::string(attention_ptx_cu) + "\n" + attention_fwd_sm90_cu;
+  return s;
+}
+
 AttnCompiled compile_expression(const std::string& expr) {
-  NvrtcNamed r = nvrtc_compile_named(attention_fwd_sm90_cu, "attention_fwd_sm90.cu", {expr}, "sm_90a", expr);
+  NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_fwd_sm90.cu", {expr}, "sm_90a", expr);
   AttnCompiled out;
   out.expression = expr;
   out.lowered = r.lowered.at(0);
@@ -153,7 +160,7 @@ AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const Attn
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
   std::string opts;
   for (auto& o : compile_options()) opts += o + " ";
-  const std::string key = content_hash(std::string(attention_fwd_sm90_cu) + "\n" + expr + "\n" + opts + "\nnvrtc " +
+  const std::string key = content_hash(source() + "\n" + expr + "\n" + opts + "\nnvrtc " +
                                        std::to_string(n.major) + "." + std::to_string(n.minor));
   AttnCompiled fresh;
   bool built = false;

@@ -46,14 +46,10 @@
 
 namespace opfuse_attn {
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef long long i64;
+// u32, i64, the element tags bf16 / f16, ElemOps and the PTX helpers
+// (cp.async, ldmatrix, ex2, shuffles) come from attention_ptx.cu, which the
+// launchers prepend.
 
-// Element tags. The kernel never does arithmetic on elements itself: they
-// only travel through cp.async / ldmatrix and the tensor cores.
-struct bf16 { u16 bits; };
-struct f16 { u16 bits; };
 
 // Kernel argument. The layout is part of the launch ABI (mirrored by the
 // Python harness with ctypes and by the C++ runtime): only append fields.
@@ -80,17 +76,7 @@ static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is a launch AB
 // PTX helpers
 // ---------------------------------------------------------------------------
 
-__device__ __forceinline__ float neg_inf() {
-  float r;
-  asm("mov.b32 %0, 0xff800000;" : "=f"(r));
-  return r;
-}
 
-__device__ __forceinline__ float ex2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
 
 __device__ __forceinline__ float lg2(float x) {
   float r;
@@ -110,19 +96,9 @@ __device__ __forceinline__ float fmax2(float a, float b) {
   return r;
 }
 
-__device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
-  float r;
-  asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(x), "r"(lane_mask));
-  return r;
-}
 
 // Returns x unchanged, but the compiler cannot see through it (so it cannot
 // hoist what is computed from it out of a loop).
-__device__ __forceinline__ int opaque32(int x) {
-  int r;
-  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(x));
-  return r;
-}
 
 __device__ __forceinline__ bool vote_any(bool x) {
   u32 r;
@@ -134,38 +110,11 @@ __device__ __forceinline__ bool vote_any(bool x) {
 
 __device__ __forceinline__ void syncwarp() { asm volatile("bar.warp.sync 0xffffffff;" ::: "memory"); }
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
 
 // 16-byte async copy global -> shared; when !valid the destination is
 // zero-filled and nothing is read (src must still be a mapped address).
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 
-__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
-  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
 __device__ __forceinline__ void copy16_shared_to_global(void* dst, u32 src) {
   u32 a, b, c, d;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(src) : "memory");
@@ -179,40 +128,6 @@ __device__ __forceinline__ void store_f32_global(float* dst, float v) {
 }
 
 // Per-element-type pieces: packing two floats into the A operand and the mma.
-template <typename Elem>
-struct ElemOps;
-
-template <>
-struct ElemOps<bf16> {
-  // lo goes to the low half (the lower column index), as the mma expects.
-  static __device__ __forceinline__ u32 pack(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-template <>
-struct ElemOps<f16> {
-  static __device__ __forceinline__ u32 pack(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
-  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
 // ---------------------------------------------------------------------------
 // Tile geometry (shared by the kernel and, through the formulas in
 // docs/attention.md, the launchers)

@@ -54,8 +54,6 @@ typedef unsigned short u16;
 typedef long long i64;
 typedef unsigned long long u64;
 
-struct bf16 { u16 bits; };
-struct f16 { u16 bits; };
 
 // Kernel argument shared with attention_fwd.cu (same layout; only append).
 struct AttnFwdParams {
@@ -87,16 +85,6 @@ struct alignas(64) TmaDesc {
 // PTX helpers
 // ---------------------------------------------------------------------------
 
-__device__ __forceinline__ float neg_inf() {
-  float r;
-  asm("mov.b32 %0, 0xff800000;" : "=f"(r));
-  return r;
-}
-__device__ __forceinline__ float ex2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
 __device__ __forceinline__ float lg2(float x) {
   float r;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
@@ -110,11 +98,6 @@ __device__ __forceinline__ float rcp(float x) {
 __device__ __forceinline__ float fmax2(float a, float b) {
   float r;
   asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-__device__ __forceinline__ float shfl_xor(float x, int lane_mask) {
-  float r;
-  asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(r) : "f"(x), "r"(lane_mask));
   return r;
 }
 __device__ __forceinline__ bool vote_any(bool x) {
@@ -131,14 +114,6 @@ __device__ __forceinline__ int tid_opaque() {
   int r;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
   return r;
-}
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
-  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
 __device__ __forceinline__ void copy16_shared_to_global(void* dst, u32 src) {
   u32 a, b, c, d;

@@ -1,9 +1,9 @@
 // opfuse attention: device helpers shared by the NVRTC attention kernels.
 //
-// Not compiled alone: the launchers prepend this text to a kernel source
-// (attention_bwd.cu today; attention_fwd.cu still carries its own copy of the
-// same helpers and can switch once the sm_90 forward has landed). NVRTC on the
-// target machines finds no CUDA headers, so everything below is inline PTX.
+// Not compiled alone: the launchers (C++ and the tests' ctypes harnesses)
+// prepend this text to each kernel source (attention_fwd.cu,
+// attention_fwd_sm90.cu, attention_bwd.cu). NVRTC on the target machines
+// finds no CUDA headers, so everything below is inline PTX.
 // Namespace opfuse_attn, as the kernels.
 
 namespace opfuse_attn {

@@ -29,6 +29,12 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 KERNEL_SOURCE = REPO / "src" / "kernels" / "attention" / "attention_fwd.cu"
+PTX_SOURCE = REPO / "src" / "kernels" / "attention" / "attention_ptx.cu"
+
+
+def kernel_source() -> str:
+    """What NVRTC compiles: the shared PTX helpers, then the kernel (as the C++ launcher does)."""
+    return PTX_SOURCE.read_text() + "\n" + KERNEL_SOURCE.read_text()
 
 # ---------------------------------------------------------------------------
 # Kernel configurations
@@ -292,7 +298,7 @@ def compile_kernel(nvrtc: Nvrtc, arch: str, elem: str, head_dim: int, causal: bo
                    source: str | None = None, use_cache: bool = True):
     """Compiles one instantiation. Returns dict(cubin, lowered, log, resources, cached)."""
     if source is None:
-        source = KERNEL_SOURCE.read_text()
+        source = kernel_source()
     expr = name_expression(elem, head_dim, causal, cfg)
     opts = compile_options(arch)
     key = hashlib.sha256("\0".join([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()).hexdigest()[:32]
@@ -413,7 +419,7 @@ class AttentionForward:
         self.num_sms = props.multi_processor_count
         self.nvrtc = Nvrtc()
         self.driver = CudaDriver()
-        self.source = KERNEL_SOURCE.read_text()
+        self.source = kernel_source()
         self._functions = {}
         self.compile_info = {}
         # The Hopper kernel (attn_runtime_sm90.py) for the head dims it covers.

@@ -18,6 +18,11 @@ import re
 import attn_runtime as ar
 
 KERNEL_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_fwd_sm90.cu"
+
+
+def sm90_source() -> str:
+    """What NVRTC compiles: the shared PTX helpers, then the Hopper kernel."""
+    return ar.PTX_SOURCE.read_text() + "\n" + KERNEL_SOURCE_SM90.read_text()
 HEAD_DIMS_SM90 = (64, 128)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 
@@ -146,7 +151,7 @@ def compile_kernel_sm90(nvrtc: ar.Nvrtc, elem: str, head_dim: int, causal: bool,
                         source: str | None = None, use_cache: bool = True):
     """Compiles one instantiation for sm_90a. Returns dict(cubin, lowered, log, resources, cached)."""
     if source is None:
-        source = KERNEL_SOURCE_SM90.read_text()
+        source = sm90_source()
     expr = name_expression_sm90(elem, head_dim, causal, cfg)
     opts = compile_options_sm90()
     key = hashlib.sha256("\0".join([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()).hexdigest()[:32]
@@ -224,7 +229,7 @@ def compile_ptx_and_cubin_sm90(nvrtc: ar.Nvrtc, exprs, source: str | None = None
     L.nvrtcGetPTXSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
     L.nvrtcGetPTX.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     if source is None:
-        source = KERNEL_SOURCE_SM90.read_text()
+        source = sm90_source()
     prog = ctypes.c_void_p()
     nvrtc._check(L.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"attention_fwd_sm90.cu", 0, None, None),
                  "nvrtcCreateProgram")

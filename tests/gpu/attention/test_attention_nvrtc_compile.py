@@ -27,7 +27,7 @@ def _compile_all(arch: str):
     nv = ar.Nvrtc()
     inst = ar.all_instantiations(include_variants=True)
     exprs = [ar.name_expression(*i) for i in inst]
-    cubin, log, lowered = nv.compile(ar.KERNEL_SOURCE.read_text(), "attention_fwd.cu", ar.compile_options(arch), exprs)
+    cubin, log, lowered = nv.compile(ar.kernel_source(), "attention_fwd.cu", ar.compile_options(arch), exprs)
     # Split ptxas -v output per entry function.
     per_fn = {}
     cur = None
@@ -96,7 +96,7 @@ def test_nvrtc_rejects_bad_template_arguments():
     nv = _nvrtc_or_skip()
     bad = ar.name_expression("bf16", 80, False, ar.FwdConfig(128, 64, 4, 2))
     with pytest.raises(ar.NvrtcError, match="HEAD_DIM must be 64, 96, 128 or 256"):
-        nv.compile(ar.KERNEL_SOURCE.read_text(), "attention_fwd.cu", ar.compile_options("sm_90"), [bad])
+        nv.compile(ar.kernel_source(), "attention_fwd.cu", ar.compile_options("sm_90"), [bad])
 
 
 def test_source_includes_no_header():
