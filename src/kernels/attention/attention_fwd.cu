@@ -78,54 +78,20 @@ static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is a launch AB
 
 
 
-__device__ __forceinline__ float lg2(float x) {
-  float r;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
 
-__device__ __forceinline__ float rcp(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
 
-__device__ __forceinline__ float fmax2(float a, float b) {
-  float r;
-  asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
 
 
 // Returns x unchanged, but the compiler cannot see through it (so it cannot
 // hoist what is computed from it out of a loop).
 
-__device__ __forceinline__ bool vote_any(bool x) {
-  u32 r;
-  asm volatile("{ .reg .pred p, q; setp.ne.u32 p, %1, 0; vote.sync.any.pred q, p, 0xffffffff; selp.u32 %0, 1, 0, q; }"
-               : "=r"(r)
-               : "r"((u32)x));
-  return r != 0;
-}
 
-__device__ __forceinline__ void syncwarp() { asm volatile("bar.warp.sync 0xffffffff;" ::: "memory"); }
 
 
 // 16-byte async copy global -> shared; when !valid the destination is
 // zero-filled and nothing is read (src must still be a mapped address).
 
 
-__device__ __forceinline__ void copy16_shared_to_global(void* dst, u32 src) {
-  u32 a, b, c, d;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(src) : "memory");
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-__device__ __forceinline__ void store_zero16_global(void* dst) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %1, %1, %1};" ::"l"(dst), "r"(0u) : "memory");
-}
-__device__ __forceinline__ void store_f32_global(float* dst, float v) {
-  asm volatile("st.global.f32 [%0], %1;" ::"l"(dst), "f"(v) : "memory");
-}
 
 // Per-element-type pieces: packing two floats into the A operand and the mma.
 // ---------------------------------------------------------------------------
