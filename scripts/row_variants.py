@@ -5,6 +5,8 @@ runs in its own process, times every op and shape with CUDA events, and
 prints TB/s (input read once + output written once, over the time).
 
   python3 scripts/row_variants.py [--variants 8:32,1:32,4:16] [--shapes 8192x32768,4096x262144]
+  python3 scripts/row_variants.py --envs 'OPFUSE_ROW_PREFETCH=1|' --ops layer_norm_backward --shapes 32768x4096
+(--envs: variants of any OPFUSE_* knobs in one process, '|' between them.)
 
 A variant is max_cluster:cache_values[:cache_row_invariant[:column_partials]]
 (OPFUSE_ROW_CACHE_INVARIANT, OPFUSE_COLUMN_PARTIALS; defaults -1 = by row length, and 1).
@@ -20,7 +22,7 @@ OPS = ("softmax", "log_softmax", "layer_norm", "rms_norm")
 # whose weight and bias sums are column partials inside the dx kernel.
 
 
-def child(shapes, ops):
+def child(shapes, ops, once=False):
     import torch
     import torch.nn.functional as F
     import opfuse  # noqa: F401
@@ -48,6 +50,10 @@ def child(shapes, ops):
             else:
                 ref_args, args = (x.float(), w.float(), b.float()), (x, w, b)
             out = fn(*args)
+            if once:
+                torch.cuda.synchronize()
+                print(f"  {op} {r}x{c} ran once", flush=True)
+                continue
             ref = fns[op](*ref_args)
             outs, refs = (out, ref) if isinstance(out, (tuple, list)) else ((out,), (ref,))
             err = max((o.float() - r).abs().max().item() / max(1.0, r.abs().max().item()) for o, r in zip(outs, refs))
@@ -65,8 +71,30 @@ def child(shapes, ops):
             print(f"  {op:12s} {r}x{c:<7d} {ms * 1000:8.1f} us {nbytes / ms / 1e9:6.2f} TB/s  max rel err {err:.3g}", flush=True)
 
 
+def with_env(settings, run):
+    """Runs `run` with the env knobs in `settings` ("K=V K=V") set in this
+    process (the emitter reads them when it generates a kernel; os.environ
+    reaches its getenv), then restores them."""
+    saved = {}
+    for kv in settings.split():
+        k, v = kv.split("=", 1)
+        saved[k] = os.environ.get(k)
+        os.environ[k] = v
+    try:
+        run()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--envs", default=None,
+                    help="in-process variants: env settings 'K=V K=V' separated by '|' ('' = the defaults)")
+    ap.add_argument("--once", action="store_true", help="one call a variant, no timing (for ncu)")
     ap.add_argument("--variants", default="8:32,1:32,4:32,8:16,2:16")
     ap.add_argument("--shapes", default="32768x4096,8192x32768,4096x262144")
     ap.add_argument("--ops", default=",".join(OPS))
@@ -75,6 +103,11 @@ def main():
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     if a.child:
         child(shapes, a.ops.split(","))
+        return
+    if a.envs is not None:
+        for settings in a.envs.split("|"):
+            print(f"variant {settings.strip() or 'defaults'}", flush=True)
+            with_env(settings, lambda: child(shapes, a.ops.split(","), once=a.once))
         return
     for v in a.variants.split(","):
         # cluster:values[:invariant[:partials]]

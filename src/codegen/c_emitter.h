@@ -56,7 +56,8 @@ class CEmitter {
   void accumulator_finish(const KAccumulator& a);
   std::string acc_name(const KAccumulator& a, const char* part = "") const;
   // Sets the loop variables of `axes` (last fastest) from a linear index.
-  void decompose(const std::string& linear, const std::vector<size_t>& axes);
+  // Declares x<axis> (prefix + axis) for each axis of `linear`, row-major.
+  void decompose(const std::string& linear, const std::vector<size_t>& axes, const std::string& prefix = "x");
   // Shared preamble of a kernel body: size symbols and buffer pointers.
   void bind_arguments();
 };

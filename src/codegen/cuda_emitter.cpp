@@ -1,6 +1,7 @@
 #include "codegen/cuda_emitter.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 
 namespace opfuse {
@@ -36,7 +37,15 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   // Row kernels say "at least one block an SM": with the thread count alone,
   // ptxas sometimes caps registers at 48 and spills a register cache that
   // fits in 56 (seen on sm_80 and sm_90 with 128-thread blocks).
-  std::string bounds = std::to_string(threads) + (k_->row ? ", 1" : "");
+  // OPFUSE_ROW_MIN_BLOCKS=n asks for n blocks an SM (a register cap) in the
+  // vector twins of row kernels, to measure occupancy against registers.
+  const char* mb = std::getenv("OPFUSE_ROW_MIN_BLOCKS");
+  std::string min_blocks = mb && std::atoi(mb) > 0 && vec_ > 1 ? std::to_string(std::atoi(mb)) : "1";
+  // A cluster stepping through rows with column partials (rows of 8193 to
+  // 32768) holds 64 registers' worth at 512 threads: two blocks an SM, so
+  // that one block's cluster barriers overlap the other's loads.
+  if (!(mb && std::atoi(mb) > 0) && cluster_row_loop_ && vec_ > 1) min_blocks = "2";
+  std::string bounds = std::to_string(threads) + (k_->row ? ", " + min_blocks : "");
   line("extern \"C\" __global__ void __launch_bounds__(" + bounds + ") " + dims + name + "(const " + args + " a) {");
   ++indent_;
   line("const void* const* bufs = a.b;");
@@ -98,6 +107,17 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
     line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
     line("opf_vload<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " + arr + ");");
+    if (prefetch_) {
+      bool row_varying = false;
+      std::vector<Expr> next = idx;
+      for (auto& e : next)
+        e = substitute(e, [&](const ExprNode& v) -> Expr {
+          if (!kept_vars_.count(v.name)) return nullptr;
+          row_varying = true;
+          return var("pf" + v.name);
+        });
+      if (row_varying) prefetch_lines_.push_back("opf_prefetch_l2(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, next) + ");");
+    }
   }
   for (const KStmt& s : stmts) {
     if (s.kind != KStmt::Store || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;

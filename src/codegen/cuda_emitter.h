@@ -62,10 +62,18 @@ class CudaEmitter : public CEmitter {
   int lanes_ = 32;
   int cluster_ = 1;
   int cluster_reductions_ = 0;    // slots used so far
+  bool cluster_row_loop_ = false;  // a cluster steps through rows (column partials): slots alternate by row (par_)
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)
   std::vector<int> partial_buffers_;    // column_partials buffers of this kernel
   int partial_items_ = 0;               // vectors per thread the partials cover
+  // L2 prefetch of the row a thread takes next (OPFUSE_ROW_PREFETCH): set
+  // while the first unrolled stage loop is printed; its vector loads of
+  // row-varying buffers also prefetch the same columns of row pfx<kept>.
+  bool prefetch_ = false;
+  std::vector<std::string> prefetch_lines_;  // collected by vector_loads, printed after the stage loop
+  std::set<std::string> kept_vars_;     // x<axis> of the kept (row) axes
+  int loop_stages_printed_ = 0;         // loop (not unrolled) stages so far: odd ones may run backwards
   void partial(const KStmt& s) override;
   void store_partials(int threads_per_row, const std::string& slot);
 

@@ -44,6 +44,21 @@ int cached_values() { return env_int("OPFUSE_ROW_CACHE_VALUES", 32); }
 // 4096x262144 (docs/perf-notes.md, scripts/row_variants.py). Column
 // reductions use clusters regardless.
 int max_cluster() { return env_int("OPFUSE_ROW_MAX_CLUSTER", 1); }
+// Column partials a thread holds per partials buffer, at most: past it a row
+// gets more threads (or lanes).
+int partial_values() { return std::max(1, env_int("OPFUSE_ROW_PARTIAL_VALUES", 16)); }
+// L2 prefetch of the row a thread takes next, issued beside the first
+// stage's loads (register-cached and partials stages only: loop stages
+// re-read their row from L2 and a prefetch would crowd it out). 1: the
+// block's next row where it loops over rows (column partials); kernels with
+// one row a block prefetch the row OPFUSE_ROW_PREFETCH_AHEAD blocks on, when set.
+bool row_prefetch() { return env_int("OPFUSE_ROW_PREFETCH", 0) != 0; }
+int prefetch_ahead() { return env_int("OPFUSE_ROW_PREFETCH_AHEAD", 0); }
+// Loop stages after the first run backwards along the row (alternately), so
+// the first columns they re-read are the ones the stage before read last,
+// the most likely still in L2 (rows whose re-reads spill out of L2:
+// softmax backward 8192x32768 holds 3 x 132 rows of 128 KB in flight).
+bool reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", 0) != 0; }
 
 // slots: values cached per element (0: nothing to cache, or cols unknown).
 RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool cluster_ok) {
@@ -94,7 +109,9 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
   // reductions go unhidden (2.1-2.7 TB/s at 8192x32768 on the H200). Loop
   // stages with 512 threads run four blocks an SM, and the later stages'
   // re-reads of rows that many blocks hold (a few tens of MB) come from L2
-  // (3.3-3.6 TB/s; docs/perf-notes.md).
+  // (3.3-3.6 TB/s; docs/perf-notes.md). OPFUSE_ROW_LOOP_THREADS sets the
+  // block size of loop stages, to measure rows in flight against L2.
+  if (int t = env_int("OPFUSE_ROW_LOOP_THREADS", 0); t >= 128 && t <= 1024 && (t & (t - 1)) == 0) g.threads = t;
   return g;
 }
 
@@ -179,7 +196,10 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
     if (grouped_rows_) {
       if (lanes_ > 1) line(n + " = opf_warp_reduce<" + op + ", " + w + ">(" + n + ");");
     } else if (cluster_ > 1) {
-      std::string slot = "reinterpret_cast<" + value_type(a.type) + "*>(&opf_cslot[" + std::to_string(cluster_reductions_++) + "])";
+      // A cluster that steps through rows uses each slot pair alternately: a
+      // block may publish row r + 1's part before its peers have read row r's.
+      std::string idx = cluster_row_loop_ ? std::to_string(2 * cluster_reductions_++) + " + par_" : std::to_string(cluster_reductions_++);
+      std::string slot = "reinterpret_cast<" + value_type(a.type) + "*>(&opf_cslot[" + idx + "])";
       line(n + " = opf_cluster_reduce<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", " + slot + ");");
     } else {
       line(n + " = opf_block_reduce<" + op + ">(" + n + ", " + smem_ + ");");
@@ -216,12 +236,19 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
   for (const KStmt& s : loop) partials = partials || s.kind == KStmt::Partial;
   bool unrolled = caching_ || partials;
   if (!caching_ && partials) items = partial_items_;
+  bool backwards = false;
+  if (!unrolled && !columns_) backwards = reverse_loops() && (loop_stages_printed_++ % 2 == 1);
   if (unrolled) {
     line("#pragma unroll");
     line("for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
     ++indent_;
     line("const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
     line("if (c_ < cols) {");
+  } else if (backwards) {
+    // This thread's columns in the order opposite to the forward loop's.
+    std::string step = std::to_string(threads_per_row * vec_);
+    line("for (int64_t k_ = (cend_ - cbegin_ - (int64_t)tid_ * " + V + " + " + step + " - 1) / " + step + "; k_-- > 0;) {");
+    line("  const int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + " + k_ * " + step + ";");
   } else {
     if (columns_) line("#pragma unroll 8");  // loads of several rows in flight per thread
     line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
@@ -230,7 +257,11 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
   in_row_loop_ = true;
   if (vec_ > 1) {
     lane_of_.clear();
+    bool pf = prefetch_;
+    prefetch_ = pf && unrolled;
+    prefetch_lines_.clear();
     vector_loads(loop, "c_");
+    prefetch_ = pf;
     line("#pragma unroll");
     line("for (int j_ = 0; j_ < " + V + "; ++j_) {");
     ++indent_;
@@ -253,6 +284,23 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     --indent_;
     line("}");
   }
+  if (!prefetch_lines_.empty()) {
+    // The next row's prefetches go after the loop that loaded this row's:
+    // while this row's reductions wait on barriers its loaded vectors are
+    // dead (no registers added; beside the loads they took 4 more at
+    // 32768x4096, past 64) and HBM gets the next row's requests.
+    line("if (pf_ok_) {");
+    line("  #pragma unroll");
+    line("  for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
+    line("    const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
+    std::string pfs;
+    for (auto& p : prefetch_lines_) pfs += " " + p;
+    line("    if (c_ < cols) {" + pfs + " }");
+    line("  }");
+    line("}");
+    prefetch_lines_.clear();
+    prefetch_ = false;  // only the first stage that loads the row
+  }
 }
 
 // Adds to this thread's partial of the column the current element is in;
@@ -273,7 +321,7 @@ void CudaEmitter::store_partials(int threads_per_row, const std::string& slot) {
   line("#pragma unroll");
   line("for (int it_ = 0; it_ < " + std::to_string(partial_items_) + "; ++it_) {");
   ++indent_;
-  line("const int64_t c_ = ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
+  line("const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
   line("#pragma unroll");
   line("for (int j_ = 0; j_ < " + V + "; ++j_)");
   ++indent_;
@@ -350,16 +398,34 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     cache_ = RowCachePlan{};
   }
   partial_items_ = 0;
-  if (partials) {
+  int partial_cluster = 1;
+  if (partials && !g.grouped && ncols > 8192) {
+    // Rows over 8192 elements (split_column_sums with
+    // OPFUSE_COLUMN_PARTIALS_WIDE=1): a cluster of 512-thread blocks per
+    // row, 8 columns a thread, each block with its slice's partials and
+    // (when they fit) cache; the cluster steps through its part's rows, and
+    // the row sums go through distributed shared memory. Both twins take the
+    // same cluster, so the grid (parts x cluster) is the same for either.
+    if (arch_ < 90) throw std::runtime_error("opfuse: column partials of rows over 8192 elements need sm_90 (clusters)");
+    partial_cluster = static_cast<int>(ceil_div(ncols, 512 * 8));
+    if (partial_cluster > 8) throw std::runtime_error("opfuse: column partials of rows over 32768 elements");
+    int64_t nv = ceil_div(ncols, vec);
+    int64_t items = ceil_div(nv, 512 * partial_cluster);
+    g = RowGeometry{};
+    g.threads = 512;
+    g.cluster = partial_cluster;
+    if (cache_.slots() > 0 && items * vec * cache_.slots() <= 2 * cached_values()) g.items = static_cast<int>(items);
+    partial_items_ = static_cast<int>(items);
+  } else if (partials) {
     // At most 16 partial values a thread per partials buffer: more threads
     // (or lanes) per row where the row would need more.
     int64_t nv = ceil_div(ncols, vec);
     if (g.grouped) {
-      while (g.lanes < 32 && ceil_div(nv, g.lanes) * vec > 16) g.lanes *= 2;
+      while (g.lanes < 32 && ceil_div(nv, g.lanes) * vec > partial_values()) g.lanes *= 2;
       g.rows_per_block = g.threads / g.lanes;
       if (g.items > 0) g.items = static_cast<int>(ceil_div(nv, g.lanes));
     } else {
-      while (g.threads < 1024 && ceil_div(nv, g.threads) * vec > 16) g.threads *= 2;
+      while (g.threads < 1024 && ceil_div(nv, g.threads) * vec > partial_values()) g.threads *= 2;
       if (g.items > 0) g.items = static_cast<int>(ceil_div(nv, g.threads));
     }
     partial_items_ = static_cast<int>(ceil_div(nv, g.grouped ? g.lanes : g.threads));
@@ -369,13 +435,14 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   caching_ = g.items > 0 && cache_.slots() > 0;
   grouped_rows_ = g.grouped;
   lanes_ = g.lanes;
-  cluster_ = caching_ || columns_ ? g.cluster : 1;
+  cluster_ = caching_ || columns_ || partial_cluster > 1 ? g.cluster : 1;
+  cluster_row_loop_ = partial_cluster > 1;
   cluster_reductions_ = 0;
   launch_.threads = g.threads;
   launch_.rows_per_block = g.rows_per_block;
   launch_.cluster = cluster_;
   launch_.items = caching_ ? g.items : 0;
-  launch_.parts = partials ? k_->parts : 0;
+  launch_.parts = partials ? k_->parts * cluster_ : 0;
   int threads_per_row = columns_ ? g.threads / 32 : grouped_rows_ ? lanes_ : g.threads;
 
   // The body is printed to a side buffer first: the register arrays and
@@ -385,6 +452,23 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   int base_indent = indent_;
   indent_ = 2;
   decompose("row_", split.kept);
+  loop_stages_printed_ = 0;
+  kept_vars_.clear();
+  for (size_t a : split.kept) kept_vars_.insert("x" + std::to_string(a));
+  // The row this thread takes next: the block's next row where it loops
+  // over rows (column partials), else one OPFUSE_ROW_PREFETCH_AHEAD blocks on.
+  std::string next_row;
+  if (row_prefetch() && vec > 1 && !columns_ && (cluster_ == 1 || cluster_row_loop_)) {
+    std::string rpb = std::to_string(g.rows_per_block);
+    if (cluster_row_loop_) next_row = "row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ")";
+    else if (partials) next_row = grouped_rows_ ? "row_ + (int64_t)gridDim.x * " + rpb : "row_ + (int64_t)gridDim.x";
+    else if (prefetch_ahead() > 0) next_row = "row_ + " + std::to_string(static_cast<int64_t>(prefetch_ahead()) * g.rows_per_block);
+  }
+  prefetch_ = !next_row.empty();
+  if (prefetch_) {
+    line("const bool pf_ok_ = " + next_row + " < rows;");
+    decompose("pf_ok_ ? " + next_row + " : row_", split.kept, "pfx");
+  }
   // Loop stages re-read the row each stage: for rows longer than 32768
   // elements, whose re-reads miss L2 (four 512-thread blocks an SM hold
   // 4 x 132 rows), softmax's max and sum stages become one pass with an
@@ -427,6 +511,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     for (auto& a : st.accs) accumulator_finish(a);
     for (auto& s : st.post) statement(s, st);
   }
+  prefetch_ = false;
   std::string body = out_.str();
   out_.str("");
   out_ << saved;
@@ -440,7 +525,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(32 * std::max(1, cluster_reductions_)) + "];");
     line("(void)opf_cslot;");
   } else if (cluster_ > 1) {
-    line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(std::max(1, cluster_reductions_)) + "];");
+    int slots = std::max(1, cluster_reductions_) * (cluster_row_loop_ ? 2 : 1);
+    line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(slots) + "];");
   }
   line("const int64_t rows = " + size_c(split.rows) + ";");
   line("const int64_t cols = " + size_c(split.cols) + ";");
@@ -487,6 +573,16 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     line("if (row_ >= rows) row_ = rows - 1;");
     line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     line("{");
+  } else if (cluster_row_loop_) {
+    std::string C = std::to_string(cluster_);
+    std::string slice = std::to_string(static_cast<int64_t>(partial_items_) * g.threads * vec);
+    line("const int tid_ = threadIdx.x;");
+    line("const int64_t cbase_ = (int64_t)opf_cluster_rank() * " + slice + ", cbegin_ = cbase_;");
+    line("const int64_t cend_ = cbase_ + " + slice + " < cols ? cbase_ + " + slice + " : cols;");
+    partial_declarations();
+    line("int par_ = 0;");
+    line("for (int64_t row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
+    line("  const bool real_ = true;");
   } else if (cluster_ > 1) {
     line("const int tid_ = threadIdx.x;");
     line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");
@@ -508,7 +604,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   if (partials)
     store_partials(threads_per_row, grouped_rows_ ? "(int64_t)blockIdx.x * " + std::to_string(g.rows_per_block) + " + threadIdx.x / " +
                                                         std::to_string(lanes_)
-                                                  : "(int64_t)blockIdx.x");
+                                    : cluster_row_loop_ ? "(int64_t)(blockIdx.x / " + std::to_string(cluster_) + ")"
+                                                        : "(int64_t)blockIdx.x");
   if (cluster_ > 1) line("opf_cluster_sync();");
   --indent_;
   line("}");

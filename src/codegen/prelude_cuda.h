@@ -198,6 +198,10 @@ template <int V, class T> static __device__ __forceinline__ void opf_vload(const
 #pragma unroll
   for (int j = 0; j < V; ++j) out[j] = l.e[j];
 }
+// An L2 prefetch of the line holding p (generic address, no register
+// result): row kernels ask for the row they take next while they reduce this
+// one, so more of HBM's latency is covered than their registers allow.
+static __device__ __forceinline__ void opf_prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
 template <int V, class T> static __device__ __forceinline__ void opf_vstore(T* __restrict__ p, const T* in) {
   opf_lanes<T, V> l;
 #pragma unroll

@@ -20,7 +20,8 @@ Graph eliminate_common_subexpressions(const Graph& g);
 
 // CUDA only, after the passes above: sums over leading dims that a row
 // reduction's kernel can compute as partials (split_column_sums.cpp).
-Graph split_column_sums(const Graph& g);
+// max_cols: the longest row split (8192; up to 32768 with clusters on sm_90).
+Graph split_column_sums(const Graph& g, int64_t max_cols = 8192);
 
 struct GraphPass {
   const char* name;

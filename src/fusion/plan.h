@@ -88,6 +88,7 @@ struct PlannerOptions {
   // Split sums over leading dims into per-block partials that a row kernel
   // over the same rows computes (split_column_sums.cpp). CUDA only.
   bool column_partials = false;
+  int64_t column_partials_max_cols = 8192;  // OPFUSE_COLUMN_PARTIALS_WIDE=1: 32768 (a cluster of blocks per row, sm_90)
 };
 
 // Runs the graph passes and groups the realized nodes into kernels.

@@ -406,7 +406,7 @@ FusionPlan plan_fusion(const Graph& g, const PlannerOptions& opt) {
   FusionPlan plan;
   plan.graph = g;
   for (const GraphPass& pass : graph_passes()) plan.graph = pass.run(plan.graph);
-  if (opt.column_partials) plan.graph = split_column_sums(plan.graph);
+  if (opt.column_partials) plan.graph = split_column_sums(plan.graph, opt.column_partials_max_cols);
   Planner(plan, opt).run();
   return plan;
 }

@@ -14,7 +14,9 @@
 // CUDA only (PlannerOptions::column_partials): the row emitter of the CPU
 // backend does not compute partials. Only for shapes known at compile time,
 // with at least 2048 rows (so each part gets several rows) and rows of at
-// most 8192 elements (the partials live in registers).
+// most 8192 elements (the partials live in registers), or up to 32768 where
+// the planner allows (OPFUSE_COLUMN_PARTIALS_WIDE=1): the row kernel then
+// splits each row over a cluster of blocks on sm_90, 8 columns a thread.
 #include <algorithm>
 
 #include "fusion/passes.h"
@@ -24,7 +26,6 @@ namespace opfuse {
 namespace {
 
 constexpr int64_t kMinRows = 2048;
-constexpr int64_t kMaxCols = 8192;
 
 bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
   int64_t p = 1;
@@ -42,8 +43,12 @@ bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
 // block takes): a block per row for rows over 1024 elements (up to 1024
 // blocks), lane groups of 8 to 32 rows a block for shorter rows (up to
 // 8192 parts, so that there are still hundreds of blocks). Powers of two
-// from 256 are multiples of every rows-per-block the emitter uses.
+// from 256 are multiples of every rows-per-block the emitter uses. Rows
+// over 8192 elements take a cluster of up to 8 blocks each: 64 parts (512
+// blocks, two waves of 2 x 132), so the partials stay a few percent of the
+// traffic (64 x 32768 floats x 2, against 1 GB of dy and x at 8192 rows).
 int64_t parts_for(int64_t rows, int64_t cols) {
+  if (cols > 8192) return 64;
   int64_t most = cols <= 1024 ? 8192 : 1024;
   int64_t p = 256;
   while (p < most && p * 2 * 8 <= rows) p *= 2;
@@ -78,7 +83,7 @@ bool has_row_partner(const Graph& g, const Shape& shape, size_t lead) {
 
 }  // namespace
 
-Graph split_column_sums(const Graph& g) {
+Graph split_column_sums(const Graph& g, int64_t max_cols) {
   Graph out;
   std::vector<int> remap(g.nodes.size(), -1);
   for (const Node& n : g.nodes) {
@@ -92,7 +97,7 @@ Graph split_column_sums(const Graph& g) {
     int64_t rows = 0, cols = 0;
     const Shape& xs = lead ? g.node(n.inputs[0]).shape : Shape{};
     if (lead && known_product(xs, 0, lead, &rows) && known_product(xs, lead, xs.size(), &cols) && rows >= kMinRows &&
-        cols >= 1 && cols <= kMaxCols && has_row_partner(g, xs, lead)) {
+        cols >= 1 && cols <= max_cols && has_row_partner(g, xs, lead)) {
       std::vector<int64_t> dims;
       for (size_t i = 0; i < lead; ++i) dims.push_back(static_cast<int64_t>(i));
       int p = out.add("column_partials", ins, {{"dims", dims}, {"parts", parts_for(rows, cols)}});

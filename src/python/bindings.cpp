@@ -192,6 +192,9 @@ NB_MODULE(_C, m) {
              // Column partials in row kernels on the GPU (OPFUSE_COLUMN_PARTIALS=0: off, for comparisons).
              const char* cp = std::getenv("OPFUSE_COLUMN_PARTIALS");
              opt.planner.column_partials = opt.target == Target::CUDA && fuse && !(cp && std::string(cp) == "0");
+             // Rows of 8193 to 32768 elements split too, their kernel a cluster of blocks per row (sm_90; opt-in while measured).
+             const char* wide = std::getenv("OPFUSE_COLUMN_PARTIALS_WIDE");
+             if (wide && std::string(wide) == "1") opt.planner.column_partials_max_cols = 32768;
              if (bandwidth > 0) opt.planner.bandwidth_bytes_per_s = bandwidth;
              if (flops > 0) opt.planner.flops_per_s = flops;
              Graph g = parse_graph(text);

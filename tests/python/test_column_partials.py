@@ -170,3 +170,47 @@ def test_partials_kernels_compile_without_spills(arch, lead, cols):
     assert len(cubin) > 0
     spills = re.findall(r"(\d+) bytes spill stores", log)
     assert spills and all(int(s) == 0 for s in spills), log[-3000:]
+
+
+@pytest.mark.parametrize("lead,cols", [([8192], 32768), ([2111], 20000), ([2049], 8193), ([3, 701], 9000)])
+def test_wide_rows_split_into_cluster_kernels(lead, cols, monkeypatch):
+    """OPFUSE_COLUMN_PARTIALS_WIDE=1: rows of 8193 to 32768 elements split
+    into 64 parts; the row kernel is a cluster of 512-thread blocks per row
+    (sm_90), no spills; sm_80 (no clusters) refuses it."""
+    nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_COLUMN_PARTIALS_WIDE", "1")
+    rows = int(np.prod(lead))
+    cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols, lead=lead), target="cuda")
+    ks = kernels_of(cg.plan_text())
+    assert len(ks) == 3 and ks[0].split("stores=")[1].count("column_partials") == 2, cg.plan_text()
+    assert f"row [64, {cols}] reduce=[0]" in ks[1], ks[1]
+    shapes = [lead + [cols], lead + [cols], lead + [1], lead + [1], [cols]]
+    src = cg.cuda_source(shapes, contiguous(shapes), 90)
+    assert "__cluster_dims__(" + str(-(-cols // 4096)) + ", 1, 1)" in src and "par_" in src
+    _, _, log = cg.compile_cuda(shapes, contiguous(shapes), 90, False)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    assert spills and all(int(s) == 0 for s in spills), log[-3000:]
+    with pytest.raises(Exception, match="sm_90"):
+        cg.cuda_source(shapes, contiguous(shapes), 80)
+    monkeypatch.delenv("OPFUSE_COLUMN_PARTIALS_WIDE")
+    assert "column_partials" not in _C.CompiledGraph(layer_norm_backward_ir(rows, cols, lead=lead), target="cuda").plan_text()
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("knobs", [{"OPFUSE_ROW_PREFETCH": "1"},
+                                   {"OPFUSE_ROW_PARTIAL_VALUES": "8", "OPFUSE_ROW_PREFETCH": "1"}])
+def test_row_knobs_compile_without_spills(arch, knobs, monkeypatch):
+    """The L2 prefetch (the next row's columns, pf_ok_) and the partial-value
+    cap keep the partials kernels free of spills."""
+    nvrtc_or_skip()
+    for n, v in knobs.items():
+        monkeypatch.setenv(n, v)
+    for lead, cols in [([32768], 4096), ([262144], 256), ([3, 1401], 768)]:
+        rows = int(np.prod(lead))
+        cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols, lead=lead), target="cuda")
+        shapes = [lead + [cols], lead + [cols], lead + [1], lead + [1], [cols]]
+        src = cg.cuda_source(shapes, contiguous(shapes), arch)
+        assert "opf_prefetch_l2(b" in src and "pf_ok_" in src
+        _, _, log = cg.compile_cuda(shapes, contiguous(shapes), arch, False)
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and all(int(s) == 0 for s in spills), (lead, cols, log[-3000:])

@@ -240,3 +240,63 @@ def test_norm_weight_gradients_from_column_partials(shape, dtype, tmp_path, monk
             assert g.dtype == e.dtype and g.shape == e.shape
             err = (g.double() - r).abs().max().item()
             assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, (name, err)
+
+
+def _grads_against_float64(fn, shape, dtype, nparams):
+    """Gradients of fn (compiled, eager) against float64: opfuse's error at
+    most twice eager's (plus 1e-5)."""
+    cols = shape[-1]
+    x = torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+    w = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn(cols, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(*shape, device="cuda", dtype=dtype)
+    params = (x, w, b)[:nparams]
+    torch._dynamo.reset()
+    out = torch.compile(lambda x, w, b: fn(x, w, b), backend="opfuse", dynamic=False)(x, w, b)
+    grads = torch.autograd.grad(out, params, dy)
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    refs = torch.autograd.grad(fn(xd, wd, bd), (xd, wd, bd)[:nparams], dy.double())
+    eager = torch.autograd.grad(fn(x, w, b), params, dy)
+    for g, r, e in zip(grads, refs, eager):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        err = (g.double() - r).abs().max().item()
+        assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, err
+
+
+# Rows of 8193 to 32768 elements with column partials
+# (OPFUSE_COLUMN_PARTIALS_WIDE=1): a cluster of 512-thread blocks per row
+# steps through its part's rows (sm_90). 32768 = 8 blocks; 20000 = 5 blocks,
+# the last one's slice short; 8193 on the scalar twin (3 blocks of 6 items);
+# a 3-D input; rows that are not a multiple of the 64 parts.
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="clusters need sm_90")
+@pytest.mark.parametrize("shape", [(2048, 32768), (2111, 20000), (2049, 8193), (3, 701, 9000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_column_partials_in_clusters(shape, dtype, monkeypatch):
+    monkeypatch.setenv("OPFUSE_COLUMN_PARTIALS_WIDE", "1")
+    _grads_against_float64(layer_norm, shape, dtype, 3)
+    _grads_against_float64(rms_norm, shape, dtype, 2)
+
+
+# The measurement knobs of the row emitter change schedules, not results:
+# L2 prefetch of the next row (with and without partials, lane groups and
+# blocks), backwards loop stages, fewer partial values a thread, a minimum
+# of blocks an SM (a register cap).
+KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_PREFETCH_AHEAD": "264"},
+         {"OPFUSE_ROW_REVERSE_LOOPS": "1"}, {"OPFUSE_ROW_PARTIAL_VALUES": "8", "OPFUSE_ROW_MIN_BLOCKS": "2"},
+         {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"}]
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: "+".join(f"{n[11:].lower()}={v}" for n, v in k.items()))
+def test_row_knobs_keep_results(knobs, monkeypatch):
+    for n, v in knobs.items():
+        monkeypatch.setenv(n, v)
+    for shape in [(4099, 256), (2050, 4096), (3, 700, 1000)]:
+        _grads_against_float64(layer_norm, shape, torch.bfloat16, 3)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        _grads_against_float64(layer_norm, (2048, 16384), torch.bfloat16, 3)
+    torch.manual_seed(3)
+    for cols in [1000, 4096, 40000, 40001]:
+        x = torch.randn(37, cols, device="cuda", dtype=torch.bfloat16) * 3
+        check(softmax, x, x[0], x[0], torch.bfloat16)
+    _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (300, 40000), torch.bfloat16, 2)
+    _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (4099, 4096), torch.float32, 2)
