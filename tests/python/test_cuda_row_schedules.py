@@ -286,7 +286,11 @@ KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_
          {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"}]
 
 
-@pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: "+".join(f"{n[11:].lower()}={v}" for n, v in k.items()))
+def _knob_id(knobs):
+    return "+".join(n.replace("OPFUSE_ROW_", "").replace("OPFUSE_", "").lower() + v for n, v in knobs.items())
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=_knob_id)
 def test_row_knobs_keep_results(knobs, monkeypatch):
     for n, v in knobs.items():
         monkeypatch.setenv(n, v)
