@@ -40,6 +40,15 @@ def layer_norm_backward_ir(rows, cols, dt="bf16"):
 
 
 def forward_ir(op, rows, cols, dt="bf16"):
+    if op in ("layer_norm", "rms_norm"):  # with a weight (and bias), eps as the bench's
+        ins = '  %1 = input() {name="w"} : ' + f"{dt}[{cols}]\n"
+        args = "%0, %1"
+        if op == "layer_norm":
+            ins += '  %2 = input() {name="b"} : ' + f"{dt}[{cols}]\n"
+            args += ", %2"
+        n = 3 if op == "layer_norm" else 2
+        return (f"graph {{\n  %0 = input() {{name=\"x\"}} : {dt}[{rows}, {cols}]\n{ins}"
+                f"  %{n} = {op}({args}) {{normalized_ndim=1, eps=1e-5}} : {dt}[{rows}, {cols}]\n  return (%{n})\n}}")
     return f"""graph {{
   %0 = input() {{name="x"}} : {dt}[{rows}, {cols}]
   %1 = {op}(%0) {{dim=1}} : {dt}[{rows}, {cols}]
@@ -71,7 +80,8 @@ def main():
     elif a.op == "layer_norm_backward":
         ir, shapes = layer_norm_backward_ir(r, c), [[r, c], [r, c], [r, 1], [r, 1], [c]]
     else:
-        ir, shapes = forward_ir(a.op, r, c), [[r, c]]
+        ir = forward_ir(a.op, r, c)
+        shapes = [[r, c]] + [[c]] * {"layer_norm": 2, "rms_norm": 1}.get(a.op, 0)
     cg = _C.CompiledGraph(ir, target="cuda")
     print(cg.plan_text())
     src = cg.cuda_source(shapes, strides(shapes), a.arch)

@@ -13,6 +13,7 @@ import torch
 here = os.path.dirname(os.path.abspath(__file__))
 spec = importlib.util.spec_from_file_location("bench_cases", os.path.join(here, "..", "python", "opfuse", "bench", "cases.py"))
 cases = importlib.util.module_from_spec(spec)
+sys.modules["bench_cases"] = cases  # dataclasses look their module up there
 spec.loader.exec_module(cases)
 dev = torch.device("cuda")
 for c in cases.SUITES[sys.argv[1] if len(sys.argv) > 1 else "rows_bwd"](dev, False):

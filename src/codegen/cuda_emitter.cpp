@@ -45,6 +45,8 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   // 32768) holds 64 registers' worth at 512 threads: two blocks an SM, so
   // that one block's cluster barriers overlap the other's loads.
   if (!(mb && std::atoi(mb) > 0) && cluster_row_loop_ && vec_ > 1) min_blocks = "2";
+  // 1024-thread loop blocks for rows overflowing L2: two an SM (32 registers).
+  if (!(mb && std::atoi(mb) > 0) && k_->row && loop_overflow_ && vec_ > 1) min_blocks = "2";
   std::string bounds = std::to_string(threads) + (k_->row ? ", " + min_blocks : "");
   line("extern \"C\" __global__ void __launch_bounds__(" + bounds + ") " + dims + name + "(const " + args + " a) {");
   ++indent_;

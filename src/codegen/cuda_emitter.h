@@ -62,7 +62,8 @@ class CudaEmitter : public CEmitter {
   int lanes_ = 32;
   int cluster_ = 1;
   int cluster_reductions_ = 0;    // slots used so far
-  bool cluster_row_loop_ = false;  // a cluster steps through rows (column partials): slots alternate by row (par_)
+  bool cluster_row_loop_ = false;
+  bool loop_overflow_ = false;     // loop stages in 1024-thread blocks, later stages backwards (rows overflowing L2)  // a cluster steps through rows (column partials): slots alternate by row (par_)
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)
   std::vector<int> partial_buffers_;    // column_partials buffers of this kernel

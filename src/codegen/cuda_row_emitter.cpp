@@ -2,6 +2,7 @@
 // the stage loops, and the reductions across the threads of a row.
 #include <algorithm>
 #include <cstdlib>
+#include <set>
 #include <stdexcept>
 
 #include "codegen/cuda_emitter.h"
@@ -25,6 +26,7 @@ struct RowGeometry {
   int rows_per_block = 1;
   int cluster = 1;        // blocks per row
   int items = 0;          // vectors per thread when the row is cached in registers (0: a loop)
+  bool l2_overflow = false;  // loop stages whose re-reads overflow L2 at 512 threads: 1024, backwards
 };
 
 // Tuning knobs, read when a kernel is generated (the source, and so the
@@ -47,21 +49,36 @@ int max_cluster() { return env_int("OPFUSE_ROW_MAX_CLUSTER", 1); }
 // Column partials a thread holds per partials buffer, at most: past it a row
 // gets more threads (or lanes).
 int partial_values() { return std::max(1, env_int("OPFUSE_ROW_PARTIAL_VALUES", 16)); }
-// L2 prefetch of the row a thread takes next, issued beside the first
-// stage's loads (register-cached and partials stages only: loop stages
-// re-read their row from L2 and a prefetch would crowd it out). 1: the
-// block's next row where it loops over rows (column partials); kernels with
-// one row a block prefetch the row OPFUSE_ROW_PREFETCH_AHEAD blocks on, when set.
-bool row_prefetch() { return env_int("OPFUSE_ROW_PREFETCH", 0) != 0; }
-int prefetch_ahead() { return env_int("OPFUSE_ROW_PREFETCH_AHEAD", 0); }
+// L2 prefetch of the row a thread takes next, issued after the first
+// stage's load loop (register-cached and partials stages of a block per row
+// only: loop stages re-read their row from L2 and a prefetch would crowd it
+// out). A block that loops over rows (column partials) prefetches its next
+// row; a kernel with one row a block, the row one wave on (the blocks an
+// SM holds x 132 SMs: its block starts about when the data lands), or
+// OPFUSE_ROW_PREFETCH_AHEAD blocks on. On the H200 (bf16,
+// rows_bwd_session.py at ea7a57a): layer_norm backward 32768x4096 351 ->
+// 336 us, softmax backward 32768x4096 211 -> 198 us (560 ahead), softmax
+// 32768x4096 158 -> 139 us (1100 ahead; 3.40 -> 3.86 TB/s). Lane groups
+// (short rows) do not prefetch: measured no gain at 262144x256.
+// OPFUSE_ROW_PREFETCH=0/1 forces it off or on (lane groups included).
+int row_prefetch() { return env_int("OPFUSE_ROW_PREFETCH", -1); }
+int prefetch_ahead(int threads) {
+  int forced = env_int("OPFUSE_ROW_PREFETCH_AHEAD", 0);
+  return forced > 0 ? forced : 132 * (1024 / threads);  // ~ the blocks resident: half the SM's threads (registers)
+}
 // Loop stages after the first run backwards along the row (alternately), so
 // the first columns they re-read are the ones the stage before read last,
-// the most likely still in L2 (rows whose re-reads spill out of L2:
-// softmax backward 8192x32768 holds 3 x 132 rows of 128 KB in flight).
-bool reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", 0) != 0; }
+// the most likely still in L2. OPFUSE_ROW_REVERSE_LOOPS=0/1 forces it; by
+// default it goes with the 1024-thread loop blocks of rows that overflow L2
+// (see choose_geometry).
+int reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", -1); }
+// L2 of the H100/H200 (50 MB; the A100's is 40): rows in flight against it.
+constexpr int64_t kL2Bytes = 50LL << 20;
 
 // slots: values cached per element (0: nothing to cache, or cols unknown).
-RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool cluster_ok) {
+// reread: bytes a row's later loop stages read again (0: unknown), for
+// loop-stage rows against L2.
+RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool cluster_ok, int64_t reread = 0) {
   RowGeometry g;
   if (known && ncols <= 1024) {
     // Short rows: the fewest lanes that give each lane at most 4 vectors.
@@ -111,6 +128,18 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
   // re-reads of rows that many blocks hold (a few tens of MB) come from L2
   // (3.3-3.6 TB/s; docs/perf-notes.md). OPFUSE_ROW_LOOP_THREADS sets the
   // block size of loop stages, to measure rows in flight against L2.
+  // Rows whose re-reads overflow L2 with 512-thread blocks (about 4 x 132
+  // rows in flight) but fit with 1024-thread ones (2 x 132) take those, at
+  // most 32 registers (two blocks an SM: as many threads), and run their
+  // later stages backwards: softmax backward 8192x32768 (128 KB of dy and y
+  // a row; 3 x 132 rows in flight at 38 registers, 50 MB) 623 us, 488
+  // backwards, 487 with 1024 threads, 476 with both (H200,
+  // rows_bwd_session.py at ea7a57a). Forward softmax and layer_norm at
+  // 8192x32768 (64 KB a row, 25 MB) ran 2-5% slower backwards: not theirs.
+  if (reread > 0 && 4 * 132 * reread > kL2Bytes && 2 * 132 * reread <= kL2Bytes) {
+    g.threads = 1024;
+    g.l2_overflow = true;
+  }
   if (int t = env_int("OPFUSE_ROW_LOOP_THREADS", 0); t >= 128 && t <= 1024 && (t & (t - 1)) == 0) g.threads = t;
   return g;
 }
@@ -237,7 +266,10 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
   bool unrolled = caching_ || partials;
   if (!caching_ && partials) items = partial_items_;
   bool backwards = false;
-  if (!unrolled && !columns_) backwards = reverse_loops() && (loop_stages_printed_++ % 2 == 1);
+  if (!unrolled && !columns_) {
+    int forced = reverse_loops();
+    backwards = (forced >= 0 ? forced != 0 : loop_overflow_) && (loop_stages_printed_++ % 2 == 1);
+  }
   if (unrolled) {
     line("#pragma unroll");
     line("for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
@@ -383,7 +415,27 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   for (const KStage& st : k_->stages)
     for (const KAccumulator& a : st.accs)
       if (a.combiner != "sum" && a.combiner != "max" && a.combiner != "min" && a.combiner != "prod") columns_ = false;
-  RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok);
+  // Bytes the row's later stages read again, if they loop: distinct
+  // row-varying buffers loaded after the first stage.
+  int64_t reread = 0;
+  if (known) {
+    std::set<std::string> kept;
+    for (size_t a : split.kept) kept.insert("x" + std::to_string(a));
+    std::set<int> bufs;
+    for (size_t si = 1; si < k_->stages.size(); ++si)
+      for (const KStmt& s : k_->stages[si].loop)
+        if (s.kind == KStmt::Load && std::any_of(s.index.begin(), s.index.end(), [&](const Expr& e) {
+              bool m = false;
+              substitute(e, [&](const ExprNode& v) -> Expr {
+                if (kept.count(v.name)) m = true;
+                return nullptr;
+              });
+              return m;
+            }))
+          bufs.insert(s.buffer);
+    for (int b : bufs) reread += ncols * static_cast<int64_t>(dtype_size(k_->buffers[static_cast<size_t>(b)].dtype));
+  }
+  RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok, reread);
   if (columns_) {
     g = RowGeometry{};
     g.threads = 512;
@@ -437,6 +489,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   lanes_ = g.lanes;
   cluster_ = caching_ || columns_ || partial_cluster > 1 ? g.cluster : 1;
   cluster_row_loop_ = partial_cluster > 1;
+  loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1;
   cluster_reductions_ = 0;
   launch_.threads = g.threads;
   launch_.rows_per_block = g.rows_per_block;
@@ -458,11 +511,12 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // The row this thread takes next: the block's next row where it loops
   // over rows (column partials), else one OPFUSE_ROW_PREFETCH_AHEAD blocks on.
   std::string next_row;
-  if (row_prefetch() && vec > 1 && !columns_ && (cluster_ == 1 || cluster_row_loop_)) {
+  int pf = row_prefetch();
+  if (vec > 1 && !columns_ && (caching_ || partials) && (cluster_ == 1 || cluster_row_loop_) && (pf > 0 || (pf < 0 && !grouped_rows_))) {
     std::string rpb = std::to_string(g.rows_per_block);
     if (cluster_row_loop_) next_row = "row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ")";
     else if (partials) next_row = grouped_rows_ ? "row_ + (int64_t)gridDim.x * " + rpb : "row_ + (int64_t)gridDim.x";
-    else if (prefetch_ahead() > 0) next_row = "row_ + " + std::to_string(static_cast<int64_t>(prefetch_ahead()) * g.rows_per_block);
+    else next_row = "row_ + " + std::to_string(static_cast<int64_t>(prefetch_ahead(g.threads)) * g.rows_per_block);
   }
   prefetch_ = !next_row.empty();
   if (prefetch_) {
