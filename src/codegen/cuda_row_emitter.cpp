@@ -76,9 +76,10 @@ int reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", -1); }
 constexpr int64_t kL2Bytes = 50LL << 20;
 
 // slots: values cached per element (0: nothing to cache, or cols unknown).
-// reread: bytes a row's later loop stages read again (0: unknown), for
-// loop-stage rows against L2.
-RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool cluster_ok, int64_t reread = 0) {
+// reread: bytes a row's later loop stages read again (0: unknown), from
+// reread_tensors row-varying tensors, for loop-stage rows against L2.
+RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool cluster_ok, int64_t reread = 0,
+                            int reread_tensors = 0) {
   RowGeometry g;
   if (known && ncols <= 1024) {
     // Short rows: the fewest lanes that give each lane at most 4 vectors.
@@ -136,7 +137,11 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
   // backwards, 487 with 1024 threads, 476 with both (H200,
   // rows_bwd_session.py at ea7a57a). Forward softmax and layer_norm at
   // 8192x32768 (64 KB a row, 25 MB) ran 2-5% slower backwards: not theirs.
-  if (reread > 0 && 4 * 132 * reread > kL2Bytes && 2 * 132 * reread <= kL2Bytes) {
+  // Only for rows that re-read two or more tensors (the backward kernels,
+  // measured): a forward re-reading one float32 row of 25-50K elements
+  // would qualify too, but at the 32-register cap ptxas spills 4-8 bytes in
+  // log_softmax and layer_norm, and it was not measured.
+  if (reread > 0 && reread_tensors >= 2 && 4 * 132 * reread > kL2Bytes && 2 * 132 * reread <= kL2Bytes) {
     g.threads = 1024;
     g.l2_overflow = true;
   }
@@ -418,6 +423,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // Bytes the row's later stages read again, if they loop: distinct
   // row-varying buffers loaded after the first stage.
   int64_t reread = 0;
+  size_t reread_bufs = 0;
   if (known) {
     std::set<std::string> kept;
     for (size_t a : split.kept) kept.insert("x" + std::to_string(a));
@@ -434,8 +440,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
             }))
           bufs.insert(s.buffer);
     for (int b : bufs) reread += ncols * static_cast<int64_t>(dtype_size(k_->buffers[static_cast<size_t>(b)].dtype));
+    reread_bufs = bufs.size();
   }
-  RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok, reread);
+  RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok, reread, static_cast<int>(reread_bufs));
   if (columns_) {
     g = RowGeometry{};
     g.threads = 512;
