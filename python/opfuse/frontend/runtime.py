@@ -190,6 +190,13 @@ class FusedPartition:
         """Compiles and prepares the layout of `example` (tensors, fake ones
         too) before the first call."""
         key = _layout_key(example, False)
+        if self.cuda:
+            # At compile time too: AOTAutograd compiles the backward lazily on
+            # autograd's device thread, which has no driver context before its
+            # first CUDA op; variant() would then fail and the partition fall
+            # back to eager (seen on the H200 as a first backward that dumped
+            # no plan).
+            ensure_context(example[0].device if example and example[0].device.index is not None else self.device)
         self._by_layout[key] = self._prepare(example, key)
 
     def layout_of(self, tensors):
