@@ -14,6 +14,7 @@
 
 #include "attention_fwd_sm90_cu.inc"  // static const char attention_fwd_sm90_cu[]
 #include "attention_ptx_cu.inc"        // static const char attention_ptx_cu[]
+#include "attention_sm90_ptx_cu.inc"   // static const char attention_sm90_ptx_cu[]
 
 namespace opfuse::attention {
 namespace {
@@ -27,9 +28,10 @@ constexpr int kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2, 
 // wgmma and setmaxnreg exist only on the arch-specific target.
 std::vector<std::string> compile_options() { return nvrtc_named_options("sm_90a"); }
 
-// The shared PTX helpers, then the kernel.
+// The shared PTX helpers (all kernels', then Hopper's), then the kernel.
 const std::string& source() {
-  static const std::string s = std::string(attention_ptx_cu) + "\n" + attention_fwd_sm90_cu;
+  static const std::string s =
+      std::string(attention_ptx_cu) + "\n" + attention_sm90_ptx_cu + "\n" + attention_fwd_sm90_cu;
   return s;
 }
 
