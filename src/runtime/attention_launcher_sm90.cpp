@@ -2,6 +2,7 @@
 
 
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <regex>
@@ -82,6 +83,14 @@ TensorMap encode(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64
 }
 
 }  // namespace
+
+AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64_t batch, int64_t heads,
+                                   int64_t seqlen, int head_dim, int box_rows, const char* what) {
+  const TensorMap m = encode(e, ptr, strides, batch, heads, seqlen, head_dim, box_rows, what);
+  AttnTensorMap r;
+  std::memcpy(r.bytes, m.bytes, sizeof(r.bytes));
+  return r;
+}
 
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
