@@ -131,6 +131,10 @@ struct BwdSm90Tile {
   static constexpr int kLimit = 227 * 1024;
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  // Issue dV += P^T dO as soon as P^T is packed, before dP^T is waited for,
+  // so that the tensor cores work while dS^T is computed. Needs the 16-bit
+  // P^T beside float S^T and dP^T: registers allow it at BLOCK_M = 64.
+  static constexpr bool kEarlyDV = BLOCK_M == 64;
 
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the sm_90 backward covers head dims 64 and 128");
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M must be 64 or 128");
@@ -255,24 +259,6 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < kND; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-    // Descriptors (attention_sm90_ptx.cu, make_desc). K-major: K and V rows of
-    // this consumer as A of S^T / dP^T, Q and dO rows as B. N-major: dO and Q
-    // as B of dV / dK (the reduction runs over query rows), K as B of dQ.
-    // M-major: dS^T as A of dQ.
-    auto kmaj_a = [&](u32 tile, int ks) {
-      return make_desc(tile + (ks / 4) * BLOCK_N * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
-    };
-    auto kmaj_b = [&](u32 tile, int ks) { return make_desc(tile + (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32, 16, 1024); };
-    auto nmaj_q = [&](u32 tile, int kk) { return make_desc(tile + kk * 16 * 128, BLOCK_M * 128, 1024); };
-    constexpr int kDqChunk = Tile::kDqSplitRows ? 0 : 1;  // consumer w's 64-column chunk of K (split by D)
-    auto nmaj_k = [&](int kk) {
-      return make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
-    };
-    constexpr int kDqRows = Tile::kDqSplitRows ? 1 : 0;  // consumer w's 64 query rows (split by rows)
-    auto mmaj_ds = [&](u32 tile, int kk) {
-      return make_desc(tile + kDqRows * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
-    };
-
     if (n_iters > 0) mbar_wait(bar_kv, 0);
 
 #pragma unroll 1
@@ -285,6 +271,28 @@ __global__ void __launch_bounds__(384, 1)
       const u32 sL = sL0 + s * Tile::kStatBytes, sD = sD0 + s * Tile::kStatBytes;
       const u32 sdS = sdS0 + (it & 1) * Tile::kDSBytes;
       mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
+      // Thread coordinates recomputed from an opaque %tid.x every block
+      // instead of being kept live across the loop (ptxas spilled them).
+      const int t_o = tid_opaque();
+      const int wg = t_o / 128 - 1, lane = t_o & 31;
+      const int r0 = ((t_o / 32) & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
+      // Descriptors (attention_sm90_ptx.cu, make_desc). K-major: K and V rows of
+      // this consumer as A of S^T / dP^T, Q and dO rows as B. N-major: dO and Q
+      // as B of dV / dK (the reduction runs over query rows), K as B of dQ.
+      // M-major: dS^T as A of dQ.
+      auto kmaj_a = [&](u32 tile, int ks) {
+        return make_desc(tile + (ks / 4) * BLOCK_N * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
+      };
+      auto kmaj_b = [&](u32 tile, int ks) { return make_desc(tile + (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32, 16, 1024); };
+      auto nmaj_q = [&](u32 tile, int kk) { return make_desc(tile + kk * 16 * 128, BLOCK_M * 128, 1024); };
+      constexpr int kDqChunk = Tile::kDqSplitRows ? 0 : 1;  // consumer w's 64-column chunk of K (split by D)
+      auto nmaj_k = [&](int kk) {
+        return make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
+      };
+      constexpr int kDqRows = Tile::kDqSplitRows ? 1 : 0;  // consumer w's 64 query rows (split by rows)
+      auto mmaj_ds = [&](u32 tile, int kk) {
+        return make_desc(tile + kDqRows * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
+      };
 
       float acc_s[kNS], acc_dp[kNS];
       wgmma_fence();
@@ -324,7 +332,26 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
 
-      wgmma_wait<0>();
+      u32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+      auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) p_frag[kk][i] = pack2<Elem>(acc_s[8 * kk + 2 * i], acc_s[8 * kk + 2 * i + 1]);
+      };
+      auto issue_dv = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_dv, p_frag[kk], nmaj_q(sdO, kk), 1);
+      };
+      if constexpr (Tile::kEarlyDV) {
+        pack_p();
+        wgmma_fence();
+        issue_dv();
+        wgmma_commit();
+        wgmma_wait<1>();  // S^T and dP^T are complete, dV may still run
+      } else {
+        wgmma_wait<0>();
+      }
       fence_regs(acc_dp);
 #pragma unroll
       for (int j = 0; j < BLOCK_M / 8; ++j) {
@@ -336,16 +363,13 @@ __global__ void __launch_bounds__(384, 1)
           acc_dp[4 * j + 2 * h + 1] = acc_s[4 * j + 2 * h + 1] * (acc_dp[4 * j + 2 * h + 1] - d1);
         }
       }
-      // To 16 bits only now: float P^T and dP^T die as the fragments are made
-      // (fewer registers live than packing P^T before dS^T).
-      u32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+      // Otherwise to 16 bits only now: float P^T and dP^T die as the fragments
+      // are made (fewer registers live than packing P^T before dS^T).
+      if constexpr (!Tile::kEarlyDV) pack_p();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_M / 16; ++kk)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          p_frag[kk][i] = pack2<Elem>(acc_s[8 * kk + 2 * i], acc_s[8 * kk + 2 * i + 1]);
-          ds_frag[kk][i] = pack2<Elem>(acc_dp[8 * kk + 2 * i], acc_dp[8 * kk + 2 * i + 1]);
-        }
+        for (int i = 0; i < 4; ++i) ds_frag[kk][i] = pack2<Elem>(acc_dp[8 * kk + 2 * i], acc_dp[8 * kk + 2 * i + 1]);
 
       // dS^T rows of this consumer into the shared tile, in the TMA's layout
       // (64-query chunks of [128 keys][128 bytes], 16-byte chunk c of row r at
@@ -360,10 +384,9 @@ __global__ void __launch_bounds__(384, 1)
         }
       fence_proxy_async_smem();
 
-      // dV += P^T dO, dK += dS^T Q (A from registers).
+      // dV += P^T dO (unless issued already), dK += dS^T Q (A from registers).
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_M / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_dv, p_frag[kk], nmaj_q(sdO, kk), 1);
+      if constexpr (!Tile::kEarlyDV) issue_dv();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_M / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_dk, ds_frag[kk], nmaj_q(sQ, kk), 1);
       wgmma_commit();

@@ -38,11 +38,26 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-det", action="store_true", help="skip the deterministic mode")
     ap.add_argument("--variants", action="store_true", help="also time the backward alone on the variant tiles")
+    ap.add_argument("--sm90-variants", action="store_true",
+                    help="sm_90: also time the Hopper backward's variant configurations and its early-dV A/B")
     a = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fwd, bwd = ar.AttentionForward(), br.AttentionBackward()
+    late = None
+    if a.sm90_variants and bwd.arch.startswith("sm_90"):
+        # A/B of the Hopper kernel's early dV issue (BwdSm90Tile::kEarlyDV, on
+        # at BLOCK_M = 64): the same kernel compiled with it off.
+        import functools
+        import types
+
+        b90 = bwd.sm90
+        src = b90.source().replace("kEarlyDV = BLOCK_M == 64;", "kEarlyDV = false;")
+        assert src != b90.source()
+        late = br.AttentionBackward()
+        late.sm90 = types.SimpleNamespace(**{n: getattr(b90, n) for n in dir(b90) if not n.startswith("__")})
+        late.sm90.compile_problem = functools.partial(b90.compile_problem, src=src)
     commit, date = commit_id(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     dev = torch.cuda.get_device_name()
     records, rows = [], []
@@ -78,7 +93,10 @@ def main(argv=None):
                                                            out=grads, tiles=br.choose_tiles(D)), 2.5)
                 if not a.no_det:
                     impls["opfuse-det"] = (lambda: ours_fb(True), 3.5)
-                if a.variants and bwd.arch.startswith("sm_90") and D in bwd.sm90.HEAD_DIMS:
+                if late is not None and D == 128:
+                    impls["opfuse:bwd[late-dv]"] = (lambda: late(dout, q, k, v, o, lse, causal=causal,
+                                                                 deterministic=False, out=grads), 2.5)
+                if a.sm90_variants and bwd.arch.startswith("sm_90") and D in bwd.sm90.HEAD_DIMS:
                     for cfg in bwd.sm90.VARIANTS[D]:
                         impls[f"opfuse:bwd[{cfg.tag()}]"] = (
                             lambda cfg=cfg: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False, out=grads,
