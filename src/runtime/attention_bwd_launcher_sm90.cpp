@@ -74,8 +74,8 @@ bool attn_bwd_sm90_enabled() {
 }
 
 AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
-  // Mirrors attn_bwd_runtime_sm90.DEFAULT.
-  if (head_dim == 64) return {128, 2};
+  // Mirrors attn_bwd_runtime_sm90.DEFAULT (stages measured there).
+  if (head_dim == 64) return {128, 3};
   if (head_dim == 128) return {64, 2};
   throw std::invalid_argument("the sm90 attention backward covers head dims 64 and 128, not " + std::to_string(head_dim));
 }
@@ -83,7 +83,7 @@ AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
   // Mirrors attn_bwd_runtime_sm90.VARIANTS.
   AttnBwdSm90Tile t = attn_bwd_sm90_default_tile(head_dim);
-  return {t, {t.block_m, 3}};
+  return {t, {t.block_m, t.stages == 3 ? 2 : 3}};
 }
 
 int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {

@@ -50,9 +50,11 @@ class BwdSm90Config:
 
 
 # D = 128: 64 query rows per step (dK, dV: 64 + 64 float registers; S^T, dP^T 32 + 32).
-# D = 64: 128 rows (32 + 32; 64 + 64), dQ split by rows.
-DEFAULT = {64: BwdSm90Config(128, 2), 128: BwdSm90Config(64, 2)}
-VARIANTS = {64: [BwdSm90Config(128, 3)], 128: [BwdSm90Config(64, 3)]}
+# D = 64: 128 rows (32 + 32; 64 + 64), dQ split by rows. Stages: 3 at D = 64
+# was 1-3% faster than 2 in all 8 cases of the H200 run at 55cc746; at D = 128
+# 3 was no faster (0 to -9%). docs/attention.md, "Hopper backward".
+DEFAULT = {64: BwdSm90Config(128, 3), 128: BwdSm90Config(64, 2)}
+VARIANTS = {64: [BwdSm90Config(128, 2)], 128: [BwdSm90Config(64, 3)]}
 
 
 def configs(d: int):
