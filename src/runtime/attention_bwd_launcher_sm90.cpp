@@ -66,29 +66,55 @@ bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
 
 }  // namespace
 
-std::string AttnBwdSm90Tile::tag() const { return "wgb" + std::to_string(block_m) + "s" + std::to_string(stages); }
+std::string AttnBwdSm90Tile::tag() const {
+  static const char* const kSuffix[] = {"", "q", "k"};
+  return "wgb" + std::to_string(block_m) + "s" + std::to_string(stages) + kSuffix[dq_mode];
+}
 
 bool attn_bwd_sm90_enabled() {
   const char* v = std::getenv("OPFUSE_ATTN_BWD_SM90");
   return !(v && std::string(v) == "0");
 }
 
+namespace {
+// Mirrors attn_bwd_runtime_sm90.BY_DQ_MODE: the tile of each dQ mode (modes 1
+// and 2 stage dQ in shared memory, which leaves room for 2 stages at D = 64).
+AttnBwdSm90Tile tile_of_dq_mode(int head_dim, int mode) {
+  if (head_dim != 64 && head_dim != 128)
+    throw std::invalid_argument("the sm90 attention backward covers head dims 64 and 128, not " + std::to_string(head_dim));
+  const int block_m = head_dim == 64 ? 128 : 64;
+  return {block_m, mode == 0 && head_dim == 64 ? 3 : 2, mode};
+}
+constexpr int kDefaultDqMode = 2;  // attn_bwd_runtime_sm90.DEFAULT
+}  // namespace
+
 AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
-  // Mirrors attn_bwd_runtime_sm90.DEFAULT (stages measured there).
-  if (head_dim == 64) return {128, 3};
-  if (head_dim == 128) return {64, 2};
-  throw std::invalid_argument("the sm90 attention backward covers head dims 64 and 128, not " + std::to_string(head_dim));
+  const char* v = std::getenv("OPFUSE_ATTN_BWD_SM90_DQ");
+  int mode = kDefaultDqMode;
+  if (v && *v) {
+    const std::string m(v);
+    if (m != "0" && m != "1" && m != "2")
+      throw std::invalid_argument("OPFUSE_ATTN_BWD_SM90_DQ=" + m + ": want 0, 1 or 2");
+    mode = m[0] - '0';
+  }
+  return tile_of_dq_mode(head_dim, mode);
 }
 
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
-  // Mirrors attn_bwd_runtime_sm90.VARIANTS.
-  AttnBwdSm90Tile t = attn_bwd_sm90_default_tile(head_dim);
-  return {t, {t.block_m, t.stages == 3 ? 2 : 3}};
+  // Mirrors attn_bwd_runtime_sm90.configs: the default, then modes 0 and 1.
+  return {tile_of_dq_mode(head_dim, kDefaultDqMode), tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1)};
 }
 
 int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {
+  // BwdSm90Tile::kSmemBytes: dS^T buffers (one in mode 2), dQ staging (8
+  // warps x rows of floats padded by 32 bytes) in modes 1 and 2.
   const int kv = kBlockN * d * 2, q = t.block_m * d * 2, stat = t.block_m * 4, ds = kBlockN * t.block_m * 2;
-  return 2 * kv + 2 * t.stages * q + 2 * ds + 2 * t.stages * stat + 8 * (1 + 2 * t.stages) + 1024;
+  const bool own = t.dq_mode == 2;
+  const int ds_bufs = own ? 1 : 2;
+  const int dq_n = own || t.block_m == 128 ? d : d / 2;
+  const int dq_m64 = own ? t.block_m / 64 : 1;
+  const int dq_stage = t.dq_mode ? 8 * dq_m64 * 16 * (dq_n * 4 + 32) : 0;
+  return 2 * kv + 2 * t.stages * q + ds_bufs * ds + 2 * t.stages * stat + dq_stage + 8 * (1 + 2 * t.stages) + 1024;
 }
 
 std::vector<std::string> attn_bwd_sm90_name_expressions(AttnElem e, int d, bool causal, const AttnBwdSm90Tile& t) {
@@ -96,7 +122,7 @@ std::vector<std::string> attn_bwd_sm90_name_expressions(AttnElem e, int d, bool 
   return {
       "opfuse_attn::attention_bwd_preprocess<" + el + ", " + D + ">",
       "opfuse_attn::attention_bwd_sm90<" + el + ", " + D + ", " + (causal ? "true" : "false") + ", " +
-          std::to_string(t.block_m) + ", " + std::to_string(t.stages) + ">",
+          std::to_string(t.block_m) + ", " + std::to_string(t.stages) + ", " + std::to_string(t.dq_mode) + ">",
       "opfuse_attn::attention_bwd_dq_convert<" + el + ", " + D + ">",
   };
 }

@@ -16,15 +16,18 @@
 namespace opfuse::attention {
 
 // BLOCK_M query rows per step (the CTA owns 128 keys), a `stages`-deep ring
-// of Q / dO / LSE2 / Delta. Tag form "wgb64s2".
+// of Q / dO / LSE2 / Delta, how dQ is added (the kernel's DQ_MODE: 0 red.global,
+// 1 staged + bulk reductions, 2 a partial dQ per consumer over its own keys +
+// bulk reductions). Tag form "wgb64s2" (mode 0), "wgb64s2q" (1), "wgb64s2k" (2).
 struct AttnBwdSm90Tile {
-  int block_m = 64, stages = 2;
+  int block_m = 64, stages = 2, dq_mode = 0;
   std::string tag() const;
   bool operator==(const AttnBwdSm90Tile&) const = default;
 };
 
 // False when OPFUSE_ATTN_BWD_SM90=0 (forces the mma.sync kernels, for comparison).
 bool attn_bwd_sm90_enabled();
+// OPFUSE_ATTN_BWD_SM90_DQ=0|1|2 picks the dQ mode's tile instead (A/B).
 AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim);
 // The default and the variants (what CI compiles); mirrors attn_bwd_runtime_sm90.
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim);

@@ -255,4 +255,21 @@ __device__ __forceinline__ void ld_shared_f32x2(u32 addr, float& a, float& b) {
   asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
 }
 
+__device__ __forceinline__ void st_shared_f32x2(u32 addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
+// 1-D bulk reduction shared -> global: dst[i] += src[i] for bytes / 4 floats
+// (bytes and both addresses multiples of 16), done by the copy engine and
+// L2, tracked in this thread's bulk async-group: commit, then wait (.read:
+// until the shared source may be rewritten; plain: until it is complete).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"((u64)dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 }  // namespace opfuse_attn

@@ -309,7 +309,7 @@ class AttentionBackward:
         if sm90_cfg is not None and why90.replace("OPFUSE_ATTN_BWD_SM90=0", ""):
             raise ValueError(f"sm90 backward {sm90_cfg.tag()}: {why90}")
         if tiles is None and not why90:
-            sm90_cfg = self.sm90.DEFAULT[D]
+            sm90_cfg = self.sm90.default(D)
         kv_t, q_t = (None, None) if sm90_cfg else (tiles or choose_tiles(D, self.arch, self.smem_limit))
         dev = q.device
         if out is None:

@@ -33,28 +33,51 @@ def source() -> str:
     return "\n".join((KERNEL_DIR / f).read_text() for f in SOURCES)
 
 
+# DQ_MODE of the kernel (attention_bwd_sm90.cu): 0 red.global from registers,
+# 1 staged in shared memory + bulk reductions, 2 each consumer a partial dQ
+# over its own keys + bulk reductions (no barrier between the consumers).
+DQ_SUFFIX = {0: "", 1: "q", 2: "k"}
+
+
 @dataclasses.dataclass(frozen=True)
 class BwdSm90Config:
     block_m: int  # query rows per step
     stages: int  # Q / dO / LSE2 / Delta ring depth
+    dq_mode: int = 0
 
     def tag(self) -> str:
-        return f"wgb{self.block_m}s{self.stages}"
+        return f"wgb{self.block_m}s{self.stages}{DQ_SUFFIX[self.dq_mode]}"
 
     @staticmethod
     def parse(tag: str) -> "BwdSm90Config":
-        m = re.fullmatch(r"wgb(\d+)s(\d+)", tag)
+        m = re.fullmatch(r"wgb(\d+)s(\d+)([qk]?)", tag)
         if not m:
-            raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2)")
-        return BwdSm90Config(int(m.group(1)), int(m.group(2)))
+            raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2k)")
+        mode = {v: k for k, v in DQ_SUFFIX.items()}[m.group(3)]
+        return BwdSm90Config(int(m.group(1)), int(m.group(2)), mode)
 
 
 # D = 128: 64 query rows per step (dK, dV: 64 + 64 float registers; S^T, dP^T 32 + 32).
 # D = 64: 128 rows (32 + 32; 64 + 64), dQ split by rows. Stages: 3 at D = 64
-# was 1-3% faster than 2 in all 8 cases of the H200 run at 55cc746; at D = 128
-# 3 was no faster (0 to -9%). docs/attention.md, "Hopper backward".
-DEFAULT = {64: BwdSm90Config(128, 3), 128: BwdSm90Config(64, 2)}
-VARIANTS = {64: [BwdSm90Config(128, 2)], 128: [BwdSm90Config(64, 3)]}
+# was 1-3% faster than 2 in all 8 cases of the H200 run at 55cc746 with dQ by
+# red.global (mode 0); at D = 128 3 was no faster (0 to -9%). Modes 1 and 2
+# stage dQ in shared memory, which leaves room for 2 stages only at D = 64.
+# docs/attention.md, "Hopper backward".
+BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
+              1: {64: BwdSm90Config(128, 2, 1), 128: BwdSm90Config(64, 2, 1)},
+              2: {64: BwdSm90Config(128, 2, 2), 128: BwdSm90Config(64, 2, 2)}}
+DEFAULT = dict(BY_DQ_MODE[2])
+VARIANTS = {d: [BY_DQ_MODE[m][d] for m in (0, 1)] for d in HEAD_DIMS}
+
+
+def default(d: int) -> BwdSm90Config:
+    """DEFAULT[d], or the tile of dQ mode OPFUSE_ATTN_BWD_SM90_DQ (0, 1, 2) for A/B runs."""
+    m = os.environ.get("OPFUSE_ATTN_BWD_SM90_DQ", "")
+    if m:
+        if m not in ("0", "1", "2"):
+            raise ValueError(f"OPFUSE_ATTN_BWD_SM90_DQ={m!r}: want 0, 1 or 2")
+        return BY_DQ_MODE[int(m)][d]
+    return DEFAULT[d]
 
 
 def configs(d: int):
@@ -64,7 +87,13 @@ def configs(d: int):
 def smem_bytes(d: int, cfg: BwdSm90Config) -> int:
     """BwdSm90Tile::kSmemBytes."""
     kv, q, stat, ds = BLOCK_N * d * 2, cfg.block_m * d * 2, cfg.block_m * 4, BLOCK_N * cfg.block_m * 2
-    return 2 * kv + 2 * cfg.stages * q + 2 * ds + 2 * cfg.stages * stat + 8 * (1 + 2 * cfg.stages) + 1024
+    own = cfg.dq_mode == 2
+    ds_bufs = 1 if own else 2
+    dq_n = d if own or cfg.block_m == 128 else d // 2  # floats per staged row
+    dq_m64 = cfg.block_m // 64 if own else 1
+    dq_stage = 8 * dq_m64 * 16 * (dq_n * 4 + 32) if cfg.dq_mode else 0
+    return (2 * kv + 2 * cfg.stages * q + ds_bufs * ds + 2 * cfg.stages * stat + dq_stage + 8 * (1 + 2 * cfg.stages)
+            + 1024)
 
 
 def _b(x: bool) -> str:
@@ -75,7 +104,7 @@ def expressions(elem: str, d: int, causal: bool, cfg: BwdSm90Config) -> dict:
     ns = "opfuse_attn::"
     return {
         "preprocess": f"{ns}attention_bwd_preprocess<{ns}{elem}, {d}>",
-        "main": f"{ns}attention_bwd_sm90<{ns}{elem}, {d}, {_b(causal)}, {cfg.block_m}, {cfg.stages}>",
+        "main": f"{ns}attention_bwd_sm90<{ns}{elem}, {d}, {_b(causal)}, {cfg.block_m}, {cfg.stages}, {cfg.dq_mode}>",
         "convert": f"{ns}attention_bwd_dq_convert<{ns}{elem}, {d}>",
     }
 

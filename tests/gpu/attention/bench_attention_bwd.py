@@ -40,13 +40,15 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true", help="also time the backward alone on the variant tiles")
     ap.add_argument("--sm90-variants", action="store_true",
                     help="sm_90: also time the Hopper backward's variant configurations and its early-dV A/B")
+    ap.add_argument("--skip", default="", help="comma-separated implementations not to time (e.g. opfuse:bwd-mma,late-dv)")
     a = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fwd, bwd = ar.AttentionForward(), br.AttentionBackward()
     late = None
-    if a.sm90_variants and bwd.arch.startswith("sm_90"):
+    skip = set(a.skip.split(",")) - {""}
+    if a.sm90_variants and bwd.arch.startswith("sm_90") and "late-dv" not in skip:
         # A/B of the Hopper kernel's early dV issue (BwdSm90Tile::kEarlyDV, on
         # at BLOCK_M = 64): the same kernel compiled with it off.
         import functools
@@ -106,6 +108,7 @@ def main(argv=None):
                         impls[f"opfuse:bwd[{kv_t.tag()}]"] = (
                             lambda kv_t=kv_t, q_t=q_t: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False,
                                                            out=grads, tiles=(kv_t, q_t)), 2.5)
+                impls = {n: x for n, x in impls.items() if n not in skip}
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):

@@ -71,12 +71,16 @@ def test_sass_uses_hgmma_tma_and_no_local_memory(compiled, tmp_path):
     funcs = {f.split()[0]: f for f in re.split(r"Function : ", sass)[1:]}
     for e in compiled["exprs"]:
         f = funcs[compiled["lowered"][e]]
-        # S^T, dP^T: D / 16 steps each; dV, dK: BLOCK_M / 16 each; dQ: 128 / 16.
-        d, bm = (int(x) for x in re.search(r", (\d+), (?:true|false), (\d+),", e).groups())
-        assert f.count("HGMMA.64x") == 2 * (d // 16) + 2 * (bm // 16) + 8, e
+        # S^T, dP^T: D / 16 steps each; dV, dK: BLOCK_M / 16 each; dQ: 128 / 16
+        # (modes 0, 1), or 64 / 16 per m64 block of queries (mode 2, own keys).
+        d, bm, mode = (int(x) for x in re.search(r", (\d+), (?:true|false), (\d+), \d+, (\d)>", e).groups())
+        dq = 8 if mode < 2 else 4 * (bm // 64)
+        assert f.count("HGMMA.64x") == 2 * (d // 16) + 2 * (bm // 16) + dq, e
         assert "tnspA.tnspB" in f and "UTMALDG.4D" in f and "UBLKCP" in f, e
         assert " HMMA" not in f and "LDL" not in f and "STL" not in f, e
-        assert "USETMAXREG" in f and "REDG.E.ADD.F32x2" in f, e
+        assert "USETMAXREG" in f, e
+        # dQ: red.global from registers (mode 0), else bulk reductions from shared memory.
+        assert ("REDG.E.ADD.F32x2" in f) == (mode == 0) and ("UBLKRED" in f) == (mode > 0), e
 
 
 def test_smem_and_tiles_match_the_kernel_limits():
