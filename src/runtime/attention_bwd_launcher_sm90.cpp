@@ -67,7 +67,7 @@ bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
 }  // namespace
 
 std::string AttnBwdSm90Tile::tag() const {
-  static const char* const kSuffix[] = {"", "q", "k"};
+  static const char* const kSuffix[] = {"", "q", "w"};
   return "wgb" + std::to_string(block_m) + "s" + std::to_string(stages) + kSuffix[dq_mode];
 }
 
@@ -82,15 +82,18 @@ namespace {
 AttnBwdSm90Tile tile_of_dq_mode(int head_dim, int mode) {
   if (head_dim != 64 && head_dim != 128)
     throw std::invalid_argument("the sm90 attention backward covers head dims 64 and 128, not " + std::to_string(head_dim));
+  // Mode 2 at D = 64 (BLOCK_M = 128) spills in the consumers: not offered.
+  if (mode == 2 && head_dim == 64) throw std::invalid_argument("dQ mode 2 covers head dim 128 only");
   const int block_m = head_dim == 64 ? 128 : 64;
   return {block_m, mode == 0 && head_dim == 64 ? 3 : 2, mode};
 }
-constexpr int kDefaultDqMode = 2;  // attn_bwd_runtime_sm90.DEFAULT
+// attn_bwd_runtime_sm90.DEFAULT
+int default_dq_mode(int head_dim) { return head_dim == 128 ? 2 : 0; }
 }  // namespace
 
 AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
   const char* v = std::getenv("OPFUSE_ATTN_BWD_SM90_DQ");
-  int mode = kDefaultDqMode;
+  int mode = default_dq_mode(head_dim);
   if (v && *v) {
     const std::string m(v);
     if (m != "0" && m != "1" && m != "2")
@@ -101,20 +104,22 @@ AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
 }
 
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
-  // Mirrors attn_bwd_runtime_sm90.configs: the default, then modes 0 and 1.
-  return {tile_of_dq_mode(head_dim, kDefaultDqMode), tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1)};
+  // Mirrors attn_bwd_runtime_sm90.configs: the default, then the other modes.
+  std::vector<AttnBwdSm90Tile> out{tile_of_dq_mode(head_dim, default_dq_mode(head_dim))};
+  for (int m : {0, 1, 2})
+    if (m != default_dq_mode(head_dim) && !(m == 2 && head_dim == 64)) out.push_back(tile_of_dq_mode(head_dim, m));
+  return out;
 }
 
 int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {
-  // BwdSm90Tile::kSmemBytes: dS^T buffers (one in mode 2), dQ staging (8
-  // warps x rows of floats padded by 32 bytes) in modes 1 and 2.
+  // BwdSm90Tile::kSmemBytes: dQ staging, rows of floats padded by 32 bytes
+  // (mode 1: 8 warps x 16 rows of a consumer's columns; mode 2: the block's
+  // BLOCK_M x D), and in mode 2 two more mbarriers.
   const int kv = kBlockN * d * 2, q = t.block_m * d * 2, stat = t.block_m * 4, ds = kBlockN * t.block_m * 2;
-  const bool own = t.dq_mode == 2;
-  const int ds_bufs = own ? 1 : 2;
-  const int dq_n = own || t.block_m == 128 ? d : d / 2;
-  const int dq_m64 = own ? t.block_m / 64 : 1;
-  const int dq_stage = t.dq_mode ? 8 * dq_m64 * 16 * (dq_n * 4 + 32) : 0;
-  return 2 * kv + 2 * t.stages * q + ds_bufs * ds + 2 * t.stages * stat + dq_stage + 8 * (1 + 2 * t.stages) + 1024;
+  const int dq_n = t.block_m == 128 ? d : d / 2;  // a consumer's dQ columns
+  const int dq_stage = t.dq_mode == 1 ? 8 * 16 * (dq_n * 4 + 32) : t.dq_mode == 2 ? t.block_m * (d * 4 + 32) : 0;
+  const int bars = 1 + 2 * t.stages + (t.dq_mode == 2 ? 2 : 0);
+  return 2 * kv + 2 * t.stages * q + 2 * ds + 2 * t.stages * stat + dq_stage + 8 * bars + 1024;
 }
 
 std::vector<std::string> attn_bwd_sm90_name_expressions(AttnElem e, int d, bool causal, const AttnBwdSm90Tile& t) {

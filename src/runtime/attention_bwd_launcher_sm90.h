@@ -17,8 +17,9 @@ namespace opfuse::attention {
 
 // BLOCK_M query rows per step (the CTA owns 128 keys), a `stages`-deep ring
 // of Q / dO / LSE2 / Delta, how dQ is added (the kernel's DQ_MODE: 0 red.global,
-// 1 staged + bulk reductions, 2 a partial dQ per consumer over its own keys +
-// bulk reductions). Tag form "wgb64s2" (mode 0), "wgb64s2q" (1), "wgb64s2k" (2).
+// 1 staged per warp + bulk reductions from the consumer lanes, 2 staged per
+// block + bulk reductions from a writer thread). Tag form "wgb64s2" (mode 0),
+// "wgb64s2q" (1), "wgb64s2w" (2).
 struct AttnBwdSm90Tile {
   int block_m = 64, stages = 2, dq_mode = 0;
   std::string tag() const;

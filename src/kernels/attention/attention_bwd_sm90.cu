@@ -111,12 +111,14 @@ __device__ __forceinline__ void wgmma_ss_tt<f16, 128>(float (&d)[64], u64 da, u6
 //    lanes add them with one cp.reduce.async.bulk (.add.f32) per row: the
 //    copy engine and L2 do the additions, the consumers issue 16 bulk ops
 //    per warp instead of 16 RED per thread;
-// 2: the consumers never meet: each computes a partial dQ over its own 64
-//    keys (all of D, m64nD from its own dS^T rows and K rows) and adds it
-//    with bulk reductions as 1; twice the reduction bytes, but no barrier
-//    between the consumers, whose softmax / dS phases may then drift apart
-//    and overlap the other's tensor work, and dQ reads half the dS^T.
-enum { kDqRed = 0, kDqBulk = 1, kDqOwnKeys = 2 };
+// 2: the consumers store their dQ into one shared BLOCK_M x D tile and arrive
+//    on an mbarrier; a writer thread of the producer warpgroup adds the tile
+//    to global memory with one bulk reduction per row and frees it (another
+//    mbarrier) once the copy engine has read it. The consumers' tail is 16
+//    (or 32) st.shared and an arrive, instead of the RED issue (throttled by
+//    the LSU queue, and holding the address registers that the next block's
+//    first instructions wait for: ncu at 1172345) or a per-lane bulk loop.
+enum { kDqRed = 0, kDqBulk = 1, kDqWriter = 2 };
 
 template <int HEAD_DIM, int BLOCK_M, int STAGES, int DQ_MODE = kDqRed>
 struct BwdSm90Tile {
@@ -128,24 +130,22 @@ struct BwdSm90Tile {
   static constexpr int kQBytes = BLOCK_M * HEAD_DIM * 2;   // one of Q, dO (per stage)
   static constexpr int kStatBytes = BLOCK_M * 4;           // one of LSE2, Delta (per stage)
   static constexpr int kDSBytes = kBlockN * BLOCK_M * 2;   // one dS^T buffer
-  static constexpr bool kOwnKeys = DQ_MODE == kDqOwnKeys;
   static constexpr bool kDqStaged = DQ_MODE != kDqRed;
-  // Both consumers read each dS^T buffer (modes 0, 1): two, so that one
-  // barrier per block suffices. Mode 2: a consumer reads only its own rows,
-  // after its own warpgroup barrier, and has waited for that read before it
-  // writes the next block's: one.
-  static constexpr int kDSBufs = kOwnKeys ? 1 : 2;
-  // dQ split between the consumers (modes 0, 1): query rows when there are
-  // 128, else D columns. Mode 2: each consumer the whole BLOCK_M x D block.
+  static constexpr bool kDqWriterThread = DQ_MODE == kDqWriter;
+  // Both consumers read each dS^T buffer: two, so that one barrier per block
+  // suffices.
+  static constexpr int kDSBufs = 2;
+  // dQ split between the consumers: query rows when there are 128, else D columns.
   static constexpr bool kDqSplitRows = BLOCK_M == 64 * kConsumers;
-  static constexpr int kDqN = kOwnKeys ? HEAD_DIM : kDqSplitRows ? HEAD_DIM : HEAD_DIM / kConsumers;
-  static constexpr int kDqM64 = kOwnKeys ? BLOCK_M / 64 : 1;  // m64 dQ products per consumer
-  // dQ staging (modes 1, 2): each of the 8 consumer warps owns kDqM64 x 16
-  // rows of kDqN floats, rows padded by 32 bytes so that the v2 stores of a
-  // warp (8 rows x 32 bytes) touch every bank twice, the minimum.
-  static constexpr int kDqRowBytes = kDqN * 4 + 32;
-  static constexpr int kDqWarpBytes = kDqM64 * 16 * kDqRowBytes;
-  static constexpr int kDqStageBytes = kDqStaged ? 4 * kConsumers * kDqWarpBytes : 0;
+  static constexpr int kDqN = kDqSplitRows ? HEAD_DIM : HEAD_DIM / kConsumers;
+  // dQ staging, rows padded by 32 bytes so that the v2 stores of a warp (8
+  // rows x 32 bytes) touch every bank twice, the minimum. Mode 1: each of the
+  // 8 consumer warps owns 16 rows of its kDqN columns. Mode 2: the block's
+  // BLOCK_M rows of HEAD_DIM floats (both consumers' parts side by side).
+  static constexpr int kDqRowBytes = (kDqWriterThread ? HEAD_DIM : kDqN) * 4 + 32;
+  static constexpr int kDqWarpBytes = 16 * kDqRowBytes;
+  static constexpr int kDqStageBytes =
+      DQ_MODE == kDqBulk ? 4 * kConsumers * kDqWarpBytes : DQ_MODE == kDqWriter ? BLOCK_M * kDqRowBytes : 0;
   // smem (from a 1024-byte aligned base):
   // K | V | Q[STAGES] | dO[STAGES] | dS^T[kDSBufs] | LSE2[STAGES] | Delta[STAGES] | dQ staging | barriers
   static constexpr int kOffK = 0;
@@ -157,10 +157,13 @@ struct BwdSm90Tile {
   static constexpr int kOffD = kOffL + STAGES * kStatBytes;
   static constexpr int kOffDQ = kOffD + STAGES * kStatBytes;
   static constexpr int kOffBar = kOffDQ + kDqStageBytes;
-  static constexpr int kBarBytes = 8 * (1 + 2 * STAGES);
+  // K/V, full[STAGES], empty[STAGES], then (mode 2) dq_full, dq_empty.
+  static constexpr int kBarBytes = 8 * (1 + 2 * STAGES + (kDqWriterThread ? 2 : 0));
   static constexpr int kSmemBytes = kOffBar + kBarBytes + 1024;  // + 1024 to align the base by hand
   static constexpr int kLimit = 227 * 1024;
-  static constexpr int kProducerRegs = 24;
+  // The dQ writer (mode 2) keeps more loop state than the loads alone:
+  // 32 x 128 + 240 x 256 is still the whole register file.
+  static constexpr int kProducerRegs = kDqWriterThread ? 32 : 24;
   static constexpr int kConsumerRegs = 240;
   // Issue dV += P^T dO as soon as P^T is packed, before dP^T is waited for,
   // so that the tensor cores work while dS^T is computed. Needs the 16-bit
@@ -174,7 +177,7 @@ struct BwdSm90Tile {
   // float32 registers: dK, dV (HEAD_DIM / 2 each), S^T and dP^T (BLOCK_M / 2 each).
   static_assert(HEAD_DIM + BLOCK_M <= 192, "accumulators would not fit in 240 registers");
   static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
-  static_assert(DQ_MODE >= kDqRed && DQ_MODE <= kDqOwnKeys, "DQ_MODE 0, 1 or 2");
+  static_assert(DQ_MODE >= kDqRed && DQ_MODE <= kDqWriter, "DQ_MODE 0, 1 or 2");
   static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
 };
 
@@ -204,6 +207,7 @@ __global__ void __launch_bounds__(384, 1)
   const u32 bar_kv = smem + Tile::kOffBar;
   const u32 bar_full = bar_kv + 8;              // [STAGES]
   const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
+  const u32 bar_dq_full = bar_empty + 8 * STAGES, bar_dq_empty = bar_dq_full + 8;  // mode 2
 
   const int tid = threadIdx.x;
   const int warpgroup = tid / 128;
@@ -237,6 +241,10 @@ __global__ void __launch_bounds__(384, 1)
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar_full + 8 * s, 1);
       mbar_init(bar_empty + 8 * s, 4 * Tile::kConsumers);  // one arrival per consumer warp
+    }
+    if (Tile::kDqWriterThread) {
+      mbar_init(bar_dq_full, 4 * Tile::kConsumers);  // every consumer warp stored its dQ rows
+      mbar_init(bar_dq_empty, 1);                   // the writer's reductions have read the tile
     }
     fence_mbar_init();
   }
@@ -276,6 +284,26 @@ __global__ void __launch_bounds__(384, 1)
         bulk_load(sD0 + s * Tile::kStatBytes, p.delta + ws, Tile::kStatBytes, full);
       }
     }
+    if constexpr (Tile::kDqWriterThread) {
+      // The dQ writer (mode 2): per block, once all consumer warps stored
+      // their rows, one bulk reduction per row into the float32 accumulator
+      // (rows of Sq_pad per (b, h): all in bounds), then the tile is free
+      // again as soon as the copy engine has read it.
+      if (tid == 32 && n_iters > 0) {
+        for (int it = 0; it < n_iters; ++it) {
+          const int head = head_kv * G + it / per_head;
+          const int m0 = (m_first + it % per_head) * BLOCK_M;
+          mbar_wait(bar_dq_full, it & 1);
+          float* dqa = p.dq_accum + (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0) * HEAD_DIM;
+#pragma unroll 1
+          for (int r = 0; r < BLOCK_M; ++r) bulk_reduce_add_f32(dqa + r * HEAD_DIM, sDQ + r * Tile::kDqRowBytes, HEAD_DIM * 4);
+          bulk_commit();
+          bulk_wait_read_all();
+          mbar_arrive(bar_dq_empty);
+        }
+        bulk_wait_all();  // complete before the CTA (and its shared memory) goes
+      }
+    }
   } else {
     // ------------------------------ consumers -----------------------------
     setmaxnreg_inc<Tile::kConsumerRegs>();
@@ -301,7 +329,7 @@ __global__ void __launch_bounds__(384, 1)
       const int s = it % STAGES;
       const u32 sQ = sQ0 + s * Tile::kQBytes, sdO = sdO0 + s * Tile::kQBytes;
       const u32 sL = sL0 + s * Tile::kStatBytes, sD = sD0 + s * Tile::kStatBytes;
-      const u32 sdS = sdS0 + (Tile::kDSBufs == 2 ? (it & 1) * Tile::kDSBytes : 0);
+      const u32 sdS = sdS0 + (it & 1) * Tile::kDSBytes;
       mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
       // Thread coordinates recomputed from an opaque %tid.x every block
       // instead of being kept live across the loop (ptxas spilled them).
@@ -317,18 +345,13 @@ __global__ void __launch_bounds__(384, 1)
       };
       auto kmaj_b = [&](u32 tile, int ks) { return make_desc(tile + (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32, 16, 1024); };
       auto nmaj_q = [&](u32 tile, int kk) { return make_desc(tile + kk * 16 * 128, BLOCK_M * 128, 1024); };
-      // Modes 0, 1: kk runs over all 128 keys, consumer w takes its D chunk or
-      // its query rows. Mode 2: kk runs over the consumer's own 64 keys, all
-      // of D, query chunk qc (of kDqM64).
-      constexpr int kDqChunk = !Tile::kOwnKeys && !Tile::kDqSplitRows ? 1 : 0;  // consumer w's 64 columns of K
-      constexpr int kKeyOff = Tile::kOwnKeys ? 64 * 128 : 0;                      // consumer w's key rows
+      constexpr int kDqChunk = Tile::kDqSplitRows ? 0 : 1;  // consumer w's 64-column chunk of K (split by D)
       auto nmaj_k = [&](int kk) {
-        return make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kKeyOff * wg + kk * 16 * 128, BLOCK_N * 128, 1024);
+        return make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
       };
-      constexpr int kDqRows = !Tile::kOwnKeys && Tile::kDqSplitRows ? 1 : 0;  // consumer w's 64 query rows
-      auto mmaj_ds = [&](u32 tile, int qc, int kk) {
-        return make_desc(tile + (kDqRows * wg + qc) * BLOCK_N * 128 + kKeyOff * wg + kk * 16 * 128, BLOCK_N * 128,
-                         1024);
+      constexpr int kDqRows = Tile::kDqSplitRows ? 1 : 0;  // consumer w's 64 query rows (split by rows)
+      auto mmaj_ds = [&](u32 tile, int kk) {
+        return make_desc(tile + kDqRows * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
       };
 
       float acc_s[kNS], acc_dp[kNS];
@@ -408,10 +431,6 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) ds_frag[kk][i] = pack2<Elem>(acc_dp[8 * kk + 2 * i], acc_dp[8 * kk + 2 * i + 1]);
 
-      // Mode 2 (one dS^T buffer): every warp of this warpgroup has waited for
-      // its slice of the previous block's dQ, which read all the warpgroup's
-      // dS^T rows (each warp tracks only its own wgmma slice).
-      if constexpr (Tile::kOwnKeys) named_bar_sync(2 + wg, 128);
       // dS^T rows of this consumer into the shared tile, in the TMA's layout
       // (64-query chunks of [128 keys][128 bytes], 16-byte chunk c of row r at
       // c ^ (r % 8)): the 8 rows of a store hit different banks.
@@ -432,28 +451,15 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < BLOCK_M / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_dk, ds_frag[kk], nmaj_q(sQ, kk), 1);
       wgmma_commit();
 
-      float acc_dq[Tile::kDqM64][kNQ];
-      if constexpr (Tile::kOwnKeys) {
-        // This warpgroup's dS^T rows are in shared memory.
-        named_bar_sync(2 + wg, 128);
-        wgmma_fence();
+      // Both consumers' dS^T rows are in shared memory.
+      named_bar_sync(1, 128 * Tile::kConsumers);
+      float acc_dq[kNQ];
+      wgmma_fence();
 #pragma unroll
-        for (int qc = 0; qc < Tile::kDqM64; ++qc)
-#pragma unroll
-          for (int kk = 0; kk < 64 / 16; ++kk)
-            wgmma_ss_tt<Elem, Tile::kDqN>(acc_dq[qc], mmaj_ds(sdS, qc, kk), nmaj_k(kk), kk > 0);
-      } else {
-        // Both consumers' dS^T rows are in shared memory.
-        named_bar_sync(1, 128 * Tile::kConsumers);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-          wgmma_ss_tt<Elem, Tile::kDqN>(acc_dq[0], mmaj_ds(sdS, 0, kk), nmaj_k(kk), kk > 0);
-      }
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_ss_tt<Elem, Tile::kDqN>(acc_dq, mmaj_ds(sdS, kk), nmaj_k(kk), kk > 0);
       wgmma_commit();
       wgmma_wait<0>();
-#pragma unroll
-      for (int qc = 0; qc < Tile::kDqM64; ++qc) fence_regs(acc_dq[qc]);
+      fence_regs(acc_dq);
       fence_regs(acc_dk);
       fence_regs(acc_dv);
       // This warp no longer reads the stage (Q, dO, LSE2, Delta).
@@ -462,28 +468,42 @@ __global__ void __launch_bounds__(384, 1)
 
       // dQ accumulator rows of Sq_pad per (b, h): every row of the block is in
       // bounds (rows past Sq add zeros).
-      const int dq_row0 = !Tile::kOwnKeys && Tile::kDqSplitRows ? wg * 64 : 0;
-      const int dq_col0 = !Tile::kOwnKeys && !Tile::kDqSplitRows ? wg * Tile::kDqN : 0;
+      const int dq_row0 = Tile::kDqSplitRows ? wg * 64 : 0;
+      const int dq_col0 = Tile::kDqSplitRows ? 0 : wg * Tile::kDqN;
+      if constexpr (Tile::kDqWriterThread) {
+        // Into the block's staging tile once the writer has read the previous one.
+        mbar_wait(bar_dq_empty, (it & 1) ^ 1);
+#pragma unroll
+        for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            st_shared_f32x2(sDQ + (dq_row0 + r0 + 8 * h) * Tile::kDqRowBytes + (dq_col0 + 8 * j + c0) * 4,
+                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+        fence_proxy_async_smem();
+        syncwarp();
+        if (lane == 0) mbar_arrive(bar_dq_full);
+        continue;
+      }
+      // dQ accumulator rows of Sq_pad per (b, h): every row of the block is in
+      // bounds (rows past Sq add zeros).
       float* dqa = p.dq_accum + (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0 + dq_row0) * HEAD_DIM + dq_col0;
       if constexpr (Tile::kDqStaged) {
-        // This warp's rows: 16 of each m64 product (row r0 + 8 h - 16 w_in_wg).
+        // This warp's 16 rows (r0 + 8 h - 16 w_in_wg), one bulk reduction per row.
         const int w_in_wg = (t_o / 32) & 3;
         const u32 stage = sDQ + (wg * 4 + w_in_wg) * Tile::kDqWarpBytes;
         bulk_wait_read_all();  // this lane's reductions of the previous block have read the staging rows
         syncwarp();
 #pragma unroll
-        for (int qc = 0; qc < Tile::kDqM64; ++qc)
+        for (int j = 0; j < Tile::kDqN / 8; ++j)
 #pragma unroll
-          for (int j = 0; j < Tile::kDqN / 8; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-              st_shared_f32x2(stage + (qc * 16 + (lane >> 2) + 8 * h) * Tile::kDqRowBytes + (8 * j + c0) * 4,
-                              acc_dq[qc][4 * j + 2 * h], acc_dq[qc][4 * j + 2 * h + 1]);
+          for (int h = 0; h < 2; ++h)
+            st_shared_f32x2(stage + ((lane >> 2) + 8 * h) * Tile::kDqRowBytes + (8 * j + c0) * 4,
+                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
         fence_proxy_async_smem();
         syncwarp();
-        if (lane < 16 * Tile::kDqM64) {
-          const int qc = lane / 16, row = qc * 64 + w_in_wg * 16 + lane % 16;
-          bulk_reduce_add_f32(dqa + row * HEAD_DIM, stage + lane * Tile::kDqRowBytes, Tile::kDqN * 4);
+        if (lane < 16) {
+          bulk_reduce_add_f32(dqa + (w_in_wg * 16 + lane) * HEAD_DIM, stage + lane * Tile::kDqRowBytes,
+                              Tile::kDqN * 4);
           bulk_commit();
         }
       } else {
@@ -491,12 +511,12 @@ __global__ void __launch_bounds__(384, 1)
         for (int j = 0; j < Tile::kDqN / 8; ++j)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            red_add_f32x2(dqa + (r0 + 8 * h) * HEAD_DIM + 8 * j + c0, acc_dq[0][4 * j + 2 * h],
-                          acc_dq[0][4 * j + 2 * h + 1]);
+            red_add_f32x2(dqa + (r0 + 8 * h) * HEAD_DIM + 8 * j + c0, acc_dq[4 * j + 2 * h],
+                          acc_dq[4 * j + 2 * h + 1]);
       }
     }
     // The staging rows must stay valid until the copy engine has read them.
-    if constexpr (Tile::kDqStaged) bulk_wait_all();
+    if constexpr (DQ_MODE == kDqBulk) bulk_wait_all();
 
     // ---- epilogue: dK = scale * acc, dV (zeros when no query sees the block) ----
     const float scale = p.softmax_scale;

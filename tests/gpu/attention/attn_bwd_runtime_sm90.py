@@ -34,9 +34,10 @@ def source() -> str:
 
 
 # DQ_MODE of the kernel (attention_bwd_sm90.cu): 0 red.global from registers,
-# 1 staged in shared memory + bulk reductions, 2 each consumer a partial dQ
-# over its own keys + bulk reductions (no barrier between the consumers).
-DQ_SUFFIX = {0: "", 1: "q", 2: "k"}
+# 1 staged per warp in shared memory + per-row bulk reductions issued by the
+# consumer lanes, 2 staged per block + bulk reductions by a writer thread of
+# the producer warpgroup.
+DQ_SUFFIX = {0: "", 1: "q", 2: "w"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +51,9 @@ class BwdSm90Config:
 
     @staticmethod
     def parse(tag: str) -> "BwdSm90Config":
-        m = re.fullmatch(r"wgb(\d+)s(\d+)([qk]?)", tag)
+        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)", tag)
         if not m:
-            raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2k)")
+            raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2w)")
         mode = {v: k for k, v in DQ_SUFFIX.items()}[m.group(3)]
         return BwdSm90Config(int(m.group(1)), int(m.group(2)), mode)
 
@@ -62,12 +63,15 @@ class BwdSm90Config:
 # was 1-3% faster than 2 in all 8 cases of the H200 run at 55cc746 with dQ by
 # red.global (mode 0); at D = 128 3 was no faster (0 to -9%). Modes 1 and 2
 # stage dQ in shared memory, which leaves room for 2 stages only at D = 64.
+# (Mode 2 was, at 1172345, a partial dQ per consumer over its own keys: 18%
+# slower at D = 64, wgmma serialised at D = 128; replaced.)
 # docs/attention.md, "Hopper backward".
+# Mode 2 at D = 64 (BLOCK_M = 128) spills 8 bytes in the consumers: D = 128 only.
 BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
               1: {64: BwdSm90Config(128, 2, 1), 128: BwdSm90Config(64, 2, 1)},
-              2: {64: BwdSm90Config(128, 2, 2), 128: BwdSm90Config(64, 2, 2)}}
-DEFAULT = dict(BY_DQ_MODE[2])
-VARIANTS = {d: [BY_DQ_MODE[m][d] for m in (0, 1)] for d in HEAD_DIMS}
+              2: {128: BwdSm90Config(64, 2, 2)}}
+DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[2][128]}
+VARIANTS = {64: [BY_DQ_MODE[1][64]], 128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128]]}
 
 
 def default(d: int) -> BwdSm90Config:
@@ -76,6 +80,8 @@ def default(d: int) -> BwdSm90Config:
     if m:
         if m not in ("0", "1", "2"):
             raise ValueError(f"OPFUSE_ATTN_BWD_SM90_DQ={m!r}: want 0, 1 or 2")
+        if d not in BY_DQ_MODE[int(m)]:
+            raise ValueError(f"OPFUSE_ATTN_BWD_SM90_DQ={m}: no such tile at head dim {d}")
         return BY_DQ_MODE[int(m)][d]
     return DEFAULT[d]
 
@@ -87,13 +93,10 @@ def configs(d: int):
 def smem_bytes(d: int, cfg: BwdSm90Config) -> int:
     """BwdSm90Tile::kSmemBytes."""
     kv, q, stat, ds = BLOCK_N * d * 2, cfg.block_m * d * 2, cfg.block_m * 4, BLOCK_N * cfg.block_m * 2
-    own = cfg.dq_mode == 2
-    ds_bufs = 1 if own else 2
-    dq_n = d if own or cfg.block_m == 128 else d // 2  # floats per staged row
-    dq_m64 = cfg.block_m // 64 if own else 1
-    dq_stage = 8 * dq_m64 * 16 * (dq_n * 4 + 32) if cfg.dq_mode else 0
-    return (2 * kv + 2 * cfg.stages * q + ds_bufs * ds + 2 * cfg.stages * stat + dq_stage + 8 * (1 + 2 * cfg.stages)
-            + 1024)
+    dq_n = d if cfg.block_m == 128 else d // 2  # a consumer's dQ columns
+    dq_stage = {0: 0, 1: 8 * 16 * (dq_n * 4 + 32), 2: cfg.block_m * (d * 4 + 32)}[cfg.dq_mode]
+    bars = 1 + 2 * cfg.stages + (2 if cfg.dq_mode == 2 else 0)
+    return 2 * kv + 2 * cfg.stages * q + 2 * ds + 2 * cfg.stages * stat + dq_stage + 8 * bars + 1024
 
 
 def _b(x: bool) -> str:

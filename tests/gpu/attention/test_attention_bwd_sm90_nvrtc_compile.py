@@ -41,7 +41,9 @@ def compiled():
 
 def test_every_instantiation_compiles_without_spills(compiled):
     c = compiled
-    warnings = [l for l in c["log"].splitlines() if "ptxas" in l.lower() and "warning" in l.lower()]
+    # ptxas reports serialised wgmma (C7512 and kin) as "info": as bad as a warning here.
+    warnings = [l for l in c["log"].splitlines()
+                if "ptxas" in l.lower() and ("warning" in l.lower() or "performance loss" in l.lower())]
     assert not warnings, "\n".join(warnings[:20])
     problems = []
     print(f"\nsm_90a: {'instantiation':76} regs stack spill_st spill_ld smem")
@@ -71,11 +73,9 @@ def test_sass_uses_hgmma_tma_and_no_local_memory(compiled, tmp_path):
     funcs = {f.split()[0]: f for f in re.split(r"Function : ", sass)[1:]}
     for e in compiled["exprs"]:
         f = funcs[compiled["lowered"][e]]
-        # S^T, dP^T: D / 16 steps each; dV, dK: BLOCK_M / 16 each; dQ: 128 / 16
-        # (modes 0, 1), or 64 / 16 per m64 block of queries (mode 2, own keys).
+        # S^T, dP^T: D / 16 steps each; dV, dK: BLOCK_M / 16 each; dQ: 128 / 16.
         d, bm, mode = (int(x) for x in re.search(r", (\d+), (?:true|false), (\d+), \d+, (\d)>", e).groups())
-        dq = 8 if mode < 2 else 4 * (bm // 64)
-        assert f.count("HGMMA.64x") == 2 * (d // 16) + 2 * (bm // 16) + dq, e
+        assert f.count("HGMMA.64x") == 2 * (d // 16) + 2 * (bm // 16) + 8, e
         assert "tnspA.tnspB" in f and "UTMALDG.4D" in f and "UBLKCP" in f, e
         assert " HMMA" not in f and "LDL" not in f and "STL" not in f, e
         assert "USETMAXREG" in f, e
