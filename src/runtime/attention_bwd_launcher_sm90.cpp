@@ -82,8 +82,8 @@ namespace {
 AttnBwdSm90Tile tile_of_dq_mode(int head_dim, int mode) {
   if (head_dim != 64 && head_dim != 128)
     throw std::invalid_argument("the sm90 attention backward covers head dims 64 and 128, not " + std::to_string(head_dim));
-  // Mode 2 at D = 64 (BLOCK_M = 128) spills in the consumers: not offered.
-  if (mode == 2 && head_dim == 64) throw std::invalid_argument("dQ mode 2 covers head dim 128 only");
+  // Modes 1 and 2 at D = 64 (BLOCK_M = 128) spill in the consumers: not offered.
+  if (mode != 0 && head_dim == 64) throw std::invalid_argument("dQ modes 1 and 2 cover head dim 128 only");
   const int block_m = head_dim == 64 ? 128 : 64;
   return {block_m, mode == 0 && head_dim == 64 ? 3 : 2, mode};
 }
@@ -105,10 +105,8 @@ AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
 
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
   // Mirrors attn_bwd_runtime_sm90.configs: the default, then the other modes.
-  std::vector<AttnBwdSm90Tile> out{tile_of_dq_mode(head_dim, default_dq_mode(head_dim))};
-  for (int m : {0, 1, 2})
-    if (m != default_dq_mode(head_dim) && !(m == 2 && head_dim == 64)) out.push_back(tile_of_dq_mode(head_dim, m));
-  return out;
+  if (head_dim == 64) return {tile_of_dq_mode(64, 0), {128, 2, 0}};
+  return {tile_of_dq_mode(head_dim, 2), tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1)};
 }
 
 int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {

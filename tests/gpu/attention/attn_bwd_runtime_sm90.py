@@ -66,12 +66,14 @@ class BwdSm90Config:
 # (Mode 2 was, at 1172345, a partial dQ per consumer over its own keys: 18%
 # slower at D = 64, wgmma serialised at D = 128; replaced.)
 # docs/attention.md, "Hopper backward".
-# Mode 2 at D = 64 (BLOCK_M = 128) spills 8 bytes in the consumers: D = 128 only.
+# Modes 1 and 2 at D = 64 (BLOCK_M = 128) spill 8 bytes in the consumers
+# (causal; mode 1 was spill-free and 0-2.5% faster than mode 0 at 1172345,
+# before mode 2's writer was added): D = 128 only.
 BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
-              1: {64: BwdSm90Config(128, 2, 1), 128: BwdSm90Config(64, 2, 1)},
+              1: {128: BwdSm90Config(64, 2, 1)},
               2: {128: BwdSm90Config(64, 2, 2)}}
 DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[2][128]}
-VARIANTS = {64: [BY_DQ_MODE[1][64]], 128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128]]}
+VARIANTS = {64: [BwdSm90Config(128, 2, 0)], 128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128]]}
 
 
 def default(d: int) -> BwdSm90Config:
