@@ -88,7 +88,7 @@ AttnBwdSm90Tile tile_of_dq_mode(int head_dim, int mode) {
   return {block_m, mode == 0 && head_dim == 64 ? 3 : 2, mode};
 }
 // attn_bwd_runtime_sm90.DEFAULT
-int default_dq_mode(int head_dim) { return head_dim == 128 ? 2 : 0; }
+int default_dq_mode(int) { return 0; }
 }  // namespace
 
 AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
@@ -106,7 +106,7 @@ AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
   // Mirrors attn_bwd_runtime_sm90.configs: the default, then the other modes.
   if (head_dim == 64) return {tile_of_dq_mode(64, 0), {128, 2, 0}};
-  return {tile_of_dq_mode(head_dim, 2), tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1)};
+  return {tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1), tile_of_dq_mode(head_dim, 2)};
 }
 
 int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {

@@ -43,8 +43,10 @@
 //   overflows for very negative scores); TMA zero-fills rows past Sq / Sk,
 //   whose LSE2 = +inf (preprocess) gives P = 0.
 //
-// Entry point: attention_bwd_sm90<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_M, STAGES>,
-// HEAD_DIM 64 (BLOCK_M 128) or 128 (BLOCK_M 64). Launch: grid
+// (DQ_MODE 1 and 2 replace the red.global step: see BwdSm90Tile.)
+//
+// Entry point: attention_bwd_sm90<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_M, STAGES, DQ_MODE>,
+// HEAD_DIM 64 (BLOCK_M 128) or 128 (BLOCK_M 64), DQ_MODE 0-2. Launch: grid
 // (ceil(Sk / 128), Hkv, B), 384 threads, dynamic shared memory
 // BwdSm90Tile<...>::kSmemBytes (raise the attribute first), five arguments:
 // AttnBwdParams by value and the tensor maps of Q, K, V and dO (CUtensorMap,
@@ -161,9 +163,11 @@ struct BwdSm90Tile {
   static constexpr int kBarBytes = 8 * (1 + 2 * STAGES + (kDqWriterThread ? 2 : 0));
   static constexpr int kSmemBytes = kOffBar + kBarBytes + 1024;  // + 1024 to align the base by hand
   static constexpr int kLimit = 227 * 1024;
-  // The dQ writer (mode 2) keeps more loop state than the loads alone:
-  // 32 x 128 + 240 x 256 is still the whole register file.
-  static constexpr int kProducerRegs = kDqWriterThread ? 32 : 24;
+  // 24 x 128 + 240 x 256 = 168 x 384, the registers the CTA is launched
+  // with: setmaxnreg.inc waits until the pool can serve it, so the sum must
+  // not exceed the launch allocation (32 for the producer, tried for the dQ
+  // writer of mode 2, hung every launch on the H200 at 048c6f4).
+  static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   // Issue dV += P^T dO as soon as P^T is packed, before dP^T is waited for,
   // so that the tensor cores work while dS^T is computed. Needs the 16-bit

@@ -72,8 +72,10 @@ class BwdSm90Config:
 BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
               1: {128: BwdSm90Config(64, 2, 1)},
               2: {128: BwdSm90Config(64, 2, 2)}}
-DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[2][128]}
-VARIANTS = {64: [BwdSm90Config(128, 2, 0)], 128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128]]}
+# Defaults: mode 0 (measured best at 1172345; mode 1 equal within 1%). Mode 2
+# has not run yet: its first build hung on the register pool (fixed since).
+DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[0][128]}
+VARIANTS = {64: [BwdSm90Config(128, 2, 0)], 128: [BY_DQ_MODE[1][128], BY_DQ_MODE[2][128]]}
 
 
 def default(d: int) -> BwdSm90Config:
