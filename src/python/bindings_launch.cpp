@@ -68,9 +68,20 @@ void* as_pointer(PyObject* v) {
 }
 
 // A tensor's t.data_ptr(), called from here (no Python loop around it).
+// For a plain torch.Tensor (every output, most inputs) the method
+// descriptor is called directly, without the attribute lookup per call;
+// a subclass gets the lookup, so an override of data_ptr is respected.
 void* data_ptr_of(PyObject* tensor) {
   static PyObject* name = PyUnicode_InternFromString("data_ptr");
-  PyObject* r = PyObject_CallMethodNoArgs(tensor, name);
+  static PyTypeObject* tensor_type = nullptr;
+  static PyObject* method = nullptr;
+  if (!tensor_type) {
+    nb::object t = nb::module_::import_("torch").attr("Tensor");
+    method = nb::getattr(t, "data_ptr").release().ptr();  // kept for the process, as the type is
+    tensor_type = reinterpret_cast<PyTypeObject*>(t.release().ptr());
+  }
+  PyObject* r = Py_TYPE(tensor) == tensor_type ? PyObject_Vectorcall(method, &tensor, 1, nullptr)
+                                               : PyObject_CallMethodNoArgs(tensor, name);
   if (!r) throw nb::python_error();
   void* p = PyLong_AsVoidPtr(r);
   Py_DECREF(r);

@@ -105,25 +105,24 @@ def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls:
     """Host us (median, min) per layer for one graph, and its kernel count."""
     torch._dynamo.reset()
     compiled_fn = torch.compile(fn, backend="opfuse")
-    with torch.no_grad():
-        compiled_fn(*args)
-        part, part_args = _find_partition(compiled_fn, args)
-        tensors = [part_args[i] for i in part.tensor_positions]
-        layout = part.layout_of(tensors)
-        if layout is None or part.num_library_calls:
-            raise RuntimeError("the launch bench needs a partition without library calls, prepared for its inputs")
-        outs = [torch.empty_strided(size, stride, dtype=dt, device=device) for size, stride, dt in layout.out_specs]
-        ptrs = [t.data_ptr() for t in tensors] + [o.data_ptr() for o in outs]
-        stream = torch.cuda.current_stream(device).cuda_stream if part.cuda else 0
-        a, b = args[0], args[1]
-        # Checked once here, so that a layer that went wrong is not timed as fast.
-        torch.testing.assert_close(compiled_fn(*args), fn(*args))
-        results = {
-            "torch.compile": _host_us(lambda: compiled_fn(*args), device, batches, calls),
-            "partition": _host_us(lambda: part(*part_args), device, batches, calls),
-            "run": _host_us(lambda: layout.prepared.launch(ptrs, stream), device, batches, calls),
-            "eager add": _host_us(lambda: torch.add(a, b), device, batches, calls),
-        }
+    compiled_fn(*args)
+    part, part_args = _find_partition(compiled_fn, args)
+    tensors = [part_args[i] for i in part.tensor_positions]
+    layout = part.layout_of(tensors)
+    if layout is None or part.num_library_calls:
+        raise RuntimeError("the launch bench needs a partition without library calls, prepared for its inputs")
+    outs = [torch.empty_strided(size, stride, dtype=dt, device=device) for size, stride, dt in layout.out_specs]
+    ptrs = [t.data_ptr() for t in tensors] + [o.data_ptr() for o in outs]
+    stream = torch.cuda.current_stream(device).cuda_stream if part.cuda else 0
+    a, b = args[0], args[1]
+    # Checked once here, so that a layer that went wrong is not timed as fast.
+    torch.testing.assert_close(compiled_fn(*args), fn(*args))
+    results = {
+        "torch.compile": _host_us(lambda: compiled_fn(*args), device, batches, calls),
+        "partition": _host_us(lambda: part(*part_args), device, batches, calls),
+        "run": _host_us(lambda: layout.prepared.launch(ptrs, stream), device, batches, calls),
+        "eager add": _host_us(lambda: torch.add(a, b), device, batches, calls),
+    }
     return {"layers": results, "kernels": part.num_kernels}
 
 
