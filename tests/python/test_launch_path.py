@@ -472,3 +472,22 @@ def test_other_current_device():
         torch.testing.assert_close(part(x, b1, b2), chain(x, b1, b2))
         torch.testing.assert_close(ops.softmax(x, -1), torch.softmax(x, -1))
     torch.cuda.synchronize(1)
+
+
+def test_launch_bench_reports_every_layer_per_kernel(capsys):
+    """`opfuse bench --suite launch` (quick) on the CPU: both graphs, every
+    layer, per call and per fused kernel, in records that pass the schema."""
+    from opfuse.bench import launch, records
+
+    info = records.run_info(torch.device("cpu"))
+    recs = launch.run_launch_suite(torch.device("cpu"), info, quick=True)
+    for r in recs:
+        records.validate_record(r)
+    got = {(r["case"], r["impl"]): r for r in recs}
+    assert set(got) == {(f"{g}-host", layer) for g in launch.graphs(torch.device("cpu")) for layer in launch.LAYERS}
+    assert got[("chain-4K-host", "partition")]["kernels"] == 1
+    multi = got[("multi-64x64-host", "partition")]
+    assert multi["kernels"] >= 2
+    assert multi["host_us_per_kernel"] == pytest.approx(multi["host_us"] / multi["kernels"])
+    assert all(r["host_us"] > 0 and r["host_us_min"] <= r["host_us"] for r in recs)
+    assert "us/kernel" in capsys.readouterr().out
