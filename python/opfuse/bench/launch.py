@@ -24,8 +24,9 @@ Per call and per fused kernel, the host microseconds of
 
 Each number is the median over batches of the mean time per call in a batch
 (and the fastest batch, less disturbed by other processes). On the CPU the
-same layers are timed; there the kernels run on the host, so "run" and
-"partition" include them (a few hundred ns at these sizes).
+same layers are timed with one torch thread; there the kernels run on the
+host, so "run" and "partition" include them (a few hundred ns for the
+chain, a few us for the multi graph's reductions).
 
 "partition" per fused kernel is the number the CUDA issue's 5 us target is
 about.
@@ -128,7 +129,16 @@ def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls:
 
 def measure_launch(device: torch.device, quick: bool = False) -> dict:
     batches, calls = (9, 50) if quick else (BATCHES, CALLS)
-    return {name: measure_graph(fn, args, device, batches, calls) for name, (fn, args) in graphs(device).items()}
+    # On the CPU the kernels run in the call: one thread, so that a parallel
+    # region waiting on a core another process holds is not timed as launch
+    # overhead (the host path itself is single-threaded either way).
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return {name: measure_graph(fn, args, device, batches, calls) for name, (fn, args) in graphs(device).items()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[dict]:
