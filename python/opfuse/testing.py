@@ -66,3 +66,16 @@ def check_ir_against_oracle(ir_text, sizes, rtol=None, atol=None):
     want = oracle(ir_text, inputs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def contiguous_strides(shapes):
+    """Row-major element strides of each shape (for compile-only tests that
+    pass shapes and strides without tensors)."""
+    out = []
+    for s in shapes:
+        st, acc = [], 1
+        for d in reversed(s):
+            st.insert(0, acc)
+            acc *= d
+        out.append(st)
+    return out

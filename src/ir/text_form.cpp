@@ -132,14 +132,20 @@ class Parser {
   void expect_word(const char* w) {
     if (word() != w) fail(std::string("expected '") + w + "'");
   }
-  int node_ref(const Graph& g) {
+  // "%N": the number N.
+  int node_number() {
     expect("%");
     ws();
     size_t j = i_;
     while (j < s_.size() && std::isdigit(static_cast<unsigned char>(s_[j]))) ++j;
     if (j == i_) fail("expected a node number after '%'");
+    if (j - i_ > 9) fail("node number " + s_.substr(i_, j - i_) + " is too large");
     int id = std::stoi(s_.substr(i_, j - i_));
     i_ = j;
+    return id;
+  }
+  int node_ref(const Graph& g) {
+    int id = node_number();
     if (id < 0 || id >= static_cast<int>(g.nodes.size())) fail("%" + std::to_string(id) + " is used before it is defined");
     return id;
   }
@@ -278,13 +284,7 @@ class Parser {
     (void)id;
   }
   int node_ref_def(const Graph& g) {
-    expect("%");
-    ws();
-    size_t j = i_;
-    while (j < s_.size() && std::isdigit(static_cast<unsigned char>(s_[j]))) ++j;
-    if (j == i_) fail("expected a node number after '%'");
-    int id = std::stoi(s_.substr(i_, j - i_));
-    i_ = j;
+    int id = node_number();
     if (id != static_cast<int>(g.nodes.size()))
       fail("nodes must be numbered in order: expected %" + std::to_string(g.nodes.size()) + ", found %" + std::to_string(id));
     return id;

@@ -1,4 +1,5 @@
 #include "runtime/attention_bwd_launcher.h"
+#include "runtime/attention_bwd_launcher_sm90.h"
 
 
 #include <cmath>
@@ -70,6 +71,32 @@ std::mutex& mu() {
 }
 
 const char* b(bool x) { return x ? "true" : "false"; }
+
+// The kernels' argument for one call (the Hopper launcher takes it too).
+AttnBwdParams make_params(const AttnBackwardArgs& a) {
+  const int D = static_cast<int>(a.head_dim);
+  AttnBwdParams p{};
+  p.q = a.q, p.k = a.k, p.v = a.v, p.o = a.o, p.dout = a.dout;
+  p.dq = a.dq, p.dk = a.dk, p.dv = a.dv;
+  p.lse = a.lse, p.dq_accum = a.deterministic ? nullptr : a.dq_accum, p.delta = a.delta, p.lse_log2 = a.lse_log2;
+  for (int d = 0; d < 3; ++d) {
+    p.q_strides[d] = a.q_strides[d], p.k_strides[d] = a.k_strides[d], p.v_strides[d] = a.v_strides[d];
+    p.o_strides[d] = a.o_strides[d], p.do_strides[d] = a.do_strides[d], p.dq_strides[d] = a.dq_strides[d];
+    p.dk_strides[d] = a.dk_strides[d], p.dv_strides[d] = a.dv_strides[d];
+  }
+  p.lse_strides[0] = a.lse_strides[0], p.lse_strides[1] = a.lse_strides[1];
+  p.batch = static_cast<int32_t>(a.batch);
+  p.heads_q = static_cast<int32_t>(a.heads_q);
+  p.heads_kv = static_cast<int32_t>(a.heads_kv);
+  p.q_per_kv = static_cast<int32_t>(a.heads_q / a.heads_kv);
+  p.seqlen_q = static_cast<int32_t>(a.seqlen_q);
+  p.seqlen_k = static_cast<int32_t>(a.seqlen_k);
+  p.seqlen_q_pad = static_cast<int32_t>(attn_bwd_padded_rows(a.seqlen_q));
+  const double scale = a.softmax_scale > 0 ? a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
+  p.softmax_scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  return p;
+}
 
 }  // namespace
 
@@ -224,6 +251,9 @@ void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
       info.smem_optin = attn_max_smem_for_arch(info.arch);
   }
   if (info.arch < 80) throw std::invalid_argument("attention backward kernel needs sm_80 or newer");
+  AttnBwdParams p = make_params(a);
+  // sm_90, D = 64 / 128, atomic dQ: the Hopper kernel (unless OPFUSE_ATTN_BWD_SM90=0).
+  if (attn_bwd_sm90_unsupported_reason(a, info.arch).empty()) return attn_backward_sm90_launch(a, p, ctx, stream);
   const AttnBwdTiles tiles = attn_bwd_choose_tiles(D, info.arch, info.smem_optin);
   const int smem_kv = attn_bwd_dkdv_smem_bytes(D, tiles.dkdv), smem_q = attn_bwd_dq_smem_bytes(D, tiles.dq);
   const std::vector<std::string> exprs = attn_bwd_name_expressions(a.elem, D, a.causal, tiles);
@@ -241,27 +271,6 @@ void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
       if (smem_kv > 48 * 1024) check_cuda(c.FuncSetAttribute(lf.fn[r], kAttrMaxDynamicSharedBytes, smem_kv), "cuFuncSetAttribute");
     if (smem_q > 48 * 1024) check_cuda(c.FuncSetAttribute(lf.fn[kDq], kAttrMaxDynamicSharedBytes, smem_q), "cuFuncSetAttribute");
   }
-
-  AttnBwdParams p{};
-  p.q = a.q, p.k = a.k, p.v = a.v, p.o = a.o, p.dout = a.dout;
-  p.dq = a.dq, p.dk = a.dk, p.dv = a.dv;
-  p.lse = a.lse, p.dq_accum = a.deterministic ? nullptr : a.dq_accum, p.delta = a.delta, p.lse_log2 = a.lse_log2;
-  for (int d = 0; d < 3; ++d) {
-    p.q_strides[d] = a.q_strides[d], p.k_strides[d] = a.k_strides[d], p.v_strides[d] = a.v_strides[d];
-    p.o_strides[d] = a.o_strides[d], p.do_strides[d] = a.do_strides[d], p.dq_strides[d] = a.dq_strides[d];
-    p.dk_strides[d] = a.dk_strides[d], p.dv_strides[d] = a.dv_strides[d];
-  }
-  p.lse_strides[0] = a.lse_strides[0], p.lse_strides[1] = a.lse_strides[1];
-  p.batch = static_cast<int32_t>(a.batch);
-  p.heads_q = static_cast<int32_t>(a.heads_q);
-  p.heads_kv = static_cast<int32_t>(a.heads_kv);
-  p.q_per_kv = static_cast<int32_t>(a.heads_q / a.heads_kv);
-  p.seqlen_q = static_cast<int32_t>(a.seqlen_q);
-  p.seqlen_k = static_cast<int32_t>(a.seqlen_k);
-  p.seqlen_q_pad = static_cast<int32_t>(attn_bwd_padded_rows(a.seqlen_q));
-  const double scale = a.softmax_scale > 0 ? a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
-  p.softmax_scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
 
   void* params[] = {&p};
   const unsigned B = static_cast<unsigned>(a.batch), Hq = static_cast<unsigned>(a.heads_q);

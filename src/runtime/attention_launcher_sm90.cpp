@@ -2,6 +2,7 @@
 
 
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <regex>
@@ -14,6 +15,7 @@
 
 #include "attention_fwd_sm90_cu.inc"  // static const char attention_fwd_sm90_cu[]
 #include "attention_ptx_cu.inc"        // static const char attention_ptx_cu[]
+#include "attention_sm90_ptx_cu.inc"   // static const char attention_sm90_ptx_cu[]
 
 namespace opfuse::attention {
 namespace {
@@ -27,9 +29,10 @@ constexpr int kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2, 
 // wgmma and setmaxnreg exist only on the arch-specific target.
 std::vector<std::string> compile_options() { return nvrtc_named_options("sm_90a"); }
 
-// The shared PTX helpers, then the kernel.
+// The shared PTX helpers (all kernels', then Hopper's), then the kernel.
 const std::string& source() {
-  static const std::string s = std::string(attention_ptx_cu) + "\n" + attention_fwd_sm90_cu;
+  static const std::string s =
+      std::string(attention_ptx_cu) + "\n" + attention_sm90_ptx_cu + "\n" + attention_fwd_sm90_cu;
   return s;
 }
 
@@ -80,6 +83,14 @@ TensorMap encode(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64
 }
 
 }  // namespace
+
+AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64_t batch, int64_t heads,
+                                   int64_t seqlen, int head_dim, int box_rows, const char* what) {
+  const TensorMap m = encode(e, ptr, strides, batch, heads, seqlen, head_dim, box_rows, what);
+  AttnTensorMap r;
+  std::memcpy(r.bytes, m.bytes, sizeof(r.bytes));
+  return r;
+}
 
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +

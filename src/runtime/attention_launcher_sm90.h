@@ -48,6 +48,16 @@ std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch);
 // Compiles one instantiation for sm_90a with NVRTC (no GPU needed).
 AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache = true);
 
+// A TMA tensor map (CUtensorMap) over a [B, H, S, D] tensor with element
+// strides (b, h, s, 1): dims (D, S, H, B), box (64, box_rows, 1, 1), 128-byte
+// swizzle, zero fill outside the tensor; `what` names a failure. Also used by
+// the Hopper backward (attention_bwd_launcher_sm90.cpp).
+struct AttnTensorMap {
+  alignas(64) unsigned char bytes[128];
+};
+AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64_t batch, int64_t heads,
+                                   int64_t seqlen, int head_dim, int box_rows, const char* what);
+
 // Encodes the tensor maps and launches on `stream` in the current context
 // `ctx`; `p` is the kernel's AttnFwdParams, filled by attn_forward_cuda.
 void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, CUcontext ctx, CUstream stream);

@@ -145,6 +145,8 @@ TEST(Verifier, ForwardReference) {
                           {"line 3", "%2 is used before it is defined"}));
   EXPECT_TRUE(parse_fails("graph {\n  %0 = input() {name=\"x\"} : f32[2]\n  return (%4)\n}\n",
                           {"line 3", "%4 is used before it is defined"}));
+  EXPECT_TRUE(parse_fails("graph {\n  %0 = input() {name=\"x\"} : f32[2]\n  return (%99999999999999999999)\n}\n",
+                          {"line 3", "node number 99999999999999999999 is too large"}));
 }
 
 TEST(Verifier, TypeRules) {

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from opfuse import _C
+from opfuse.testing import contiguous_strides
 
 
 def nvrtc_or_skip():
@@ -144,17 +145,6 @@ def test_split_graph_evaluates_like_the_original():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
-def contiguous(shapes):
-    out = []
-    for s in shapes:
-        st, acc = [], 1
-        for d in reversed(s):
-            st.insert(0, acc)
-            acc *= d
-        out.append(st)
-    return out
-
-
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("lead,cols", [([32768], 4096), ([262144], 256), ([2048], 1031), ([4, 1031], 1000),
                                        ([8192], 8192)])
@@ -164,9 +154,9 @@ def test_partials_kernels_compile_without_spills(arch, lead, cols):
     cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols, lead=lead), target="cuda")
     assert "column_partials" in cg.plan_text()
     shapes = [lead + [cols], lead + [cols], lead + [1], lead + [1], [cols]]
-    src = cg.cuda_source(shapes, contiguous(shapes), arch)
+    src = cg.cuda_source(shapes, contiguous_strides(shapes), arch)
     assert "pp" in src and "real_" in src
-    cubin, _, log = cg.compile_cuda(shapes, contiguous(shapes), arch, False)
+    cubin, _, log = cg.compile_cuda(shapes, contiguous_strides(shapes), arch, False)
     assert len(cubin) > 0
     spills = re.findall(r"(\d+) bytes spill stores", log)
     assert spills and all(int(s) == 0 for s in spills), log[-3000:]

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from opfuse import _C
+from opfuse.testing import contiguous_strides
 
 
 def nvrtc_or_skip():
@@ -54,20 +55,9 @@ def backward_ir(rows, cols):
 }}"""
 
 
-def contiguous(shapes):
-    out = []
-    for s in shapes:
-        st, acc = [], 1
-        for d in reversed(s):
-            st.insert(0, acc)
-            acc *= d
-        out.append(st)
-    return out
-
-
 def compile_for(ir, shapes, arch):
     cg = _C.CompiledGraph(ir, target="cuda")
-    cubin, ptx, log = cg.compile_cuda(shapes, contiguous(shapes), arch, True)
+    cubin, ptx, log = cg.compile_cuda(shapes, contiguous_strides(shapes), arch, True)
     assert len(cubin) > 0
     return ptx, log
 
@@ -139,8 +129,8 @@ def test_long_rows_use_a_cluster_on_sm90_only(monkeypatch):
     monkeypatch.setenv("OPFUSE_ROW_MAX_CLUSTER", "8")  # off by default (slower on the H200)
     shapes = [[4096, 262144]]
     cg = _C.CompiledGraph(row_ir("softmax", "bf16", 4096, 262144), target="cuda")
-    assert "__cluster_dims__(8, 1, 1)" in cg.cuda_source(shapes, contiguous(shapes), 90)
-    assert "__cluster_dims__" not in cg.cuda_source(shapes, contiguous(shapes), 80)
+    assert "__cluster_dims__(8, 1, 1)" in cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+    assert "__cluster_dims__" not in cg.cuda_source(shapes, contiguous_strides(shapes), 80)
 
 
 def test_softmax_computes_one_exp_per_element():
@@ -148,7 +138,7 @@ def test_softmax_computes_one_exp_per_element():
     instead of recomputing it (row_cache_plan.h)."""
     shapes = [[32768, 4096]]
     cg = _C.CompiledGraph(row_ir("softmax", "bf16", 32768, 4096), target="cuda")
-    src = cg.cuda_source(shapes, contiguous(shapes), 90)
+    src = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
     vector_kernel = src[src.index("_v8_args"):]
     # (opf_exp_fast: every output is bfloat16, see prelude_cuda.h)
     assert len(re.findall(r"opf_exp(_fast)?\(", vector_kernel)) == 1
@@ -169,7 +159,7 @@ def test_column_reductions_compile_coalesced(arch):
 }"""
     shapes = [[32768, 4096]]
     cg = _C.CompiledGraph(ir, target="cuda")
-    src = cg.cuda_source(shapes, contiguous(shapes), arch)
+    src = cg.cuda_source(shapes, contiguous_strides(shapes), arch)
     assert "opf_column_reduce<opf_sum" in src and "(threadIdx.x & 31)" in src
     assert ("__cluster_dims__" in src) == (arch == 90)
     _, log = compile_for(ir, shapes, arch)
@@ -183,10 +173,10 @@ def test_loop_stages_fuse_softmax_max_and_sum_into_one_online_pass():
     long_rows, short_rows = [[4096, 262144]], [[8192, 32768]]
     for op in ("softmax", "log_softmax"):
         cg = _C.CompiledGraph(row_ir(op, "bf16", *long_rows[0]), target="cuda")
-        src = cg.cuda_source(long_rows, contiguous(long_rows), 90)
+        src = cg.cuda_source(long_rows, contiguous_strides(long_rows), 90)
         assert "opf_online_add<true>" in src and "opf_block_online<true>" in src
         cg = _C.CompiledGraph(row_ir(op, "f32", *long_rows[0]), target="cuda")
-        assert "opf_online_add<false>" in cg.cuda_source(long_rows, contiguous(long_rows), 90)  # expf for float32
+        assert "opf_online_add<false>" in cg.cuda_source(long_rows, contiguous_strides(long_rows), 90)  # expf for float32
         cg = _C.CompiledGraph(row_ir(op, "bf16", *short_rows[0]), target="cuda")
         # 64 KB rows: the later stages re-read them from L2, which was faster on the H200
-        assert "opf_online_add<" not in cg.cuda_source(short_rows, contiguous(short_rows), 90)
+        assert "opf_online_add<" not in cg.cuda_source(short_rows, contiguous_strides(short_rows), 90)

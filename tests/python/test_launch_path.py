@@ -208,3 +208,286 @@ def test_prepared_run_checks_its_pointers():
     torch.testing.assert_close(out, x + y)
     with pytest.raises(RuntimeError, match="allocator"):
         p.call([x, y])  # built without one
+
+
+# -- the C++ launcher (_C.Launcher): what a call checks before it runs --------
+
+ADD = """graph {
+  %0 = input() {name="x"} : f32[s0]
+  %1 = input() {name="y"} : f32[s0]
+  %2 = add(%0, %1) : f32[s0]
+  return (%2)
+}"""
+
+
+class _Counting(_C.Launcher):
+    """A launcher whose misses prepare the layout of the inputs (as
+    FusedPartition does) and are counted."""
+
+    def __init__(self, graph, positions=None):
+        super().__init__(False, positions)
+        self.positions = positions
+        self.graph = graph
+        self.misses = 0
+        self.other_device = 0
+
+    def prepared_for(self, tensors, kind=0):
+        shapes, strides = [list(t.shape) for t in tensors], [list(t.stride()) for t in tensors]
+        variant, _, _ = self.graph.variant(shapes, strides)
+        syms = self.graph.bind(shapes)
+        n = syms[0]
+        p = _C.PreparedRun(self.graph, variant, syms, strides, -1, torch._C._dynamo.guards._empty_strided_cpu,
+                           [((n,), (1,), torch.float32)])
+        p.set_result(kind, [(2, None)])
+        return p
+
+    def _miss(self, *args):
+        self.misses += 1
+        tensors = [args[i] for i in self.positions] if self.positions is not None else list(args)
+        self.push(runtime._layout_check(tensors, runtime._layout_key(tensors, False), False), self.prepared_for(tensors))
+        return self(*args)
+
+
+def test_launcher_runs_the_first_layout_whose_check_accepts():
+    g = _C.CompiledGraph(ADD)
+    lau = _Counting(g)
+    x, y = torch.randn(10), torch.randn(10)
+    torch.testing.assert_close(lau(x, y), x + y)
+    assert lau.misses == 1
+    for _ in range(3):
+        torch.testing.assert_close(lau(x, y), x + y)
+    assert lau.misses == 1
+    # Another size is another layout; a strided input another again.
+    x2, y2 = torch.randn(7), torch.randn(7)
+    torch.testing.assert_close(lau(x2, y2), x2 + y2)
+    xs = torch.randn(20)[::2]
+    torch.testing.assert_close(lau(xs, y), xs + y)
+    assert lau.misses == 3 and len(lau.recent) == 3
+    torch.testing.assert_close(lau(x, y), x + y)  # still among the recent ones
+    assert lau.misses == 3
+
+
+def test_launcher_keeps_eight_recent_layouts():
+    g = _C.CompiledGraph(ADD)
+    lau = _Counting(g)
+    pairs = [(torch.randn(n), torch.randn(n)) for n in range(1, 11)]
+    for x, y in pairs:
+        lau(x, y)
+    assert len(lau.recent) == 8 and lau.misses == 10
+    lau(*pairs[-1])
+    assert lau.misses == 10
+    torch.testing.assert_close(lau(*pairs[0]), pairs[0][0] + pairs[0][1])  # dropped: prepared again
+    assert lau.misses == 11
+    first = lau.recent[0][1]
+    lau.forget(first)
+    assert all(p is not first for _, p in lau.recent)
+    lau.clear_recent()
+    assert lau.recent == []
+
+
+def test_launcher_result_kinds_and_positions():
+    g = _C.CompiledGraph(ADD)
+    x, y = torch.randn(5), torch.randn(5)
+    lau = _Counting(g, positions=[0, 2])
+    torch.testing.assert_close(lau(x, "not a tensor", y), x + y)  # only the tensor arguments reach the kernel
+    p = lau.prepared_for([x, y])
+    for kind, check in ((1, lambda r: isinstance(r, tuple) and len(r) == 1), (2, lambda r: isinstance(r, list)),
+                        (3, lambda r: isinstance(r, list) and len(r) == 1)):
+        p.set_result(kind, [(2, None)])
+        r = p.finish([x, y])
+        assert check(r), kind
+        torch.testing.assert_close(r[0], x + y)
+    p.set_result(2, [(0, None), (2, (5, 1))])  # an input returned as it is, a written buffer as a view
+    a, b = p.finish([x, y])
+    assert a is x and b.shape == (5, 1)
+    torch.testing.assert_close(b[:, 0], x + y)
+    with pytest.raises(ValueError):
+        p.set_result(0, [(0, None), (2, None)])
+    with pytest.raises(ValueError):
+        p.set_result(2, [(9, None)])
+
+
+def test_launcher_survives_a_check_that_changes_the_recent_layouts():
+    """A check that runs Python which pushes (another thread could) must not
+    leave the call on a layout that is gone: the call takes the slow path."""
+    g = _C.CompiledGraph(ADD)
+    lau = _Counting(g)
+    x, y = torch.randn(6), torch.randn(6)
+    prepared = lau.prepared_for([x, y])
+
+    def meddling(*ts):
+        lau.push(lambda *a: False, lau.prepared_for([x, y]))
+        return True
+
+    lau.push(meddling, prepared)
+    torch.testing.assert_close(lau(x, y), x + y)
+    assert lau.misses == 1
+
+
+def test_launcher_errors():
+    g = _C.CompiledGraph(ADD)
+
+    class NoInit(_C.Launcher):
+        def __init__(self):
+            pass
+
+    with pytest.raises(TypeError, match="__init__"):
+        NoInit()(torch.randn(3))
+    lau = _C.Launcher(False)
+    with pytest.raises(AttributeError, match="_miss"):
+        lau(torch.randn(3))  # nothing pushed and no slow path
+    x, y = torch.randn(4), torch.randn(4)
+    shapes, strides = [[4], [4]], [[1], [1]]
+    variant, _, _ = g.variant(shapes, strides)
+    with pytest.raises(ValueError, match="allocator"):
+        lau.push(lambda *a: True, _C.PreparedRun(g, variant, g.bind(shapes), strides))
+    with pytest.raises(ValueError, match="get_device"):
+        _C.Launcher(True)
+    bad = _C.PreparedRun(g, variant, g.bind(shapes), strides, -1, lambda *a: "not a tensor", [((4,), (1,), torch.float32)])
+    lau.push(lambda *a: True, bad)
+    with pytest.raises(AttributeError):
+        lau(x, y)  # the allocator's result has no data_ptr: Python's error, not a crash
+
+
+# -- FusedPartition's guard semantics: every change re-prepares or falls back --
+
+
+def test_changed_layouts_reprepare_and_are_right():
+    """Strides and broadcast are the layout: a change is a miss, then a
+    recent layout. Another dtype than the compiled one runs eagerly, every
+    call a miss. A storage offset is not the layout: the same prepared
+    layout runs, and the vector or scalar kernel is picked from the
+    pointers."""
+    x, b1, b2 = (torch.randn(16, 24) for _ in range(3))
+    part, _ = partition_of(torch.compile(chain, backend="opfuse"), x, b1, b2)
+    base = torch.randn(16 * 24 + 5)
+    cases = {
+        "stride": ([torch.randn(24, 16).t(), b1, b2], 1, 0),
+        "stride 0": ([x, torch.randn(24).expand(16, 24), b2], 1, 0),
+        "float64": ([t.double() for t in (x, b1, b2)], 1, 1),
+        "storage offset": ([base[5:].view(16, 24), b1, b2], 0, 0),
+        "storage offset, stride 0": ([x, base[3:27].expand(16, 24), b2], 0, 0),
+    }
+    for name, (args, first, later) in cases.items():
+        slow = part.slow_calls
+        got = part(*args)
+        torch.testing.assert_close(got, chain(*args), msg=name)
+        assert got.dtype == args[0].dtype, name
+        assert part.slow_calls == slow + first, name
+        torch.testing.assert_close(part(*args), chain(*args), msg=name)
+        assert part.slow_calls == slow + first + later, name
+
+
+def test_inputs_on_another_device_run_eagerly():
+    """A partition compiled for the CPU, called with meta tensors: PyTorch's
+    answer (eager), never the CPU kernel on pointers it cannot read."""
+    x, b1, b2 = (torch.randn(8, 8) for _ in range(3))
+    part, _ = partition_of(torch.compile(chain, backend="opfuse"), x, b1, b2)
+    metas = [t.to("meta") for t in (x, b1, b2)]
+    out = part(*metas)
+    assert out.device.type == "meta" and out.shape == (8, 8)
+    torch.testing.assert_close(part(x, b1, b2), chain(x, b1, b2))
+
+
+# -- opfuse.ops: GraphKernel is a launcher too ---------------------------------
+
+
+def _softmax_kernel(dtype=torch.float32, device="cpu"):
+    from opfuse.ops import _kernel, norms
+
+    return _kernel.graph_kernel(("softmax", dtype, 2, 1), torch.device(device),
+                                lambda: norms._softmax_graph("softmax", _kernel.dtype_name(dtype), 2, 1))
+
+
+def test_ops_kernel_prepares_each_layout_once(device):
+    import opfuse.ops as ops
+
+    k = _softmax_kernel(device=device)
+    x = torch.randn(33, 70, device=device)
+    wide = torch.randn(33, 150, device=device)
+    layouts = {"contiguous": x, "transposed": torch.randn(70, 33, device=device).t(),
+               "strided": wide[:, ::2][:, :70], "offset": wide[:, 3:73], "broadcast": torch.randn(70, device=device).expand(33, 70)}
+    for name, t in layouts.items():
+        ops.softmax(t, -1)
+        slow = k.slow_calls
+        opfuse.reset_stats()
+        for _ in range(3):
+            got = ops.softmax(t, -1)
+            torch.testing.assert_close(got, torch.softmax(t.double(), -1).float(), msg=name)
+        assert k.slow_calls == slow, name  # a recent layout each time
+        assert opfuse.stats()["kernel_launches"] == 3, name
+    a, b = ops.softmax(x, -1), ops.softmax(x, -1)
+    assert a.data_ptr() != b.data_ptr() and a._base is None  # fresh outputs
+
+
+def test_ops_kernel_refuses_inputs_it_was_not_built_for():
+    k = _softmax_kernel()
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(k(x)[0], torch.softmax(x, -1))
+    with pytest.raises(TypeError, match="built for torch.float32"):
+        k(x.double())
+    with pytest.raises(TypeError, match="takes 1 tensors"):
+        k(x, x)
+    with pytest.raises(ValueError, match="meta"):
+        k(x.to("meta"))
+    torch.testing.assert_close(k(x)[0], torch.softmax(x, -1))
+
+
+@pytest.mark.gpu
+def test_ops_kernel_under_cuda_graph_capture():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import opfuse.ops as ops
+
+    x = torch.randn(256, 1000, device="cuda")
+    ops.softmax(x, -1)  # prepared outside the capture
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.softmax(x, -1)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.softmax(x, -1)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, torch.softmax(x, -1))
+
+
+@pytest.mark.gpu
+def test_other_current_device():
+    """Inputs on cuda:1 while cuda:0 is current: the partition runs eagerly,
+    an opfuse.ops kernel runs on its own device."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    import opfuse.ops as ops
+
+    x, b1, b2 = (torch.randn(64, 33, device="cuda:1") for _ in range(3))
+    with torch.cuda.device(1):
+        part, _ = partition_of(torch.compile(chain, backend="opfuse"), x, b1, b2)
+        torch.testing.assert_close(ops.softmax(x, -1), torch.softmax(x, -1))
+    with torch.cuda.device(0):
+        torch.testing.assert_close(part(x, b1, b2), chain(x, b1, b2))
+        torch.testing.assert_close(ops.softmax(x, -1), torch.softmax(x, -1))
+    torch.cuda.synchronize(1)
+
+
+def test_launch_bench_reports_every_layer_per_kernel(capsys):
+    """`opfuse bench --suite launch` (quick) on the CPU: both graphs, every
+    layer, per call and per fused kernel, in records that pass the schema."""
+    from opfuse.bench import launch, records
+
+    info = records.run_info(torch.device("cpu"))
+    recs = launch.run_launch_suite(torch.device("cpu"), info, quick=True)
+    for r in recs:
+        records.validate_record(r)
+    got = {(r["case"], r["impl"]): r for r in recs}
+    assert set(got) == {(f"{g}-host", layer) for g in launch.graphs(torch.device("cpu")) for layer in launch.LAYERS}
+    assert got[("chain-4K-host", "partition")]["kernels"] == 1
+    multi = got[("multi-64x64-host", "partition")]
+    assert multi["kernels"] >= 2
+    assert multi["host_us_per_kernel"] == pytest.approx(multi["host_us"] / multi["kernels"])
+    assert all(r["host_us"] > 0 and r["host_us_min"] <= r["host_us"] for r in recs)
+    assert "us/kernel" in capsys.readouterr().out

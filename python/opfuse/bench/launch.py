@@ -1,57 +1,67 @@
 """Host time of opfuse's launch path, layer by layer (`opfuse bench --suite launch`).
 
-The seed chain on a tiny tensor (4096 elements: the GPU finishes each kernel
-in a few microseconds, so the host is what is measured) is compiled once and
-called many times without synchronising; per call we report the host time of
+Two graphs on small tensors (the GPU finishes each kernel in a few
+microseconds, so the host is what is measured), each compiled once and
+called many times without synchronising inside a batch:
+
+  chain     the seed chain relu(x + b1) * 0.5 + b2 on 4096 elements: one
+            fused kernel
+  multi     a row sum, a column sum and the elementwise work around them on
+            64 x 64: a partition of several kernels (the count is reported)
+
+Per call and per fused kernel, the host microseconds of
 
   torch.compile   the whole compiled function: Dynamo's guards, AOTAutograd's
                   wrappers, then opfuse's partition (what a user pays)
-  partition       opfuse's FusedPartition.__call__ alone: the layout check,
-                  output allocation, stream, the C++ run
-  run             the C++ run the partition makes (PreparedRun.launch) alone,
-                  outputs preallocated: pointers into the prepared argument
-                  blocks and cuLaunchKernel (until the launch-path change
-                  after 37659d9 this was CompiledGraph.run, which also
-                  converted size and stride lists and worked out the launch
-                  geometry on every call)
-  eager           one eager PyTorch op (add) for scale
+  partition       opfuse's partition call alone (FusedPartition, a
+                  _C.Launcher: the layout checks, current device and stream,
+                  output allocation, pointers, launch, count): our call path
+                  end to end
+  run             the C++ run alone (PreparedRun.launch), outputs
+                  preallocated: pointers into the prepared argument blocks
+                  and the launches
+  eager add       one eager PyTorch op (add) for scale
 
-On the CPU the same layers are timed (the kernel is a few microseconds of
-host work there, so "run" and "partition" include it).
+Each number is the median over batches of the mean time per call in a batch
+(and the fastest batch, less disturbed by other processes). On the CPU the
+same layers are timed with one torch thread; there the kernels run on the
+host, so "run" and "partition" include them (a few hundred ns for the
+chain, a few us for the multi graph's reductions).
 
 "partition" per fused kernel is the number the CUDA issue's 5 us target is
-about (the chain is one kernel).
+about.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
 from .records import RunInfo, make_record
 
-CALLS = 2000
+BATCHES, CALLS = 41, 200  # median over 41 batches of 200 calls
+LAYERS = ("torch.compile", "partition", "run", "eager add")
 
 
-def _host_us(fn, calls: int, device: torch.device) -> float:
-    for _ in range(50):
+def _host_us(fn, device: torch.device, batches: int, calls: int) -> tuple[float, float]:
+    """(median, min) over batches of the mean host microseconds per call."""
+    for _ in range(100):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    best = None
-    for _ in range(3):  # best of three batches: the least disturbed by other work
-        t0 = time.perf_counter()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    sync(device)
+    per_batch = []
+    for _ in range(batches):
+        t0 = time.perf_counter_ns()
         for _ in range(calls):
             fn()
-        t = (time.perf_counter() - t0) / calls * 1e6
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = t if best is None else min(best, t)
-    return best
+        per_batch.append((time.perf_counter_ns() - t0) / calls / 1e3)
+        sync(device)  # outside the timed batch: the GPU never falls a queue behind
+    return statistics.median(per_batch), min(per_batch)
 
 
 def _find_partition(compiled_fn, args):
-    """The FusedPartition opfuse built for the function (via the backend's report)."""
+    """The one FusedPartition a compiled call goes through, and its arguments."""
     from ..frontend import runtime
 
     found = []
@@ -71,37 +81,80 @@ def _find_partition(compiled_fn, args):
     return found[0]
 
 
-def measure_launch(device: torch.device, quick: bool = False) -> dict:
-    calls = 200 if quick else CALLS
-    n = 4096
-    x, b1, b2 = (torch.randn(n, device=device) for _ in range(3))
-    chain = lambda x, b1, b2: torch.relu(x + b1) * 0.5 + b2  # noqa: E731
+def _chain(x, b1, b2):
+    return torch.relu(x + b1) * 0.5 + b2
+
+
+def _multi(x, b):
+    # A row reduction, then a column reduction of something that needs it:
+    # no one kernel computes both, so the partition launches several.
+    y = torch.relu(x + b)
+    r = y.sum(-1, keepdim=True)
+    c = (y * r).sum(0)
+    return y * 0.5 + c
+
+
+def graphs(device: torch.device) -> dict:
+    """name -> (function, example arguments)."""
+    return {
+        "chain-4K": (_chain, tuple(torch.randn(4096, device=device) for _ in range(3))),
+        "multi-64x64": (_multi, (torch.randn(64, 64, device=device), torch.randn(64, device=device))),
+    }
+
+
+def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> dict:
+    """Host us (median, min) per layer for one graph, and its kernel count."""
     torch._dynamo.reset()
-    compiled_fn = torch.compile(chain, backend="opfuse")
-    compiled_fn(x, b1, b2)
-    part, part_args = _find_partition(compiled_fn, (x, b1, b2))
+    compiled_fn = torch.compile(fn, backend="opfuse")
+    compiled_fn(*args)
+    part, part_args = _find_partition(compiled_fn, args)
     tensors = [part_args[i] for i in part.tensor_positions]
     layout = part.layout_of(tensors)
+    if layout is None or part.num_library_calls:
+        raise RuntimeError("the launch bench needs a partition without library calls, prepared for its inputs")
     outs = [torch.empty_strided(size, stride, dtype=dt, device=device) for size, stride, dt in layout.out_specs]
     ptrs = [t.data_ptr() for t in tensors] + [o.data_ptr() for o in outs]
     stream = torch.cuda.current_stream(device).cuda_stream if part.cuda else 0
+    a, b = args[0], args[1]
+    # Checked once here, so that a layer that went wrong is not timed as fast.
+    torch.testing.assert_close(compiled_fn(*args), fn(*args))
     results = {
-        "torch.compile": _host_us(lambda: compiled_fn(x, b1, b2), calls, device),
-        "partition": _host_us(lambda: part(*part_args), calls, device),
-        "run": _host_us(lambda: layout.prepared.launch(ptrs, stream), calls, device),
-        "eager add": _host_us(lambda: torch.add(x, b1), calls, device),
+        "torch.compile": _host_us(lambda: compiled_fn(*args), device, batches, calls),
+        "partition": _host_us(lambda: part(*part_args), device, batches, calls),
+        "run": _host_us(lambda: layout.prepared.launch(ptrs, stream), device, batches, calls),
+        "eager add": _host_us(lambda: torch.add(a, b), device, batches, calls),
     }
-    results["kernels"] = part.num_kernels
-    return results
+    return {"layers": results, "kernels": part.num_kernels}
+
+
+def measure_launch(device: torch.device, quick: bool = False) -> dict:
+    batches, calls = (9, 50) if quick else (BATCHES, CALLS)
+    # On the CPU the kernels run in the call: one thread, so that a parallel
+    # region waiting on a core another process holds is not timed as launch
+    # overhead (the host path itself is single-threaded either way).
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return {name: measure_graph(fn, args, device, batches, calls) for name, (fn, args) in graphs(device).items()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[dict]:
-    r = measure_launch(device, quick)
-    print(f"\n== launch (host us per call, seed chain of 4096 elements, {r['kernels']} fused kernel) ==")
+    measured = measure_launch(device, quick)
+    print("\n== launch (host us: median over batches of the mean per call; min = fastest batch) ==")
+    print(f"{'graph':12s} {'kernels':>7s} {'layer':14s} {'us/call':>9s} {'us/kernel':>10s} {'min us/call':>12s}")
     records = []
-    for layer in ("torch.compile", "partition", "run", "eager add"):
-        print(f"{layer:14s} {r[layer]:8.2f} us")
-        # Stored in 'ms' (the schema's time metric); the case says what it is.
-        records.append(make_record(info, suite="launch", case="chain-4K-host", impl=layer, metric="ms",
-                                   value=r[layer] / 1e3, floor=None, host_us=r[layer], kernels=r["kernels"]))
+    for graph, r in measured.items():
+        k = r["kernels"]
+        for layer in LAYERS:
+            med, best = r["layers"][layer]
+            per_kernel = med / k if layer != "eager add" else None
+            print(f"{graph:12s} {k:7d} {layer:14s} {med:9.2f} {per_kernel if per_kernel is not None else float('nan'):10.2f}"
+                  f" {best:12.2f}")
+            # Stored in 'ms' (the schema's time metric); the case says what it is.
+            records.append(make_record(info, suite="launch", case=f"{graph}-host", impl=layer, metric="ms",
+                                       value=med / 1e3, floor=None, host_us=med, host_us_min=best,
+                                       host_us_per_kernel=per_kernel, kernels=k))
     return records

@@ -158,9 +158,11 @@ def _trim_view_tails(partition) -> None:
 
 
 class _FusedModule(torch.nn.Module):
-    """A partition in the fused GraphModule. Called straight through: the
-    module hooks and the lookups of nn.Module.__call__ cost more than the
-    partition's own launch path, and nobody hooks this internal module."""
+    """A partition in the fused GraphModule (its registered submodule, for
+    printing and inspection). The generated code does not call it: it finds
+    the FusedPartition itself (a C++ callable, _C.Launcher) in the
+    GraphModule's instance dict, with no Python frame between (see
+    _compile_aten_graph)."""
 
     def __init__(self, fused: FusedPartition):
         super().__init__()
@@ -234,9 +236,11 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
             continue
         module = _FusedModule(fused)
         setattr(fused_gm, node.target, module)
-        # Also in the instance dict, where the generated code's
-        # `self.fused_N` finds it before nn.Module.__getattr__ (same object).
-        fused_gm.__dict__[node.target] = module
+        # The partition itself in the instance dict, where the generated
+        # code's `self.fused_N` finds it before nn.Module.__getattr__: the
+        # call goes straight to the C++ launch path, without the module's
+        # Python frame.
+        fused_gm.__dict__[node.target] = fused
         bump("graphs_compiled")
         bump("kernels_compiled", compiled.num_kernels)
         n_ops = sum(1 for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)

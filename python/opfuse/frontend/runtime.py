@@ -60,6 +60,16 @@ def _workspace(device: int, stream: int) -> torch.Tensor:
     return ws
 
 
+def _empty_strided(device: torch.device):
+    """(size, stride, dtype) -> a new tensor on `device`'s type, from PyTorch's
+    allocator (CUDA: the current device's caching allocator, which the launch
+    path has checked is the layout's device)."""
+    if device.type == "cuda":
+        return _empty_strided_cuda or (
+            lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cuda"))
+    return _empty_strided_cpu or (lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cpu"))
+
+
 def _layout_key(tensors, alignment: bool) -> tuple:
     """What a compiled layout depends on: shape, strides, dtype, device (for
     cuBLASLt also 16-byte alignment)."""
@@ -97,32 +107,52 @@ class _Layout:
     """One input layout of a partition, prepared on its first call: all that
     a later call with the same layout needs, so it derives nothing."""
 
-    __slots__ = ("key", "prepared", "call", "gemms", "out_specs", "outs", "result", "device")
+    __slots__ = ("key", "prepared", "gemms", "out_specs", "outs", "device")
 
-    def __init__(self, key, prepared, library_calls, n_inputs, single, gemms, out_specs, outs, device):
+    def __init__(self, key, prepared, gemms, out_specs, outs, device):
         self.key = key
-        self.prepared = prepared  # _C.PreparedRun: variant, sizes, strides, argument blocks, grids
-        # Graphs without library calls: allocation, pointers, launch and counting in one C++ call.
-        self.call = None if library_calls else prepared.call
+        # _C.PreparedRun: variant, sizes, strides, argument blocks, grids, and
+        # (set_result) what a call returns.
+        self.prepared = prepared
         self.gemms = gemms  # CPU GEMM steps (PyTorch's matmul), or None
         self.out_specs = out_specs  # (sizes, strides, dtype) per buffer the partition writes
         self.outs = outs  # per graph output: (index into inputs + written buffers, view shape or None)
-        # A partition with one output that is a written buffer as it is: its index among them.
-        self.result = (outs[0][0] - n_inputs if single and len(outs) == 1 and outs[0][1] is None and outs[0][0] >= n_inputs
-                       else None)
         self.device = device  # CUDA device index
 
 
 _EAGER, _PLAIN = "eager", "plain"  # what the slow path returns when the layout is not run by opfuse
-_RECENT = 8  # layout checks tried before the slow path, most recent first
+_RECENT = 8  # layout checks tried before the slow path, most recent first (as _C.Launcher's)
 
 
-class FusedPartition:
+def _run_errors(e: Exception):
+    """The exception a failed run raises, as the launch path raises it: a
+    RuntimeError (integer division by zero as eager's "ZeroDivisionError")."""
+    if "ZeroDivisionError" in str(e):
+        return RuntimeError("ZeroDivisionError")
+    return RuntimeError(str(e)) if isinstance(e, ValueError) else e
+
+
+class FusedPartition(_C.Launcher):
     """Calls the kernels of one compiled partition; falls back to the
-    partition's eager module for inputs it was not compiled for."""
+    partition's eager module for inputs it was not compiled for.
+
+    A call is _C.Launcher's (C++, no Python frame): the checks of the 8 most
+    recent layouts, then the prepared run of the first that accepts. A call
+    no check accepts comes to _miss, which finds or prepares the layout (or
+    runs eagerly) and makes it the most recent. Partitions with library
+    calls (GEMMs) run from _miss every time: their run needs cuBLASLt's
+    workspace or PyTorch's matmul, set up in Python."""
 
     def __init__(self, compiled: "_C.CompiledGraph", eager: torch.fx.GraphModule, tensor_positions, input_dtypes,
                  name: str, dump=None, device=None, ir_text=None, gemm_epilogues=1):
+        device = torch.device(device or "cpu")
+        cuda = device.type == "cuda"
+        # Every call argument a tensor, in order: the arguments are the tensors.
+        n_args = len([n for n in eager.graph.nodes if n.op == "placeholder"])
+        all_tensors = list(tensor_positions) == list(range(n_args))
+        super().__init__(cuda, None if all_tensors else list(tensor_positions),
+                         _current_device if cuda else None, _raw_stream if cuda else None)
+        self._all_tensors = all_tensors
         self.ir_text = ir_text
         self.gemm_epilogues = gemm_epilogues  # the level `compiled` was planned with (CompiledGraph's argument)
         self.plain = None  # the same graph with fewer GEMM epilogues, built when cuBLASLt refuses one
@@ -132,8 +162,8 @@ class FusedPartition:
         self.input_dtypes = input_dtypes
         self.name = name
         self.dump = dump
-        self.device = torch.device(device or "cpu")
-        self.cuda = self.device.type == "cuda"
+        self.device = device
+        self.cuda = cuda
         self.num_kernels = compiled.num_kernels
         self.num_library_calls = compiled.num_library_calls
         buffers = compiled.buffers()
@@ -143,18 +173,10 @@ class FusedPartition:
         self.single = eager.graph.output_node().args[0]
         self.single = not isinstance(self.single, (tuple, list))
         self._by_layout = {}  # layout key -> _Layout
-        self._recent = []  # (check, _Layout), most recent first: the fast path
+        self._recent = []  # graphs with library calls: (check, _Layout), most recent first
         self._refused = set()  # layout keys cuBLASLt refused with epilogues
         self.gemm_alignment_key = bool(self.num_library_calls and self.cuda)
-        # Every call argument a tensor, in order: the arguments are the tensors.
-        n_args = len([n for n in eager.graph.nodes if n.op == "placeholder"])
-        self._all_tensors = list(tensor_positions) == list(range(n_args))
-        if self.cuda:
-            self._empty = _empty_strided_cuda or (
-                lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cuda"))
-        else:
-            self._empty = _empty_strided_cpu or (
-                lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cpu"))
+        self._empty = _empty_strided(device)
         self.slow_calls = 0  # calls that missed every recent layout check (tests, inspection)
 
     def _prepare(self, tensors, key=None) -> _Layout:
@@ -175,21 +197,28 @@ class FusedPartition:
         out_specs = []
         for i, dt in enumerate(self.out_dtypes):
             size = tuple(self.compiled.buffer_shape(self.n_inputs + i, syms))
-            out_specs.append((size, _contiguous_strides(size), dt))
+            out_specs.append((size, contiguous_strides(size), dt))
         prepared = _C.PreparedRun(self.compiled, variant, syms, strides, -1 if device is None else device,
                                   self._empty, out_specs)
         # Outputs that are reshapes of a buffer are views of it (no copy kernel).
         outs = []
         for o, b in enumerate(self.outputs):
             shape = self.compiled.output_shape(o, syms)
-            outs.append((b, None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else shape))
-        return _Layout(key, prepared, self.num_library_calls, self.n_inputs, self.single, gemms, out_specs, outs,
-                       device)
+            outs.append((b, None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else tuple(shape)))
+        prepared.set_result(0 if self.single else 1, outs)
+        return _Layout(key, prepared, gemms, out_specs, outs, device)
 
     def prepare_layout(self, example) -> None:
         """Compiles and prepares the layout of `example` (tensors, fake ones
         too) before the first call."""
         key = _layout_key(example, False)
+        if self.cuda:
+            # At compile time too: AOTAutograd compiles the backward lazily on
+            # autograd's device thread, which has no driver context before its
+            # first CUDA op; variant() would then fail and the partition fall
+            # back to eager (seen on the H200 as a first backward that dumped
+            # no plan).
+            ensure_context(example[0].device if example and example[0].device.index is not None else self.device)
         self._by_layout[key] = self._prepare(example, key)
 
     def layout_of(self, tensors):
@@ -233,57 +262,64 @@ class FusedPartition:
                 ensure_context(tensors[0].device)  # variant() compiles for the current context's device
             lay = self._by_layout[key] = self._prepare(tensors, key)
         lay.key = key
-        self._recent.insert(0, (_layout_check(tensors, key, self.gemm_alignment_key), lay))
-        del self._recent[_RECENT:]
+        check = _layout_check(tensors, key, self.gemm_alignment_key)
+        if self.num_library_calls:
+            self._recent.insert(0, (check, lay))
+            del self._recent[_RECENT:]
+        else:
+            self.push(check, lay.prepared)
         return lay
 
     def _forget(self, lay: _Layout) -> None:
         self._by_layout.pop(lay.key, None)
         self._recent = [r for r in self._recent if r[1] is not lay]
+        self.forget(lay.prepared)
 
-    def __call__(self, *args):
-        # The hot path: a recent layout's check (one C++ call over all the
-        # tensors), the outputs' allocation, their pointers and the stream
-        # to the prepared C++ run, which counts the launches.
-        tensors = args if self._all_tensors else [args[i] for i in self.tensor_positions]
-        for check, lay in self._recent:
-            if check(*tensors):
-                break
+    def _tensors(self, args):
+        return args if self._all_tensors else [args[i] for i in self.tensor_positions]
+
+    def _miss(self, *args):
+        """A call no recent layout check of the C++ launcher accepted (every
+        call of a partition with library calls)."""
+        tensors = self._tensors(args)
+        if self.num_library_calls:
+            for check, lay in self._recent:
+                if check(*tensors):
+                    break
+            else:
+                lay = self._layout(tensors)
         else:
             lay = self._layout(tensors)
-            if lay is _EAGER:
-                return self.eager(*args)
-            if lay is _PLAIN:
-                return self.plain(*args)
+        if lay is _EAGER:
+            return self.eager(*args)
+        if lay is _PLAIN:
+            return self.plain(*args)
         if self.cuda:
             if lay.device != _current_device():
-                log.info("%s: inputs on cuda:%s but the current device is %d; running eagerly", self.name,
-                         lay.device, _current_device())
-                return self.eager(*args)
-            # The stream is read at every call, so the caller's stream (and
-            # CUDA graph capture) is respected.
+                return self._other_device(*args)
             stream = _raw_stream(lay.device)
         else:
             stream = 0
         try:
-            if lay.call is not None:
-                bufs = lay.call(tensors, stream)  # counts its launches
-            else:
-                bufs = self._run_with_library_calls(lay, tensors, stream)
+            if not self.num_library_calls:
+                return lay.prepared.finish(tensors, stream)  # counts its launches
+            bufs = self._run_with_library_calls(lay, tensors, stream)
         except _C.GemmUnsupported as e:
             self._forget(lay)
             return self._gemm_fallback(lay.key, args, str(e))
-        except ValueError as e:  # ZeroDivisionError from integer division, as eager raises
-            raise RuntimeError(str(e)) from None
         except Exception as e:
-            if "ZeroDivisionError" in str(e):
-                raise RuntimeError("ZeroDivisionError") from None
-            raise
-        if lay.result is not None:
-            return bufs[lay.result]
+            err = _run_errors(e)
+            if err is e:
+                raise
+            raise err from None
         everything = [*tensors, *bufs]
         outs = tuple(everything[i] if v is None else everything[i].view(v) for i, v in lay.outs)
         return outs[0] if self.single else outs
+
+    def _other_device(self, *args):
+        """The inputs' layout is prepared for another CUDA device than the current one."""
+        log.info("%s: the current device is %d, not the inputs' device; running eagerly", self.name, _current_device())
+        return self.eager(*args)
 
     def _run_with_library_calls(self, lay: _Layout, tensors, stream: int) -> list:
         """A graph with GEMM steps: cuBLASLt's workspace and TF32 setting on
@@ -330,7 +366,7 @@ class FusedPartition:
         return self.plain(*args)
 
 
-def _contiguous_strides(size: tuple) -> tuple:
+def contiguous_strides(size: tuple) -> tuple:
     strides, step = [], 1
     for n in reversed(size):
         strides.append(step)

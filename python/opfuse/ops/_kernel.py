@@ -14,7 +14,8 @@ import torch
 
 from .. import _C
 from ..frontend.convert import DTYPE_NAMES, TORCH_DTYPES
-from ..frontend.runtime import ensure_context
+from ..frontend.runtime import (_current_device, _empty_strided, _layout_check, _layout_key, _raw_stream,
+                                contiguous_strides, ensure_context)
 from ..stats import bump, bump_time
 
 _lock = threading.Lock()
@@ -33,14 +34,23 @@ def sym_shape(rank: int, first: int = 0) -> list[str]:
     return [f"s{first + i}" for i in range(rank)]
 
 
-class GraphKernel:
-    """One IR graph compiled for one device (CPU, or one CUDA device)."""
+class GraphKernel(_C.Launcher):
+    """One IR graph compiled for one device (CPU, or one CUDA device).
+
+    A call (graph inputs in order) returns the graph's outputs in graph
+    order as a list of fresh tensors. It is the launch path of the
+    torch.compile partitions (_C.Launcher, frontend/runtime.py): the checks of
+    the 8 most recent layouts and the prepared run of the first that
+    accepts, in one C++ call; other layouts come to _miss, which prepares
+    them once (up to _MAX_LAYOUTS kept)."""
 
     _MAX_LAYOUTS = 512
 
     def __init__(self, ir_text: str, device: torch.device):
+        cuda = device.type == "cuda"
+        super().__init__(cuda, None, _current_device if cuda else None, _raw_stream if cuda else None)
         self.device = device
-        self.cuda = device.type == "cuda"
+        self.cuda = cuda
         t0 = time.perf_counter()
         self.compiled = _C.CompiledGraph(ir_text, target="cuda" if self.cuda else "cpu")
         bump_time("compile_seconds", time.perf_counter() - t0)
@@ -50,9 +60,24 @@ class GraphKernel:
         self.num_kernels = self.compiled.num_kernels
         buffers = self.compiled.buffers()
         self.n_inputs = sum(1 for b in buffers if b[2])
+        self.in_dtypes = [TORCH_DTYPES[b[1]] for b in buffers[:self.n_inputs]]
         self.out_dtypes = [TORCH_DTYPES[b[1]] for b in buffers[self.n_inputs:]]
         self.outputs = self.compiled.output_buffers()
-        self._by_layout: dict = {}
+        self._empty = _empty_strided(device)
+        self._by_layout: dict = {}  # layout key -> PreparedRun
+        self.slow_calls = 0  # calls no recent layout check accepted (tests)
+
+    def _check(self, tensors) -> None:
+        """A layout's first call: the inputs this graph was built for, or a clear error."""
+        if len(tensors) != self.n_inputs:
+            raise TypeError(f"opfuse.ops: the graph takes {self.n_inputs} tensors, got {len(tensors)}")
+        for i, (t, dt) in enumerate(zip(tensors, self.in_dtypes)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"opfuse.ops: input {i} is {type(t).__name__}, not a tensor")
+            if t.dtype != dt:
+                raise TypeError(f"opfuse.ops: input {i} is {t.dtype}; this kernel was built for {dt}")
+            if t.device.type != self.device.type or (self.cuda and t.device.index != self.device.index):
+                raise ValueError(f"opfuse.ops: input {i} is on {t.device}; this kernel was built for {self.device}")
 
     def _prepare(self, tensors):
         shapes = [list(t.shape) for t in tensors]
@@ -63,36 +88,46 @@ class GraphKernel:
         if compiled:
             bump_time("compile_seconds", time.perf_counter() - t0)
             bump("cache_hits" if hit else "cache_misses")
-        out_shapes = [self.compiled.buffer_shape(self.n_inputs + i, syms) for i in range(len(self.out_dtypes))]
-        views = []  # outputs that are reshapes of a buffer: views of it
+        out_specs = []
+        for i, dt in enumerate(self.out_dtypes):
+            size = tuple(self.compiled.buffer_shape(self.n_inputs + i, syms))
+            out_specs.append((size, contiguous_strides(size), dt))
+        outs = []  # outputs that are reshapes of a buffer: views of it
         for o, b in enumerate(self.outputs):
             shape = self.compiled.output_shape(o, syms)
-            views.append(None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else shape)
-        return variant, syms, strides, out_shapes, views
+            outs.append((b, None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else tuple(shape)))
+        prepared = _C.PreparedRun(self.compiled, variant, syms, strides, self.device.index if self.cuda else -1,
+                                  self._empty, out_specs)
+        prepared.set_result(2, outs)  # a list of the graph's outputs
+        return prepared
 
-    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """Runs the graph; returns its outputs in graph order (fresh tensors)."""
-        if self.cuda:
-            ensure_context(self.device)
-        key = tuple((t.shape, t.stride()) for t in tensors)
-        entry = self._by_layout.get(key)
-        if entry is None:
+    def _miss(self, *tensors):
+        """No recent layout check accepted these inputs (called by the C++ launcher)."""
+        self.slow_calls += 1
+        self._check(tensors)
+        key = _layout_key(tensors, False)
+        prepared = self._by_layout.get(key)
+        if prepared is None:
             if self.cuda:
-                with torch.cuda.device(self.device):
-                    entry = self._prepare(tensors)
+                ensure_context(self.device)
+                with torch.cuda.device(self.device):  # variant() compiles for the current context's device
+                    prepared = self._prepare(tensors)
             else:
-                entry = self._prepare(tensors)
+                prepared = self._prepare(tensors)
             if len(self._by_layout) >= self._MAX_LAYOUTS:
                 self._by_layout.clear()
-            self._by_layout[key] = entry
-        variant, syms, strides, out_shapes, views = entry
-        bufs = [torch.empty(s, dtype=d, device=self.device) for s, d in zip(out_shapes, self.out_dtypes)]
-        ptrs = [t.data_ptr() for t in tensors] + [b.data_ptr() for b in bufs]
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.cuda else 0
-        self.compiled.run(variant, syms, ptrs, strides, stream)
-        bump("kernel_launches", self.num_kernels)
-        everything = list(tensors) + bufs
-        return [everything[i] if v is None else everything[i].view(v) for i, v in zip(self.outputs, views)]
+            self._by_layout[key] = prepared
+        self.push(_layout_check(tensors, key, False), prepared)
+        if self.cuda:
+            if _current_device() != self.device.index:
+                return self._other_device(*tensors)
+            return prepared.finish(tensors, _raw_stream(self.device.index))
+        return prepared.finish(tensors, 0)
+
+    def _other_device(self, *tensors):
+        """The inputs are on this kernel's device, not the current one: run there."""
+        with torch.cuda.device(self.device):
+            return self(*tensors)
 
 
 def graph_kernel(key: tuple, device: torch.device, build) -> GraphKernel:

@@ -244,6 +244,11 @@ class AttentionBackward:
         self.driver = ar.CudaDriver()
         self.source = source()
         self._fns = {}
+        # The Hopper kernel (attn_bwd_runtime_sm90.py): sm_90, D = 64 / 128, atomic dQ.
+        import attn_bwd_runtime_sm90 as sm90
+
+        self.sm90 = sm90
+        self.last_path = None  # "sm90" or "mma" after a call (tests)
 
     def functions(self, elem, d, causal, kv, q):
         key = (self.driver.current_context(), elem, d, causal, kv, q)
@@ -257,8 +262,22 @@ class AttentionBackward:
             self._fns[key] = fns
         return fns
 
+    def functions_sm90(self, elem, d, causal, cfg):
+        key = (self.driver.current_context(), "sm90", elem, d, causal, cfg)
+        fns = self._fns.get(key)
+        if fns is None:
+            info = self.sm90.compile_problem(self.nvrtc, elem, d, causal, cfg)
+            fns = {}
+            for role, name in info["lowered"].items():
+                _, fns[role] = self.driver.load_function(info["cubin"], name,
+                                                         self.sm90.smem_bytes(d, cfg) if role == "main" else 0)
+            self._fns[key] = fns
+        return fns
+
     def __call__(self, dout, q, k, v, o, lse, causal=False, scale=None, deterministic=None, tiles=None,
                  out=None):
+        """tiles: None (default dispatch), (dK/dV tile, dQ tile) of the mma.sync kernels, or an
+        attn_bwd_runtime_sm90.BwdSm90Config (the Hopper kernel with that configuration)."""
         import torch
 
         B, Hq, Sq, D = q.shape
@@ -285,7 +304,13 @@ class AttentionBackward:
         if B > 65535 or max(Hq, Hkv) > 65535:
             raise ValueError("heads and batch must each be <= 65535")
         elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
-        kv_t, q_t = tiles or choose_tiles(D, self.arch, self.smem_limit)
+        sm90_cfg = tiles if isinstance(tiles, self.sm90.BwdSm90Config) else None
+        why90 = self.sm90.unsupported_reason(self.arch, D, Sq, Sk, bool(deterministic))
+        if sm90_cfg is not None and why90.replace("OPFUSE_ATTN_BWD_SM90=0", ""):
+            raise ValueError(f"sm90 backward {sm90_cfg.tag()}: {why90}")
+        if tiles is None and not why90:
+            sm90_cfg = self.sm90.default(D)
+        kv_t, q_t = (None, None) if sm90_cfg else (tiles or choose_tiles(D, self.arch, self.smem_limit))
         dev = q.device
         if out is None:
             dq, dk, dv = torch.empty_like(q, memory_format=torch.contiguous_format), \
@@ -299,7 +324,8 @@ class AttentionBackward:
         delta = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
         lse2 = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
         acc = None if deterministic else torch.empty((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)
-        fns = self.functions(elem, D, bool(causal), kv_t, q_t)
+        fns = self.functions_sm90(elem, D, bool(causal), sm90_cfg) if sm90_cfg else \
+            self.functions(elem, D, bool(causal), kv_t, q_t)
 
         p = AttnBwdParams()
         p.q, p.k, p.v, p.o, p.dout = (t.data_ptr() for t in (q, k, v, o, dout))
@@ -314,6 +340,10 @@ class AttentionBackward:
         p.seqlen_q, p.seqlen_k, p.seqlen_q_pad = Sq, Sk, sq_pad
         p.softmax_scale, p.scale_log2 = scale, scale * math.log2(math.e)
         stream = torch.cuda.current_stream(dev).cuda_stream
+        self.last_path = "sm90" if sm90_cfg else "mma"
+        if sm90_cfg:
+            self.sm90.launch(self.driver, fns, sm90_cfg, D, elem, p, q, k, v, dout, stream)
+            return dq, dk, dv
         L = self.driver.launch
         if sq_pad:
             L(fns["preprocess"], (sq_pad // 64, Hq, B), (256, 1, 1), 0, stream, p)

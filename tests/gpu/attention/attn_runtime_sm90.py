@@ -18,11 +18,12 @@ import re
 import attn_runtime as ar
 
 KERNEL_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_fwd_sm90.cu"
+PTX_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_sm90_ptx.cu"
 
 
 def sm90_source() -> str:
-    """What NVRTC compiles: the shared PTX helpers, then the Hopper kernel."""
-    return ar.PTX_SOURCE.read_text() + "\n" + KERNEL_SOURCE_SM90.read_text()
+    """What NVRTC compiles: the shared PTX helpers (all kernels', then Hopper's), then the Hopper kernel."""
+    return ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + KERNEL_SOURCE_SM90.read_text()
 HEAD_DIMS_SM90 = (64, 128)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 

@@ -3,8 +3,10 @@
 hidden 2048 (H = 2048 / D), 16k tokens (B = 16384 / S), bf16, D in {64, 128},
 causal and not. TFLOP/s of forward+backward with FLOPs = 3.5 x the forward's
 4 * B * H * S * S * D (halved when causal); the backward alone is also timed
-(2.5 x). opfuse = attention_fwd.cu + attention_bwd.cu (atomic dQ; "opfuse-det"
-the deterministic mode) through the ctypes harness; PyTorch SDPA's flash and
+(2.5 x). opfuse = the forward + the backward through the ctypes harness (on sm_90 at
+D = 64 / 128 attention_fwd_sm90.cu + attention_bwd_sm90.cu; "opfuse:bwd-mma"
+times the mma.sync backward of attention_bwd.cu beside it; atomic dQ;
+"opfuse-det" the deterministic mode, which stays on mma.sync); PyTorch SDPA's flash and
 cuDNN backends fwd+bwd (autograd) in the same run. Median of
 triton.testing.do_bench; writes JSON records (suite attention_fwd_bwd) to --out.
 
@@ -36,11 +38,28 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--no-det", action="store_true", help="skip the deterministic mode")
     ap.add_argument("--variants", action="store_true", help="also time the backward alone on the variant tiles")
+    ap.add_argument("--sm90-variants", action="store_true",
+                    help="sm_90: also time the Hopper backward's variant configurations and its early-dV A/B")
+    ap.add_argument("--skip", default="", help="comma-separated implementations not to time (e.g. opfuse:bwd-mma,late-dv)")
     a = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     fwd, bwd = ar.AttentionForward(), br.AttentionBackward()
+    late = None
+    skip = set(a.skip.split(",")) - {""}
+    if a.sm90_variants and bwd.arch.startswith("sm_90") and "late-dv" not in skip:
+        # A/B of the Hopper kernel's early dV issue (BwdSm90Tile::kEarlyDV, on
+        # at BLOCK_M = 64): the same kernel compiled with it off.
+        import functools
+        import types
+
+        b90 = bwd.sm90
+        src = b90.source().replace("kEarlyDV = BLOCK_M == 64;", "kEarlyDV = false;")
+        assert src != b90.source()
+        late = br.AttentionBackward()
+        late.sm90 = types.SimpleNamespace(**{n: getattr(b90, n) for n in dir(b90) if not n.startswith("__")})
+        late.sm90.compile_problem = functools.partial(b90.compile_problem, src=src)
     commit, date = commit_id(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     dev = torch.cuda.get_device_name()
     records, rows = [], []
@@ -70,13 +89,26 @@ def main(argv=None):
                 impls = {"opfuse": (lambda: ours_fb(False), 3.5),
                          "opfuse:bwd": (lambda: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False,
                                                     out=grads), 2.5)}
+                if bwd.sm90.HEAD_DIMS.count(D) and bwd.arch.startswith("sm_90"):
+                    # The mma.sync backward beside the Hopper one (the default there).
+                    impls["opfuse:bwd-mma"] = (lambda: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False,
+                                                           out=grads, tiles=br.choose_tiles(D)), 2.5)
                 if not a.no_det:
                     impls["opfuse-det"] = (lambda: ours_fb(True), 3.5)
+                if late is not None and D == 128:
+                    impls["opfuse:bwd[late-dv]"] = (lambda: late(dout, q, k, v, o, lse, causal=causal,
+                                                                 deterministic=False, out=grads), 2.5)
+                if a.sm90_variants and bwd.arch.startswith("sm_90") and D in bwd.sm90.HEAD_DIMS:
+                    for cfg in bwd.sm90.VARIANTS[D]:
+                        impls[f"opfuse:bwd[{cfg.tag()}]"] = (
+                            lambda cfg=cfg: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False, out=grads,
+                                                tiles=cfg), 2.5)
                 if a.variants:
                     for kv_t, q_t in list(zip(br.DKDV_TILES[D], br.DQ_TILES[D]))[1:]:
                         impls[f"opfuse:bwd[{kv_t.tag()}]"] = (
                             lambda kv_t=kv_t, q_t=q_t: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False,
                                                            out=grads, tiles=(kv_t, q_t)), 2.5)
+                impls = {n: x for n, x in impls.items() if n not in skip}
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -117,7 +149,7 @@ def main(argv=None):
                 del q, k, v, dout, o, lse, grads, qg, kg, vg
                 torch.cuda.empty_cache()
 
-    names = ["opfuse", "opfuse-det", "opfuse:bwd", "sdpa-flash", "sdpa-cudnn"]
+    names = ["opfuse", "opfuse-det", "opfuse:bwd", "opfuse:bwd-mma", "sdpa-flash", "sdpa-cudnn"]
     names += sorted({n for r in rows for n in r if n.startswith("opfuse:bwd[")})
     print("\nTFLOP/s fwd+bwd (opfuse:bwd = backward alone), bf16, hidden 2048, 16k tokens")
     print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>11}" for n in names) + "  ours/flash ours/cudnn")

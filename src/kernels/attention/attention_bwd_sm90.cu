@@ -1,0 +1,544 @@
+// opfuse attention backward for Hopper (sm_90a): wgmma, TMA, warp specialisation.
+//
+// Compiled at run time by NVRTC for sm_90a after attention_ptx.cu,
+// attention_sm90_ptx.cu and attention_bwd.cu (whose AttnBwdParams, preprocess
+// and dQ-convert kernels it shares); no #include. Same semantics as
+// attention_bwd.cu's atomic mode: with P = exp(scale * Q K^T - LSE)
+// (recomputed; causal bottom-right: query i sees key j iff j <= i + Sk - Sq),
+//
+//   dS = P * (dO V^T - Delta)   dV = P^T dO   dK = scale dS^T Q   dQ = scale dS K
+//
+// dK, dV summed over the Hq / Hkv query heads of each KV head.
+//
+// Launch sequence (attention_bwd_launcher_sm90.cpp): attention_bwd_preprocess
+// (Delta, LSE * log2 e, zeroed float32 dQ accumulator), this kernel, then
+// attention_bwd_dq_convert (dQ = scale * accumulator in the element type).
+//
+// Design (one CTA = BLOCK_N = 128 keys of one (batch, kv head)):
+// - warpgroup 0 is the producer: after setmaxnreg.dec one thread loads K and V
+//   once (TMA), then, for every query head of the group and every query block
+//   that sees one of the CTA's keys, Q, dO (TMA, 128-byte swizzle) and the
+//   block's LSE2 and Delta (1-D bulk copies) into a STAGES-deep ring; each
+//   stage completes on a "full" mbarrier with its byte count and is reused
+//   after all eight consumer warps arrived on its "empty" mbarrier;
+// - warpgroups 1 and 2 are consumers, each owning 64 of the keys. Per query
+//   block: S^T = K Q^T and dP^T = V dO^T with wgmma from shared memory (keys
+//   are the M dimension, so the accumulators hold key rows), then
+//   P^T = exp2(S^T * scale log2 e - LSE2) and dS^T = P^T (dP^T - Delta) in
+//   registers, which are already the A fragments (registers) of
+//   dV += P^T dO and dK += dS^T Q (dO and Q as N-major B operands): dK and dV
+//   stay in registers for the whole loop, so GQA needs no atomics and they
+//   are deterministic;
+// - dQ += dS K needs all 128 keys: each consumer writes its dS^T rows to a
+//   shared tile (the layout the TMA writes, so that wgmma reads it as an
+//   M-major A operand), fences the async proxy, and the two meet at a named
+//   barrier; then consumer w computes its part of dQ (BLOCK_M = 128: query
+//   rows 64 w ..; BLOCK_M = 64: D columns 64 w ..) with wgmma (dS transposed
+//   from shared memory, K N-major) and adds it to the float32 accumulator with
+//   red.global.add.v2.f32. dS^T is double-buffered, so one barrier per block
+//   suffices: a consumer rewrites a buffer two blocks later, after the other
+//   has passed the barrier of the block in between, hence finished reading it;
+// - masks in registers (only blocks crossing the causal diagonal, or all of
+//   a ragged last key block: zero-filled keys would give P = exp(-LSE), which
+//   overflows for very negative scores); TMA zero-fills rows past Sq / Sk,
+//   whose LSE2 = +inf (preprocess) gives P = 0.
+//
+// (DQ_MODE 1 and 2 replace the red.global step: see BwdSm90Tile.)
+//
+// Entry point: attention_bwd_sm90<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_M, STAGES, DQ_MODE>,
+// HEAD_DIM 64 (BLOCK_M 128) or 128 (BLOCK_M 64), DQ_MODE 0-2. Launch: grid
+// (ceil(Sk / 128), Hkv, B), 384 threads, dynamic shared memory
+// BwdSm90Tile<...>::kSmemBytes (raise the attribute first), five arguments:
+// AttnBwdParams by value and the tensor maps of Q, K, V and dO (CUtensorMap,
+// 4-D over (D, S, H, B), box (64, BLOCK_M for Q and dO, 128 for K and V, 1, 1),
+// 128-byte swizzle, zero OOB fill; docs/attention.md, "Hopper backward").
+
+namespace opfuse_attn {
+
+// wgmma D (+)= A B with A M-major ("transposed", trans-a = 1) and B N-major
+// (trans-b = 1), both from shared memory; allowed for 16-bit types. Operand
+// lists generated as attention_sm90_ptx.cu's.
+template <typename Elem, int N>
+__device__ __forceinline__ void wgmma_ss_tt(float (&d)[N / 2], u64 da, u64 db, int scale_d);
+
+template <>
+__device__ __forceinline__ void wgmma_ss_tt<bf16, 64>(float (&d)[32], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss_tt<bf16, 128>(float (&d)[64], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss_tt<f16, 64>(float (&d)[32], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss_tt<f16, 128>(float (&d)[64], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// ---------------------------------------------------------------------------
+// Tile geometry (the launchers mirror kSmemBytes: docs/attention.md)
+// ---------------------------------------------------------------------------
+
+// How dQ += dS K reaches the float32 accumulator in global memory (DQ_MODE):
+// 0: both consumers' dS^T rows meet in shared memory (a barrier of the two
+//    per block), each consumer computes half of the block's dQ over all 128
+//    keys and adds it with red.global.add.v2.f32 from registers;
+// 1: as 0, but each warp stages its 16 rows of dQ in shared memory and its
+//    lanes add them with one cp.reduce.async.bulk (.add.f32) per row: the
+//    copy engine and L2 do the additions, the consumers issue 16 bulk ops
+//    per warp instead of 16 RED per thread;
+// 2: the consumers store their dQ into one shared BLOCK_M x D tile and arrive
+//    on an mbarrier; a writer thread of the producer warpgroup adds the tile
+//    to global memory with one bulk reduction per row and frees it (another
+//    mbarrier) once the copy engine has read it. The consumers' tail is 16
+//    (or 32) st.shared and an arrive, instead of the RED issue (throttled by
+//    the LSU queue, and holding the address registers that the next block's
+//    first instructions wait for: ncu at 1172345) or a per-lane bulk loop.
+enum { kDqRed = 0, kDqBulk = 1, kDqWriter = 2 };
+
+template <int HEAD_DIM, int BLOCK_M, int STAGES, int DQ_MODE = kDqRed>
+struct BwdSm90Tile {
+  static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = (kConsumers + 1) * 128;
+  static constexpr int kChunks64 = HEAD_DIM / 64;  // 128-byte column chunks of a row
+  static constexpr int kKVBytes = kBlockN * HEAD_DIM * 2;  // one of K, V
+  static constexpr int kQBytes = BLOCK_M * HEAD_DIM * 2;   // one of Q, dO (per stage)
+  static constexpr int kStatBytes = BLOCK_M * 4;           // one of LSE2, Delta (per stage)
+  static constexpr int kDSBytes = kBlockN * BLOCK_M * 2;   // one dS^T buffer
+  static constexpr bool kDqStaged = DQ_MODE != kDqRed;
+  static constexpr bool kDqWriterThread = DQ_MODE == kDqWriter;
+  // Both consumers read each dS^T buffer: two, so that one barrier per block
+  // suffices.
+  static constexpr int kDSBufs = 2;
+  // dQ split between the consumers: query rows when there are 128, else D columns.
+  static constexpr bool kDqSplitRows = BLOCK_M == 64 * kConsumers;
+  static constexpr int kDqN = kDqSplitRows ? HEAD_DIM : HEAD_DIM / kConsumers;
+  // dQ staging, rows padded by 32 bytes so that the v2 stores of a warp (8
+  // rows x 32 bytes) touch every bank twice, the minimum. Mode 1: each of the
+  // 8 consumer warps owns 16 rows of its kDqN columns. Mode 2: the block's
+  // BLOCK_M rows of HEAD_DIM floats (both consumers' parts side by side).
+  static constexpr int kDqRowBytes = (kDqWriterThread ? HEAD_DIM : kDqN) * 4 + 32;
+  static constexpr int kDqWarpBytes = 16 * kDqRowBytes;
+  static constexpr int kDqStageBytes =
+      DQ_MODE == kDqBulk ? 4 * kConsumers * kDqWarpBytes : DQ_MODE == kDqWriter ? BLOCK_M * kDqRowBytes : 0;
+  // smem (from a 1024-byte aligned base):
+  // K | V | Q[STAGES] | dO[STAGES] | dS^T[kDSBufs] | LSE2[STAGES] | Delta[STAGES] | dQ staging | barriers
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKVBytes;
+  static constexpr int kOffQ = kOffV + kKVBytes;
+  static constexpr int kOffDO = kOffQ + STAGES * kQBytes;
+  static constexpr int kOffDS = kOffDO + STAGES * kQBytes;
+  static constexpr int kOffL = kOffDS + kDSBufs * kDSBytes;
+  static constexpr int kOffD = kOffL + STAGES * kStatBytes;
+  static constexpr int kOffDQ = kOffD + STAGES * kStatBytes;
+  static constexpr int kOffBar = kOffDQ + kDqStageBytes;
+  // K/V, full[STAGES], empty[STAGES], then (mode 2) dq_full, dq_empty.
+  static constexpr int kBarBytes = 8 * (1 + 2 * STAGES + (kDqWriterThread ? 2 : 0));
+  static constexpr int kSmemBytes = kOffBar + kBarBytes + 1024;  // + 1024 to align the base by hand
+  static constexpr int kLimit = 227 * 1024;
+  // 24 x 128 + 240 x 256 = 168 x 384, the registers the CTA is launched
+  // with: setmaxnreg.inc waits until the pool can serve it, so the sum must
+  // not exceed the launch allocation (32 for the producer, tried for the dQ
+  // writer of mode 2, hung every launch on the H200 at 048c6f4).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  // Issue dV += P^T dO as soon as P^T is packed, before dP^T is waited for,
+  // so that the tensor cores work while dS^T is computed. Needs the 16-bit
+  // P^T beside float S^T and dP^T: registers allow it at BLOCK_M = 64.
+  static constexpr bool kEarlyDV = BLOCK_M == 64;
+
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the sm_90 backward covers head dims 64 and 128");
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M must be 64 or 128");
+  // dQ by D columns needs whole 64-column chunks per consumer.
+  static_assert(kDqSplitRows || kDqN % 64 == 0, "BLOCK_M = 64 needs HEAD_DIM = 128");
+  // float32 registers: dK, dV (HEAD_DIM / 2 each), S^T and dP^T (BLOCK_M / 2 each).
+  static_assert(HEAD_DIM + BLOCK_M <= 192, "accumulators would not fit in 240 registers");
+  static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
+  static_assert(DQ_MODE >= kDqRed && DQ_MODE <= kDqWriter, "DQ_MODE 0, 1 or 2");
+  static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
+};
+
+// ---------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------
+
+template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int STAGES, int DQ_MODE>
+__global__ void __launch_bounds__(384, 1)
+    attention_bwd_sm90(const AttnBwdParams p, const __grid_constant__ TmaDesc tm_q,
+                       const __grid_constant__ TmaDesc tm_k, const __grid_constant__ TmaDesc tm_v,
+                       const __grid_constant__ TmaDesc tm_do) {
+  using Tile = BwdSm90Tile<HEAD_DIM, BLOCK_M, STAGES, DQ_MODE>;
+  constexpr int BLOCK_N = Tile::kBlockN;
+  constexpr int kChunks64 = Tile::kChunks64;
+  constexpr int kNS = BLOCK_M / 2;    // S^T / dP^T accumulator floats per thread
+  constexpr int kND = HEAD_DIM / 2;   // dK / dV accumulator floats per thread
+  constexpr int kNQ = Tile::kDqN / 2;  // dQ accumulator floats per thread and m64 product
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // TMA with the 128-byte swizzle and the wgmma descriptors (base offset 0)
+  // need 1024-byte aligned tiles; the dynamic base is aligned up by hand.
+  const u32 smem = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const u32 sK = smem + Tile::kOffK, sV = smem + Tile::kOffV;
+  const u32 sQ0 = smem + Tile::kOffQ, sdO0 = smem + Tile::kOffDO, sdS0 = smem + Tile::kOffDS;
+  const u32 sL0 = smem + Tile::kOffL, sD0 = smem + Tile::kOffD, sDQ = smem + Tile::kOffDQ;
+  const u32 bar_kv = smem + Tile::kOffBar;
+  const u32 bar_full = bar_kv + 8;              // [STAGES]
+  const u32 bar_empty = bar_full + 8 * STAGES;  // [STAGES]
+  const u32 bar_dq_full = bar_empty + 8 * STAGES, bar_dq_empty = bar_dq_full + 8;  // mode 2
+
+  const int tid = threadIdx.x;
+  const int warpgroup = tid / 128;
+  const int n_block = blockIdx.x, head_kv = blockIdx.y, batch = blockIdx.z;
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int diag = Sk - Sq;  // query i sees key j iff j <= i + diag
+  const int n0 = n_block * BLOCK_N;
+  const int G = p.q_per_kv;
+
+  // Query blocks that see a key of this block: [m_first, n_mblocks); those
+  // below m_unmasked need the mask (the causal diagonal crosses them, or
+  // the key block is ragged).
+  const int n_mblocks = (Sq + BLOCK_M - 1) / BLOCK_M;
+  const bool ragged = n0 + BLOCK_N > Sk;
+  int m_first = 0, m_unmasked = ragged ? n_mblocks : 0;
+  if (IS_CAUSAL) {
+    const int first_q = n0 - diag > 0 ? n0 - diag : 0;
+    m_first = first_q / BLOCK_M;
+    const int last_key = (n0 + BLOCK_N < Sk ? n0 + BLOCK_N : Sk) - 1;
+    const int need = last_key - diag;  // block m is fully visible iff m * BLOCK_M >= need
+    m_unmasked = need <= 0 ? 0 : (need + BLOCK_M - 1) / BLOCK_M;
+    if (ragged || m_unmasked > n_mblocks) m_unmasked = n_mblocks;
+    if (m_unmasked < m_first) m_unmasked = m_first;
+  }
+  if (m_first > n_mblocks) m_first = n_mblocks;
+  const int per_head = n_mblocks - m_first;
+  const int n_iters = G * per_head;  // (query head, query block) pairs, head-major
+
+  if (tid == 0) {
+    mbar_init(bar_kv, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar_full + 8 * s, 1);
+      mbar_init(bar_empty + 8 * s, 4 * Tile::kConsumers);  // one arrival per consumer warp
+    }
+    if (Tile::kDqWriterThread) {
+      mbar_init(bar_dq_full, 4 * Tile::kConsumers);  // every consumer warp stored its dQ rows
+      mbar_init(bar_dq_empty, 1);                   // the writer's reductions have read the tile
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ------------------------------ producer ------------------------------
+    setmaxnreg_dec<Tile::kProducerRegs>();
+    if (tid == 0 && n_iters > 0) {
+      prefetch_tma_desc(&tm_q);
+      prefetch_tma_desc(&tm_k);
+      prefetch_tma_desc(&tm_v);
+      prefetch_tma_desc(&tm_do);
+      mbar_arrive_expect_tx(bar_kv, 2 * Tile::kKVBytes);
+#pragma unroll
+      for (int c = 0; c < kChunks64; ++c) {
+        tma_load_4d(sK + c * BLOCK_N * 128, &tm_k, c * 64, n0, head_kv, batch, bar_kv);
+        tma_load_4d(sV + c * BLOCK_N * 128, &tm_v, c * 64, n0, head_kv, batch, bar_kv);
+      }
+      for (int it = 0; it < n_iters; ++it) {
+        const int head = head_kv * G + it / per_head;
+        const int m0 = (m_first + it % per_head) * BLOCK_M;
+        const int s = it % STAGES;
+        mbar_wait(bar_empty + 8 * s, ((it / STAGES) & 1) ^ 1);
+        const u32 full = bar_full + 8 * s;
+        mbar_arrive_expect_tx(full, 2 * Tile::kQBytes + 2 * Tile::kStatBytes);
+        const u32 sQ = sQ0 + s * Tile::kQBytes, sdO = sdO0 + s * Tile::kQBytes;
+#pragma unroll
+        for (int c = 0; c < kChunks64; ++c) {
+          tma_load_4d(sQ + c * BLOCK_M * 128, &tm_q, c * 64, m0, head, batch, full);
+          tma_load_4d(sdO + c * BLOCK_M * 128, &tm_do, c * 64, m0, head, batch, full);
+        }
+        // Workspace rows: Sq_pad (a multiple of 128) per (b, h), so the block
+        // is in bounds and 16-byte aligned; rows past Sq hold LSE2 = +inf, Delta = 0.
+        const i64 ws = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0;
+        bulk_load(sL0 + s * Tile::kStatBytes, p.lse_log2 + ws, Tile::kStatBytes, full);
+        bulk_load(sD0 + s * Tile::kStatBytes, p.delta + ws, Tile::kStatBytes, full);
+      }
+    }
+    if constexpr (Tile::kDqWriterThread) {
+      // The dQ writer (mode 2): per block, once all consumer warps stored
+      // their rows, one bulk reduction per row into the float32 accumulator
+      // (rows of Sq_pad per (b, h): all in bounds), then the tile is free
+      // again as soon as the copy engine has read it.
+      if (tid == 32 && n_iters > 0) {
+        for (int it = 0; it < n_iters; ++it) {
+          const int head = head_kv * G + it / per_head;
+          const int m0 = (m_first + it % per_head) * BLOCK_M;
+          mbar_wait(bar_dq_full, it & 1);
+          float* dqa = p.dq_accum + (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0) * HEAD_DIM;
+#pragma unroll 1
+          for (int r = 0; r < BLOCK_M; ++r) bulk_reduce_add_f32(dqa + r * HEAD_DIM, sDQ + r * Tile::kDqRowBytes, HEAD_DIM * 4);
+          bulk_commit();
+          bulk_wait_read_all();
+          mbar_arrive(bar_dq_empty);
+        }
+        bulk_wait_all();  // complete before the CTA (and its shared memory) goes
+      }
+    }
+  } else {
+    // ------------------------------ consumers -----------------------------
+    setmaxnreg_inc<Tile::kConsumerRegs>();
+    const int wg = warpgroup - 1;  // this consumer's keys: n0 + 64 wg ...
+    const int lane = tid & 31;
+    const int warp_in_wg = (tid / 32) & 3;
+    // Accumulator element d[4 j + 2 h + e]: row r0 + 8 h, column 8 j + 2 (lane % 4) + e.
+    const int r0 = warp_in_wg * 16 + (lane >> 2);
+    const int c0 = 2 * (lane & 3);
+    const float scale_log2 = p.scale_log2;
+
+    float acc_dk[kND], acc_dv[kND];
+#pragma unroll
+    for (int i = 0; i < kND; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+    if (n_iters > 0) mbar_wait(bar_kv, 0);
+
+#pragma unroll 1
+    for (int it = 0; it < n_iters; ++it) {
+      const int head = head_kv * G + it / per_head;
+      const int m_block = m_first + it % per_head;
+      const int m0 = m_block * BLOCK_M;
+      const int s = it % STAGES;
+      const u32 sQ = sQ0 + s * Tile::kQBytes, sdO = sdO0 + s * Tile::kQBytes;
+      const u32 sL = sL0 + s * Tile::kStatBytes, sD = sD0 + s * Tile::kStatBytes;
+      const u32 sdS = sdS0 + (it & 1) * Tile::kDSBytes;
+      mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
+      // Thread coordinates recomputed from an opaque %tid.x every block
+      // instead of being kept live across the loop (ptxas spilled them).
+      const int t_o = tid_opaque();
+      const int wg = t_o / 128 - 1, lane = t_o & 31;
+      const int r0 = ((t_o / 32) & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
+      // Descriptors (attention_sm90_ptx.cu, make_desc). K-major: K and V rows of
+      // this consumer as A of S^T / dP^T, Q and dO rows as B. N-major: dO and Q
+      // as B of dV / dK (the reduction runs over query rows), K as B of dQ.
+      // M-major: dS^T as A of dQ.
+      auto kmaj_a = [&](u32 tile, int ks) {
+        return make_desc(tile + (ks / 4) * BLOCK_N * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
+      };
+      auto kmaj_b = [&](u32 tile, int ks) { return make_desc(tile + (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32, 16, 1024); };
+      auto nmaj_q = [&](u32 tile, int kk) { return make_desc(tile + kk * 16 * 128, BLOCK_M * 128, 1024); };
+      constexpr int kDqChunk = Tile::kDqSplitRows ? 0 : 1;  // consumer w's 64-column chunk of K (split by D)
+      auto nmaj_k = [&](int kk) {
+        return make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
+      };
+      constexpr int kDqRows = Tile::kDqSplitRows ? 1 : 0;  // consumer w's 64 query rows (split by rows)
+      auto mmaj_ds = [&](u32 tile, int kk) {
+        return make_desc(tile + kDqRows * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
+      };
+
+      float acc_s[kNS], acc_dp[kNS];
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma_ss<Elem, BLOCK_M>(acc_s, kmaj_a(sK, ks), kmaj_b(sQ, ks), ks > 0);
+      wgmma_commit();
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
+        wgmma_ss<Elem, BLOCK_M>(acc_dp, kmaj_a(sV, ks), kmaj_b(sdO, ks), ks > 0);
+      wgmma_commit();
+
+      // P^T while dP^T is still on the tensor cores.
+      wgmma_wait<1>();
+      fence_regs(acc_s);
+      if (m_block < m_unmasked) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = n0 + wg * 64 + r0 + 8 * h;
+          // keys past Sk; causal: queries before key - diag
+          const int q_first = IS_CAUSAL ? key - diag : 0;
+#pragma unroll
+          for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (key >= Sk || m0 + 8 * j + c0 + e < q_first) acc_s[4 * j + 2 * h + e] = neg_inf();
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < BLOCK_M / 8; ++j) {
+        float l0, l1;
+        ld_shared_f32x2(sL + (8 * j + c0) * 4, l0, l1);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // exp2(-inf) = 0: masked keys, and rows with LSE2 = +inf (past Sq, or seeing no key)
+          acc_s[4 * j + 2 * h] = ex2(acc_s[4 * j + 2 * h] * scale_log2 - l0);
+          acc_s[4 * j + 2 * h + 1] = ex2(acc_s[4 * j + 2 * h + 1] * scale_log2 - l1);
+        }
+      }
+
+      u32 p_frag[BLOCK_M / 16][4], ds_frag[BLOCK_M / 16][4];
+      auto pack_p = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) p_frag[kk][i] = pack2<Elem>(acc_s[8 * kk + 2 * i], acc_s[8 * kk + 2 * i + 1]);
+      };
+      auto issue_dv = [&]() {
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_dv, p_frag[kk], nmaj_q(sdO, kk), 1);
+      };
+      if constexpr (Tile::kEarlyDV) {
+        pack_p();
+        wgmma_fence();
+        issue_dv();
+        wgmma_commit();
+        wgmma_wait<1>();  // S^T and dP^T are complete, dV may still run
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_regs(acc_dp);
+#pragma unroll
+      for (int j = 0; j < BLOCK_M / 8; ++j) {
+        float d0, d1;
+        ld_shared_f32x2(sD + (8 * j + c0) * 4, d0, d1);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          acc_dp[4 * j + 2 * h] = acc_s[4 * j + 2 * h] * (acc_dp[4 * j + 2 * h] - d0);
+          acc_dp[4 * j + 2 * h + 1] = acc_s[4 * j + 2 * h + 1] * (acc_dp[4 * j + 2 * h + 1] - d1);
+        }
+      }
+      // Otherwise to 16 bits only now: float P^T and dP^T die as the fragments
+      // are made (fewer registers live than packing P^T before dS^T).
+      if constexpr (!Tile::kEarlyDV) pack_p();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ds_frag[kk][i] = pack2<Elem>(acc_dp[8 * kk + 2 * i], acc_dp[8 * kk + 2 * i + 1]);
+
+      // dS^T rows of this consumer into the shared tile, in the TMA's layout
+      // (64-query chunks of [128 keys][128 bytes], 16-byte chunk c of row r at
+      // c ^ (r % 8)): the 8 rows of a store hit different banks.
+#pragma unroll
+      for (int j = 0; j < BLOCK_M / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = wg * 64 + r0 + 8 * h, c = 8 * j + c0;
+          const u32 addr = sdS + (c / 64) * BLOCK_N * 128 + r * 128 + ((((c % 64) / 8) ^ (r & 7)) << 4) + (c % 8) * 2;
+          st_shared_u32(addr, ds_frag[j / 2][(j & 1) * 2 + h]);
+        }
+      fence_proxy_async_smem();
+
+      // dV += P^T dO (unless issued already), dK += dS^T Q (A from registers).
+      wgmma_fence();
+      if constexpr (!Tile::kEarlyDV) issue_dv();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_M / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_dk, ds_frag[kk], nmaj_q(sQ, kk), 1);
+      wgmma_commit();
+
+      // Both consumers' dS^T rows are in shared memory.
+      named_bar_sync(1, 128 * Tile::kConsumers);
+      float acc_dq[kNQ];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_ss_tt<Elem, Tile::kDqN>(acc_dq, mmaj_ds(sdS, kk), nmaj_k(kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(acc_dq);
+      fence_regs(acc_dk);
+      fence_regs(acc_dv);
+      // This warp no longer reads the stage (Q, dO, LSE2, Delta).
+      syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+
+      // dQ accumulator rows of Sq_pad per (b, h): every row of the block is in
+      // bounds (rows past Sq add zeros).
+      const int dq_row0 = Tile::kDqSplitRows ? wg * 64 : 0;
+      const int dq_col0 = Tile::kDqSplitRows ? 0 : wg * Tile::kDqN;
+      if constexpr (Tile::kDqWriterThread) {
+        // Into the block's staging tile once the writer has read the previous one.
+        mbar_wait(bar_dq_empty, (it & 1) ^ 1);
+#pragma unroll
+        for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            st_shared_f32x2(sDQ + (dq_row0 + r0 + 8 * h) * Tile::kDqRowBytes + (dq_col0 + 8 * j + c0) * 4,
+                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+        fence_proxy_async_smem();
+        syncwarp();
+        if (lane == 0) mbar_arrive(bar_dq_full);
+        continue;
+      }
+      // dQ accumulator rows of Sq_pad per (b, h): every row of the block is in
+      // bounds (rows past Sq add zeros).
+      float* dqa = p.dq_accum + (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0 + dq_row0) * HEAD_DIM + dq_col0;
+      if constexpr (Tile::kDqStaged) {
+        // This warp's 16 rows (r0 + 8 h - 16 w_in_wg), one bulk reduction per row.
+        const int w_in_wg = (t_o / 32) & 3;
+        const u32 stage = sDQ + (wg * 4 + w_in_wg) * Tile::kDqWarpBytes;
+        bulk_wait_read_all();  // this lane's reductions of the previous block have read the staging rows
+        syncwarp();
+#pragma unroll
+        for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            st_shared_f32x2(stage + ((lane >> 2) + 8 * h) * Tile::kDqRowBytes + (8 * j + c0) * 4,
+                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+        fence_proxy_async_smem();
+        syncwarp();
+        if (lane < 16) {
+          bulk_reduce_add_f32(dqa + (w_in_wg * 16 + lane) * HEAD_DIM, stage + lane * Tile::kDqRowBytes,
+                              Tile::kDqN * 4);
+          bulk_commit();
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            red_add_f32x2(dqa + (r0 + 8 * h) * HEAD_DIM + 8 * j + c0, acc_dq[4 * j + 2 * h],
+                          acc_dq[4 * j + 2 * h + 1]);
+      }
+    }
+    // The staging rows must stay valid until the copy engine has read them.
+    if constexpr (DQ_MODE == kDqBulk) bulk_wait_all();
+
+    // ---- epilogue: dK = scale * acc, dV (zeros when no query sees the block) ----
+    const float scale = p.softmax_scale;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = n0 + wg * 64 + r0 + 8 * h;
+      if (key < Sk) {
+        char* dk_row = (char*)p.dk + 2 * (batch * p.dk_batch_stride + head_kv * p.dk_head_stride + key * p.dk_row_stride);
+        char* dv_row = (char*)p.dv + 2 * (batch * p.dv_batch_stride + head_kv * p.dv_head_stride + key * p.dv_row_stride);
+#pragma unroll
+        for (int j = 0; j < HEAD_DIM / 8; ++j) {
+          const int col = 8 * j + c0;
+          st_global_u32(dk_row + 2 * col, pack2<Elem>(acc_dk[4 * j + 2 * h] * scale, acc_dk[4 * j + 2 * h + 1] * scale));
+          st_global_u32(dv_row + 2 * col, pack2<Elem>(acc_dv[4 * j + 2 * h], acc_dv[4 * j + 2 * h + 1]));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace opfuse_attn

@@ -1,0 +1,216 @@
+"""The Hopper backward (src/kernels/attention/attention_bwd_sm90.cu) for the ctypes harness.
+
+Configurations, NVRTC compilation for sm_90a (one program: attention_ptx.cu,
+attention_sm90_ptx.cu, attention_bwd.cu for AttnBwdParams and its preprocess
+and dQ-convert kernels, then attention_bwd_sm90.cu), the tensor maps and the
+launch sequence. attn_bwd_runtime.AttentionBackward dispatches here on sm_90
+for D = 64 and 128 in atomic (non-deterministic) mode unless
+OPFUSE_ATTN_BWD_SM90=0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import ctypes
+
+import attn_runtime as ar
+import attn_runtime_sm90 as fs
+
+KERNEL_DIR = ar.REPO / "src" / "kernels" / "attention"
+SOURCES = ("attention_ptx.cu", "attention_sm90_ptx.cu", "attention_bwd.cu", "attention_bwd_sm90.cu")
+SOURCE_NAME = "attention_bwd_sm90.cu"
+HEAD_DIMS = (64, 128)
+BLOCK_N = 128  # keys per CTA
+THREADS = 384  # producer + two consumer warpgroups
+SMEM_LIMIT = 227 * 1024
+
+
+def source() -> str:
+    return "\n".join((KERNEL_DIR / f).read_text() for f in SOURCES)
+
+
+# DQ_MODE of the kernel (attention_bwd_sm90.cu): 0 red.global from registers,
+# 1 staged per warp in shared memory + per-row bulk reductions issued by the
+# consumer lanes, 2 staged per block + bulk reductions by a writer thread of
+# the producer warpgroup.
+DQ_SUFFIX = {0: "", 1: "q", 2: "w"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdSm90Config:
+    block_m: int  # query rows per step
+    stages: int  # Q / dO / LSE2 / Delta ring depth
+    dq_mode: int = 0
+
+    def tag(self) -> str:
+        return f"wgb{self.block_m}s{self.stages}{DQ_SUFFIX[self.dq_mode]}"
+
+    @staticmethod
+    def parse(tag: str) -> "BwdSm90Config":
+        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)", tag)
+        if not m:
+            raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2w)")
+        mode = {v: k for k, v in DQ_SUFFIX.items()}[m.group(3)]
+        return BwdSm90Config(int(m.group(1)), int(m.group(2)), mode)
+
+
+# D = 128: 64 query rows per step (dK, dV: 64 + 64 float registers; S^T, dP^T 32 + 32).
+# D = 64: 128 rows (32 + 32; 64 + 64), dQ split by rows. Stages: 3 at D = 64
+# was 1-3% faster than 2 in all 8 cases of the H200 run at 55cc746 with dQ by
+# red.global (mode 0); at D = 128 3 was no faster (0 to -9%). Modes 1 and 2
+# stage dQ in shared memory, which leaves room for 2 stages only at D = 64.
+# (Mode 2 was, at 1172345, a partial dQ per consumer over its own keys: 18%
+# slower at D = 64, wgmma serialised at D = 128; replaced.)
+# docs/attention.md, "Hopper backward".
+# Modes 1 and 2 at D = 64 (BLOCK_M = 128) spill 8 bytes in the consumers
+# (causal; mode 1 was spill-free and 0-2.5% faster than mode 0 at 1172345,
+# before mode 2's writer was added): D = 128 only.
+BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
+              1: {128: BwdSm90Config(64, 2, 1)},
+              2: {128: BwdSm90Config(64, 2, 2)}}
+# Defaults: mode 0 (measured best at 1172345; mode 1 equal within 1%). Mode 2
+# has not run yet: its first build hung on the register pool (fixed since).
+DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[0][128]}
+VARIANTS = {64: [BwdSm90Config(128, 2, 0)], 128: [BY_DQ_MODE[1][128], BY_DQ_MODE[2][128]]}
+
+
+def default(d: int) -> BwdSm90Config:
+    """DEFAULT[d], or the tile of dQ mode OPFUSE_ATTN_BWD_SM90_DQ (0, 1, 2) for A/B runs."""
+    m = os.environ.get("OPFUSE_ATTN_BWD_SM90_DQ", "")
+    if m:
+        if m not in ("0", "1", "2"):
+            raise ValueError(f"OPFUSE_ATTN_BWD_SM90_DQ={m!r}: want 0, 1 or 2")
+        if d not in BY_DQ_MODE[int(m)]:
+            raise ValueError(f"OPFUSE_ATTN_BWD_SM90_DQ={m}: no such tile at head dim {d}")
+        return BY_DQ_MODE[int(m)][d]
+    return DEFAULT[d]
+
+
+def configs(d: int):
+    return [DEFAULT[d]] + VARIANTS[d]
+
+
+def smem_bytes(d: int, cfg: BwdSm90Config) -> int:
+    """BwdSm90Tile::kSmemBytes."""
+    kv, q, stat, ds = BLOCK_N * d * 2, cfg.block_m * d * 2, cfg.block_m * 4, BLOCK_N * cfg.block_m * 2
+    dq_n = d if cfg.block_m == 128 else d // 2  # a consumer's dQ columns
+    dq_stage = {0: 0, 1: 8 * 16 * (dq_n * 4 + 32), 2: cfg.block_m * (d * 4 + 32)}[cfg.dq_mode]
+    bars = 1 + 2 * cfg.stages + (2 if cfg.dq_mode == 2 else 0)
+    return 2 * kv + 2 * cfg.stages * q + 2 * ds + 2 * cfg.stages * stat + dq_stage + 8 * bars + 1024
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def expressions(elem: str, d: int, causal: bool, cfg: BwdSm90Config) -> dict:
+    ns = "opfuse_attn::"
+    return {
+        "preprocess": f"{ns}attention_bwd_preprocess<{ns}{elem}, {d}>",
+        "main": f"{ns}attention_bwd_sm90<{ns}{elem}, {d}, {_b(causal)}, {cfg.block_m}, {cfg.stages}, {cfg.dq_mode}>",
+        "convert": f"{ns}attention_bwd_dq_convert<{ns}{elem}, {d}>",
+    }
+
+
+def all_problems():
+    return [(elem, d, causal, cfg) for d in HEAD_DIMS for cfg in configs(d) for elem in ar.ELEMENTS
+            for causal in (False, True)]
+
+
+def enabled() -> bool:
+    """OPFUSE_ATTN_BWD_SM90=0 forces the mma.sync backward (for comparison)."""
+    return os.environ.get("OPFUSE_ATTN_BWD_SM90", "1") != "0"
+
+
+def unsupported_reason(arch: str, d: int, seqlen_q: int, seqlen_k: int, deterministic: bool) -> str:
+    """Empty when the Hopper backward takes the problem, else why not."""
+    if not arch.startswith("sm_90"):
+        return f"{arch} is not sm_90"
+    if not enabled():
+        return "OPFUSE_ATTN_BWD_SM90=0"
+    if d not in HEAD_DIMS:
+        return f"head dim {d} is not 64 or 128"
+    if deterministic:
+        return "deterministic mode (the Hopper kernel adds dQ with atomics)"
+    if seqlen_q == 0 or seqlen_k == 0:
+        return "empty sequence (a tensor map needs non-empty dims)"
+    return ""
+
+
+def compile_problem(nvrtc: ar.Nvrtc, elem: str, d: int, causal: bool, cfg: BwdSm90Config, src: str | None = None,
+                    use_cache: bool = True):
+    """One NVRTC program with the three kernels. Returns dict(cubin, lowered {role: name}, log, resources, cached)."""
+    import attn_bwd_runtime as br
+
+    src = src if src is not None else source()
+    exprs = expressions(elem, d, causal, cfg)
+    opts = ar.compile_options(fs.ARCH_SM90)
+    key = hashlib.sha256("\0".join([src, *exprs.values(), " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()
+                         ).hexdigest()[:32]
+    cdir = ar.cache_dir()
+    cubin_path, meta_path = cdir / f"bwd90-{key}.cubin", cdir / f"bwd90-{key}.json"
+    if use_cache and cubin_path.exists() and meta_path.exists():
+        return dict(cubin=cubin_path.read_bytes(), cached=True, **json.loads(meta_path.read_text()))
+    cubin, log, lowered = nvrtc.compile(src, SOURCE_NAME, opts, list(exprs.values()))
+    per_fn = br.split_ptxas_log(log)
+    meta = dict(lowered={r: lowered[e] for r, e in exprs.items()}, log=log,
+                resources={r: ar.parse_ptxas(per_fn.get(lowered[e], "")) for r, e in exprs.items()},
+                expressions=exprs, arch=fs.ARCH_SM90)
+    if use_cache:
+        try:
+            cdir.mkdir(parents=True, exist_ok=True)
+            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(cubin)
+            tmp.replace(cubin_path)
+            meta_path.write_text(json.dumps(meta))
+        except OSError:
+            pass
+    return dict(cubin=cubin, cached=False, **meta)
+
+
+def launch(driver: ar.CudaDriver, fns: dict, cfg: BwdSm90Config, d: int, elem: str, p, q, k, v, dout, stream):
+    """preprocess, the Hopper kernel, convert (p: a filled attn_bwd_runtime.AttnBwdParams with dq_accum set)."""
+    B, Hq, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    driver.launch(fns["preprocess"], (p.seqlen_q_pad // 64, Hq, B), (256, 1, 1), 0, stream, p)
+    tms = [fs.encode_tensor_map(driver, elem, t.data_ptr(), t.shape, t.stride(), rows)
+           for t, rows in ((q, cfg.block_m), (k, BLOCK_N), (v, BLOCK_N), (dout, cfg.block_m))]
+    args = (ctypes.c_void_p * 5)(*(ctypes.cast(ctypes.pointer(x), ctypes.c_void_p) for x in (p, *tms)))
+    driver.check(driver.lib.cuLaunchKernel(fns["main"], (Sk + BLOCK_N - 1) // BLOCK_N, Hkv, B, THREADS, 1, 1,
+                                           smem_bytes(d, cfg), ctypes.c_void_p(stream), args, None),
+                 "cuLaunchKernel(attention_bwd_sm90)")
+    driver.launch(fns["convert"], ((Sq + 63) // 64, Hq, B), (256, 1, 1), 0, stream, p)
+
+
+def _compile_one(args):
+    elem, d, causal, tag = args
+    info = compile_problem(ar.Nvrtc(), elem, d, causal, BwdSm90Config.parse(tag))
+    return elem, d, causal, tag, info["resources"]["main"], info["cached"]
+
+
+def main(argv=None):
+    """precompile: fill the cubin cache (OPFUSE_ATTN_CUBIN_DIR) and print ptxas's report."""
+    import argparse
+    import concurrent.futures as cf
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("command", choices=["precompile"])
+    ap.add_argument("--out")
+    ap.add_argument("--defaults-only", action="store_true")
+    ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
+    a = ap.parse_args(argv)
+    if a.out:
+        os.environ["OPFUSE_ATTN_CUBIN_DIR"] = a.out
+    jobs = [(e, d, c, cfg.tag()) for (e, d, c, cfg) in all_problems() if not a.defaults_only or cfg == DEFAULT[d]]
+    with cf.ProcessPoolExecutor(max_workers=a.j) as ex:
+        for elem, d, causal, tag, r, cached in ex.map(_compile_one, jobs):
+            print(f"sm_90a {elem:4} D={d:3} causal={int(causal)} {tag}: regs {r['registers']} stack {r['stack']} "
+                  f"spill {r['spill_stores']}/{r['spill_loads']}{' (cached)' if cached else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
