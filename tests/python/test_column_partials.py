@@ -175,13 +175,13 @@ def test_wide_rows_split_into_cluster_kernels(lead, cols, monkeypatch):
     assert len(ks) == 3 and ks[0].split("stores=")[1].count("column_partials") == 2, cg.plan_text()
     assert f"row [64, {cols}] reduce=[0]" in ks[1], ks[1]
     shapes = [lead + [cols], lead + [cols], lead + [1], lead + [1], [cols]]
-    src = cg.cuda_source(shapes, contiguous(shapes), 90)
+    src = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
     assert "__cluster_dims__(" + str(-(-cols // 4096)) + ", 1, 1)" in src and "par_" in src
-    _, _, log = cg.compile_cuda(shapes, contiguous(shapes), 90, False)
+    _, _, log = cg.compile_cuda(shapes, contiguous_strides(shapes), 90, False)
     spills = re.findall(r"(\d+) bytes spill stores", log)
     assert spills and all(int(s) == 0 for s in spills), log[-3000:]
     with pytest.raises(Exception, match="sm_90"):
-        cg.cuda_source(shapes, contiguous(shapes), 80)
+        cg.cuda_source(shapes, contiguous_strides(shapes), 80)
     monkeypatch.delenv("OPFUSE_COLUMN_PARTIALS_WIDE")
     assert "column_partials" not in _C.CompiledGraph(layer_norm_backward_ir(rows, cols, lead=lead), target="cuda").plan_text()
 
@@ -199,8 +199,8 @@ def test_row_knobs_compile_without_spills(arch, knobs, monkeypatch):
         rows = int(np.prod(lead))
         cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols, lead=lead), target="cuda")
         shapes = [lead + [cols], lead + [cols], lead + [1], lead + [1], [cols]]
-        src = cg.cuda_source(shapes, contiguous(shapes), arch)
+        src = cg.cuda_source(shapes, contiguous_strides(shapes), arch)
         assert "opf_prefetch_l2(b" in src and "pf_ok_" in src
-        _, _, log = cg.compile_cuda(shapes, contiguous(shapes), arch, False)
+        _, _, log = cg.compile_cuda(shapes, contiguous_strides(shapes), arch, False)
         spills = re.findall(r"(\d+) bytes spill stores", log)
         assert spills and all(int(s) == 0 for s in spills), (lead, cols, log[-3000:])
