@@ -38,15 +38,21 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim);
 // Sm90Tile::kSmemBytes: Q (two buffers when they fit), the K/V ring, the
 // mbarriers, 1 KB to align the base.
 int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t);
-std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t);
+std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t,
+                                      AttnMaskKind mask = AttnMaskKind::None);
 // False when OPFUSE_ATTN_SM90=0 (forces the mma.sync kernel, for comparison).
 bool attn_sm90_enabled();
+// True when OPFUSE_ATTN_SM90_MASK=1: masked calls may take the Hopper kernel
+// (by default they take the mma.sync one: the Hopper full-mask instantiations
+// spill, docs/attention.md, "attn_mask").
+bool attn_sm90_mask_enabled();
 // Empty when the Hopper kernel takes the problem on sm_<arch> (with a.tile
 // empty or a "wg" tag), else why not; the caller then uses the mma.sync kernel.
 std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch);
 
 // Compiles one instantiation for sm_90a with NVRTC (no GPU needed).
-AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache = true);
+AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache = true,
+                               AttnMaskKind mask = AttnMaskKind::None);
 
 // Encodes the tensor maps and launches on `stream` in the current context
 // `ctx`; `p` is the kernel's AttnFwdParams, filled by attn_forward_cuda.
