@@ -177,7 +177,7 @@ def _kernel_mask(attn_mask, B, Hq, Sq, Sk, q_dtype):
     else:
         kind = "full-f32"
         m = m.float()
-    if Sk > 1 and m.stride(-1) != 1:
+    if Sk > 1 and (m.shape[3] == 1 or m.stride(-1) != 1):
         m = m.expand(*m.shape[:3], Sk).contiguous() if m.shape[3] == 1 else m.contiguous()
     e = m.expand(B, Hq, Sq, Sk)
     return kind, e, list(e.stride())

@@ -181,7 +181,7 @@ def kernel_mask(attn_mask, B: int, Hq: int, Sq: int, Sk: int, q_dtype):
         kind = "full-f32"
         if m.dtype != torch.float32:
             m = m.float()
-    if Sk > 1 and m.stride(-1) != 1:
+    if Sk > 1 and (m.shape[3] == 1 or m.stride(-1) != 1):
         m = m.expand(*m.shape[:3], Sk).contiguous() if m.shape[3] == 1 else m.contiguous()
     e = m.expand(B, Hq, Sq, Sk)
     return kind, e, tuple(e.stride())
