@@ -15,6 +15,7 @@
 #include "kernels/attention/attention_cpu.h"
 #include "kernels/attention/attention_reference.h"
 #include "runtime/attention_launcher.h"
+#include "runtime/attention_launcher_sm90.h"
 
 namespace nb = nanobind;
 namespace at = opfuse::attention;
@@ -172,6 +173,21 @@ void bind_ops(nb::module_& m) {
       nb::arg("mask") = "",
       "NVRTC-compiles one attention kernel instantiation for sm_<arch> (no GPU needed):\n"
       "(expression, lowered name, cubin, log, cache_hit).");
+  m.def(
+      "attention_sm90_compile",
+      [](const std::string& elem, int head_dim, bool causal, const std::string& tile, bool use_cache,
+         const std::string& mask) {
+        at::AttnCompiled c;
+        {
+          nb::gil_scoped_release release;
+          c = at::attn_sm90_compile(at::parse_attn_elem(elem), head_dim, causal, at::AttnSm90Tile::parse(tile), use_cache,
+                                    at::parse_attn_mask(mask));
+        }
+        return std::make_tuple(c.expression, c.lowered, nb::bytes(c.cubin.data(), c.cubin.size()), c.log, c.cache_hit);
+      },
+      nb::arg("elem"), nb::arg("head_dim"), nb::arg("causal"), nb::arg("tile"), nb::arg("use_cache") = true,
+      nb::arg("mask") = "",
+      "NVRTC-compiles one Hopper attention instantiation for sm_90a (no GPU needed): as attention_compile.");
   m.def("attention_smem_bytes",
         [](int head_dim, const std::string& tile) { return at::attn_smem_bytes(head_dim, at::AttnTile::parse(tile)); });
 

@@ -137,17 +137,20 @@ bool attn_sm90_enabled() {
   return !(v && std::string(v) == "0");
 }
 
-bool attn_sm90_mask_enabled() {
+bool attn_sm90_mask_enabled(int64_t head_dim) {
+  // Mirrors attn_runtime_sm90.sm90_mask_enabled: D = 128 by default (1.35-1.6x
+  // the mma.sync kernel's speed with a mask on the H200); D = 64 spills.
   const char* v = std::getenv("OPFUSE_ATTN_SM90_MASK");
-  return v && std::string(v) == "1";
+  const std::string s = v ? v : "";
+  return s == "1" || (s != "0" && head_dim == 128);
 }
 
 std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
   if (arch != 90) return "sm_" + std::to_string(arch) + " is not sm_90";
   if (!a.tile.empty() && !AttnSm90Tile::is_tag(a.tile)) return "an mma.sync tile was asked for";
   if (a.tile.empty() && !attn_sm90_enabled()) return "OPFUSE_ATTN_SM90=0";
-  if (a.tile.empty() && a.mask != AttnMaskKind::None && !attn_sm90_mask_enabled())
-    return "an attn_mask (OPFUSE_ATTN_SM90_MASK is not 1)";
+  if (a.tile.empty() && a.mask != AttnMaskKind::None && !attn_sm90_mask_enabled(a.head_dim))
+    return "an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)";
   if (!attn_sm90_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64 or 128";
   if (a.seqlen_k == 0) return "Sk = 0 (a tensor map needs non-empty dims)";
   if (!cuda().TensorMapEncodeTiled) return "the CUDA driver has no cuTensorMapEncodeTiled";

@@ -42,10 +42,11 @@ std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, con
                                       AttnMaskKind mask = AttnMaskKind::None);
 // False when OPFUSE_ATTN_SM90=0 (forces the mma.sync kernel, for comparison).
 bool attn_sm90_enabled();
-// True when OPFUSE_ATTN_SM90_MASK=1: masked calls may take the Hopper kernel
-// (by default they take the mma.sync one: the Hopper full-mask instantiations
-// spill, docs/attention.md, "attn_mask").
-bool attn_sm90_mask_enabled();
+// Whether masked calls at this head dim take the Hopper kernel:
+// OPFUSE_ATTN_SM90_MASK unset: D = 128 only (faster than the mma.sync kernel
+// with a mask; at D = 64 a full mask spills, docs/attention.md, "attn_mask");
+// 0: never; 1: D = 64 and 128.
+bool attn_sm90_mask_enabled(int64_t head_dim);
 // Empty when the Hopper kernel takes the problem on sm_<arch> (with a.tile
 // empty or a "wg" tag), else why not; the caller then uses the mma.sync kernel.
 std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch);

@@ -543,14 +543,14 @@ class AttentionForward:
         if mt is not None and mt.device != q.device:
             raise ValueError("attn_mask must be on q's device")
         # sm_90: the Hopper kernel unless a mma.sync tile is asked for, the
-        # head dim is not covered, or OPFUSE_ATTN_SM90=0 (or, with a mask,
-        # unless OPFUSE_ATTN_SM90_MASK=1).
+        # head dim is not covered, or OPFUSE_ATTN_SM90=0 (with a mask: at
+        # D = 128 unless OPFUSE_ATTN_SM90_MASK=0, at D = 64 if it is 1).
         sm90_cfg = config if isinstance(config, self.sm90.Sm90Config) else None
         if config is None and not self.sm90.sm90_unsupported_reason(self.arch, D, Sk, mask):
             sm90_cfg = self.sm90.default_config_sm90(D, causal)
         if sm90_cfg is not None:
             why = self.sm90.sm90_unsupported_reason(self.arch, D, Sk, mask)
-            why = why.replace("an attn_mask (OPFUSE_ATTN_SM90_MASK is not 1)", "").replace("OPFUSE_ATTN_SM90=0", "")
+            why = why.replace("an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)", "").replace("OPFUSE_ATTN_SM90=0", "")
             if why:
                 raise ValueError(f"sm90 config {sm90_cfg.tag()}: {why}")
         # Masked calls use the default tile (the masked instantiations shipped).

@@ -146,10 +146,18 @@ def sm90_enabled() -> bool:
     return os.environ.get("OPFUSE_ATTN_SM90", "1") != "0"
 
 
-def sm90_mask_enabled() -> bool:
-    """OPFUSE_ATTN_SM90_MASK=1 lets the Hopper kernel take masked calls (default: the mma.sync
-    kernel takes them; the Hopper full-mask instantiations spill, docs/attention.md)."""
-    return os.environ.get("OPFUSE_ATTN_SM90_MASK", "0") == "1"
+# Head dims whose masked calls the Hopper kernel takes by default: at D = 128
+# it was 1.35-1.6x faster than the mma.sync kernel with a mask on the H200
+# (docs/attention.md, "attn_mask"); at D = 64 (three consumers at 160
+# registers) a full mask spills hundreds of bytes, unmeasured.
+SM90_MASK_HEAD_DIMS = (128,)
+
+
+def sm90_mask_enabled(head_dim: int) -> bool:
+    """OPFUSE_ATTN_SM90_MASK: unset, the Hopper kernel takes masked calls at
+    SM90_MASK_HEAD_DIMS; 0: never (the mma.sync kernel); 1: at every head dim it covers."""
+    v = os.environ.get("OPFUSE_ATTN_SM90_MASK", "")
+    return v == "1" or (v != "0" and head_dim in SM90_MASK_HEAD_DIMS)
 
 
 def sm90_unsupported_reason(arch: str, head_dim: int, seqlen_k: int, mask=None) -> str:
@@ -158,8 +166,8 @@ def sm90_unsupported_reason(arch: str, head_dim: int, seqlen_k: int, mask=None) 
         return f"{arch} is not sm_90"
     if not sm90_enabled():
         return "OPFUSE_ATTN_SM90=0"
-    if mask and not sm90_mask_enabled():
-        return "an attn_mask (OPFUSE_ATTN_SM90_MASK is not 1)"
+    if mask and not sm90_mask_enabled(head_dim):
+        return "an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)"
     if head_dim not in HEAD_DIMS_SM90:
         return f"head dim {head_dim} is not 64 or 128"
     if seqlen_k == 0:

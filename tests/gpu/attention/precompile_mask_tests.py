@@ -34,7 +34,7 @@ def fjobs():
             J.append(("mma", "f16", 64, c, m))
         J.append(("mma", "bf16", 128, c, None))
         J.append(("mma", "bf16", 64, c, None))
-        for m in ("full-bf16", "full-bool", "keypad", None):
+        for m in ("full-bf16", "full-f32", "full-bool", "keypad", None):
             J.append(("sm90", "bf16", 128, c, m))
         J.append(("sm90", "bf16", 64, c, None))
     return J
@@ -72,7 +72,7 @@ def bone(j):
 
 
 # The C++ launcher's instantiations of test_attention_mask_op_gpu.py (sm_90).
-LAUNCHER_FWD = [("bf16", 128, c, m, "128x64w4b2") for c in (False, True) for m in ("keypad", "full-bf16", "full-bool")] + \
+LAUNCHER_FWD = [("bf16", 128, c, m, "wg128x128s2p") for c in (False, True) for m in ("keypad", "full-bf16", "full-bool")] + \
     [("bf16", 64, False, m, "128x128w4b2") for m in ("keypad", "full-bf16")]
 LAUNCHER_BWD = [("bf16", 128, c, m) for c in (False, True) for m in ("keypad", "full-bf16", "full-bool")]
 
@@ -82,6 +82,8 @@ def launcher(j):
 
     if len(j) == 5:
         elem, d, c, m, tile = j
+        if tile.startswith("wg"):  # the Hopper kernel (D = 128 takes masks on sm_90)
+            return j, _C.attention_sm90_compile(elem, d, c, tile, True, m)[4]
         return j, _C.attention_compile(elem, d, c, tile, 90, True, m)[4]
     elem, d, c, m = j
     return j, _C.attention_backward_compile(elem, d, c, 90, True, m)[4]

@@ -90,7 +90,9 @@ def make_mask(kind, B, Hq, Sq, Sk, dtype, seed):
     raise ValueError(kind)
 
 
-def expected_kind(kind, dtype):
+def expected_kind(kind, dtype, Sq):
+    if Sq == 1 and kind != "add_bh":  # one query row, heads broadcast: one value per (b, key)
+        return "keypad"
     return {"add_sqsk": f"full-{'bf16' if dtype == torch.bfloat16 else 'f16'}", "add_b1_f32": "full-f32",
             "add_bh": f"full-{'bf16' if dtype == torch.bfloat16 else 'f16'}", "bool_b1": "full-bool",
             "view_f32": "full-f32", "keypad": "keypad"}[kind]
@@ -130,16 +132,20 @@ def _qkv(B, Hq, Hkv, Sq, Sk, D, dtype, seed):
 @pytest.mark.parametrize("Sq,Sk", SEQ_PAIRS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("D", [64, 128])
-def test_forward_grid(fwd, D, kind, causal, Sq, Sk):
+@pytest.mark.parametrize("D,kernel", [(64, "default"), (128, "default"), (128, "mma")])
+def test_forward_grid(fwd, D, kernel, kind, causal, Sq, Sk):
+    # D = 128: the default (the Hopper kernel on sm_90) and the mma.sync kernel
+    # explicitly; D = 64: the mma.sync kernel everywhere by default.
     seed = _seed("mfwd", D, kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 4, Sq, Sk, D, torch.bfloat16, seed)
     mask = make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3)
-    assert ar.kernel_mask(mask, 2, 4, Sq, Sk, q.dtype)[0] == expected_kind(kind, q.dtype)
-    _, _, dead = check_forward(fwd, q, k, v, mask, causal)
+    assert ar.kernel_mask(mask, 2, 4, Sq, Sk, q.dtype)[0] == expected_kind(kind, q.dtype, Sq)
+    cfg = ar.default_config(D, fwd.arch, fwd.smem_limit) if kernel == "mma" else None
+    _, _, dead = check_forward(fwd, q, k, v, mask, causal, config=cfg)
     if kind == "keypad":
         assert dead[1].all(), "batch 1 sees no key"
-    assert isinstance(fwd.last_config, ar.FwdConfig)  # masked calls take the mma.sync kernel by default
+    hopper = fwd.arch.startswith("sm_90") and D == 128 and kernel == "default"
+    assert isinstance(fwd.last_config, fwd.sm90.Sm90Config) == hopper, fwd.last_config
 
 
 @pytest.mark.parametrize("Sq,Sk", [(113, 203), (1, 239), (512, 256)])

@@ -223,13 +223,16 @@ def test_sm90_sass_uses_hgmma_and_tma(compiled_sm90, tmp_path):
         assert "USETMAXREG" in f, name
 
 
-# ---- the Hopper kernel with an attn_mask (opt-in: OPFUSE_ATTN_SM90_MASK=1) ----
+# ---- the Hopper kernel with an attn_mask (sm_90 default at D = 128) ----
 
-# The masked Hopper instantiations measured spill-free (docs/attention.md,
-# "attn_mask"); the others compile but spill (a full mask's 64 loads per key
-# block on top of the S, O and P registers), which is why masked calls take
-# the mma.sync kernel on sm_90 by default.
+# D = 128 takes masked calls on sm_90 by default: bool and key padding are
+# spill-free; a full additive mask spills a few words (20-60 bytes measured:
+# its loads on top of the S, O and P registers), and was still 1.35-1.6x
+# faster than the mma.sync kernel with the same mask (docs/attention.md,
+# "attn_mask"). D = 64 (opt-in, OPFUSE_ATTN_SM90_MASK=1) only has to compile:
+# three consumers at 160 registers spill hundreds of bytes with a full mask.
 SM90_MASK_SPILL_FREE = {(128, "full-bool"), (128, "keypad")}
+SM90_MASK_MAX_SPILL = {128: 64}
 
 
 @pytest.fixture(scope="module")
@@ -261,4 +264,6 @@ def test_sm90_masked_instantiations_compile(compiled_sm90_masked):
             problems.append(f"{e}: no ptxas report")
         elif (d, mask) in SM90_MASK_SPILL_FREE and (r["stack"] or r["spill_stores"]):
             problems.append(f"{e}: spills ({r})")
+        elif d in SM90_MASK_MAX_SPILL and r["spill_stores"] > SM90_MASK_MAX_SPILL[d]:
+            problems.append(f"{e}: spills more than {SM90_MASK_MAX_SPILL[d]} bytes ({r})")
     assert not problems, "\n".join(problems)
