@@ -109,7 +109,7 @@ void bind_attention_bwd(nb::module_& m) {
         at::AttnBwdCompiled c;
         {
           nb::gil_scoped_release release;
-          const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch);
+          const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch, 0, at::parse_attn_mask(mask) != at::AttnMaskKind::None);
           c = at::attn_bwd_compile(at::parse_attn_elem(elem), head_dim, causal, t, arch, use_cache,
                                    at::parse_attn_mask(mask));
         }

@@ -85,12 +85,16 @@ int attn_bwd_dq_smem_bytes(int d, const AttnTile& t) {
   return 2 * t.block_m * sb + 2 * 2 * t.block_n * sb;
 }
 
-AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit) {
+AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit, bool masked) {
   const int limit = smem_limit > 0 ? smem_limit : attn_max_smem_for_arch(arch);
   // Mirrors attn_bwd_runtime.DKDV_TILES / DQ_TILES (docs/attention.md, "Backward").
   std::vector<AttnTile> kv, q;
   switch (head_dim) {
-    case 64: kv = {{128, 128, 8, 1}, {64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
+    case 64:
+      // Masked: the 64-query tile (on 128x128 the mask step spilled up to 384 bytes).
+      kv = masked ? std::vector<AttnTile>{{64, 128, 8, 1}} : std::vector<AttnTile>{{128, 128, 8, 1}, {64, 128, 8, 1}};
+      q = {{128, 64, 8, 1}};
+      break;
     case 96: kv = {{64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
     case 128: kv = {{64, 128, 8, 1}, {64, 64, 4, 1}}; q = {{128, 64, 8, 1}, {64, 64, 4, 1}}; break;
     case 256: kv = {{32, 64, 8, 1}}; q = {{64, 32, 4, 1}}; break;
@@ -226,7 +230,7 @@ void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
       info.smem_optin = attn_max_smem_for_arch(info.arch);
   }
   if (info.arch < 80) throw std::invalid_argument("attention backward kernel needs sm_80 or newer");
-  const AttnBwdTiles tiles = attn_bwd_choose_tiles(D, info.arch, info.smem_optin);
+  const AttnBwdTiles tiles = attn_bwd_choose_tiles(D, info.arch, info.smem_optin, a.mask != AttnMaskKind::None);
   const int smem_kv = attn_bwd_dkdv_smem_bytes(D, tiles.dkdv), smem_q = attn_bwd_dq_smem_bytes(D, tiles.dq);
   const std::vector<std::string> exprs = attn_bwd_name_expressions(a.elem, D, a.causal, tiles, a.mask);
   Loaded& lf = loaded[{ctx, exprs[kDkdv]}];

@@ -54,7 +54,9 @@ int attn_bwd_dkdv_smem_bytes(int head_dim, const AttnTile& t);
 int attn_bwd_dq_smem_bytes(int head_dim, const AttnTile& t);
 // The default tiles for a head dim that fit `smem_limit` bytes (<= 0: the
 // architecture's table value); throws std::invalid_argument when none does.
-AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit = 0);
+// With `masked` (an attn_mask), D = 64 takes the 64x128w8b1 dK/dV tile (the
+// mask step spills on 128x128w8b1).
+AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit = 0, bool masked = false);
 
 // Name expressions of one problem, in the order preprocess, dkdv (atomic dQ),
 // dkdv (no dQ), dq_convert, dq.

@@ -94,9 +94,16 @@ def dq_smem(d: int, t: Tile) -> int:
     return 2 * t.block_m * sb + 2 * 2 * t.block_n * sb
 
 
-def choose_tiles(d: int, arch: str = "sm_90", smem_limit: int | None = None) -> tuple[Tile, Tile]:
+# With an attn_mask, D = 64 takes the 64-query dK/dV tile: on 128x128w8b1 the
+# mask step spilled up to 384 bytes (sm_90, a causal boolean mask), on
+# 64x128w8b1 nothing.
+MASKED_DKDV_TILES = {64: [Tile(64, 128, 8, 1)]}
+
+
+def choose_tiles(d: int, arch: str = "sm_90", smem_limit: int | None = None, masked: bool = False) -> tuple[Tile, Tile]:
     limit = smem_limit or ar.MAX_SMEM_PER_BLOCK.get(arch, 101376)
-    kv = next((t for t in DKDV_TILES[d] if dkdv_smem(d, t) <= limit), None)
+    kv_list = MASKED_DKDV_TILES.get(d, DKDV_TILES[d]) if masked else DKDV_TILES[d]
+    kv = next((t for t in kv_list if dkdv_smem(d, t) <= limit), None)
     q = next((t for t in DQ_TILES[d] if dq_smem(d, t) <= limit), None)
     if kv is None or q is None:
         raise ValueError(f"no attention backward tile for head dim {d} fits {limit} bytes of shared memory")
@@ -136,7 +143,7 @@ def masked_problems(arch: str = "sm_90"):
     """(elem, D, causal, kv tile, q tile, mask) for every masked problem shipped: default tiles, every mask kind."""
     out = []
     for d in HEAD_DIMS:
-        kv, q = choose_tiles(d, arch)
+        kv, q = choose_tiles(d, arch, masked=True)
         for elem in ELEMENTS:
             for causal in (False, True):
                 for mask in ar.mask_kinds(elem):
@@ -315,6 +322,8 @@ class AttentionBackward:
         lse2 = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
         acc = None if deterministic else torch.empty((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)
         mask, mt, mst = ar.kernel_mask(attn_mask, B, Hq, Sq, Sk, q.dtype)
+        if mask and tiles is None:
+            kv_t, q_t = choose_tiles(D, self.arch, self.smem_limit, masked=True)
         fns = self.functions(elem, D, bool(causal), kv_t, q_t, mask)
 
         p = AttnBwdParams()

@@ -66,7 +66,7 @@ def fone(j):
 
 def bone(j):
     elem, d, c, m = j
-    kv, q = br.choose_tiles(d, "sm_90")
+    kv, q = br.choose_tiles(d, "sm_90", masked=m is not None)
     info = br.compile_problem(ar.Nvrtc(), "sm_90", elem, d, c, kv, q, mask=m)
     return j, {r: (v["registers"], v["spill_stores"]) for r, v in info["resources"].items() if r in ("dkdv", "dkdv_atomic", "dq")}, info["cached"]
 
