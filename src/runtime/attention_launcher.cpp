@@ -185,7 +185,10 @@ std::vector<AttnTile> default_tiles(int head_dim) {
   }
 }
 
-AttnTile default_tile(int head_dim, int limit) {
+// With an attn_mask, D = 64 takes 128x64 tiles (on 128x128 the mask step
+// spilled 128-244 bytes, on 128x64 0-68; mirrors attn_runtime.MASKED_CONFIGS).
+AttnTile default_tile(int head_dim, int limit, bool masked = false) {
+  if (masked && head_dim == 64) return {128, 64, 4, 2};
   for (const AttnTile& t : default_tiles(head_dim))
     if (attn_smem_bytes(head_dim, t) <= limit) return t;
   throw std::invalid_argument("no attention tile for head dim " + std::to_string(head_dim) + " fits " +
@@ -351,7 +354,7 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
   const int D = static_cast<int>(a.head_dim);
   // Masked calls take the default tile (the masked instantiations shipped).
   const AttnTile tile = !a.tile.empty()                 ? AttnTile::parse(a.tile)
-                        : a.mask != AttnMaskKind::None ? default_tile(D, info.smem_optin)
+                        : a.mask != AttnMaskKind::None ? default_tile(D, info.smem_optin, true)
                                                        : attn_choose_tile(D, a.seqlen_q, a.seqlen_k, a.causal, info.arch,
                                                                           info.smem_optin);
   const int smem = attn_smem_bytes(D, tile, a.mask);

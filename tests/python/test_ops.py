@@ -650,7 +650,7 @@ def test_attention_masked_instantiations_compile():
     # One masked forward (mma.sync and Hopper) and one masked backward problem
     # through the launchers' compile paths; CI compiles the whole set in
     # tests/gpu/attention/test_attention*_nvrtc_compile.py.
-    expr, lowered, cubin, _, _ = _C.attention_compile("bf16", 64, False, "128x128w4b2", 80, False, "full-bool")
+    expr, lowered, cubin, _, _ = _C.attention_compile("bf16", 64, False, "128x64w4b2", 80, False, "full-bool")
     assert "MaskFull<opfuse_attn::bool8>" in expr and cubin[:4] == b"\x7fELF"
     expr, lowered, cubin, _, _ = _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2p", False, "keypad")
     assert "attention_fwd_sm90" in expr and "MaskKeyPad" in expr and cubin[:4] == b"\x7fELF"

@@ -104,9 +104,16 @@ def choose_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, arc
 MAX_SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448}
 
 
-def default_config(head_dim: int, arch: str = "sm_90", smem_limit: int | None = None) -> "FwdConfig":
+# With an attn_mask, D = 64 takes 128x64 tiles: on 128x128 (128 S values per
+# thread) the mask step spilled 128-244 bytes, on 128x64 0-68.
+MASKED_CONFIGS = {64: [FwdConfig(128, 64, 4, 2)]}
+
+
+def default_config(head_dim: int, arch: str = "sm_90", smem_limit: int | None = None,
+                   masked: bool = False) -> "FwdConfig":
     limit = smem_limit or MAX_SMEM_PER_BLOCK.get(arch, 101376)
-    for cfg in DEFAULT_CONFIGS[head_dim]:
+    configs = MASKED_CONFIGS.get(head_dim, DEFAULT_CONFIGS[head_dim]) if masked else DEFAULT_CONFIGS[head_dim]
+    for cfg in configs:
         if smem_bytes(head_dim, cfg) <= limit:
             return cfg
     raise ValueError(f"no attention tile for head dim {head_dim} fits {limit} bytes of shared memory on {arch}")
@@ -206,7 +213,7 @@ def masked_instantiations(arch: str = "sm_90"):
     ship on `arch`: the default tile of each head dim, every mask kind."""
     out = []
     for d in HEAD_DIMS:
-        cfg = default_config(d, arch)
+        cfg = default_config(d, arch, masked=True)
         for elem in ELEMENTS:
             for causal in (False, True):
                 for mask in mask_kinds(elem):
@@ -554,7 +561,7 @@ class AttentionForward:
             if why:
                 raise ValueError(f"sm90 config {sm90_cfg.tag()}: {why}")
         # Masked calls use the default tile (the masked instantiations shipped).
-        cfg = sm90_cfg or config or (default_config(D, self.arch, self.smem_limit) if mask else
+        cfg = sm90_cfg or config or (default_config(D, self.arch, self.smem_limit, masked=True) if mask else
                                      choose_config(D, Sq, Sk, bool(causal), self.arch, self.smem_limit))
         self.last_config = cfg
         if out is None:

@@ -78,7 +78,7 @@ def main():
 
     for mname, m in masks(B, S, dev).items():
         # forward: mma.sync (the default for masked calls) and Hopper
-        cfg_mma = ar.default_config(D, fwd.arch, fwd.smem_limit)
+        cfg_mma = ar.default_config(D, fwd.arch, fwd.smem_limit, masked=m is not None)
         add("opfuse fwd mma.sync", mname, timeit(lambda: fwd(q, k, v, attn_mask=m, config=cfg_mma), a.iters), flops)
         if fwd.arch.startswith("sm_90"):
             cfg = sm90.default_config_sm90(D, False)

@@ -140,7 +140,7 @@ def test_forward_grid(fwd, D, kernel, kind, causal, Sq, Sk):
     q, k, v = _qkv(2, 4, 4, Sq, Sk, D, torch.bfloat16, seed)
     mask = make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3)
     assert ar.kernel_mask(mask, 2, 4, Sq, Sk, q.dtype)[0] == expected_kind(kind, q.dtype, Sq)
-    cfg = ar.default_config(D, fwd.arch, fwd.smem_limit) if kernel == "mma" else None
+    cfg = ar.default_config(D, fwd.arch, fwd.smem_limit, masked=True) if kernel == "mma" else None
     _, _, dead = check_forward(fwd, q, k, v, mask, causal, config=cfg)
     if kind == "keypad":
         assert dead[1].all(), "batch 1 sees no key"

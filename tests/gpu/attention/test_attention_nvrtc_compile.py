@@ -95,8 +95,8 @@ def test_default_tiles_fit_shared_memory_and_do_not_spill(compiled, arch):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_masked_instantiations_compile_without_big_spills(compiled, arch):
-    # With an attn_mask the default tiles keep at most a few dozen spilled
-    # words (244 bytes at most today, D = 64 with a float32 mask), as the
+    # With an attn_mask the default tiles (D = 64: 128x64) keep at most a few
+    # dozen spilled words (144 bytes at most, D = 128 on sm_80), as the
     # unmasked ones: the mask step adds no live tile (Q leaves registers).
     res, _, _ = compiled[arch]
     problems = []
