@@ -67,14 +67,22 @@ void bind_attention_bwd(nb::module_& m) {
   m.def(
       "attention_backward_cuda",
       [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal,
-         double scale, bool deterministic, uintptr_t stream, int device) {
+         double scale, bool deterministic, uintptr_t stream, int device, const std::string& mask_kind, uintptr_t mask,
+         const std::vector<int64_t>& mask_strides) {
         at::AttnBackwardArgs a = backward_args(elem, ptrs, sizes, strides, causal, scale, deterministic);
         a.device = device;
+        a.mask = at::parse_attn_mask(mask_kind);
+        if (a.mask != at::AttnMaskKind::None) {
+          need(mask_strides.size() == 4, "mask strides: 4 entries over [B, Hq, Sq, Sk]");
+          a.mask_ptr = reinterpret_cast<const void*>(mask);
+          for (size_t d = 0; d < 4; ++d) a.mask_strides[d] = mask_strides[d];
+        }
         nb::gil_scoped_release release;
         at::attn_backward_cuda(a, reinterpret_cast<opfuse::CUstream>(stream));
       },
       nb::arg("elem"), nb::arg("ptrs"), nb::arg("sizes"), nb::arg("strides"), nb::arg("causal"), nb::arg("scale"),
-      nb::arg("deterministic"), nb::arg("stream"), nb::arg("device") = -1,
+      nb::arg("deterministic"), nb::arg("stream"), nb::arg("device") = -1, nb::arg("mask_kind") = "",
+      nb::arg("mask") = 0, nb::arg("mask_strides") = std::vector<int64_t>{},
       "Launches the attention backward kernels on `stream` (an integer cudaStream_t).\n"
       "ptrs: q, k, v, o, dout, dq, dk, dv, lse, delta, lse_log2, dq_accum (workspaces: float32,\n"
       "contiguous, attention_backward_padded_rows(Sq) rows per (b, h); dq_accum [.., D], unused when\n"
@@ -97,17 +105,19 @@ void bind_attention_bwd(nb::module_& m) {
       "(dK/dV tile, deterministic dQ tile) the launcher uses, as tags such as '64x128w8b1'.");
   m.def(
       "attention_backward_compile",
-      [](const std::string& elem, int head_dim, bool causal, int arch, bool use_cache) {
+      [](const std::string& elem, int head_dim, bool causal, int arch, bool use_cache, const std::string& mask) {
         at::AttnBwdCompiled c;
         {
           nb::gil_scoped_release release;
-          const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch);
-          c = at::attn_bwd_compile(at::parse_attn_elem(elem), head_dim, causal, t, arch, use_cache);
+          const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch, 0, at::parse_attn_mask(mask) != at::AttnMaskKind::None);
+          c = at::attn_bwd_compile(at::parse_attn_elem(elem), head_dim, causal, t, arch, use_cache,
+                                   at::parse_attn_mask(mask));
         }
         return std::make_tuple(c.expressions, c.lowered, nb::bytes(c.cubin.data(), c.cubin.size()), c.log,
                                c.cache_hit);
       },
       nb::arg("elem"), nb::arg("head_dim"), nb::arg("causal"), nb::arg("arch"), nb::arg("use_cache") = true,
+      nb::arg("mask") = "",
       "NVRTC-compiles the backward kernels of one problem for sm_<arch> (no GPU needed):\n"
       "(expressions, lowered names, cubin, log, cache_hit).");
   m.def(

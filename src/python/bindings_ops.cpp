@@ -15,6 +15,7 @@
 #include "kernels/attention/attention_cpu.h"
 #include "kernels/attention/attention_reference.h"
 #include "runtime/attention_launcher.h"
+#include "runtime/attention_launcher_sm90.h"
 
 namespace nb = nanobind;
 namespace at = opfuse::attention;
@@ -59,6 +60,16 @@ at::AttnForwardArgs cuda_args(const std::string& elem, const Ptrs& ptrs, const S
   return a;
 }
 
+// attn_mask: kind name (attention_launcher.h), data pointer, 4 element strides over [B, Hq, Sq, Sk].
+template <typename Args>
+void set_mask(Args& a, const std::string& kind, uintptr_t ptr, const std::vector<int64_t>& strides) {
+  a.mask = at::parse_attn_mask(kind);
+  if (a.mask == at::AttnMaskKind::None) return;
+  need(strides.size() == 4, "mask strides: 4 entries over [B, Hq, Sq, Sk]");
+  a.mask_ptr = reinterpret_cast<const void*>(ptr);
+  for (size_t d = 0; d < 4; ++d) a.mask_strides[d] = strides[d];
+}
+
 ka::AttentionShape shape_of(const Sizes& sizes) {
   need(sizes.size() == 6, "sizes: B, Hq, Hkv, Sq, Sk, D");
   ka::AttentionShape s;
@@ -96,23 +107,33 @@ void bind_ops(nb::module_& m) {
   m.def(
       "attention_cuda",
       [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal, double scale,
-         uintptr_t stream, const std::string& tile, int device) {
+         uintptr_t stream, const std::string& tile, int device, const std::string& mask_kind, uintptr_t mask,
+         const std::vector<int64_t>& mask_strides) {
         at::AttnForwardArgs a = cuda_args(elem, ptrs, sizes, strides, causal, scale, tile);
         a.device = device;
+        set_mask(a, mask_kind, mask, mask_strides);
         nb::gil_scoped_release release;
         at::attn_forward_cuda(a, reinterpret_cast<opfuse::CUstream>(stream));
       },
       nb::arg("elem"), nb::arg("ptrs"), nb::arg("sizes"), nb::arg("strides"), nb::arg("causal"), nb::arg("scale"),
-      nb::arg("stream"), nb::arg("tile") = "", nb::arg("device") = -1,
+      nb::arg("stream"), nb::arg("tile") = "", nb::arg("device") = -1, nb::arg("mask_kind") = "",
+      nb::arg("mask") = 0, nb::arg("mask_strides") = std::vector<int64_t>{},
       "Launches the attention forward kernel on `stream` (an integer cudaStream_t).\n"
       "elem: 'bf16' | 'f16'; ptrs: q, k, v, o, lse (0 = no LSE); sizes: B, Hq, Hkv, Sq, Sk, D;\n"
       "strides: element strides of dims 0..2 of q, k, v, o and dims 0..1 of lse; scale <= 0: 1/sqrt(D);\n"
-      "device >= 0: the tensors' CUDA device (its primary context is made current if the thread has none).");
+      "device >= 0: the tensors' CUDA device (its primary context is made current if the thread has none);\n"
+      "mask_kind: '' | 'full-bool' | 'full-bf16' | 'full-f16' | 'full-f32' | 'keypad', mask: its data pointer,\n"
+      "mask_strides: its 4 element strides over [B, Hq, Sq, Sk] (0 on broadcast dims, key stride 1).");
   m.def(
       "attention_cuda_unsupported_reason",
-      [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal, double scale) {
-        return at::attn_unsupported_reason(cuda_args(elem, ptrs, sizes, strides, causal, scale, ""));
+      [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal, double scale,
+         const std::string& mask_kind, uintptr_t mask, const std::vector<int64_t>& mask_strides) {
+        at::AttnForwardArgs a = cuda_args(elem, ptrs, sizes, strides, causal, scale, "");
+        set_mask(a, mask_kind, mask, mask_strides);
+        return at::attn_unsupported_reason(a);
       },
+      nb::arg("elem"), nb::arg("ptrs"), nb::arg("sizes"), nb::arg("strides"), nb::arg("causal"), nb::arg("scale"),
+      nb::arg("mask_kind") = "", nb::arg("mask") = 0, nb::arg("mask_strides") = std::vector<int64_t>{},
       "Empty when the CUDA kernel covers the problem, else the reason.");
   m.def(
       "attention_tile",
@@ -129,22 +150,44 @@ void bind_ops(nb::module_& m) {
         return r;
       },
       nb::arg("head_dim"), nb::arg("arch"), nb::arg("smem_limit") = 0);
-  m.def("attention_name_expression", [](const std::string& elem, int head_dim, bool causal, const std::string& tile) {
-    return at::attn_name_expression(at::parse_attn_elem(elem), head_dim, causal, at::AttnTile::parse(tile));
-  });
+  m.def(
+      "attention_name_expression",
+      [](const std::string& elem, int head_dim, bool causal, const std::string& tile, const std::string& mask) {
+        return at::attn_name_expression(at::parse_attn_elem(elem), head_dim, causal, at::AttnTile::parse(tile),
+                                        at::parse_attn_mask(mask));
+      },
+      nb::arg("elem"), nb::arg("head_dim"), nb::arg("causal"), nb::arg("tile"), nb::arg("mask") = "");
   m.def(
       "attention_compile",
-      [](const std::string& elem, int head_dim, bool causal, const std::string& tile, int arch, bool use_cache) {
+      [](const std::string& elem, int head_dim, bool causal, const std::string& tile, int arch, bool use_cache,
+         const std::string& mask) {
         at::AttnCompiled c;
         {
           nb::gil_scoped_release release;
-          c = at::attn_compile(at::parse_attn_elem(elem), head_dim, causal, at::AttnTile::parse(tile), arch, use_cache);
+          c = at::attn_compile(at::parse_attn_elem(elem), head_dim, causal, at::AttnTile::parse(tile), arch, use_cache,
+                               at::parse_attn_mask(mask));
         }
         return std::make_tuple(c.expression, c.lowered, nb::bytes(c.cubin.data(), c.cubin.size()), c.log, c.cache_hit);
       },
       nb::arg("elem"), nb::arg("head_dim"), nb::arg("causal"), nb::arg("tile"), nb::arg("arch"), nb::arg("use_cache") = true,
+      nb::arg("mask") = "",
       "NVRTC-compiles one attention kernel instantiation for sm_<arch> (no GPU needed):\n"
       "(expression, lowered name, cubin, log, cache_hit).");
+  m.def(
+      "attention_sm90_compile",
+      [](const std::string& elem, int head_dim, bool causal, const std::string& tile, bool use_cache,
+         const std::string& mask) {
+        at::AttnCompiled c;
+        {
+          nb::gil_scoped_release release;
+          c = at::attn_sm90_compile(at::parse_attn_elem(elem), head_dim, causal, at::AttnSm90Tile::parse(tile), use_cache,
+                                    at::parse_attn_mask(mask));
+        }
+        return std::make_tuple(c.expression, c.lowered, nb::bytes(c.cubin.data(), c.cubin.size()), c.log, c.cache_hit);
+      },
+      nb::arg("elem"), nb::arg("head_dim"), nb::arg("causal"), nb::arg("tile"), nb::arg("use_cache") = true,
+      nb::arg("mask") = "",
+      "NVRTC-compiles one Hopper attention instantiation for sm_90a (no GPU needed): as attention_compile.");
   m.def("attention_smem_bytes",
         [](int head_dim, const std::string& tile) { return at::attn_smem_bytes(head_dim, at::AttnTile::parse(tile)); });
 

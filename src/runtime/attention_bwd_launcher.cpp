@@ -95,6 +95,8 @@ AttnBwdParams make_params(const AttnBackwardArgs& a) {
   const double scale = a.softmax_scale > 0 ? a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(D));
   p.softmax_scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  p.mask = a.mask != AttnMaskKind::None ? a.mask_ptr : nullptr;
+  for (int d = 0; d < 4; ++d) p.mask_strides[d] = a.mask != AttnMaskKind::None ? a.mask_strides[d] : 0;
   return p;
 }
 
@@ -112,12 +114,16 @@ int attn_bwd_dq_smem_bytes(int d, const AttnTile& t) {
   return 2 * t.block_m * sb + 2 * 2 * t.block_n * sb;
 }
 
-AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit) {
+AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit, bool masked) {
   const int limit = smem_limit > 0 ? smem_limit : attn_max_smem_for_arch(arch);
   // Mirrors attn_bwd_runtime.DKDV_TILES / DQ_TILES (docs/attention.md, "Backward").
   std::vector<AttnTile> kv, q;
   switch (head_dim) {
-    case 64: kv = {{128, 128, 8, 1}, {64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
+    case 64:
+      // Masked: the 64-query tile (on 128x128 the mask step spilled up to 384 bytes).
+      kv = masked ? std::vector<AttnTile>{{64, 128, 8, 1}} : std::vector<AttnTile>{{128, 128, 8, 1}, {64, 128, 8, 1}};
+      q = {{128, 64, 8, 1}};
+      break;
     case 96: kv = {{64, 128, 8, 1}}; q = {{128, 64, 8, 1}}; break;
     case 128: kv = {{64, 128, 8, 1}, {64, 64, 4, 1}}; q = {{128, 64, 8, 1}, {64, 64, 4, 1}}; break;
     case 256: kv = {{32, 64, 8, 1}}; q = {{64, 32, 4, 1}}; break;
@@ -137,7 +143,9 @@ AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit) {
   return t;
 }
 
-std::vector<std::string> attn_bwd_name_expressions(AttnElem e, int d, bool causal, const AttnBwdTiles& t) {
+std::vector<std::string> attn_bwd_name_expressions(AttnElem e, int d, bool causal, const AttnBwdTiles& t,
+                                                   AttnMaskKind mask) {
+  const std::string m = attn_mask_template_arg(mask);
   const std::string el = std::string("opfuse_attn::") + attn_elem_name(e), D = std::to_string(d);
   const AttnTile& kv = t.dkdv;
   const std::string kvargs = el + ", " + D + ", " + b(causal) + ", " + std::to_string(kv.block_m) + ", " +
@@ -146,20 +154,20 @@ std::vector<std::string> attn_bwd_name_expressions(AttnElem e, int d, bool causa
   const AttnTile& q = t.dq;
   return {
       "opfuse_attn::attention_bwd_preprocess<" + el + ", " + D + ">",
-      "opfuse_attn::attention_bwd_dkdv<" + kvargs + ", true>",
-      "opfuse_attn::attention_bwd_dkdv<" + kvargs + ", false>",
+      "opfuse_attn::attention_bwd_dkdv<" + kvargs + ", true" + m + ">",
+      "opfuse_attn::attention_bwd_dkdv<" + kvargs + ", false" + m + ">",
       "opfuse_attn::attention_bwd_dq_convert<" + el + ", " + D + ">",
       "opfuse_attn::attention_bwd_dq<" + el + ", " + D + ", " + b(causal) + ", " + std::to_string(q.block_m) + ", " +
-          std::to_string(q.block_n) + ", " + std::to_string(q.num_warps) + ", " + std::to_string(q.min_blocks) + ">",
+          std::to_string(q.block_n) + ", " + std::to_string(q.num_warps) + ", " + std::to_string(q.min_blocks) + m + ">",
   };
 }
 
 AttnBwdCompiled attn_bwd_compile(AttnElem e, int head_dim, bool causal, const AttnBwdTiles& t, int arch,
-                                 bool use_cache) {
+                                 bool use_cache, AttnMaskKind mask) {
   if (!attn_head_dim_supported(head_dim))
     throw std::invalid_argument("attention backward head dim must be 64, 96, 128 or 256, not " +
                                 std::to_string(head_dim));
-  const std::vector<std::string> exprs = attn_bwd_name_expressions(e, head_dim, causal, t);
+  const std::vector<std::string> exprs = attn_bwd_name_expressions(e, head_dim, causal, t, mask);
   if (!use_cache) return nvrtc_compile(exprs, arch);
   const NvrtcApi& n = nvrtc();
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
@@ -214,7 +222,7 @@ std::string attn_bwd_unsupported_reason(const AttnBackwardArgs& a) {
   for (const void* w : {static_cast<const void*>(a.delta), static_cast<const void*>(a.lse_log2),
                         static_cast<const void*>(a.dq_accum)})
     if (!aligned(w)) return "workspace not 16-byte aligned";
-  return {};
+  return attn_mask_unsupported_reason(a.mask, a.mask_ptr, a.mask_strides, a.seqlen_k);
 }
 
 void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
@@ -252,16 +260,16 @@ void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
   }
   if (info.arch < 80) throw std::invalid_argument("attention backward kernel needs sm_80 or newer");
   AttnBwdParams p = make_params(a);
-  // sm_90, D = 64 / 128, atomic dQ: the Hopper kernel (unless OPFUSE_ATTN_BWD_SM90=0).
+  // sm_90, D = 64 / 128, atomic dQ, no mask: the Hopper kernel (unless OPFUSE_ATTN_BWD_SM90=0).
   if (attn_bwd_sm90_unsupported_reason(a, info.arch).empty()) return attn_backward_sm90_launch(a, p, ctx, stream);
-  const AttnBwdTiles tiles = attn_bwd_choose_tiles(D, info.arch, info.smem_optin);
+  const AttnBwdTiles tiles = attn_bwd_choose_tiles(D, info.arch, info.smem_optin, a.mask != AttnMaskKind::None);
   const int smem_kv = attn_bwd_dkdv_smem_bytes(D, tiles.dkdv), smem_q = attn_bwd_dq_smem_bytes(D, tiles.dq);
-  const std::vector<std::string> exprs = attn_bwd_name_expressions(a.elem, D, a.causal, tiles);
+  const std::vector<std::string> exprs = attn_bwd_name_expressions(a.elem, D, a.causal, tiles, a.mask);
   Loaded& lf = loaded[{ctx, exprs[kDkdv]}];
   if (!lf.module) {
-    AttnBwdCompiled comp = attn_bwd_compile(a.elem, D, a.causal, tiles, info.arch);
+    AttnBwdCompiled comp = attn_bwd_compile(a.elem, D, a.causal, tiles, info.arch, true, a.mask);
     if (c.ModuleLoadData(&lf.module, comp.cubin.data()) != 0) {
-      comp = attn_bwd_compile(a.elem, D, a.causal, tiles, info.arch, /*use_cache=*/false);
+      comp = attn_bwd_compile(a.elem, D, a.causal, tiles, info.arch, /*use_cache=*/false, a.mask);
       check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(attention backward)");
     }
     for (int r = 0; r < kRoles; ++r)

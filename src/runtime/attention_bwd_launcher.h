@@ -35,10 +35,12 @@ struct AttnBwdParams {
   int32_t batch, heads_q, heads_kv, q_per_kv;
   int32_t seqlen_q, seqlen_k, seqlen_q_pad, reserved;
   float softmax_scale, scale_log2;
+  const void* mask;  // attn_mask or null (as AttnFwdParams::mask)
+  int64_t mask_strides[4];
 };
-static_assert(sizeof(AttnBwdParams) == 344, "AttnBwdParams layout is the kernel's launch ABI");
+static_assert(sizeof(AttnBwdParams) == 384, "AttnBwdParams layout is the kernel's launch ABI");
 static_assert(offsetof(AttnBwdParams, lse_strides) == 288 && offsetof(AttnBwdParams, batch) == 304 &&
-                  offsetof(AttnBwdParams, softmax_scale) == 336,
+                  offsetof(AttnBwdParams, softmax_scale) == 336 && offsetof(AttnBwdParams, mask) == 344,
               "AttnBwdParams field offsets are the kernel's launch ABI");
 
 inline constexpr int kAttnBwdRowPad = 128;  // workspace rows per (b, h): round_up(Sq, 128)
@@ -52,11 +54,14 @@ int attn_bwd_dkdv_smem_bytes(int head_dim, const AttnTile& t);
 int attn_bwd_dq_smem_bytes(int head_dim, const AttnTile& t);
 // The default tiles for a head dim that fit `smem_limit` bytes (<= 0: the
 // architecture's table value); throws std::invalid_argument when none does.
-AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit = 0);
+// With `masked` (an attn_mask), D = 64 takes the 64x128w8b1 dK/dV tile (the
+// mask step spills on 128x128w8b1).
+AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit = 0, bool masked = false);
 
 // Name expressions of one problem, in the order preprocess, dkdv (atomic dQ),
 // dkdv (no dQ), dq_convert, dq.
-std::vector<std::string> attn_bwd_name_expressions(AttnElem e, int head_dim, bool causal, const AttnBwdTiles& t);
+std::vector<std::string> attn_bwd_name_expressions(AttnElem e, int head_dim, bool causal, const AttnBwdTiles& t,
+                                                   AttnMaskKind mask = AttnMaskKind::None);
 
 struct AttnBwdCompiled {
   std::vector<std::string> expressions, lowered;  // same order as attn_bwd_name_expressions
@@ -65,7 +70,7 @@ struct AttnBwdCompiled {
 };
 // NVRTC-compiles the five kernels of one problem for sm_<arch> (no GPU needed).
 AttnBwdCompiled attn_bwd_compile(AttnElem e, int head_dim, bool causal, const AttnBwdTiles& t, int arch,
-                                 bool use_cache = true);
+                                 bool use_cache = true, AttnMaskKind mask = AttnMaskKind::None);
 
 struct AttnBackwardArgs {
   AttnElem elem = AttnElem::BF16;
@@ -80,6 +85,10 @@ struct AttnBackwardArgs {
   int64_t lse_strides[2] = {};
   int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0;
   bool causal = false;
+  // attn_mask as in AttnForwardArgs (the forward's; P is recomputed with it).
+  AttnMaskKind mask = AttnMaskKind::None;
+  const void* mask_ptr = nullptr;
+  int64_t mask_strides[4] = {};
   bool deterministic = false;  // dQ without atomics (bitwise-reproducible)
   double softmax_scale = 0;    // <= 0: 1 / sqrt(head_dim)
   int device = -1;             // CUDA device of the tensors (see AttnForwardArgs::device)

@@ -168,6 +168,7 @@ std::string attn_bwd_sm90_unsupported_reason(const AttnBackwardArgs& a, int arch
   if (!attn_bwd_sm90_enabled()) return "OPFUSE_ATTN_BWD_SM90=0";
   if (a.head_dim != 64 && a.head_dim != 128) return "head dim " + std::to_string(a.head_dim) + " is not 64 or 128";
   if (a.deterministic) return "deterministic mode (the Hopper kernel adds dQ with atomics)";
+  if (a.mask != AttnMaskKind::None) return "an attn_mask (the Hopper backward applies causal masking only)";
   if (a.seqlen_q == 0 || a.seqlen_k == 0) return "empty sequence (a tensor map needs non-empty dims)";
   if (!cuda().TensorMapEncodeTiled) return "the CUDA driver has no cuTensorMapEncodeTiled";
   // TMA: strides below 2^40 bytes (multiples of 16 bytes is checked already).

@@ -102,9 +102,65 @@ bool attn_head_dim_supported(int64_t d) {
   return false;
 }
 
-int attn_smem_bytes(int head_dim, const AttnTile& t) {
+int attn_smem_bytes(int head_dim, const AttnTile& t, AttnMaskKind mask) {
   const int stride_bytes = (head_dim + 8) * 2;
-  return t.block_m * stride_bytes + 2 * 2 * t.block_n * stride_bytes;
+  const int keypad = mask == AttnMaskKind::KeyPad ? 2 * t.block_n * 4 : 0;
+  return t.block_m * stride_bytes + 2 * 2 * t.block_n * stride_bytes + keypad;
+}
+
+const char* attn_mask_name(AttnMaskKind m) {
+  switch (m) {
+    case AttnMaskKind::None: return "none";
+    case AttnMaskKind::FullBool: return "full-bool";
+    case AttnMaskKind::FullBf16: return "full-bf16";
+    case AttnMaskKind::FullF16: return "full-f16";
+    case AttnMaskKind::FullF32: return "full-f32";
+    case AttnMaskKind::KeyPad: return "keypad";
+  }
+  return "?";
+}
+
+AttnMaskKind parse_attn_mask(const std::string& name) {
+  if (name.empty() || name == "none") return AttnMaskKind::None;
+  for (AttnMaskKind m : {AttnMaskKind::FullBool, AttnMaskKind::FullBf16, AttnMaskKind::FullF16, AttnMaskKind::FullF32,
+                         AttnMaskKind::KeyPad})
+    if (name == attn_mask_name(m)) return m;
+  throw std::invalid_argument("attention mask kind must be none, full-bool, full-bf16, full-f16, full-f32 or keypad, not " +
+                              name);
+}
+
+int attn_mask_elem_bytes(AttnMaskKind m) {
+  switch (m) {
+    case AttnMaskKind::None: return 0;
+    case AttnMaskKind::FullBool: return 1;
+    case AttnMaskKind::FullBf16: case AttnMaskKind::FullF16: return 2;
+    default: return 4;
+  }
+}
+
+std::string attn_mask_template_arg(AttnMaskKind m) {
+  switch (m) {
+    case AttnMaskKind::None: return "";
+    case AttnMaskKind::FullBool: return ", opfuse_attn::MaskFull<opfuse_attn::bool8>";
+    case AttnMaskKind::FullBf16: return ", opfuse_attn::MaskFull<opfuse_attn::bf16>";
+    case AttnMaskKind::FullF16: return ", opfuse_attn::MaskFull<opfuse_attn::f16>";
+    case AttnMaskKind::FullF32: return ", opfuse_attn::MaskFull<float>";
+    case AttnMaskKind::KeyPad: return ", opfuse_attn::MaskKeyPad";
+  }
+  return "";
+}
+
+std::string attn_mask_unsupported_reason(AttnMaskKind kind, const void* ptr, const int64_t (&st)[4], int64_t seqlen_k) {
+  if (kind == AttnMaskKind::None) return {};
+  if (!ptr) return "attn_mask: null pointer";
+  if (reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(attn_mask_elem_bytes(kind)) != 0)
+    return "attn_mask: data pointer not aligned to its element size";
+  if (seqlen_k > 1 && st[3] != 1) return "attn_mask: the key dim must be contiguous (stride 1)";
+  for (int d = 0; d < 3; ++d)
+    if (st[d] < 0) return "attn_mask: negative stride";
+  if (kind == AttnMaskKind::KeyPad && (st[1] != 0 || st[2] != 0))
+    return "attn_mask: key padding needs head and row strides 0";
+  return {};
 }
 
 int attn_max_smem_for_arch(int arch) {
@@ -129,7 +185,10 @@ std::vector<AttnTile> default_tiles(int head_dim) {
   }
 }
 
-AttnTile default_tile(int head_dim, int limit) {
+// With an attn_mask, D = 64 takes 128x64 tiles (on 128x128 the mask step
+// spilled 128-244 bytes, on 128x64 0-68; mirrors attn_runtime.MASKED_CONFIGS).
+AttnTile default_tile(int head_dim, int limit, bool masked = false) {
+  if (masked && head_dim == 64) return {128, 64, 4, 2};
   for (const AttnTile& t : default_tiles(head_dim))
     if (attn_smem_bytes(head_dim, t) <= limit) return t;
   throw std::invalid_argument("no attention tile for head dim " + std::to_string(head_dim) + " fits " +
@@ -143,6 +202,7 @@ constexpr int64_t kLongTileMinSk = 8192;
 }  // namespace
 
 AttnTile attn_choose_tile(int head_dim, int64_t seqlen_q, int64_t seqlen_k, bool causal, int arch, int smem_limit) {
+  // (Masked calls take default_tile: the masked instantiations shipped.)
   const int limit = smem_limit > 0 ? smem_limit : attn_max_smem_for_arch(arch);
   if (head_dim == 128 && !causal && seqlen_q >= 256 && seqlen_k >= kLongTileMinSk &&
       attn_smem_bytes(head_dim, kLongTile128) <= limit)
@@ -157,16 +217,18 @@ std::vector<AttnTile> attn_candidate_tiles(int head_dim, int arch, int smem_limi
   return r;
 }
 
-std::string attn_name_expression(AttnElem e, int head_dim, bool causal, const AttnTile& t) {
+std::string attn_name_expression(AttnElem e, int head_dim, bool causal, const AttnTile& t, AttnMaskKind mask) {
   return std::string("opfuse_attn::attention_fwd<opfuse_attn::") + attn_elem_name(e) + ", " + std::to_string(head_dim) +
          ", " + (causal ? "true" : "false") + ", " + std::to_string(t.block_m) + ", " + std::to_string(t.block_n) + ", " +
-         std::to_string(t.num_warps) + ", " + std::to_string(t.min_blocks) + ", " + (t.split_pv ? "true" : "false") + ">";
+         std::to_string(t.num_warps) + ", " + std::to_string(t.min_blocks) + ", " + (t.split_pv ? "true" : "false") +
+         attn_mask_template_arg(mask) + ">";
 }
 
-AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile& t, int arch, bool use_cache) {
+AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile& t, int arch, bool use_cache,
+                          AttnMaskKind mask) {
   if (!attn_head_dim_supported(head_dim))
     throw std::invalid_argument("attention kernel head dim must be 64, 96, 128 or 256, not " + std::to_string(head_dim));
-  const std::string expr = attn_name_expression(e, head_dim, causal, t);
+  const std::string expr = attn_name_expression(e, head_dim, causal, t, mask);
   if (!use_cache) return nvrtc_compile_expression(expr, arch);
   const NvrtcApi& n = nvrtc();
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
@@ -219,6 +281,8 @@ std::string attn_unsupported_reason(const AttnForwardArgs& a) {
     for (int d = 0; d < 3; ++d)
       if (t.st[d] % 8 != 0) return std::string(t.name) + ": strides must be multiples of 8 elements";
   }
+  if (std::string why = attn_mask_unsupported_reason(a.mask, a.mask_ptr, a.mask_strides, a.seqlen_k); !why.empty())
+    return why;
   if (!a.tile.empty()) {  // throws on a bad tag
     if (AttnSm90Tile::is_tag(a.tile)) AttnSm90Tile::parse(a.tile);
     else AttnTile::parse(a.tile);
@@ -247,6 +311,11 @@ AttnFwdParams attn_make_params(const AttnForwardArgs& a) {
   const double scale = a.softmax_scale > 0 ? a.softmax_scale : 1.0 / std::sqrt(static_cast<double>(a.head_dim));
   p.softmax_scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * std::numbers::log2e);
+  if (a.mask != AttnMaskKind::None) {
+    p.mask = a.mask_ptr;
+    p.mask_batch_stride = a.mask_strides[0], p.mask_head_stride = a.mask_strides[1];
+    p.mask_row_stride = a.mask_strides[2], p.mask_col_stride = a.mask_strides[3];
+  }
   return p;
 }
 
@@ -283,17 +352,20 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
     if (!a.tile.empty()) throw std::invalid_argument("attention tile " + a.tile + ": " + why);
   }
   const int D = static_cast<int>(a.head_dim);
-  const AttnTile tile = a.tile.empty() ? attn_choose_tile(D, a.seqlen_q, a.seqlen_k, a.causal, info.arch, info.smem_optin)
-                                       : AttnTile::parse(a.tile);
-  const int smem = attn_smem_bytes(D, tile);
+  // Masked calls take the default tile (the masked instantiations shipped).
+  const AttnTile tile = !a.tile.empty()                 ? AttnTile::parse(a.tile)
+                        : a.mask != AttnMaskKind::None ? default_tile(D, info.smem_optin, true)
+                                                       : attn_choose_tile(D, a.seqlen_q, a.seqlen_k, a.causal, info.arch,
+                                                                          info.smem_optin);
+  const int smem = attn_smem_bytes(D, tile, a.mask);
   if (smem > info.smem_optin) throw std::invalid_argument("attention tile " + tile.tag() + " needs more shared memory than the device has");
-  const std::string expr = attn_name_expression(a.elem, D, a.causal, tile);
+  const std::string expr = attn_name_expression(a.elem, D, a.causal, tile, a.mask);
   LoadedFn& lf = functions[{ctx, expr}];
   if (!lf.fn) {
-    AttnCompiled comp = attn_compile(a.elem, D, a.causal, tile, info.arch);
+    AttnCompiled comp = attn_compile(a.elem, D, a.causal, tile, info.arch, true, a.mask);
     if (c.ModuleLoadData(&lf.module, comp.cubin.data()) != 0) {
       // A cubin the driver refuses (e.g. a stale cache entry): compile afresh once.
-      comp = attn_compile(a.elem, D, a.causal, tile, info.arch, /*use_cache=*/false);
+      comp = attn_compile(a.elem, D, a.causal, tile, info.arch, /*use_cache=*/false, a.mask);
       check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(attention)");
     }
     check_cuda(c.ModuleGetFunction(&lf.fn, lf.module, comp.lowered.c_str()), "cuModuleGetFunction(attention)");

@@ -35,15 +35,29 @@ struct AttnFwdParams {
   int32_t seqlen_q, seqlen_k;
   float softmax_scale;
   float scale_log2;
+  const void* mask;  // attn_mask or null; element strides over [B, Hq, Sq, Sk], key stride 1
+  int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
 };
-static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is the kernel's launch ABI");
+static_assert(sizeof(AttnFwdParams) == 224, "AttnFwdParams layout is the kernel's launch ABI");
 static_assert(offsetof(AttnFwdParams, lse_batch_stride) == 136 && offsetof(AttnFwdParams, batch) == 152 &&
-                  offsetof(AttnFwdParams, softmax_scale) == 176,
+                  offsetof(AttnFwdParams, softmax_scale) == 176 && offsetof(AttnFwdParams, mask) == 184,
               "AttnFwdParams field offsets are the kernel's launch ABI");
 
 enum class AttnElem { BF16, F16 };
 const char* attn_elem_name(AttnElem e);  // "bf16" / "f16"
 AttnElem parse_attn_elem(const std::string& name);
+
+// The attn_mask kinds the kernels take (their Mask template argument,
+// attention_ptx.cu): one value per (b, h, i, j) of a broadcast mask, bool
+// (False = -inf) or additive in bf16 / f16 / f32; or key padding, one float32
+// additive value per (b, j) (the caller converts a boolean one to 0 / -inf).
+// Names: "none" (or ""), "full-bool", "full-bf16", "full-f16", "full-f32", "keypad".
+enum class AttnMaskKind { None, FullBool, FullBf16, FullF16, FullF32, KeyPad };
+const char* attn_mask_name(AttnMaskKind m);
+AttnMaskKind parse_attn_mask(const std::string& name);  // throws std::invalid_argument
+int attn_mask_elem_bytes(AttnMaskKind m);                // 0 for None
+// ", opfuse_attn::MaskFull<opfuse_attn::bool8>" etc.; "" for None (the kernels' default).
+std::string attn_mask_template_arg(AttnMaskKind m);
 
 // A tile: BLOCK_M x BLOCK_N, NUM_WARPS, MIN_BLOCKS (launch bounds), SPLIT_PV.
 // Tag form "128x64w4b2" (suffix "s" for SPLIT_PV), as in docs/attention.md.
@@ -58,8 +72,9 @@ struct AttnTile {
 inline constexpr int kAttnHeadDims[] = {64, 96, 128, 256};
 bool attn_head_dim_supported(int64_t head_dim);
 
-// Dynamic shared memory of one CTA (FwdTile::kSmemBytes).
-int attn_smem_bytes(int head_dim, const AttnTile& t);
+// Dynamic shared memory of one CTA (FwdTile::kSmemBytes; key padding adds two
+// stages of BLOCK_N float32 values).
+int attn_smem_bytes(int head_dim, const AttnTile& t, AttnMaskKind mask = AttnMaskKind::None);
 // Largest dynamic shared memory a CTA may opt into on sm_<arch> (table; the
 // launcher asks the device instead).
 int attn_max_smem_for_arch(int arch);
@@ -70,7 +85,8 @@ AttnTile attn_choose_tile(int head_dim, int64_t seqlen_q, int64_t seqlen_k, bool
 // architecture with `smem_limit` bytes (the instantiations CI compiles).
 std::vector<AttnTile> attn_candidate_tiles(int head_dim, int arch, int smem_limit = 0);
 
-std::string attn_name_expression(AttnElem e, int head_dim, bool causal, const AttnTile& t);
+std::string attn_name_expression(AttnElem e, int head_dim, bool causal, const AttnTile& t,
+                                 AttnMaskKind mask = AttnMaskKind::None);
 
 struct AttnCompiled {
   std::string expression;  // the NVRTC name expression
@@ -81,7 +97,8 @@ struct AttnCompiled {
 };
 // Compiles one instantiation for sm_<arch> with NVRTC (no GPU needed), through
 // the disk cache unless use_cache is false. Throws with NVRTC's log on failure.
-AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile& t, int arch, bool use_cache = true);
+AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile& t, int arch, bool use_cache = true,
+                          AttnMaskKind mask = AttnMaskKind::None);
 
 struct AttnForwardArgs {
   AttnElem elem = AttnElem::BF16;
@@ -95,6 +112,12 @@ struct AttnForwardArgs {
   int64_t lse_strides[2] = {};
   int64_t batch = 0, heads_q = 0, heads_kv = 0, seqlen_q = 0, seqlen_k = 0, head_dim = 0;
   bool causal = false;
+  // attn_mask (combines with causal: a key must pass both): its kind, data
+  // and element strides over the broadcast [B, Hq, Sq, Sk] (0 on broadcast
+  // dims; the key stride must be 1, key padding: head and row strides 0).
+  AttnMaskKind mask = AttnMaskKind::None;
+  const void* mask_ptr = nullptr;
+  int64_t mask_strides[4] = {};
   double softmax_scale = 0;  // <= 0: 1 / sqrt(head_dim)
   std::string tile;          // empty: the default (sm_90, D 64/128: the Hopper kernel); "wg...": a Hopper tile
   int device = -1;           // CUDA device of the tensors; >= 0: make its primary context current
@@ -102,8 +125,11 @@ struct AttnForwardArgs {
 };
 
 // Empty when the kernel covers the problem, else why not (head dim,
-// alignment, strides, sizes): the caller then takes another path.
+// alignment, strides, sizes, the mask's layout): the caller then takes another path.
 std::string attn_unsupported_reason(const AttnForwardArgs& a);
+// The attn_mask checks alone (shared with the backward): kind, pointer, strides.
+std::string attn_mask_unsupported_reason(AttnMaskKind kind, const void* ptr, const int64_t (&strides)[4],
+                                         int64_t seqlen_k);
 
 // The kernel argument for a checked problem (scale <= 0: 1 / sqrt(head_dim)).
 AttnFwdParams attn_make_params(const AttnForwardArgs& a);

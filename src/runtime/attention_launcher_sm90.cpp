@@ -136,10 +136,11 @@ int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t) {
   return (2 * q + rest <= 227 * 1024 ? 2 * q : q) + rest;
 }
 
-std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t) {
+std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, AttnMaskKind mask) {
   return std::string("opfuse_attn::attention_fwd_sm90<opfuse_attn::") + attn_elem_name(e) + ", " +
          std::to_string(head_dim) + ", " + (causal ? "true" : "false") + ", " + std::to_string(t.block_n) + ", " +
-         std::to_string(t.consumers) + ", " + std::to_string(t.stages) + ", " + (t.pingpong ? "true" : "false") + ">";
+         std::to_string(t.consumers) + ", " + std::to_string(t.stages) + ", " + (t.pingpong ? "true" : "false") +
+         attn_mask_template_arg(mask) + ">";
 }
 
 bool attn_sm90_enabled() {
@@ -147,10 +148,20 @@ bool attn_sm90_enabled() {
   return !(v && std::string(v) == "0");
 }
 
+bool attn_sm90_mask_enabled(int64_t head_dim) {
+  // Mirrors attn_runtime_sm90.sm90_mask_enabled: D = 128 by default (1.35-1.6x
+  // the mma.sync kernel's speed with a mask on the H200); D = 64 spills.
+  const char* v = std::getenv("OPFUSE_ATTN_SM90_MASK");
+  const std::string s = v ? v : "";
+  return s == "1" || (s != "0" && head_dim == 128);
+}
+
 std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
   if (arch != 90) return "sm_" + std::to_string(arch) + " is not sm_90";
   if (!a.tile.empty() && !AttnSm90Tile::is_tag(a.tile)) return "an mma.sync tile was asked for";
   if (a.tile.empty() && !attn_sm90_enabled()) return "OPFUSE_ATTN_SM90=0";
+  if (a.tile.empty() && a.mask != AttnMaskKind::None && !attn_sm90_mask_enabled(a.head_dim))
+    return "an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)";
   if (!attn_sm90_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64 or 128";
   if (a.seqlen_k == 0) return "Sk = 0 (a tensor map needs non-empty dims)";
   if (!cuda().TensorMapEncodeTiled) return "the CUDA driver has no cuTensorMapEncodeTiled";
@@ -162,10 +173,11 @@ std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
   return {};
 }
 
-AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache) {
+AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache,
+                               AttnMaskKind mask) {
   if (!attn_sm90_head_dim_supported(head_dim))
     throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
-  const std::string expr = attn_sm90_name_expression(e, head_dim, causal, t);
+  const std::string expr = attn_sm90_name_expression(e, head_dim, causal, t, mask);
   if (!use_cache) return compile_expression(expr);
   const NvrtcApi& n = nvrtc();
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
@@ -205,15 +217,15 @@ void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, 
   };
   static std::mutex mu;
   static std::map<std::tuple<CUcontext, std::string>, Loaded> functions;
-  const std::string expr = attn_sm90_name_expression(a.elem, D, a.causal, tile);
+  const std::string expr = attn_sm90_name_expression(a.elem, D, a.causal, tile, a.mask);
   CUfunction fn = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu);
     Loaded& lf = functions[{ctx, expr}];
     if (!lf.fn) {
-      AttnCompiled comp = attn_sm90_compile(a.elem, D, a.causal, tile);
+      AttnCompiled comp = attn_sm90_compile(a.elem, D, a.causal, tile, true, a.mask);
       if (c.ModuleLoadData(&lf.module, comp.cubin.data()) != 0) {
-        comp = attn_sm90_compile(a.elem, D, a.causal, tile, /*use_cache=*/false);
+        comp = attn_sm90_compile(a.elem, D, a.causal, tile, /*use_cache=*/false, a.mask);
         check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(attention sm90)");
       }
       check_cuda(c.ModuleGetFunction(&lf.fn, lf.module, comp.lowered.c_str()), "cuModuleGetFunction(attention sm90)");

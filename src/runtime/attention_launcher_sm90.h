@@ -38,15 +38,22 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim);
 // Sm90Tile::kSmemBytes: Q (two buffers when they fit), the K/V ring, the
 // mbarriers, 1 KB to align the base.
 int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t);
-std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t);
+std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t,
+                                      AttnMaskKind mask = AttnMaskKind::None);
 // False when OPFUSE_ATTN_SM90=0 (forces the mma.sync kernel, for comparison).
 bool attn_sm90_enabled();
+// Whether masked calls at this head dim take the Hopper kernel:
+// OPFUSE_ATTN_SM90_MASK unset: D = 128 only (faster than the mma.sync kernel
+// with a mask; at D = 64 a full mask spills, docs/attention.md, "attn_mask");
+// 0: never; 1: D = 64 and 128.
+bool attn_sm90_mask_enabled(int64_t head_dim);
 // Empty when the Hopper kernel takes the problem on sm_<arch> (with a.tile
 // empty or a "wg" tag), else why not; the caller then uses the mma.sync kernel.
 std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch);
 
 // Compiles one instantiation for sm_90a with NVRTC (no GPU needed).
-AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache = true);
+AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache = true,
+                               AttnMaskKind mask = AttnMaskKind::None);
 
 // A TMA tensor map (CUtensorMap) over a [B, H, S, D] tensor with element
 // strides (b, h, s, 1): dims (D, S, H, B), box (64, box_rows, 1, 1), 128-byte

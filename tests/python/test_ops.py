@@ -622,6 +622,44 @@ def test_attention_cuda_checks_without_gpu():
     assert "aligned" in _C.attention_cuda_unsupported_reason(*bad.values())
 
 
+def test_attention_mask_checks_without_gpu():
+    # attn_mask through the C++ launcher's checks (attention_launcher.h): kind
+    # names, the key stride, key padding's zero head/row strides, alignment.
+    args = dict(elem="bf16", ptrs=[0, 0, 0, 0, 0], sizes=[2, 4, 2, 10, 12, 64],
+                strides=[[2560, 640, 64]] * 4 + [[40, 10]], causal=True, scale=0.125)
+    why = lambda kind, ptr, st: _C.attention_cuda_unsupported_reason(*args.values(), kind, ptr, st)  # noqa: E731
+    assert why("", 0, []) == ""
+    assert why("full-bool", 4096 + 1, [0, 0, 12, 1]) == ""  # bool: any byte address
+    assert why("full-bf16", 4096, [480, 120, 12, 1]) == ""
+    assert why("full-f32", 4096, [0, 0, 0, 1]) == ""
+    assert why("keypad", 4096, [12, 0, 0, 1]) == ""
+    assert "key dim" in why("full-f32", 4096, [0, 0, 1, 12])
+    assert "key padding" in why("keypad", 4096, [12, 0, 12, 1])
+    assert "aligned" in why("full-f32", 4096 + 2, [0, 0, 12, 1])
+    assert "null" in why("full-f16", 0, [0, 0, 12, 1])
+    with pytest.raises(ValueError, match="mask kind"):
+        why("full-f64", 4096, [0, 0, 12, 1])
+    e = _C.attention_name_expression("bf16", 64, True, "128x128w4b2", "keypad")
+    assert e.endswith("false, opfuse_attn::MaskKeyPad>")
+    assert _C.attention_name_expression("f16", 96, False, "128x64w4b2").endswith("false>")
+    assert _C.attention_backward_tiles(64, 90) == ("128x128w8b1", "128x64w8b1")
+
+
+@needs_nvrtc
+def test_attention_masked_instantiations_compile():
+    # One masked forward (mma.sync and Hopper) and one masked backward problem
+    # through the launchers' compile paths; CI compiles the whole set in
+    # tests/gpu/attention/test_attention*_nvrtc_compile.py.
+    expr, lowered, cubin, _, _ = _C.attention_compile("bf16", 64, False, "128x64w4b2", 80, False, "full-bool")
+    assert "MaskFull<opfuse_attn::bool8>" in expr and cubin[:4] == b"\x7fELF"
+    expr, lowered, cubin, _, _ = _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2p", False, "keypad")
+    assert "attention_fwd_sm90" in expr and "MaskKeyPad" in expr and cubin[:4] == b"\x7fELF"
+    exprs, lowered, cubin, _, _ = _C.attention_backward_compile("f16", 64, True, 90, False, "full-f16")
+    assert any("attention_bwd_dkdv<opfuse_attn::f16, 64, true, 64, 128, 8, 1, true, opfuse_attn::MaskFull" in x
+               for x in exprs), exprs
+    assert len(lowered) == 5 and cubin[:4] == b"\x7fELF"
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", [80, 90])
 def test_norm_kernels_compile_for_cuda(arch):

@@ -9,28 +9,37 @@ j <= i + Sk - Sq; FlashAttention >= 2.1). attn_mask, broadcastable to
 added to the scaled scores). A query row that sees no key gets 0, never NaN.
 
 Paths of the forward (torch.ops.opfuse.attention returns (o, lse)):
-  - CUDA, bfloat16/float16, D in {64, 96, 128, 256}, no attn_mask: the
-    FlashAttention-2-style kernel (src/kernels/attention/attention_fwd.cu),
-    compiled by NVRTC through the C++ launcher (src/runtime/attention_launcher.cpp)
-    and launched on torch.cuda.current_stream();
+  - CUDA, bfloat16/float16, D in {64, 96, 128, 256}, with or without an
+    attn_mask: the FlashAttention-2-style kernel (src/kernels/attention/attention_fwd.cu;
+    on sm_90 the Hopper kernel attention_fwd_sm90.cu for D 64/128 without a
+    mask), compiled by NVRTC through the C++ launcher
+    (src/runtime/attention_launcher.cpp) and launched on
+    torch.cuda.current_stream(). The mask is read in place (pointer and
+    strides over [B, Hq, Sq, Sk], 0 on broadcast dims) when it is bool, in q's
+    dtype or float32 and its key dim is contiguous; other float dtypes go to
+    float32, a non-contiguous key dim is copied (the mask's own shape); a key
+    padding mask (one value per (b, key)) becomes a float32 [B, Sk] vector
+    (bool: 0 / -inf) that the kernel reads once per key block;
   - CPU without a mask, float32/bfloat16/float16 (upcast to float32): the tiled
     online-softmax float32 kernel of src/kernels/attention/attention_reference.cpp;
   - CPU with a mask or float64 inputs: src/kernels/attention/attention_cpu.cpp
     (float32, or float64 for float64 inputs);
-  - CUDA cases the kernel does not cover (a mask, other dtypes or head dims):
+  - CUDA cases the kernel does not cover (other dtypes or head dims):
     a PyTorch math implementation on the device (float32 arithmetic, chunked
     over query rows), logged once per reason.
 The log-sum-exp (float32; float64 for float64 inputs) is saved for the backward.
 
 Paths of the backward (torch.ops.opfuse.attention_backward -> [dq, dk, dv(, dmask)]):
-  - CUDA, bfloat16/float16, D in {64, 96, 128, 256}, no attn_mask: the fused
+  - CUDA, bfloat16/float16, D in {64, 96, 128, 256}, with or without an
+    attn_mask that needs no gradient (P is recomputed with it): the fused
     FlashAttention-2-style kernels (src/kernels/attention/attention_bwd.cu)
     through the C++ launcher (src/runtime/attention_bwd_launcher.cpp), with
     workspaces from PyTorch's allocator. dQ is summed with float32 atomics
     unless the backward is deterministic: `deterministic=True`, or
     `deterministic=None` (the default) while torch.use_deterministic_algorithms
     is on; then a separate dQ kernel gives bitwise-equal reruns;
-  - everything else (CPU, a mask, float32/float64, other head dims): the
+  - everything else (CPU, an additive mask that requires grad, float32/float64,
+    other head dims): the
     FlashAttention backward equations with PyTorch ops, P recomputed from q, k
     and the saved LSE: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
     dQ = scale dS K, dK = scale dS^T Q (summed over the query heads of a KV
@@ -116,8 +125,6 @@ def _mask4(mask: Tensor) -> Tensor:
 
 
 def _cuda_kernel_reason(q, k, v, attn_mask, scale) -> str:
-    if attn_mask is not None:
-        return "attn_mask (the kernel has causal masking only)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (the kernel takes bfloat16/float16)"
     if q.shape[3] not in KERNEL_HEAD_DIMS:
@@ -131,6 +138,11 @@ def _cuda_kernel_reason(q, k, v, attn_mask, scale) -> str:
     return ""
 
 
+def _mask_tag(attn_mask):
+    """What a kernel failure is remembered by: the mask's dtype (None without one)."""
+    return None if attn_mask is None else attn_mask.dtype
+
+
 def _kernel_ready(t: Tensor) -> Tensor:
     """t itself when the kernel can read it (last dim contiguous, 16-byte
     aligned, strides multiples of 8 elements), else a contiguous copy."""
@@ -139,10 +151,43 @@ def _kernel_ready(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
-def _forward_cuda_kernel(q, k, v, causal, scale):
+def _kernel_mask(attn_mask, B, Hq, Sq, Sk, q_dtype):
+    """(kind, tensor, element strides over [B, Hq, Sq, Sk]) of an attn_mask as
+    the kernels take it (kinds of src/runtime/attention_launcher.h), or
+    ("", None, []) without one. Key padding (the head and query dims
+    broadcast: one value per (b, key)) becomes a contiguous float32 [B, Sk]
+    vector, 0 / -inf for a bool mask, read once per key block. Other masks
+    are read in place when bool, in q's dtype or float32 with a contiguous key
+    dim; other float dtypes go to float32 and a strided key dim is copied (the
+    mask's own shape; a size-1 key dim is expanded to Sk first).
+    tests/gpu/attention/attn_runtime.kernel_mask has the same rules."""
+    if attn_mask is None:
+        return "", None, []
+    m = _mask4(attn_mask)
+    e = m.expand(B, Hq, Sq, Sk)
+    st = e.stride()
+    if (Hq == 1 or st[1] == 0) and (Sq == 1 or st[2] == 0):
+        kp = e[:, 0, 0, :]
+        kp = torch.where(kp, 0.0, -math.inf) if kp.dtype == torch.bool else kp.float()
+        return "keypad", kp.contiguous(), [Sk, 0, 0, 1]
+    if m.dtype == torch.bool:
+        kind = "full-bool"
+    elif m.dtype == q_dtype:
+        kind = "full-bf16" if q_dtype == torch.bfloat16 else "full-f16"
+    else:
+        kind = "full-f32"
+        m = m.float()
+    if Sk > 1 and (m.shape[3] == 1 or m.stride(-1) != 1):
+        m = m.expand(*m.shape[:3], Sk).contiguous() if m.shape[3] == 1 else m.contiguous()
+    e = m.expand(B, Hq, Sq, Sk)
+    return kind, e, list(e.stride())
+
+
+def _forward_cuda_kernel(q, k, v, causal, scale, attn_mask=None):
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    mkind, mt, mstrides = _kernel_mask(attn_mask, B, Hq, Sq, Sk, q.dtype)
     o = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
@@ -150,7 +195,8 @@ def _forward_cuda_kernel(q, k, v, causal, scale):
     strides = [list(t.stride()[:3]) for t in (q, k, v, o)] + [list(lse.stride()[:2])]
     sizes = [B, Hq, Hkv, Sq, Sk, D]
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    _C.attention_cuda(elem, ptrs, sizes, strides, bool(causal), float(scale), stream, "", q.device.index)
+    _C.attention_cuda(elem, ptrs, sizes, strides, bool(causal), float(scale), stream, "", q.device.index,
+                      mkind, mt.data_ptr() if mt is not None else 0, mstrides)
     bump("kernel_launches")
     return o, lse
 
@@ -252,12 +298,13 @@ def _forward_math(q, k, v, attn_mask, causal, scale):
 # ---------------------------------------------------------------------------
 
 
-def _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, deterministic):
+def _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, deterministic, attn_mask=None):
     """The fused backward kernels (attention_bwd.cu): [dq, dk, dv] in q's dtype."""
     q, k, v, o, grad = (_kernel_ready(t) for t in (q, k, v, o, grad))
     lse = lse if lse.stride(-1) == 1 else lse.contiguous()
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    mkind, mt, mstrides = _kernel_mask(attn_mask, B, Hq, Sq, Sk, q.dtype)
     dq = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
     dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
@@ -272,7 +319,8 @@ def _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, deterministic):
     strides = [list(t.stride()[:3]) for t in ts] + [list(lse.stride()[:2])]
     stream = torch.cuda.current_stream(q.device).cuda_stream
     _C.attention_backward_cuda(elem, ptrs, [B, Hq, Hkv, Sq, Sk, D], strides, bool(causal), float(scale),
-                               bool(deterministic), stream, q.device.index)
+                               bool(deterministic), stream, q.device.index, mkind,
+                               mt.data_ptr() if mt is not None else 0, mstrides)
     # preprocess and dQ (convert or the deterministic kernel) when Sq > 0, dK/dV when Sk > 0
     bump("kernel_launches", 0 if B * Hq == 0 else 2 * (Sq > 0) + (Sk > 0))
     return [dq, dk, dv]
@@ -339,12 +387,12 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], 
             return _forward_math(q, k, v, attn_mask, causal, scale)
         return _forward_cpu(q, k, v, attn_mask, causal, scale)
     why = _cuda_kernel_reason(q, k, v, attn_mask, scale)
-    broken = (q.device.index, q.dtype, q.shape[3], bool(causal))
+    broken = (q.device.index, q.dtype, q.shape[3], bool(causal), _mask_tag(attn_mask))
     if not why and broken in _broken:
         why = f"the kernel failed before: {_broken[broken]}"
     if not why:
         try:
-            return _forward_cuda_kernel(q, k, v, causal, scale)
+            return _forward_cuda_kernel(q, k, v, causal, scale, attn_mask)
         except (RuntimeError, ValueError) as e:  # NVRTC or the driver missing or refusing: fall back, never crash
             _broken[broken] = str(e).splitlines()[0] if str(e) else type(e).__name__
             log.warning("opfuse.ops.attention: the CUDA kernel failed (%s); using the PyTorch math path", e)
@@ -369,13 +417,15 @@ def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Ten
         why = _cuda_kernel_reason(q, k, v, attn_mask, scale)
         if not why and (lse.dtype != torch.float32 or grad.dtype != q.dtype or o.dtype != q.dtype):
             why = "saved tensors of another dtype"
-        broken = ("bwd", q.device.index, q.dtype, q.shape[3], bool(causal))
+        if not why and want:
+            why = "the gradient of an additive attn_mask (the kernels compute none)"
+        broken = ("bwd", q.device.index, q.dtype, q.shape[3], bool(causal), _mask_tag(attn_mask))
         if not why and broken in _broken:
             why = f"the backward kernel failed before: {_broken[broken]}"
         if not why:
             det = torch.are_deterministic_algorithms_enabled() if deterministic < 0 else bool(deterministic)
             try:
-                return _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, det)
+                return _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, det, attn_mask)
             except (RuntimeError, ValueError) as e:  # NVRTC or the driver refusing: fall back, never crash
                 _broken[broken] = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning("opfuse.ops.attention: the CUDA backward kernel failed (%s); using PyTorch ops", e)

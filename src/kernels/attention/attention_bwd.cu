@@ -33,6 +33,13 @@
 //      recomputes S, P, dP, dS and accumulates dQ in registers: no atomics, so
 //      reruns are bitwise equal.
 //
+// attn_mask (the Mask template argument of kernels 2 and 3b, attention_ptx.cu):
+// P is recomputed as exp2(S * scale * log2 e + mask * log2 e - LSE2), the
+// forward's formula; MaskFull reads each thread's (query, key) elements from
+// global memory, MaskKeyPad the thread's keys once (dK/dV: two per thread for
+// the whole CTA) or per key block (dQ). dMask is not computed here (the op
+// takes its PyTorch-ops backward when an additive mask needs a gradient).
+//
 // Masks: the causal diagonal, and keys past Sk in a ragged last key block
 // (zero-filled K rows give S = 0 and P = exp(-LSE), which overflows for rows
 // whose scores are all very negative: inf * 0 would put NaN into dQ). Rows
@@ -73,8 +80,12 @@ struct AttnBwdParams {
   int reserved;
   float softmax_scale;  // > 0
   float scale_log2;     // softmax_scale * log2(e)
+  // attn_mask as in the forward (AttnFwdParams::mask; the Mask template
+  // argument of the dK/dV and dQ kernels): element strides over [B, Hq, Sq, Sk].
+  const void* mask;
+  i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
 };
-static_assert(sizeof(AttnBwdParams) == 344, "AttnBwdParams layout is a launch ABI");
+static_assert(sizeof(AttnBwdParams) == 384, "AttnBwdParams layout is a launch ABI");
 
 constexpr int kBwdRowPad = 128;  // workspace rows per (b, h) are a multiple of this
 constexpr float kLog2e = 1.4426950408889634f;
@@ -169,7 +180,7 @@ struct BwdKVTile {
 };
 
 template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS,
-          bool WITH_DQ>
+          bool WITH_DQ, typename Mask = MaskNone>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv(const AttnBwdParams p) {
   using Tile = BwdKVTile<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
   using Ops = ElemOps<Elem>;
@@ -289,6 +300,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
     for (int e = 0; e < 4; ++e) acc_dv[dt][e] = acc_dk[dt][e] = 0.f;
 
   const float scale_log2 = p.scale_log2;
+  constexpr int kMaskMode = Mask::kMode;
+  using MT = typename MaskElemOf<Mask>::type;
+  // This thread's two keys (key_l and key_l + 8 of the block, clamped into
+  // [0, Sk): keys past Sk are masked anyway) and, for key padding, their
+  // mask values, loaded once for the whole CTA.
+  const int key_t = n0 + kg * 16 + (lane >> 2);
+  const int mkey[2] = {key_t < Sk ? key_t : Sk - 1, key_t + 8 < Sk ? key_t + 8 : Sk - 1};
+  float kp_add[2] = {0.f, 0.f};
+  if constexpr (kMaskMode == 2) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      kp_add[hh] = MaskLoad<MT>::l2((const float*)p.mask + batch * p.mask_batch_stride + mkey[hh]);
+  }
 
   // ---- one query block of one head
   auto iteration = [&](const int h, const int m_block, const int stage, const bool masked, const int next_h,
@@ -338,10 +362,19 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
         const int q_l = wd * kQC + nt * 8 + 2 * (lane & 3) + c;  // local query
         const float l2 = ld_shared_f32(sL + q_l * 4);
         const float dl = ld_shared_f32(sDl + q_l * 4);
+        const char* mrow = nullptr;
+        if constexpr (kMaskMode == 1) {
+          const int qr = m0 + q_l < Sq ? m0 + q_l : Sq - 1;  // rows past Sq have P = 0 (LSE2 = +inf)
+          mrow = (const char*)p.mask + (i64)sizeof(MT) * (batch * p.mask_batch_stride + h * p.mask_head_stride +
+                                                           qr * p.mask_row_stride);
+        }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int e = 2 * hh + c;
-          float pv = ex2(acc_s[nt][e] * scale_log2 - l2);
+          float sv = acc_s[nt][e] * scale_log2;
+          if constexpr (kMaskMode == 1) sv += MaskLoad<MT>::l2(mrow + sizeof(MT) * mkey[hh]);
+          if constexpr (kMaskMode == 2) sv += kp_add[hh];
+          float pv = ex2(sv - l2);
           if (masked) {
             const int key = n0 + key_l + 8 * hh;
             if ((IS_CAUSAL && key > m0 + q_l + diag) || key >= Sk) pv = 0.f;
@@ -526,7 +559,8 @@ struct BwdQTile {
   static_assert((kStrideBytes / 16) % 2 == 1, "row stride must be an odd number of 16-byte chunks");
 };
 
-template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS>
+template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS,
+          typename Mask = MaskNone>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(const AttnBwdParams p) {
   using Tile = BwdQTile<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
   using Ops = ElemOps<Elem>;
@@ -677,15 +711,29 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
     }
 
     const int col0 = n_block * BLOCK_N + 2 * (lane & 3);
+    constexpr int kMaskMode = Mask::kMode;
+    using MT = typename MaskElemOf<Mask>::type;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = m0 + warp_row0 + (lane >> 2) + 8 * hh;
+      const char* mrow = nullptr;
+      if constexpr (kMaskMode != 0) {
+        // Rows past Sq: P = 0 (LSE2 = +inf); keys past Sk (masked blocks only) are not read.
+        const int r = row < Sq ? row : Sq - 1;
+        mrow = (const char*)p.mask + (i64)sizeof(MT) * (batch * p.mask_batch_stride + head * p.mask_head_stride +
+                                                         r * p.mask_row_stride + col0);
+      }
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int e = 2 * hh + c;
-          float pv = ex2(acc_s[nt][e] * scale_log2 - l2[hh]);
+          float sv = acc_s[nt][e] * scale_log2;
+          if constexpr (kMaskMode != 0) {
+            const bool in = !masked || col0 + nt * 8 + c < Sk;
+            sv += in ? MaskLoad<MT>::l2(mrow + sizeof(MT) * (nt * 8 + c)) : 0.f;
+          }
+          float pv = ex2(sv - l2[hh]);
           if (masked) {
             const int key = col0 + nt * 8 + c;
             if ((IS_CAUSAL && key > row + diag) || key >= Sk) pv = 0.f;

@@ -30,9 +30,18 @@
 //   for every head dim, 96 included.
 //
 // Entry points: attention_fwd<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_M, BLOCK_N,
-// NUM_WARPS, MIN_BLOCKS, SPLIT_PV>, obtained through NVRTC name expressions
-// such as
+// NUM_WARPS, MIN_BLOCKS, SPLIT_PV, Mask>, obtained through NVRTC name
+// expressions such as
 //   "opfuse_attn::attention_fwd<opfuse_attn::bf16, 128, true, 128, 64, 4, 2, false>"
+// (Mask defaults to MaskNone) or, with an attn_mask,
+//   "... 4, 2, false, opfuse_attn::MaskFull<opfuse_attn::bool8>>".
+// attn_mask (attention_ptx.cu, "attn_mask"): with one, every key block adds
+// the mask to the scores (S * scale * log2 e + mask * log2 e, one fma) before
+// the causal / ragged-end masking; MaskFull reads each thread's elements of
+// the S tile straight from global memory (a quad of lanes reads 8 adjacent
+// keys of a row), MaskKeyPad copies the BLOCK_N values of the key block into
+// shared memory with the K/V tile (cp.async, one stage ahead). Rows whose
+// keys are all masked give O = 0 and LSE = -inf, as causal ones.
 // MIN_BLOCKS is __launch_bounds__' CTAs per SM (it caps registers); SPLIT_PV
 // orders each iteration softmax(m-tile 0), PV(0), softmax(1), PV(1) so that the
 // tensor cores and the ALUs may overlap within a warp (warps owning 32 rows
@@ -69,8 +78,13 @@ struct AttnFwdParams {
   int seqlen_q, seqlen_k;
   float softmax_scale;  // > 0
   float scale_log2;     // softmax_scale * log2(e)
+  // attn_mask (null unless the Mask template argument says there is one):
+  // element strides over the broadcast [B, Hq, Sq, Sk] (0 on broadcast dims);
+  // the key stride must be 1 (the launchers make it so).
+  const void* mask;
+  i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
 };
-static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is a launch ABI");
+static_assert(sizeof(AttnFwdParams) == 224, "AttnFwdParams layout is a launch ABI");
 
 // ---------------------------------------------------------------------------
 // PTX helpers
@@ -131,7 +145,7 @@ struct FwdTile {
 // ---------------------------------------------------------------------------
 
 template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS,
-          bool SPLIT_PV>
+          bool SPLIT_PV, typename Mask = MaskNone>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(const AttnFwdParams p) {
   using Tile = FwdTile<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
   using Ops = ElemOps<Elem>;
@@ -141,7 +155,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
   constexpr int kDT = Tile::kDTiles;
   constexpr int kChunks = Tile::kChunksPerRow;
   constexpr int kSB = Tile::kStrideBytes;
-  constexpr bool kQInRegs = Tile::kQInRegs;
+  // With an attn_mask, Q is read from shared memory each key block: the 32
+  // registers its fragments would hold pay for the mask step (fewer spills).
+  constexpr bool kQInRegs = Tile::kQInRegs && Mask::kMode == 0;
 
   extern __shared__ __align__(128) unsigned char smem[];
 
@@ -187,6 +203,10 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
 
   const u32 sQ = smem_u32(smem);
   const u32 sKV = sQ + Tile::kQBytes;  // stage s: K at sKV + s * 2 * tile, V right after it
+  // MaskKeyPad: the key block's BLOCK_N float32 mask values per stage, after
+  // the K/V stages (the launchers add 2 * BLOCK_N * 4 bytes of shared memory).
+  constexpr int kMaskMode = Mask::kMode;
+  const u32 sKP = sKV + Tile::kStages * 2 * Tile::kKVTileBytes;
 
   // ---- async tile loads -------------------------------------------------
   // Thread t copies chunk t % kChunksP2 of rows t / kChunksP2 + i * kRowsPerPass
@@ -230,6 +250,15 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       if (ld_lane) {
         cp_async_16(sK + i * kRowsPerPass * kSB, k_thr + r * krs, valid);
         cp_async_16(sV + i * kRowsPerPass * kSB, v_thr + r * vrs, valid);
+      }
+    }
+    if constexpr (kMaskMode == 2) {
+      // Key-padding values of this block, one 4-byte copy per key (zero past Sk).
+      for (int j = tid; j < BLOCK_N; j += kThreads) {
+        const int key = n_block * BLOCK_N + j;
+        const bool valid = pred && key < Sk;
+        const float* src = (const float*)p.mask + b * p.mask_batch_stride + (valid ? key : 0);
+        cp_async_4(sKP + stage * BLOCK_N * 4 + j * 4, src, valid);
       }
     }
   };
@@ -281,6 +310,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
   }
   const float scale_log2 = p.scale_log2;
+  // The scale the softmax applies: 1 when the attn_mask step has applied it.
+  const float sl2 = kMaskMode ? 1.f : scale_log2;
 
   // ---- one key block ------------------------------------------------------
   // From the prefetch on, the body has no branch: `masked` is a constant at
@@ -332,6 +363,48 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       }
     }
 
+    // attn_mask: S becomes S * scale * log2(e) + mask * log2(e) (the softmax
+    // below then scales by 1). Past Sk (ragged last block, `masked`) nothing
+    // is read; those scores become -inf below.
+    if constexpr (kMaskMode == 1) {
+      using MT = typename Mask::Elem;
+      const int b = opaque32(batch), hq = opaque32(head);
+      const char* mbase = (const char*)p.mask + (i64)sizeof(MT) * (b * p.mask_batch_stride + hq * p.mask_head_stride);
+      const int c0 = n_block * BLOCK_N + 2 * (lane & 3);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m_start + warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
+          const int r = row < Sq ? row : Sq - 1;  // rows past Sq are never stored
+          const char* mrow = mbase + (i64)sizeof(MT) * (r * p.mask_row_stride + c0);
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const bool in = !masked || c0 + nt * 8 + e < Sk;
+              const float add = in ? MaskLoad<MT>::l2(mrow + sizeof(MT) * (nt * 8 + e)) : 0.f;
+              acc_s[mt][nt][2 * h + e] = acc_s[mt][nt][2 * h + e] * scale_log2 + add;
+            }
+        }
+    } else if constexpr (kMaskMode == 2) {
+      const u32 kp = sKP + stage * BLOCK_N * 4 + 8 * (lane & 3);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        float a0, a1;
+        ld_shared_f32x2(kp + nt * 32, a0, a1);
+        a0 *= kMaskLog2e;
+        a1 *= kMaskLog2e;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            acc_s[mt][nt][2 * h] = acc_s[mt][nt][2 * h] * scale_log2 + a0;
+            acc_s[mt][nt][2 * h + 1] = acc_s[mt][nt][2 * h + 1] * scale_log2 + a1;
+          }
+      }
+    }
+
     // Mask: the ragged end of Sk and, when causal, keys past the diagonal.
     if (masked) {
       const int col0 = n_block * BLOCK_N + 2 * (lane & 3);
@@ -367,7 +440,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
         for (int nt = 1; nt < kNT; ++nt) mx = fmax2(mx, fmax2(acc_s[mt][nt][2 * h], acc_s[mt][nt][2 * h + 1]));
         mx = fmax2(mx, shfl_xor(mx, 1));
         mx = fmax2(mx, shfl_xor(mx, 2));
-        m_new[h] = mx * scale_log2;  // -inf for a row whose keys are all masked
+        m_new[h] = mx * sl2;  // -inf for a row whose keys are all masked
         grow |= m_new[h] > row_max[mt][h] + kRescaleThreshold;
       }
       if (vote_any(grow)) {
@@ -394,7 +467,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float pv = ex2(acc_s[mt][nt][2 * h + e] * scale_log2 - m_ref);
+            const float pv = ex2(acc_s[mt][nt][2 * h + e] * sl2 - m_ref);
             acc_s[mt][nt][2 * h + e] = pv;
             sum += pv;
           }

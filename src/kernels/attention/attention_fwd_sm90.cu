@@ -37,8 +37,11 @@
 //   the first so that only the first ones carry the mask.
 //
 // Entry point: attention_fwd_sm90<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_N,
-// NUM_CONSUMERS, STAGES, PINGPONG>, e.g. through the NVRTC name expression
+// NUM_CONSUMERS, STAGES, PINGPONG, Mask>, e.g. through the NVRTC name expression
 //   "opfuse_attn::attention_fwd_sm90<opfuse_attn::bf16, 128, false, 128, 2, 2, true>"
+// (Mask, attention_ptx.cu's attn_mask policy, defaults to MaskNone; with one
+// the consumers add it to S before the causal / ragged-end masking, reading
+// it from global memory, as attention_fwd.cu).
 // Launch: grid (ceil(Sq / BLOCK_M), Hq, B), block (NUM_CONSUMERS + 1) * 128
 // threads, dynamic shared memory Sm90Tile<...>::kSmemBytes (raise
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first), four arguments:
@@ -71,8 +74,10 @@ struct AttnFwdParams {
   int seqlen_q, seqlen_k;
   float softmax_scale;
   float scale_log2;
+  const void* mask;  // attn_mask (the Mask template argument), strides over [B, Hq, Sq, Sk]
+  i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
 };
-static_assert(sizeof(AttnFwdParams) == 184, "AttnFwdParams layout is a launch ABI");
+static_assert(sizeof(AttnFwdParams) == 224, "AttnFwdParams layout is a launch ABI");
 
 // ---------------------------------------------------------------------------
 // Tile geometry (the launchers mirror kSmemBytes: docs/attention.md, "Hopper")
@@ -153,7 +158,8 @@ __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m,
 // snake evens out the decreasing work of causal tiles), so a grid of one CTA
 // per SM overlaps one tile's epilogue with the next tile's loads. Any grid
 // size is correct; with one CTA per tile it is the plain launch.
-template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_N, int NUM_CONSUMERS, int STAGES, bool PINGPONG>
+template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_N, int NUM_CONSUMERS, int STAGES, bool PINGPONG,
+          typename Mask = MaskNone>
 __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     attention_fwd_sm90(const AttnFwdParams p, const __grid_constant__ TmaDesc tm_q, const __grid_constant__ TmaDesc tm_k,
                        const __grid_constant__ TmaDesc tm_v) {
@@ -250,6 +256,9 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     // Row of accumulator half h within the tile: row_in_tile0 + 8 h.
     const int row_in_tile0 = wg * 64 + warp_in_wg * 16 + (lane >> 2);
     const float scale_log2 = p.scale_log2;
+    constexpr int kMaskMode = Mask::kMode;
+    // The scale the softmax applies: 1 when the attn_mask step has applied it.
+    const float sl2 = kMaskMode ? 1.f : scale_log2;
 
     // Round-robin turns for the products (PINGPONG): consumer c waits on
     // barrier 1 + c and, once its products are issued, lets consumer c + 1 go.
@@ -339,6 +348,46 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         }
       };
 
+      // attn_mask of key block n (attention_ptx.cu): S becomes S * scale *
+      // log2(e) + mask * log2(e), read straight from global memory (a quad of
+      // lanes reads 8 adjacent keys of a row; key padding: one value per
+      // key, the same for every row). `ragged`: keys past Sk are not read
+      // (apply_mask makes them -inf).
+      auto apply_attn_mask = [&](int n, bool ragged) {
+        if constexpr (kMaskMode != 0) {
+          using MT = typename Mask::Elem;
+          const int c0 = n * BLOCK_N + 2 * (lane & 3);
+          const char* mbase = (const char*)p.mask + (i64)sizeof(MT) * (w.batch * p.mask_batch_stride +
+                                                                        w.head * p.mask_head_stride + c0);
+          if constexpr (kMaskMode == 2) {
+#pragma unroll
+            for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const bool in = !ragged || c0 + 8 * j + e < Sk;
+                const float add = in ? MaskLoad<MT>::l2(mbase + sizeof(MT) * (8 * j + e)) : 0.f;
+                acc_s[4 * j + e] = acc_s[4 * j + e] * scale_log2 + add;
+                acc_s[4 * j + 2 + e] = acc_s[4 * j + 2 + e] * scale_log2 + add;
+              }
+          } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int row = w.m_start + row_in_tile0 + 8 * h;
+              const int r = row < Sq ? row : Sq - 1;  // rows past Sq are never stored
+              const char* mrow = mbase + (i64)sizeof(MT) * r * p.mask_row_stride;
+#pragma unroll
+              for (int j = 0; j < BLOCK_N / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  const bool in = !ragged || c0 + 8 * j + e < Sk;
+                  const float add = in ? MaskLoad<MT>::l2(mrow + sizeof(MT) * (8 * j + e)) : 0.f;
+                  acc_s[4 * j + 2 * h + e] = acc_s[4 * j + 2 * h + e] * scale_log2 + add;
+                }
+            }
+          }
+        }
+      };
+
       // Online softmax, part 1 (no access to O or P, so it may overlap P V):
       // new row maxima (log2 units) and S -> exp2(S * scale_log2 - max) in
       // place; sets the correction factors of O and updates the row sums.
@@ -352,7 +401,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
           for (int j = 1; j < BLOCK_N / 8; ++j) mx = fmax2(mx, fmax2(acc_s[4 * j + 2 * h], acc_s[4 * j + 2 * h + 1]));
           mx = fmax2(mx, shfl_xor(mx, 1));
           mx = fmax2(mx, shfl_xor(mx, 2));
-          m_new[h] = mx * scale_log2;  // -inf for a row whose keys are all masked
+          m_new[h] = mx * sl2;  // -inf for a row whose keys are all masked
           grow |= m_new[h] > row_max[h];
         }
         // The warp rescales only when one of its rows' max grew (uniform branch).
@@ -373,7 +422,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
           for (int j = 0; j < BLOCK_N / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float pv = ex2(acc_s[4 * j + 2 * h + e] * scale_log2 - m_sub);
+              const float pv = ex2(acc_s[4 * j + 2 * h + e] * sl2 - m_sub);
               acc_s[4 * j + 2 * h + e] = pv;
               sum += pv;
             }
@@ -418,6 +467,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         wgmma_wait<0>();
         fence_regs(acc_s);
         release(bar_empty_k + 8 * s);
+        apply_attn_mask(n, true);
         if (n >= w.n_mask_start) apply_mask(n);
         softmax_exp();
         rescale_and_pack();
@@ -438,6 +488,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         wgmma_wait<1>();  // S(it) is complete, P V(it - 1) may still run
         fence_regs(acc_s);
         release(bar_empty_k + 8 * s);
+        apply_attn_mask(n, masked);
         if (masked) apply_mask(n);
         softmax_exp();
         wgmma_wait<0>();

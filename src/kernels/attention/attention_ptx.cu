@@ -210,4 +210,94 @@ __device__ __forceinline__ void store_f32_global(float* dst, float v) {
   asm volatile("st.global.f32 [%0], %1;" ::"l"(dst), "f"(v) : "memory");
 }
 
+// ---------------------------------------------------------------------------
+// attn_mask: the kernels' last template argument (Mask) says whether there is
+// one, how it is laid out and its element type. Its values are read from
+// global memory through AttnFwdParams / AttnBwdParams::mask with element
+// strides over [B, Hq, Sq, Sk] (0 on broadcast dims; the key stride is 1).
+// ---------------------------------------------------------------------------
+
+struct bool8 { unsigned char bits; };  // torch.bool: one byte, 0 or 1 (True = attend)
+
+struct MaskNone {  // no attn_mask (the default: existing name expressions are unchanged)
+  static constexpr int kMode = 0;
+};
+// A mask of any broadcast shape: one value per (b, h, i, j), read per tile.
+// T: bool8 (False gives -inf), bf16, f16 or float (added to the scaled scores).
+template <typename T>
+struct MaskFull {
+  static constexpr int kMode = 1;
+  typedef T Elem;
+};
+// Key padding: one value per (b, j), the strides of Hq and Sq are 0. Float32
+// additive (the launchers convert a boolean one to 0 / -inf), read once per
+// key block rather than once per query row.
+struct MaskKeyPad {
+  static constexpr int kMode = 2;
+  typedef float Elem;
+};
+
+// 4-byte async copy global -> shared (zero-filled when !valid; src must
+// still be a mapped address): the key-padding values, whose rows need not be
+// 16-byte aligned.
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void ld_shared_f32x2(u32 addr, float& a, float& b) {
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
+}
+
+// The mask's element type (float for MaskNone, which never reads one).
+template <typename Mask>
+struct MaskElemOf {
+  typedef typename Mask::Elem type;
+};
+template <>
+struct MaskElemOf<MaskNone> {
+  typedef float type;
+};
+
+// One mask element as its additive contribution in log2 units (value *
+// log2(e); -inf where a boolean mask is False). The kernels then form
+// scores * scale * log2(e) + this with one fma. Plain (not volatile) asm:
+// the loads are free to move, and the mask is read-only (.nc).
+constexpr float kMaskLog2e = 1.4426950408889634f;
+template <typename T>
+struct MaskLoad;
+template <>
+struct MaskLoad<float> {
+  static __device__ __forceinline__ float l2(const void* p) {
+    float v;
+    asm("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v * kMaskLog2e;
+  }
+};
+template <>
+struct MaskLoad<bf16> {
+  static __device__ __forceinline__ float l2(const void* p) {
+    u32 v;
+    asm("ld.global.nc.u16 %0, [%1];" : "=r"(v) : "l"(p));
+    float f;
+    asm("mov.b32 %0, %1;" : "=f"(f) : "r"(v << 16));
+    return f * kMaskLog2e;
+  }
+};
+template <>
+struct MaskLoad<f16> {
+  static __device__ __forceinline__ float l2(const void* p) {
+    float f;
+    asm("{ .reg .b16 h; ld.global.nc.b16 h, [%1]; cvt.f32.f16 %0, h; }" : "=f"(f) : "l"(p));
+    return f * kMaskLog2e;
+  }
+};
+template <>
+struct MaskLoad<bool8> {
+  static __device__ __forceinline__ float l2(const void* p) {
+    u32 v;
+    asm("ld.global.nc.u8 %0, [%1];" : "=r"(v) : "l"(p));
+    return v ? 0.f : neg_inf();
+  }
+};
+
 }  // namespace opfuse_attn

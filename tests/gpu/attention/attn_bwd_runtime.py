@@ -94,26 +94,34 @@ def dq_smem(d: int, t: Tile) -> int:
     return 2 * t.block_m * sb + 2 * 2 * t.block_n * sb
 
 
-def choose_tiles(d: int, arch: str = "sm_90", smem_limit: int | None = None) -> tuple[Tile, Tile]:
+# With an attn_mask, D = 64 takes the 64-query dK/dV tile: on 128x128w8b1 the
+# mask step spilled up to 384 bytes (sm_90, a causal boolean mask), on
+# 64x128w8b1 nothing.
+MASKED_DKDV_TILES = {64: [Tile(64, 128, 8, 1)]}
+
+
+def choose_tiles(d: int, arch: str = "sm_90", smem_limit: int | None = None, masked: bool = False) -> tuple[Tile, Tile]:
     limit = smem_limit or ar.MAX_SMEM_PER_BLOCK.get(arch, 101376)
-    kv = next((t for t in DKDV_TILES[d] if dkdv_smem(d, t) <= limit), None)
+    kv_list = MASKED_DKDV_TILES.get(d, DKDV_TILES[d]) if masked else DKDV_TILES[d]
+    kv = next((t for t in kv_list if dkdv_smem(d, t) <= limit), None)
     q = next((t for t in DQ_TILES[d] if dq_smem(d, t) <= limit), None)
     if kv is None or q is None:
         raise ValueError(f"no attention backward tile for head dim {d} fits {limit} bytes of shared memory")
     return kv, q
 
 
-def expressions(elem: str, d: int, causal: bool, kv: Tile, q: Tile) -> dict:
-    """Name expressions of every kernel one (elem, D, causal, tiles) problem launches."""
+def expressions(elem: str, d: int, causal: bool, kv: Tile, q: Tile, mask=None) -> dict:
+    """Name expressions of every kernel one (elem, D, causal, tiles, mask kind) problem launches."""
     ns = "opfuse_attn::"
     e = f"{ns}{elem}"
+    m = ar._mask_arg(mask)
     kvargs = f"{e}, {d}, {_b(causal)}, {kv.block_m}, {kv.block_n}, {kv.num_warps}, {kv.min_blocks}"
     return {
         "preprocess": f"{ns}attention_bwd_preprocess<{e}, {d}>",
-        "dkdv_atomic": f"{ns}attention_bwd_dkdv<{kvargs}, true>",
-        "dkdv": f"{ns}attention_bwd_dkdv<{kvargs}, false>",
+        "dkdv_atomic": f"{ns}attention_bwd_dkdv<{kvargs}, true{m}>",
+        "dkdv": f"{ns}attention_bwd_dkdv<{kvargs}, false{m}>",
         "convert": f"{ns}attention_bwd_dq_convert<{e}, {d}>",
-        "dq": f"{ns}attention_bwd_dq<{e}, {d}, {_b(causal)}, {q.block_m}, {q.block_n}, {q.num_warps}, {q.min_blocks}>",
+        "dq": f"{ns}attention_bwd_dq<{e}, {d}, {_b(causal)}, {q.block_m}, {q.block_n}, {q.num_warps}, {q.min_blocks}{m}>",
     }
 
 
@@ -131,12 +139,24 @@ def all_problems(include_variants: bool = True):
     return out
 
 
+def masked_problems(arch: str = "sm_90"):
+    """(elem, D, causal, kv tile, q tile, mask) for every masked problem shipped: default tiles, every mask kind."""
+    out = []
+    for d in HEAD_DIMS:
+        kv, q = choose_tiles(d, arch, masked=True)
+        for elem in ELEMENTS:
+            for causal in (False, True):
+                for mask in ar.mask_kinds(elem):
+                    out.append((elem, d, causal, kv, q, mask))
+    return out
+
+
 def compile_problem(nvrtc: ar.Nvrtc, arch: str, elem: str, d: int, causal: bool, kv: Tile, q: Tile,
-                    src: str | None = None, use_cache: bool = True):
+                    src: str | None = None, use_cache: bool = True, mask=None):
     """One NVRTC program holding the five kernels of a problem. Returns
     dict(cubin, lowered {role: name}, log, resources {role: ptxas}, cached)."""
     src = src if src is not None else source()
-    exprs = expressions(elem, d, causal, kv, q)
+    exprs = expressions(elem, d, causal, kv, q, mask)
     opts = ar.compile_options(arch)
     key = hashlib.sha256("\0".join([src, *exprs.values(), " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()
                          ).hexdigest()[:32]
@@ -214,10 +234,12 @@ class AttnBwdParams(ctypes.Structure):
         + [(n, _I32) for n in ("batch", "heads_q", "heads_kv", "q_per_kv", "seqlen_q", "seqlen_k", "seqlen_q_pad",
                                "reserved")]
         + [("softmax_scale", _F), ("scale_log2", _F)]
+        + [("mask", _P), ("mask_batch_stride", _I64), ("mask_head_stride", _I64), ("mask_row_stride", _I64),
+           ("mask_col_stride", _I64)]
     )
 
 
-assert ctypes.sizeof(AttnBwdParams) == 344, ctypes.sizeof(AttnBwdParams)
+assert ctypes.sizeof(AttnBwdParams) == 384, ctypes.sizeof(AttnBwdParams)
 
 
 def _kernel_ok(t) -> bool:
@@ -250,11 +272,11 @@ class AttentionBackward:
         self.sm90 = sm90
         self.last_path = None  # "sm90" or "mma" after a call (tests)
 
-    def functions(self, elem, d, causal, kv, q):
-        key = (self.driver.current_context(), elem, d, causal, kv, q)
+    def functions(self, elem, d, causal, kv, q, mask=None):
+        key = (self.driver.current_context(), elem, d, causal, kv, q, mask)
         fns = self._fns.get(key)
         if fns is None:
-            info = compile_problem(self.nvrtc, self.arch, elem, d, causal, kv, q, src=self.source)
+            info = compile_problem(self.nvrtc, self.arch, elem, d, causal, kv, q, src=self.source, mask=mask)
             smem = {"dkdv": dkdv_smem(d, kv), "dkdv_atomic": dkdv_smem(d, kv), "dq": dq_smem(d, q)}
             fns = {}
             for role, name in info["lowered"].items():
@@ -275,9 +297,10 @@ class AttentionBackward:
         return fns
 
     def __call__(self, dout, q, k, v, o, lse, causal=False, scale=None, deterministic=None, tiles=None,
-                 out=None):
+                 out=None, attn_mask=None):
         """tiles: None (default dispatch), (dK/dV tile, dQ tile) of the mma.sync kernels, or an
-        attn_bwd_runtime_sm90.BwdSm90Config (the Hopper kernel with that configuration)."""
+        attn_bwd_runtime_sm90.BwdSm90Config (the Hopper kernel with that configuration).
+        attn_mask: additive or boolean, broadcastable to [B, Hq, Sq, Sk] (mma.sync kernels only)."""
         import torch
 
         B, Hq, Sq, D = q.shape
@@ -308,7 +331,9 @@ class AttentionBackward:
         why90 = self.sm90.unsupported_reason(self.arch, D, Sq, Sk, bool(deterministic))
         if sm90_cfg is not None and why90.replace("OPFUSE_ATTN_BWD_SM90=0", ""):
             raise ValueError(f"sm90 backward {sm90_cfg.tag()}: {why90}")
-        if tiles is None and not why90:
+        if attn_mask is not None and sm90_cfg is not None:
+            raise ValueError(f"sm90 backward {sm90_cfg.tag()}: no attn_mask (causal masking only)")
+        if tiles is None and not why90 and attn_mask is None:
             sm90_cfg = self.sm90.default(D)
         kv_t, q_t = (None, None) if sm90_cfg else (tiles or choose_tiles(D, self.arch, self.smem_limit))
         dev = q.device
@@ -324,8 +349,11 @@ class AttentionBackward:
         delta = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
         lse2 = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
         acc = None if deterministic else torch.empty((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)
+        mask, mt, mst = ar.kernel_mask(attn_mask, B, Hq, Sq, Sk, q.dtype)
+        if mask and tiles is None:
+            kv_t, q_t = choose_tiles(D, self.arch, self.smem_limit, masked=True)
         fns = self.functions_sm90(elem, D, bool(causal), sm90_cfg) if sm90_cfg else \
-            self.functions(elem, D, bool(causal), kv_t, q_t)
+            self.functions(elem, D, bool(causal), kv_t, q_t, mask)
 
         p = AttnBwdParams()
         p.q, p.k, p.v, p.o, p.dout = (t.data_ptr() for t in (q, k, v, o, dout))
@@ -339,6 +367,10 @@ class AttentionBackward:
         p.batch, p.heads_q, p.heads_kv, p.q_per_kv = B, Hq, Hkv, Hq // Hkv
         p.seqlen_q, p.seqlen_k, p.seqlen_q_pad = Sq, Sk, sq_pad
         p.softmax_scale, p.scale_log2 = scale, scale * math.log2(math.e)
+        if mt is not None:
+            p.mask = mt.data_ptr()
+            p.mask_batch_stride, p.mask_head_stride, p.mask_row_stride, p.mask_col_stride = mst
+            self._mask_alive = mt  # until the next call (the launches are asynchronous)
         stream = torch.cuda.current_stream(dev).cuda_stream
         self.last_path = "sm90" if sm90_cfg else "mma"
         if sm90_cfg:
@@ -366,9 +398,9 @@ class AttentionBackward:
 
 
 def _compile_one(args):
-    arch, elem, d, causal, kv, q = args
-    info = compile_problem(ar.Nvrtc(), arch, elem, d, causal, Tile.parse(kv), Tile.parse(q))
-    return (arch, elem, d, causal, kv, q, info["resources"], info["cached"])
+    arch, elem, d, causal, kv, q, mask = args
+    info = compile_problem(ar.Nvrtc(), arch, elem, d, causal, Tile.parse(kv), Tile.parse(q), mask=mask)
+    return (arch, elem, d, causal, kv, q, mask, info["resources"], info["cached"])
 
 
 def main(argv=None):
@@ -380,16 +412,27 @@ def main(argv=None):
     ap.add_argument("--arch", action="append", help="sm_80, sm_90 (repeatable; default sm_90)")
     ap.add_argument("--out", help="cubin cache dir (sets OPFUSE_ATTN_CUBIN_DIR)")
     ap.add_argument("--defaults-only", action="store_true")
+    ap.add_argument("--masks-only", action="store_true")
+    ap.add_argument("--no-masks", action="store_true")
+    ap.add_argument("--only", help="comma-separated terms every compiled job's description must contain")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args(argv)
     if a.out:
         os.environ["OPFUSE_ATTN_CUBIN_DIR"] = a.out
-    jobs = [(arch, elem, d, causal, kv.tag(), q.tag()) for arch in (a.arch or ["sm_90"])
-            for (elem, d, causal, kv, q) in all_problems(include_variants=not a.defaults_only)]
+    jobs = []
+    if not a.masks_only:
+        jobs += [(arch, elem, d, causal, kv.tag(), q.tag(), None) for arch in (a.arch or ["sm_90"])
+                 for (elem, d, causal, kv, q) in all_problems(include_variants=not a.defaults_only)]
+    if not a.no_masks:
+        jobs += [(arch, elem, d, causal, kv.tag(), q.tag(), m) for arch in (a.arch or ["sm_90"])
+                 for (elem, d, causal, kv, q, m) in masked_problems(arch)]
+    if a.only:
+        terms = a.only.split(",")
+        jobs = [j for j in jobs if all(t in f"{j[0]} {j[1]} D={j[2]} causal={int(j[3])} {j[6]}" for t in terms)]
     with cf.ProcessPoolExecutor(max_workers=a.j) as ex:
-        for arch, elem, d, causal, kv, q, res, cached in ex.map(_compile_one, jobs):
+        for arch, elem, d, causal, kv, q, mask, res, cached in ex.map(_compile_one, jobs):
             cols = " ".join(f"{r}={v['registers']}/{v['spill_stores']}" for r, v in res.items())
-            print(f"{arch} {elem:4} D={d:3} causal={int(causal)} kv={kv} q={q} regs/spill: {cols}"
+            print(f"{arch} {elem:4} D={d:3} causal={int(causal)} kv={kv} q={q} {mask or '':9} regs/spill: {cols}"
                   f"{' (cached)' if cached else ''}", flush=True)
 
 

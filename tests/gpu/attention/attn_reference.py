@@ -29,14 +29,24 @@ def _expand_kv(k, v, Hq):
     return k, v
 
 
-def attention_fp32(q, k, v, causal=False, scale=None):
+def add_attn_mask(s, attn_mask):
+    """Scores s [B, Hq, Sq, Sk] with an attn_mask applied (bool: False gives
+    -inf; float: added in s's dtype), the mask broadcast as in SDPA."""
+    if attn_mask is None:
+        return s
+    if attn_mask.dtype == torch.bool:
+        return s.masked_fill(~attn_mask, float("-inf"))
+    return s + attn_mask.to(s.dtype)
+
+
+def attention_fp32(q, k, v, causal=False, scale=None, attn_mask=None):
     """float32 (or float64 for float64 inputs) reference: returns (out, lse, scores)."""
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v = q.to(acc), k.to(acc), v.to(acc)
     k, v = _expand_kv(k, v, q.shape[1])
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = add_attn_mask(torch.matmul(q, k.transpose(-1, -2)) * scale, attn_mask)
     mask = visible_mask(q.shape[2], k.shape[2], causal, q.device)
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -59,3 +69,19 @@ def attention_sdpa_math_lowp(q, k, v, causal=False, scale=None):
     if dead.any():
         out = out.masked_fill(dead[None, None, :, None], 0)
     return out
+
+
+def attention_lowp_ops(q, k, v, causal=False, scale=None, attn_mask=None):
+    """PyTorch ops in q's dtype (the FlashAttention tests' low-precision
+    reference): S = Q K^T rounded to q's dtype, the mask added and the
+    softmax taken in float32, P rounded to q's dtype, P V in q's dtype. Used
+    where SDPA cannot take the mask (a float32 mask with bf16 q). Rows that see
+    no key give 0."""
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k, v = _expand_kv(k, v, q.shape[1])
+    s = add_attn_mask(torch.matmul(q, k.transpose(-1, -2)).float() * scale, attn_mask)
+    s = s.masked_fill(~visible_mask(q.shape[2], k.shape[2], causal, q.device), float("-inf"))
+    dead = torch.isinf(s).all(dim=-1, keepdim=True) & (s.amax(dim=-1, keepdim=True) < 0)
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return torch.matmul(p.to(q.dtype), v)

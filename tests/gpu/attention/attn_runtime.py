@@ -104,9 +104,16 @@ def choose_config(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, arc
 MAX_SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448}
 
 
-def default_config(head_dim: int, arch: str = "sm_90", smem_limit: int | None = None) -> "FwdConfig":
+# With an attn_mask, D = 64 takes 128x64 tiles: on 128x128 (128 S values per
+# thread) the mask step spilled 128-244 bytes, on 128x64 0-68.
+MASKED_CONFIGS = {64: [FwdConfig(128, 64, 4, 2)]}
+
+
+def default_config(head_dim: int, arch: str = "sm_90", smem_limit: int | None = None,
+                   masked: bool = False) -> "FwdConfig":
     limit = smem_limit or MAX_SMEM_PER_BLOCK.get(arch, 101376)
-    for cfg in DEFAULT_CONFIGS[head_dim]:
+    configs = MASKED_CONFIGS.get(head_dim, DEFAULT_CONFIGS[head_dim]) if masked else DEFAULT_CONFIGS[head_dim]
+    for cfg in configs:
         if smem_bytes(head_dim, cfg) <= limit:
             return cfg
     raise ValueError(f"no attention tile for head dim {head_dim} fits {limit} bytes of shared memory on {arch}")
@@ -115,22 +122,80 @@ def default_config(head_dim: int, arch: str = "sm_90", smem_limit: int | None = 
 HEAD_DIMS = (64, 96, 128, 256)
 ELEMENTS = ("bf16", "f16")
 
+# attn_mask kinds the kernels take (the Mask template argument of
+# attention_ptx.cu): None, "full-<dtype>" (any broadcast shape, one value per
+# (b, h, i, j)) with dtype bool / bf16 / f16 / f32, or "keypad" (one float32
+# value per (b, j)).
+MASK_POLICIES = {
+    None: "",
+    "full-bool": "opfuse_attn::MaskFull<opfuse_attn::bool8>",
+    "full-bf16": "opfuse_attn::MaskFull<opfuse_attn::bf16>",
+    "full-f16": "opfuse_attn::MaskFull<opfuse_attn::f16>",
+    "full-f32": "opfuse_attn::MaskFull<float>",
+    "keypad": "opfuse_attn::MaskKeyPad",
+}
+# The masked instantiations shipped (and compiled by CI): default tiles, every
+# mask kind whose dtype can go with the element type.
+def mask_kinds(elem: str):
+    return ["full-bool", f"full-{elem}", "full-f32", "keypad"]
 
-def smem_bytes(head_dim: int, cfg: FwdConfig) -> int:
-    """Dynamic shared memory of one CTA (FwdTile::kSmemBytes)."""
+
+def _mask_arg(mask) -> str:
+    return f", {MASK_POLICIES[mask]}" if mask else ""
+
+
+def smem_bytes(head_dim: int, cfg: FwdConfig, mask=None) -> int:
+    """Dynamic shared memory of one CTA (FwdTile::kSmemBytes, + 2 stages of
+    BLOCK_N float32 key-padding values for the keypad mask)."""
     stride_bytes = (head_dim + 8) * 2
-    return cfg.block_m * stride_bytes + 2 * 2 * cfg.block_n * stride_bytes
+    extra = 2 * cfg.block_n * 4 if mask == "keypad" else 0
+    return cfg.block_m * stride_bytes + 2 * 2 * cfg.block_n * stride_bytes + extra
 
 
-def name_expression(elem: str, head_dim: int, causal: bool, cfg: FwdConfig) -> str:
+def name_expression(elem: str, head_dim: int, causal: bool, cfg: FwdConfig, mask=None) -> str:
     return (
         f"opfuse_attn::attention_fwd<opfuse_attn::{elem}, {head_dim}, {'true' if causal else 'false'}, "
-        f"{cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.min_blocks}, {'true' if cfg.split_pv else 'false'}>"
+        f"{cfg.block_m}, {cfg.block_n}, {cfg.num_warps}, {cfg.min_blocks}, {'true' if cfg.split_pv else 'false'}"
+        f"{_mask_arg(mask)}>"
     )
 
 
+def kernel_mask(attn_mask, B: int, Hq: int, Sq: int, Sk: int, q_dtype):
+    """What the kernels take for an attn_mask broadcastable to [B, Hq, Sq, Sk]:
+    (kind, tensor, element strides over [B, Hq, Sq, Sk]); (None, None, None)
+    without a mask. Key padding (one value per (b, key)) becomes a float32
+    [B, Sk] tensor (bool: 0 / -inf); other masks keep their storage (bool,
+    q's dtype, float32; other float dtypes go to float32) unless the key
+    dim is not contiguous, then their own (unbroadcast) shape is copied.
+    (python/opfuse/ops/attention.py has the same rules.)"""
+    import torch
+
+    if attn_mask is None:
+        return None, None, None
+    m = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)) if attn_mask.dim() < 4 else attn_mask
+    e = m.expand(B, Hq, Sq, Sk)
+    st = e.stride()
+    if (Hq == 1 or st[1] == 0) and (Sq == 1 or st[2] == 0):
+        kp = e[:, 0, 0, :]
+        kp = torch.where(kp, 0.0, float("-inf")) if kp.dtype == torch.bool else kp.float()
+        kp = kp.contiguous()
+        return "keypad", kp, (Sk, 0, 0, 1)
+    if m.dtype == torch.bool:
+        kind = "full-bool"
+    elif m.dtype == q_dtype:
+        kind = "full-bf16" if q_dtype == torch.bfloat16 else "full-f16"
+    else:
+        kind = "full-f32"
+        if m.dtype != torch.float32:
+            m = m.float()
+    if Sk > 1 and (m.shape[3] == 1 or m.stride(-1) != 1):
+        m = m.expand(*m.shape[:3], Sk).contiguous() if m.shape[3] == 1 else m.contiguous()
+    e = m.expand(B, Hq, Sq, Sk)
+    return kind, e, tuple(e.stride())
+
+
 def all_instantiations(include_variants: bool = True):
-    """(elem, head_dim, causal, cfg) for every instantiation we ship."""
+    """(elem, head_dim, causal, cfg) for every unmasked instantiation we ship."""
     out = []
     for d in HEAD_DIMS:
         cfgs = list(DEFAULT_CONFIGS[d])
@@ -140,6 +205,19 @@ def all_instantiations(include_variants: bool = True):
             for elem in ELEMENTS:
                 for causal in (False, True):
                     out.append((elem, d, causal, cfg))
+    return out
+
+
+def masked_instantiations(arch: str = "sm_90"):
+    """(elem, head_dim, causal, cfg, mask) for every masked instantiation we
+    ship on `arch`: the default tile of each head dim, every mask kind."""
+    out = []
+    for d in HEAD_DIMS:
+        cfg = default_config(d, arch, masked=True)
+        for elem in ELEMENTS:
+            for causal in (False, True):
+                for mask in mask_kinds(elem):
+                    out.append((elem, d, causal, cfg, mask))
     return out
 
 
@@ -295,11 +373,11 @@ def cache_dir() -> pathlib.Path:
 
 
 def compile_kernel(nvrtc: Nvrtc, arch: str, elem: str, head_dim: int, causal: bool, cfg: FwdConfig,
-                   source: str | None = None, use_cache: bool = True):
+                   source: str | None = None, use_cache: bool = True, mask=None):
     """Compiles one instantiation. Returns dict(cubin, lowered, log, resources, cached)."""
     if source is None:
         source = kernel_source()
-    expr = name_expression(elem, head_dim, causal, cfg)
+    expr = name_expression(elem, head_dim, causal, cfg, mask)
     opts = compile_options(arch)
     key = hashlib.sha256("\0".join([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()).hexdigest()[:32]
     cdir = cache_dir()
@@ -338,11 +416,14 @@ class AttnFwdParams(ctypes.Structure):
         ("batch", ctypes.c_int32), ("heads_q", ctypes.c_int32), ("heads_kv", ctypes.c_int32),
         ("q_per_kv", ctypes.c_int32), ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
         ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
+        ("mask", ctypes.c_void_p),
+        ("mask_batch_stride", ctypes.c_int64), ("mask_head_stride", ctypes.c_int64),
+        ("mask_row_stride", ctypes.c_int64), ("mask_col_stride", ctypes.c_int64),
     ]
 
 
-assert ctypes.sizeof(AttnFwdParams) == 184, ctypes.sizeof(AttnFwdParams)
-assert AttnFwdParams.batch.offset == 152
+assert ctypes.sizeof(AttnFwdParams) == 224, ctypes.sizeof(AttnFwdParams)
+assert AttnFwdParams.batch.offset == 152 and AttnFwdParams.mask.offset == 184
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
@@ -427,18 +508,18 @@ class AttentionForward:
 
         self.sm90 = sm90
 
-    def function(self, elem, head_dim, causal, cfg):
-        key = (self.driver.current_context(), elem, head_dim, causal, cfg)
+    def function(self, elem, head_dim, causal, cfg, mask=None):
+        key = (self.driver.current_context(), elem, head_dim, causal, cfg, mask)
         fn = self._functions.get(key)
         if fn is None:
-            info = compile_kernel(self.nvrtc, self.arch, elem, head_dim, causal, cfg, source=self.source)
-            _, fn = self.driver.load_function(info["cubin"], info["lowered"], smem_bytes(head_dim, cfg))
+            info = compile_kernel(self.nvrtc, self.arch, elem, head_dim, causal, cfg, source=self.source, mask=mask)
+            _, fn = self.driver.load_function(info["cubin"], info["lowered"], smem_bytes(head_dim, cfg, mask))
             self._functions[key] = fn
-            self.compile_info[(elem, head_dim, causal, cfg)] = info
+            self.compile_info[(elem, head_dim, causal, cfg, mask)] = info
         return fn
 
     def __call__(self, q, k, v, causal=False, scale=None, config: FwdConfig | None = None, out=None, lse=None,
-                 want_lse=True):
+                 want_lse=True, attn_mask=None):
         import torch
 
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -465,16 +546,23 @@ class AttentionForward:
         if not scale > 0:
             raise ValueError("softmax scale must be > 0")
         elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
+        mask, mt, mst = kernel_mask(attn_mask, B, Hq, Sq, Sk, q.dtype)
+        if mt is not None and mt.device != q.device:
+            raise ValueError("attn_mask must be on q's device")
         # sm_90: the Hopper kernel unless a mma.sync tile is asked for, the
-        # head dim is not covered, or OPFUSE_ATTN_SM90=0.
+        # head dim is not covered, or OPFUSE_ATTN_SM90=0 (with a mask: at
+        # D = 128 unless OPFUSE_ATTN_SM90_MASK=0, at D = 64 if it is 1).
         sm90_cfg = config if isinstance(config, self.sm90.Sm90Config) else None
-        if config is None and not self.sm90.sm90_unsupported_reason(self.arch, D, Sk):
+        if config is None and not self.sm90.sm90_unsupported_reason(self.arch, D, Sk, mask):
             sm90_cfg = self.sm90.default_config_sm90(D, causal)
         if sm90_cfg is not None:
-            why = self.sm90.sm90_unsupported_reason(self.arch, D, Sk).replace("OPFUSE_ATTN_SM90=0", "")
+            why = self.sm90.sm90_unsupported_reason(self.arch, D, Sk, mask)
+            why = why.replace("an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)", "").replace("OPFUSE_ATTN_SM90=0", "")
             if why:
                 raise ValueError(f"sm90 config {sm90_cfg.tag()}: {why}")
-        cfg = sm90_cfg or config or choose_config(D, Sq, Sk, bool(causal), self.arch, self.smem_limit)
+        # Masked calls use the default tile (the masked instantiations shipped).
+        cfg = sm90_cfg or config or (default_config(D, self.arch, self.smem_limit, masked=True) if mask else
+                                     choose_config(D, Sq, Sk, bool(causal), self.arch, self.smem_limit))
         self.last_config = cfg
         if out is None:
             out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
@@ -484,7 +572,8 @@ class AttentionForward:
             raise ValueError("out: needs a contiguous last dim, 16-byte alignment, strides multiple of 8")
         if B == 0 or Hq == 0 or Sq == 0:
             return out, lse
-        fn = self.function_sm90(elem, D, bool(causal), cfg) if sm90_cfg else self.function(elem, D, bool(causal), cfg)
+        fn = (self.function_sm90(elem, D, bool(causal), cfg, mask) if sm90_cfg
+              else self.function(elem, D, bool(causal), cfg, mask))
         p = AttnFwdParams()
         p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         p.lse = lse.data_ptr() if lse is not None else None
@@ -498,6 +587,10 @@ class AttentionForward:
         p.seqlen_q, p.seqlen_k = Sq, Sk
         p.softmax_scale = scale
         p.scale_log2 = scale * math.log2(math.e)
+        if mt is not None:
+            p.mask = mt.data_ptr()
+            p.mask_batch_stride, p.mask_head_stride, p.mask_row_stride, p.mask_col_stride = mst
+            self._mask_alive = mt  # until the next call (the launch is asynchronous)
         grid = ((Sq + cfg.block_m - 1) // cfg.block_m, Hq, B)
         if grid[1] > 65535 or grid[2] > 65535:
             raise ValueError("heads and batch must each be <= 65535")
@@ -509,17 +602,17 @@ class AttentionForward:
             grid = cfg.grid(Sq, Hq, B, self.num_sms)
             sm.launch_sm90(self.driver, fn, grid, cfg, sm.smem_bytes_sm90(D, cfg), stream, p, *tms)
             return out, lse
-        self.driver.launch(fn, grid, (cfg.num_warps * 32, 1, 1), smem_bytes(D, cfg), stream, p)
+        self.driver.launch(fn, grid, (cfg.num_warps * 32, 1, 1), smem_bytes(D, cfg, mask), stream, p)
         return out, lse
 
-    def function_sm90(self, elem, head_dim, causal, cfg):
-        key = (self.driver.current_context(), "sm90", elem, head_dim, causal, cfg)
+    def function_sm90(self, elem, head_dim, causal, cfg, mask=None):
+        key = (self.driver.current_context(), "sm90", elem, head_dim, causal, cfg, mask)
         fn = self._functions.get(key)
         if fn is None:
-            info = self.sm90.compile_kernel_sm90(self.nvrtc, elem, head_dim, causal, cfg)
+            info = self.sm90.compile_kernel_sm90(self.nvrtc, elem, head_dim, causal, cfg, mask=mask)
             _, fn = self.driver.load_function(info["cubin"], info["lowered"], self.sm90.smem_bytes_sm90(head_dim, cfg))
             self._functions[key] = fn
-            self.compile_info[(elem, head_dim, causal, cfg)] = info
+            self.compile_info[(elem, head_dim, causal, cfg, mask)] = info
         return fn
 
 
@@ -529,15 +622,15 @@ class AttentionForward:
 
 
 def _compile_one(args):
-    arch, elem, d, causal, tag = args
+    arch, elem, d, causal, tag, mask = args
     nv = Nvrtc()
     if tag.startswith("wg"):  # the Hopper kernel (attn_runtime_sm90.py)
         import attn_runtime_sm90 as sm90
 
-        info = sm90.compile_kernel_sm90(nv, elem, d, causal, sm90.Sm90Config.parse(tag))
-        return (sm90.ARCH_SM90, elem, d, causal, tag, info["resources"], info["cached"])
-    info = compile_kernel(nv, arch, elem, d, causal, FwdConfig.parse(tag))
-    return (arch, elem, d, causal, tag, info["resources"], info["cached"])
+        info = sm90.compile_kernel_sm90(nv, elem, d, causal, sm90.Sm90Config.parse(tag), mask=mask)
+        return (sm90.ARCH_SM90, elem, d, causal, tag, mask, info["resources"], info["cached"])
+    info = compile_kernel(nv, arch, elem, d, causal, FwdConfig.parse(tag), mask=mask)
+    return (arch, elem, d, causal, tag, mask, info["resources"], info["cached"])
 
 
 def main(argv=None):
@@ -549,22 +642,36 @@ def main(argv=None):
     ap.add_argument("--arch", action="append", help="sm_80, sm_90 (repeatable; default sm_90)")
     ap.add_argument("--out", help="cubin cache dir (sets OPFUSE_ATTN_CUBIN_DIR)")
     ap.add_argument("--defaults-only", action="store_true")
+    ap.add_argument("--masks-only", action="store_true", help="only the masked instantiations")
+    ap.add_argument("--no-masks", action="store_true", help="no masked instantiation")
+    ap.add_argument("--only", help="comma-separated terms every compiled job's description must contain")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args(argv)
     if a.out:
         os.environ["OPFUSE_ATTN_CUBIN_DIR"] = a.out
     archs = a.arch or ["sm_90"]
-    jobs = [(arch, elem, d, causal, cfg.tag())
-            for arch in archs
-            for (elem, d, causal, cfg) in all_instantiations(include_variants=not a.defaults_only)]
+    jobs = []
+    if not a.masks_only:
+        jobs += [(arch, elem, d, causal, cfg.tag(), None)
+                 for arch in archs
+                 for (elem, d, causal, cfg) in all_instantiations(include_variants=not a.defaults_only)]
+    if not a.no_masks:
+        jobs += [(arch, *i[:3], i[3].tag(), i[4]) for arch in archs for i in masked_instantiations(arch)]
     if any(arch.startswith("sm_90") for arch in archs):
         import attn_runtime_sm90 as sm90
 
-        jobs += [("sm_90a", elem, d, causal, cfg.tag()) for (elem, d, causal, cfg) in sm90.all_instantiations_sm90()
-                 if not a.defaults_only or cfg in sm90.DEFAULT_SM90.values()]
+        if not a.masks_only:
+            jobs += [("sm_90a", elem, d, causal, cfg.tag(), None)
+                     for (elem, d, causal, cfg) in sm90.all_instantiations_sm90()
+                     if not a.defaults_only or cfg in sm90.DEFAULT_SM90.values()]
+        if not a.no_masks:
+            jobs += [("sm_90a", *i[:3], i[3].tag(), i[4]) for i in sm90.masked_instantiations_sm90()]
+    if a.only:  # e.g. --only "D=128" keeps the jobs whose description contains every term
+        terms = a.only.split(",")
+        jobs = [j for j in jobs if all(t in f"{j[0]} {j[1]} D={j[2]} causal={int(j[3])} {j[4]} {j[5]}" for t in terms)]
     with cf.ProcessPoolExecutor(max_workers=a.j) as ex:
-        for arch, elem, d, causal, tag, res, cached in ex.map(_compile_one, jobs):
-            print(f"{arch} {elem:4} D={d:3} causal={int(causal)} {tag:12} regs={res['registers']} "
+        for arch, elem, d, causal, tag, mask, res, cached in ex.map(_compile_one, jobs):
+            print(f"{arch} {elem:4} D={d:3} causal={int(causal)} {tag:12} {mask or '':9} regs={res['registers']} "
                   f"stack={res['stack']} spill_st={res['spill_stores']} spill_ld={res['spill_loads']}"
                   f"{' (cached)' if cached else ''}", flush=True)
 

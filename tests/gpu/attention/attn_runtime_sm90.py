@@ -107,9 +107,21 @@ def smem_bytes_sm90(head_dim: int, cfg: Sm90Config) -> int:
     return q_buffers_sm90(head_dim, cfg) * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 1024
 
 
-def name_expression_sm90(elem: str, head_dim: int, causal: bool, cfg: Sm90Config) -> str:
+def name_expression_sm90(elem: str, head_dim: int, causal: bool, cfg: Sm90Config, mask=None) -> str:
     return (f"opfuse_attn::attention_fwd_sm90<opfuse_attn::{elem}, {head_dim}, {'true' if causal else 'false'}, "
-            f"{cfg.block_n}, {cfg.consumers}, {cfg.stages}, {'true' if cfg.pingpong else 'false'}>")
+            f"{cfg.block_n}, {cfg.consumers}, {cfg.stages}, {'true' if cfg.pingpong else 'false'}"
+            f"{ar._mask_arg(mask)}>")
+
+
+def masked_instantiations_sm90():
+    """(elem, head_dim, causal, cfg, mask): the default configs with every mask kind."""
+    out = []
+    for d in HEAD_DIMS_SM90:
+        for elem in ar.ELEMENTS:
+            for causal in (False, True):
+                for mask in ar.mask_kinds(elem):
+                    out.append((elem, d, causal, DEFAULT_SM90[(d, causal)], mask))
+    return out
 
 
 def all_instantiations_sm90():
@@ -135,12 +147,28 @@ def sm90_enabled() -> bool:
     return os.environ.get("OPFUSE_ATTN_SM90", "1") != "0"
 
 
-def sm90_unsupported_reason(arch: str, head_dim: int, seqlen_k: int) -> str:
+# Head dims whose masked calls the Hopper kernel takes by default: at D = 128
+# it was 1.35-1.6x faster than the mma.sync kernel with a mask on the H200
+# (docs/attention.md, "attn_mask"); at D = 64 (three consumers at 160
+# registers) a full mask spills hundreds of bytes, unmeasured.
+SM90_MASK_HEAD_DIMS = (128,)
+
+
+def sm90_mask_enabled(head_dim: int) -> bool:
+    """OPFUSE_ATTN_SM90_MASK: unset, the Hopper kernel takes masked calls at
+    SM90_MASK_HEAD_DIMS; 0: never (the mma.sync kernel); 1: at every head dim it covers."""
+    v = os.environ.get("OPFUSE_ATTN_SM90_MASK", "")
+    return v == "1" or (v != "0" and head_dim in SM90_MASK_HEAD_DIMS)
+
+
+def sm90_unsupported_reason(arch: str, head_dim: int, seqlen_k: int, mask=None) -> str:
     """Empty when the Hopper kernel takes the problem, else why not."""
     if not arch.startswith("sm_90"):
         return f"{arch} is not sm_90"
     if not sm90_enabled():
         return "OPFUSE_ATTN_SM90=0"
+    if mask and not sm90_mask_enabled(head_dim):
+        return "an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)"
     if head_dim not in HEAD_DIMS_SM90:
         return f"head dim {head_dim} is not 64 or 128"
     if seqlen_k == 0:
@@ -149,11 +177,11 @@ def sm90_unsupported_reason(arch: str, head_dim: int, seqlen_k: int) -> str:
 
 
 def compile_kernel_sm90(nvrtc: ar.Nvrtc, elem: str, head_dim: int, causal: bool, cfg: Sm90Config,
-                        source: str | None = None, use_cache: bool = True):
+                        source: str | None = None, use_cache: bool = True, mask=None):
     """Compiles one instantiation for sm_90a. Returns dict(cubin, lowered, log, resources, cached)."""
     if source is None:
         source = sm90_source()
-    expr = name_expression_sm90(elem, head_dim, causal, cfg)
+    expr = name_expression_sm90(elem, head_dim, causal, cfg, mask)
     opts = compile_options_sm90()
     key = hashlib.sha256("\0".join([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()).hexdigest()[:32]
     cdir = ar.cache_dir()

@@ -26,9 +26,10 @@ def _nvrtc_or_skip():
         pytest.skip(f"libnvrtc not found: {str(e).splitlines()[0]}")
 
 
-def _expressions():
+def _expressions(arch: str):
+    """Every kernel: all problems unmasked, the default tiles with each attn_mask kind."""
     exprs = []
-    for problem in br.all_problems(include_variants=True):
+    for problem in br.all_problems(include_variants=True) + br.masked_problems(arch):
         for e in br.expressions(*problem).values():
             if e not in exprs:
                 exprs.append(e)
@@ -37,7 +38,7 @@ def _expressions():
 
 def _compile_all(arch: str):
     nv = ar.Nvrtc()
-    exprs = _expressions()
+    exprs = _expressions(arch)
     cubin, log, lowered = nv.compile(br.source(), br.SOURCE_NAME, ar.compile_options(arch), exprs)
     per_fn = br.split_ptxas_log(log)
     return {e: ar.parse_ptxas(per_fn.get(lowered[e], "")) for e in exprs}, len(cubin)
