@@ -251,10 +251,7 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
       : "memory");
 }
 
-__device__ __forceinline__ void ld_shared_f32x2(u32 addr, float& a, float& b) {
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
-}
-
+// ld_shared_f32x2 is in attention_ptx.cu (prepended before this file).
 __device__ __forceinline__ void st_shared_f32x2(u32 addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
