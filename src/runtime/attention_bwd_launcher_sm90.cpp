@@ -44,24 +44,10 @@ AttnBwdCompiled nvrtc_compile(const std::vector<std::string>& exprs) {
 // Cache entry: "opfuse-attn-bwd90-cubin\n", kRoles lowered names (one a line), then the cubin.
 constexpr const char kMagic[] = "opfuse-attn-bwd90-cubin\n";
 
-std::string pack(const AttnBwdCompiled& c) {
-  std::string s = kMagic;
-  for (const auto& l : c.lowered) s += l + "\n";
-  return s + c.cubin;
-}
+std::string pack(const AttnBwdCompiled& c) { return pack_named_cubin(kMagic, c.lowered, c.cubin); }
 
 bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
-  size_t pos = sizeof(kMagic) - 1;
-  if (bytes.compare(0, pos, kMagic) != 0) return false;
-  c->lowered.clear();
-  for (int i = 0; i < kRoles; ++i) {
-    const size_t nl = bytes.find('\n', pos);
-    if (nl == std::string::npos || nl == pos) return false;
-    c->lowered.push_back(bytes.substr(pos, nl - pos));
-    pos = nl + 1;
-  }
-  c->cubin = bytes.substr(pos);
-  return !c->cubin.empty();
+  return unpack_named_cubin(bytes, kMagic, kRoles, &c->lowered, &c->cubin);
 }
 
 }  // namespace

@@ -45,16 +45,13 @@ AttnCompiled nvrtc_compile_expression(const std::string& expr, int arch) {
 // Cache entry layout: "opfuse-attn-cubin\n<lowered name>\n" followed by the cubin.
 constexpr const char kMagic[] = "opfuse-attn-cubin\n";
 
-std::string pack(const AttnCompiled& c) { return kMagic + c.lowered + "\n" + c.cubin; }
+std::string pack(const AttnCompiled& c) { return pack_named_cubin(kMagic, {c.lowered}, c.cubin); }
 
 bool unpack(const std::string& bytes, AttnCompiled* c) {
-  const size_t m = sizeof(kMagic) - 1;
-  if (bytes.compare(0, m, kMagic) != 0) return false;
-  size_t nl = bytes.find('\n', m);
-  if (nl == std::string::npos || nl == m) return false;
-  c->lowered = bytes.substr(m, nl - m);
-  c->cubin = bytes.substr(nl + 1);
-  return !c->cubin.empty();
+  std::vector<std::string> lowered;
+  if (!unpack_named_cubin(bytes, kMagic, 1, &lowered, &c->cubin)) return false;
+  c->lowered = lowered[0];
+  return true;
 }
 
 struct LoadedFn {

@@ -50,13 +50,10 @@ AttnCompiled compile_expression(const std::string& expr) {
 constexpr const char kMagic[] = "opfuse-attn-sm90-cubin\n";
 
 bool unpack(const std::string& bytes, AttnCompiled* c) {
-  const size_t m = sizeof(kMagic) - 1;
-  if (bytes.compare(0, m, kMagic) != 0) return false;
-  size_t nl = bytes.find('\n', m);
-  if (nl == std::string::npos || nl == m) return false;
-  c->lowered = bytes.substr(m, nl - m);
-  c->cubin = bytes.substr(nl + 1);
-  return !c->cubin.empty();
+  std::vector<std::string> lowered;
+  if (!unpack_named_cubin(bytes, kMagic, 1, &lowered, &c->cubin)) return false;
+  c->lowered = lowered[0];
+  return true;
 }
 
 // A 4-D map over a [B, H, S, D] tensor with element strides (b, h, s, 1):
@@ -190,7 +187,7 @@ AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const Attn
   auto build = [&](const std::string& out) {
     fresh = compile_expression(expr);
     built = true;
-    write_file_atomic(out, kMagic + fresh.lowered + "\n" + fresh.cubin);
+    write_file_atomic(out, pack_named_cubin(kMagic, {fresh.lowered}, fresh.cubin));
   };
   CacheLookup found = cache_get_or_build("attention", key, ".cubin", build);
   if (built) return fresh;

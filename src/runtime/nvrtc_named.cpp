@@ -80,6 +80,28 @@ NvrtcNamed nvrtc_compile_named(const char* source, const char* file, const std::
   return out;
 }
 
+std::string pack_named_cubin(const char* magic, const std::vector<std::string>& lowered, const std::string& cubin) {
+  std::string s = magic;
+  for (const auto& l : lowered) s += l + "\n";
+  return s + cubin;
+}
+
+bool unpack_named_cubin(const std::string& bytes, const char* magic, size_t names, std::vector<std::string>* lowered,
+                        std::string* cubin) {
+  const std::string m = magic;
+  if (bytes.compare(0, m.size(), m) != 0) return false;
+  size_t pos = m.size();
+  lowered->clear();
+  for (size_t i = 0; i < names; ++i) {
+    const size_t nl = bytes.find('\n', pos);
+    if (nl == std::string::npos || nl == pos) return false;
+    lowered->push_back(bytes.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  *cubin = bytes.substr(pos);
+  return !cubin->empty();
+}
+
 CUcontext current_context_for(int device) {
   const CudaApi& c = cuda();
   CUcontext ctx = nullptr;

@@ -26,6 +26,14 @@ std::vector<std::string> nvrtc_named_options(const std::string& gpu_arch);
 NvrtcNamed nvrtc_compile_named(const char* source, const char* file, const std::vector<std::string>& expressions,
                                const std::string& gpu_arch, const std::string& what);
 
+// A compiled program in the disk cache: `magic` (a line naming the kind of
+// entry), one lowered name a line, then the cubin. unpack_named_cubin is
+// false for anything else (another kind, a truncated or damaged file), so
+// the caller rebuilds.
+std::string pack_named_cubin(const char* magic, const std::vector<std::string>& lowered, const std::string& cubin);
+bool unpack_named_cubin(const std::string& bytes, const char* magic, size_t names, std::vector<std::string>* lowered,
+                        std::string* cubin);
+
 // The current context, after binding `device`'s primary context when the
 // thread has none or one of another device (autograd's backward threads may
 // have none); device < 0: whatever is current.
