@@ -33,12 +33,7 @@ std::vector<std::string> compile_options(int arch) { return nvrtc_named_options(
 AttnBwdCompiled nvrtc_compile(const std::vector<std::string>& exprs, int arch) {
   NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_bwd.cu", exprs, "sm_" + std::to_string(arch),
                                      "the attention backward (" + exprs.at(1) + ")");
-  AttnBwdCompiled out;
-  out.expressions = exprs;
-  out.lowered = std::move(r.lowered);
-  out.cubin = std::move(r.cubin);
-  out.log = std::move(r.log);
-  return out;
+  return attn_bwd_compiled(exprs, std::move(r));
 }
 
 // Cache entry: "opfuse-attn-bwd-cubin\n", one lowered name per line (kRoles
@@ -87,6 +82,15 @@ AttnBwdParams make_params(const AttnBackwardArgs& a) {
 }
 
 }  // namespace
+
+AttnBwdCompiled attn_bwd_compiled(const std::vector<std::string>& exprs, NvrtcNamed&& r) {
+  AttnBwdCompiled out;
+  out.expressions = exprs;
+  out.lowered = std::move(r.lowered);
+  out.cubin = std::move(r.cubin);
+  out.log = std::move(r.log);
+  return out;
+}
 
 int attn_bwd_dkdv_smem_bytes(int d, const AttnTile& t) {
   const int sb = (d + 8) * 2, psb = (t.block_m + 8) * 2;
@@ -220,11 +224,8 @@ void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
       (any_k && (!a.k || !a.v || !a.dk || !a.dv)) || (any_q && !a.deterministic && !a.dq_accum))
     throw std::invalid_argument("attention backward kernel: null pointer");
   const CudaApi& c = cuda();
-  if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);
-  CUcontext ctx = current_context_for(a.device);
-  if (!ctx) throw std::runtime_error("no current CUDA context (initialise CUDA through PyTorch first)");
   CUdevice dev = 0;
-  check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+  CUcontext ctx = launcher_context(a.device, &dev);
 
   struct DevInfo {
     int arch = 0, smem_optin = 0;

@@ -18,6 +18,7 @@
 
 #include "runtime/attention_launcher.h"  // AttnElem, parse_attn_elem
 #include "runtime/cuda_api.h"
+#include "runtime/nvrtc_named.h"  // NvrtcNamed
 
 namespace opfuse::attention {
 
@@ -68,6 +69,8 @@ struct AttnBwdCompiled {
   std::string cubin, log;
   bool cache_hit = false;
 };
+// The compiled program of `exprs` (both backward launchers' NVRTC results).
+AttnBwdCompiled attn_bwd_compiled(const std::vector<std::string>& exprs, NvrtcNamed&& r);
 // NVRTC-compiles the five kernels of one problem for sm_<arch> (no GPU needed).
 AttnBwdCompiled attn_bwd_compile(AttnElem e, int head_dim, bool causal, const AttnBwdTiles& t, int arch,
                                  bool use_cache = true, AttnMaskKind mask = AttnMaskKind::None);

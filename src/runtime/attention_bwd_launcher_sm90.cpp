@@ -33,12 +33,7 @@ const std::string& source() {
 
 AttnBwdCompiled nvrtc_compile(const std::vector<std::string>& exprs) {
   NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_bwd_sm90.cu", exprs, "sm_90a", exprs.at(kMain));
-  AttnBwdCompiled out;
-  out.expressions = exprs;
-  out.lowered = std::move(r.lowered);
-  out.cubin = std::move(r.cubin);
-  out.log = std::move(r.log);
-  return out;
+  return attn_bwd_compiled(exprs, std::move(r));
 }
 
 // Cache entry: "opfuse-attn-bwd90-cubin\n", kRoles lowered names (one a line), then the cubin.

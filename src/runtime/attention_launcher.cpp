@@ -321,11 +321,8 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
   if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0) return;
   if (!a.q || !a.o || (a.seqlen_k > 0 && (!a.k || !a.v))) throw std::invalid_argument("attention kernel: null pointer");
   const CudaApi& c = cuda();
-  if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);
-  CUcontext ctx = current_context_for(a.device);
-  if (!ctx) throw std::runtime_error("no current CUDA context (initialise CUDA through PyTorch first)");
   CUdevice dev = 0;
-  check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+  CUcontext ctx = launcher_context(a.device, &dev);
 
   struct DevInfo {
     int arch = 0, smem_optin = 0;

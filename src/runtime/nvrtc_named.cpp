@@ -117,4 +117,13 @@ CUcontext current_context_for(int device) {
   return primary;
 }
 
+CUcontext launcher_context(int device, CUdevice* dev) {
+  const CudaApi& c = cuda();
+  if (!c.loaded) throw std::runtime_error("CUDA driver not available: " + c.error);
+  CUcontext ctx = current_context_for(device);
+  if (!ctx) throw std::runtime_error("no current CUDA context (initialise CUDA through PyTorch first)");
+  check_cuda(c.CtxGetDevice(dev), "cuCtxGetDevice");
+  return ctx;
+}
+
 }  // namespace opfuse

@@ -39,4 +39,9 @@ bool unpack_named_cubin(const std::string& bytes, const char* magic, size_t name
 // have none); device < 0: whatever is current.
 CUcontext current_context_for(int device);
 
+// What a hand-written kernel's launcher needs first: the driver loaded, the
+// context of `device` current (current_context_for), and its CUdevice.
+// Throws a clear error when either is missing.
+CUcontext launcher_context(int device, CUdevice* dev);
+
 }  // namespace opfuse
