@@ -45,7 +45,7 @@
 //
 // (DQ_MODE 1 and 2 replace the red.global step: see BwdSm90Tile.)
 //
-// Entry point: attention_bwd_sm90<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_M, STAGES, DQ_MODE>,
+// Entry point: attention_bwd_sm90<Elem, HEAD_DIM, IS_CAUSAL, BLOCK_M, STAGES, DQ_MODE[, OPTS]>,
 // HEAD_DIM 64 (BLOCK_M 128) or 128 (BLOCK_M 64), DQ_MODE 0-2. Launch: grid
 // (ceil(Sk / 128), Hkv, B), 384 threads, dynamic shared memory
 // BwdSm90Tile<...>::kSmemBytes (raise the attribute first), five arguments:
@@ -122,7 +122,23 @@ __device__ __forceinline__ void wgmma_ss_tt<f16, 128>(float (&d)[64], u64 da, u6
 //    first instructions wait for: ncu at 1172345) or a per-lane bulk loop.
 enum { kDqRed = 0, kDqBulk = 1, kDqWriter = 2 };
 
-template <int HEAD_DIM, int BLOCK_M, int STAGES, int DQ_MODE = kDqRed>
+// Schedule options (OPTS, a bit set; tag suffix "_" + letters), A/B variants at
+// BLOCK_M = 64 while they are measured (docs/attention.md, "Hopper backward"):
+// - kOptEarlyDK ("k"): dK += dS^T Q is issued as soon as dS^T is packed, before
+//   the dS^T stores to shared memory, so that the tensor cores run dK while the
+//   stores, the proxy fence and the consumers' barrier go by;
+// - kOptDeferDQ ("d"): the dQ of block i is computed in iteration i + 1 (after
+//   this consumer stored dS^T of block i + 1), from a ring of dS^T buffers. The
+//   consumers no longer meet at a barrier per block: each one arrives (bar.arrive)
+//   on its own named barrier once its dS^T rows are stored and waits (bar.sync)
+//   only for the other's rows of the previous block, so one may run up to about a
+//   block ahead of the other and their exp / dS^T phases need not coincide (ncu at
+//   1172345: both consumers idle the tensor pipe at the same points);
+// - kOptStagger ("t", with "d"): consumer 1 starts its first block only once
+//   consumer 0's S^T and dP^T of it are done, i.e. about half a block later.
+enum { kOptEarlyDK = 1, kOptDeferDQ = 2, kOptStagger = 4 };
+
+template <int HEAD_DIM, int BLOCK_M, int STAGES, int DQ_MODE = kDqRed, int OPTS = 0>
 struct BwdSm90Tile {
   static constexpr int kBlockN = 128;  // keys per CTA, 64 per consumer
   static constexpr int kConsumers = 2;
@@ -134,9 +150,17 @@ struct BwdSm90Tile {
   static constexpr int kDSBytes = kBlockN * BLOCK_M * 2;   // one dS^T buffer
   static constexpr bool kDqStaged = DQ_MODE != kDqRed;
   static constexpr bool kDqWriterThread = DQ_MODE == kDqWriter;
+  static constexpr bool kEarlyDK = (OPTS & kOptEarlyDK) != 0;
+  static constexpr bool kDeferDQ = (OPTS & kOptDeferDQ) != 0;
+  static constexpr bool kStagger = (OPTS & kOptStagger) != 0;
   // Both consumers read each dS^T buffer: two, so that one barrier per block
-  // suffices.
-  static constexpr int kDSBufs = 2;
+  // suffices. Deferred dQ: consumer w stores dS^T(i) while the other may still
+  // read dS^T(i - 3) (its dQ(i - 3), finished in its iteration i - 2); w knows
+  // that iteration is over only from the other's arrival for dS^T(i - 2),
+  // waited for in w's iteration i - 1: four buffers. With the dQ writer (mode
+  // 2) three suffice: before storing dQ(i - 2) in iteration i - 1, w waits until
+  // the writer has added tile i - 3, which needed the other's dQ(i - 3) done.
+  static constexpr int kDSBufs = !kDeferDQ ? 2 : DQ_MODE == kDqWriter ? 3 : 4;
   // dQ split between the consumers: query rows when there are 128, else D columns.
   static constexpr bool kDqSplitRows = BLOCK_M == 64 * kConsumers;
   static constexpr int kDqN = kDqSplitRows ? HEAD_DIM : HEAD_DIM / kConsumers;
@@ -183,18 +207,21 @@ struct BwdSm90Tile {
   static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
   static_assert(DQ_MODE >= kDqRed && DQ_MODE <= kDqWriter, "DQ_MODE 0, 1 or 2");
   static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
+  static_assert(OPTS >= 0 && OPTS < 8, "OPTS: bits kOptEarlyDK, kOptDeferDQ, kOptStagger");
+  static_assert(!kDeferDQ || (BLOCK_M == 64 && DQ_MODE != kDqBulk), "deferred dQ: BLOCK_M = 64, dQ mode 0 or 2");
+  static_assert(!kStagger || kDeferDQ, "the stagger needs the deferred dQ (else the barrier re-aligns the consumers)");
 };
 
 // ---------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------
 
-template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int STAGES, int DQ_MODE>
+template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int STAGES, int DQ_MODE, int OPTS = 0>
 __global__ void __launch_bounds__(384, 1)
     attention_bwd_sm90(const AttnBwdParams p, const __grid_constant__ TmaDesc tm_q,
                        const __grid_constant__ TmaDesc tm_k, const __grid_constant__ TmaDesc tm_v,
                        const __grid_constant__ TmaDesc tm_do) {
-  using Tile = BwdSm90Tile<HEAD_DIM, BLOCK_M, STAGES, DQ_MODE>;
+  using Tile = BwdSm90Tile<HEAD_DIM, BLOCK_M, STAGES, DQ_MODE, OPTS>;
   constexpr int BLOCK_N = Tile::kBlockN;
   constexpr int kChunks64 = Tile::kChunks64;
   constexpr int kNS = BLOCK_M / 2;    // S^T / dP^T accumulator floats per thread
@@ -325,6 +352,82 @@ __global__ void __launch_bounds__(384, 1)
 
     if (n_iters > 0) mbar_wait(bar_kv, 0);
 
+    // Named barriers of the deferred dQ: consumer w arrives on defer_bar(w, i)
+    // once its dS^T rows of block i are stored, the other waits there before
+    // its dQ of block i. Four per consumer: w arrives on a barrier again four
+    // blocks later, by when the other has passed it (w's iteration i + 3 waited
+    // for the other's rows of block i + 2, stored after its wait for block i).
+    constexpr int kStaggerBar = 2;
+    auto defer_bar = [](int w, int i) { return 3 + 4 * w + (i & 3); };
+
+    // dQ += dS K of one block: dS^T from shared memory (M-major), K N-major.
+    // Consumer w: query rows 64 w .. (BLOCK_M = 128) or D columns 64 w .. (64).
+    auto issue_dq = [&](float (&acc_dq)[kNQ], u32 sdS_b, int wg) {
+      constexpr int kDqChunk = Tile::kDqSplitRows ? 0 : 1;  // consumer w's 64-column chunk of K (split by D)
+      constexpr int kDqRows = Tile::kDqSplitRows ? 1 : 0;   // consumer w's 64 query rows (split by rows)
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        wgmma_ss_tt<Elem, Tile::kDqN>(
+            acc_dq, make_desc(sdS_b + kDqRows * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024),
+            make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024), kk > 0);
+      wgmma_commit();
+    };
+    // Block b's dQ (b counts the loop's (query head, query block) pairs),
+    // complete in acc_dq, into the float32 accumulator, by DQ_MODE.
+    auto emit_dq = [&](float (&acc_dq)[kNQ], int b, int head, int m0, int t_o) {
+      const int wg = t_o / 128 - 1, lane = t_o & 31;
+      const int r0 = ((t_o / 32) & 3) * 16 + (lane >> 2), c0 = 2 * (lane & 3);
+      const int dq_row0 = Tile::kDqSplitRows ? wg * 64 : 0;
+      const int dq_col0 = Tile::kDqSplitRows ? 0 : wg * Tile::kDqN;
+      if constexpr (Tile::kDqWriterThread) {
+        // Into the block's staging tile once the writer has read the previous one.
+        mbar_wait(bar_dq_empty, (b & 1) ^ 1);
+#pragma unroll
+        for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            st_shared_f32x2(sDQ + (dq_row0 + r0 + 8 * h) * Tile::kDqRowBytes + (dq_col0 + 8 * j + c0) * 4,
+                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+        fence_proxy_async_smem();
+        syncwarp();
+        if (lane == 0) mbar_arrive(bar_dq_full);
+        return;
+      }
+      // dQ accumulator rows of Sq_pad per (b, h): every row of the block is in
+      // bounds (rows past Sq add zeros).
+      float* dqa = p.dq_accum + (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0 + dq_row0) * HEAD_DIM + dq_col0;
+      if constexpr (Tile::kDqStaged) {
+        // This warp's 16 rows (r0 + 8 h - 16 w_in_wg), one bulk reduction per row.
+        const int w_in_wg = (t_o / 32) & 3;
+        const u32 stage = sDQ + (wg * 4 + w_in_wg) * Tile::kDqWarpBytes;
+        bulk_wait_read_all();  // this lane's reductions of the previous block have read the staging rows
+        syncwarp();
+#pragma unroll
+        for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            st_shared_f32x2(stage + ((lane >> 2) + 8 * h) * Tile::kDqRowBytes + (8 * j + c0) * 4,
+                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+        fence_proxy_async_smem();
+        syncwarp();
+        if (lane < 16) {
+          bulk_reduce_add_f32(dqa + (w_in_wg * 16 + lane) * HEAD_DIM, stage + lane * Tile::kDqRowBytes,
+                              Tile::kDqN * 4);
+          bulk_commit();
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            red_add_f32x2(dqa + (r0 + 8 * h) * HEAD_DIM + 8 * j + c0, acc_dq[4 * j + 2 * h],
+                          acc_dq[4 * j + 2 * h + 1]);
+      }
+    };
+
+    if (Tile::kDeferDQ && n_iters > 0) named_bar_arrive(defer_bar(wg, -1), 128 * Tile::kConsumers);
+
 #pragma unroll 1
     for (int it = 0; it < n_iters; ++it) {
       const int head = head_kv * G + it / per_head;
@@ -333,7 +436,7 @@ __global__ void __launch_bounds__(384, 1)
       const int s = it % STAGES;
       const u32 sQ = sQ0 + s * Tile::kQBytes, sdO = sdO0 + s * Tile::kQBytes;
       const u32 sL = sL0 + s * Tile::kStatBytes, sD = sD0 + s * Tile::kStatBytes;
-      const u32 sdS = sdS0 + (it & 1) * Tile::kDSBytes;
+      const u32 sdS = sdS0 + (Tile::kDSBufs == 2 ? it & 1 : it % Tile::kDSBufs) * Tile::kDSBytes;
       mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
       // Thread coordinates recomputed from an opaque %tid.x every block
       // instead of being kept live across the loop (ptxas spilled them).
@@ -349,14 +452,9 @@ __global__ void __launch_bounds__(384, 1)
       };
       auto kmaj_b = [&](u32 tile, int ks) { return make_desc(tile + (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32, 16, 1024); };
       auto nmaj_q = [&](u32 tile, int kk) { return make_desc(tile + kk * 16 * 128, BLOCK_M * 128, 1024); };
-      constexpr int kDqChunk = Tile::kDqSplitRows ? 0 : 1;  // consumer w's 64-column chunk of K (split by D)
-      auto nmaj_k = [&](int kk) {
-        return make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
-      };
-      constexpr int kDqRows = Tile::kDqSplitRows ? 1 : 0;  // consumer w's 64 query rows (split by rows)
-      auto mmaj_ds = [&](u32 tile, int kk) {
-        return make_desc(tile + kDqRows * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
-      };
+
+      // Stagger: consumer 1 waits for consumer 0's S^T and dP^T of the first block.
+      if (Tile::kStagger && it == 0 && wg == 1) named_bar_sync(kStaggerBar, 128 * Tile::kConsumers);
 
       float acc_s[kNS], acc_dp[kNS];
       wgmma_fence();
@@ -416,6 +514,7 @@ __global__ void __launch_bounds__(384, 1)
       } else {
         wgmma_wait<0>();
       }
+      if (Tile::kStagger && it == 0 && wg == 0) named_bar_arrive(kStaggerBar, 128 * Tile::kConsumers);
       fence_regs(acc_dp);
 #pragma unroll
       for (int j = 0; j < BLOCK_M / 8; ++j) {
@@ -435,6 +534,17 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) ds_frag[kk][i] = pack2<Elem>(acc_dp[8 * kk + 2 * i], acc_dp[8 * kk + 2 * i + 1]);
 
+
+      // dK += dS^T Q and (unless issued early) dV += P^T dO, A from registers.
+      auto issue_dk_dv = [&]() {
+        wgmma_fence();
+        if constexpr (!Tile::kEarlyDV) issue_dv();
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_dk, ds_frag[kk], nmaj_q(sQ, kk), 1);
+        wgmma_commit();
+      };
+      if constexpr (Tile::kEarlyDK) issue_dk_dv();
+
       // dS^T rows of this consumer into the shared tile, in the TMA's layout
       // (64-query chunks of [128 keys][128 bytes], 16-byte chunk c of row r at
       // c ^ (r % 8)): the 8 rows of a store hit different banks.
@@ -448,75 +558,56 @@ __global__ void __launch_bounds__(384, 1)
         }
       fence_proxy_async_smem();
 
-      // dV += P^T dO (unless issued already), dK += dS^T Q (A from registers).
-      wgmma_fence();
-      if constexpr (!Tile::kEarlyDV) issue_dv();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_M / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_dk, ds_frag[kk], nmaj_q(sQ, kk), 1);
-      wgmma_commit();
+      if constexpr (!Tile::kEarlyDK) issue_dk_dv();
 
-      // Both consumers' dS^T rows are in shared memory.
-      named_bar_sync(1, 128 * Tile::kConsumers);
-      float acc_dq[kNQ];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_ss_tt<Elem, Tile::kDqN>(acc_dq, mmaj_ds(sdS, kk), nmaj_k(kk), kk > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc_dq);
-      fence_regs(acc_dk);
-      fence_regs(acc_dv);
-      // This warp no longer reads the stage (Q, dO, LSE2, Delta).
-      syncwarp();
-      if (lane == 0) mbar_arrive(bar_empty + 8 * s);
-
-      // dQ accumulator rows of Sq_pad per (b, h): every row of the block is in
-      // bounds (rows past Sq add zeros).
-      const int dq_row0 = Tile::kDqSplitRows ? wg * 64 : 0;
-      const int dq_col0 = Tile::kDqSplitRows ? 0 : wg * Tile::kDqN;
-      if constexpr (Tile::kDqWriterThread) {
-        // Into the block's staging tile once the writer has read the previous one.
-        mbar_wait(bar_dq_empty, (it & 1) ^ 1);
-#pragma unroll
-        for (int j = 0; j < Tile::kDqN / 8; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            st_shared_f32x2(sDQ + (dq_row0 + r0 + 8 * h) * Tile::kDqRowBytes + (dq_col0 + 8 * j + c0) * 4,
-                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
-        fence_proxy_async_smem();
-        syncwarp();
-        if (lane == 0) mbar_arrive(bar_dq_full);
-        continue;
-      }
-      // dQ accumulator rows of Sq_pad per (b, h): every row of the block is in
-      // bounds (rows past Sq add zeros).
-      float* dqa = p.dq_accum + (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0 + dq_row0) * HEAD_DIM + dq_col0;
-      if constexpr (Tile::kDqStaged) {
-        // This warp's 16 rows (r0 + 8 h - 16 w_in_wg), one bulk reduction per row.
-        const int w_in_wg = (t_o / 32) & 3;
-        const u32 stage = sDQ + (wg * 4 + w_in_wg) * Tile::kDqWarpBytes;
-        bulk_wait_read_all();  // this lane's reductions of the previous block have read the staging rows
-        syncwarp();
-#pragma unroll
-        for (int j = 0; j < Tile::kDqN / 8; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            st_shared_f32x2(stage + ((lane >> 2) + 8 * h) * Tile::kDqRowBytes + (8 * j + c0) * 4,
-                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
-        fence_proxy_async_smem();
-        syncwarp();
-        if (lane < 16) {
-          bulk_reduce_add_f32(dqa + (w_in_wg * 16 + lane) * HEAD_DIM, stage + lane * Tile::kDqRowBytes,
-                              Tile::kDqN * 4);
-          bulk_commit();
-        }
+      if constexpr (Tile::kDeferDQ) {
+        // This consumer's dS^T(it) is stored; the dQ of the previous block
+        // needs the other's rows of that block.
+        named_bar_arrive(defer_bar(wg, it), 128 * Tile::kConsumers);
+        // At it = 0 a dQ of "block -1" from a buffer not written yet is computed
+        // and dropped (its barrier arrivals come before the loop): a wgmma
+        // under a branch while dK / dV are in flight made ptxas serialise them
+        // (C7512) and spill. The other consumer may store into that buffer
+        // meanwhile (with three buffers): it only changes the dropped result.
+        float acc_dq[kNQ];
+        named_bar_sync(defer_bar(1 - wg, it - 1), 128 * Tile::kConsumers);
+        issue_dq(acc_dq, sdS0 + ((it + Tile::kDSBufs - 1) % Tile::kDSBufs) * Tile::kDSBytes, wg);
+        wgmma_wait<0>();
+        fence_regs(acc_dq);
+        fence_regs(acc_dk);
+        fence_regs(acc_dv);
+        syncwarp();  // this warp no longer reads the stage (Q, dO, LSE2, Delta)
+        if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+        // The previous block's head and first query row.
+        const int it_p = it > 0 ? it - 1 : 0;
+        if (it > 0) emit_dq(acc_dq, it_p, head_kv * G + it_p / per_head, (m_first + it_p % per_head) * BLOCK_M, t_o);
       } else {
-#pragma unroll
-        for (int j = 0; j < Tile::kDqN / 8; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            red_add_f32x2(dqa + (r0 + 8 * h) * HEAD_DIM + 8 * j + c0, acc_dq[4 * j + 2 * h],
-                          acc_dq[4 * j + 2 * h + 1]);
+        // Both consumers' dS^T rows are in shared memory.
+        named_bar_sync(1, 128 * Tile::kConsumers);
+        float acc_dq[kNQ];
+        issue_dq(acc_dq, sdS, wg);
+        wgmma_wait<0>();
+        fence_regs(acc_dq);
+        fence_regs(acc_dk);
+        fence_regs(acc_dv);
+        // This warp no longer reads the stage (Q, dO, LSE2, Delta).
+        syncwarp();
+        if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+        emit_dq(acc_dq, it, head, m0, t_o);
+      }
+    }
+    if constexpr (Tile::kDeferDQ) {
+      // The last block's dQ.
+      if (n_iters > 0) {
+        const int t_o = tid_opaque();
+        const int wg = t_o / 128 - 1;
+        named_bar_sync(defer_bar(1 - wg, n_iters - 1), 128 * Tile::kConsumers);
+        float acc_dq[kNQ];
+        issue_dq(acc_dq, sdS0 + ((n_iters - 1) % Tile::kDSBufs) * Tile::kDSBytes, wg);
+        wgmma_wait<0>();
+        fence_regs(acc_dq);
+        const int b = n_iters - 1;
+        emit_dq(acc_dq, b, head_kv * G + b / per_head, (m_first + b % per_head) * BLOCK_M, t_o);
       }
     }
     // The staging rows must stay valid until the copy engine has read them.

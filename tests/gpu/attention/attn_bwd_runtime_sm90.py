@@ -38,6 +38,10 @@ def source() -> str:
 # consumer lanes, 2 staged per block + bulk reductions by a writer thread of
 # the producer warpgroup.
 DQ_SUFFIX = {0: "", 1: "q", 2: "w"}
+# OPTS of the kernel (a bit set, BwdSm90Tile): 1 early dK, 2 deferred dQ (no
+# per-block barrier of the two consumers), 4 staggered consumers (with 2). Tag
+# suffix "_" + their letters, e.g. wgb64s2w_kd.
+OPT_LETTERS = {1: "k", 2: "d", 4: "t"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,17 +49,24 @@ class BwdSm90Config:
     block_m: int  # query rows per step
     stages: int  # Q / dO / LSE2 / Delta ring depth
     dq_mode: int = 0
+    opts: int = 0  # OPT_LETTERS bits
 
     def tag(self) -> str:
-        return f"wgb{self.block_m}s{self.stages}{DQ_SUFFIX[self.dq_mode]}"
+        letters = "".join(c for b, c in OPT_LETTERS.items() if self.opts & b)
+        return f"wgb{self.block_m}s{self.stages}{DQ_SUFFIX[self.dq_mode]}" + (f"_{letters}" if letters else "")
 
     @staticmethod
     def parse(tag: str) -> "BwdSm90Config":
-        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)", tag)
+        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdt]+))?", tag)
         if not m:
-            raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2w)")
+            raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2w, wgb64s2w_kd)")
         mode = {v: k for k, v in DQ_SUFFIX.items()}[m.group(3)]
-        return BwdSm90Config(int(m.group(1)), int(m.group(2)), mode)
+        opts = sum(b for b, c in OPT_LETTERS.items() if c in (m.group(4) or ""))
+        return BwdSm90Config(int(m.group(1)), int(m.group(2)), mode, opts)
+
+    def ds_buffers(self) -> int:
+        """BwdSm90Tile::kDSBufs: 2, or with the deferred dQ 4 (mode 0) / 3 (mode 2)."""
+        return 2 if not self.opts & 2 else 3 if self.dq_mode == 2 else 4
 
 
 # D = 128: 64 query rows per step (dK, dV: 64 + 64 float registers; S^T, dP^T 32 + 32).
@@ -75,7 +86,12 @@ BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
 # Defaults: mode 0 (measured best at 1172345; mode 1 equal within 1%). Mode 2
 # has not run yet: its first build hung on the register pool (fixed since).
 DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[0][128]}
-VARIANTS = {64: [BwdSm90Config(128, 2, 0)], 128: [BY_DQ_MODE[1][128], BY_DQ_MODE[2][128]]}
+# Schedule options at D = 128 (OPT_LETTERS; docs/attention.md, "Hopper
+# backward"), with dQ modes 0 and 2, for the A/B runs.
+VARIANTS = {64: [BwdSm90Config(128, 2, 0)],
+            128: [BY_DQ_MODE[1][128], BY_DQ_MODE[2][128]] +
+                 [BwdSm90Config.parse(t) for t in ("wgb64s2_k", "wgb64s2w_k", "wgb64s2_kd", "wgb64s2w_kd",
+                                                   "wgb64s2_kdt", "wgb64s2w_kdt")]}
 
 
 def default(d: int) -> BwdSm90Config:
@@ -100,7 +116,7 @@ def smem_bytes(d: int, cfg: BwdSm90Config) -> int:
     dq_n = d if cfg.block_m == 128 else d // 2  # a consumer's dQ columns
     dq_stage = {0: 0, 1: 8 * 16 * (dq_n * 4 + 32), 2: cfg.block_m * (d * 4 + 32)}[cfg.dq_mode]
     bars = 1 + 2 * cfg.stages + (2 if cfg.dq_mode == 2 else 0)
-    return 2 * kv + 2 * cfg.stages * q + 2 * ds + 2 * cfg.stages * stat + dq_stage + 8 * bars + 1024
+    return 2 * kv + 2 * cfg.stages * q + cfg.ds_buffers() * ds + 2 * cfg.stages * stat + dq_stage + 8 * bars + 1024
 
 
 def _b(x: bool) -> str:
@@ -111,7 +127,7 @@ def expressions(elem: str, d: int, causal: bool, cfg: BwdSm90Config) -> dict:
     ns = "opfuse_attn::"
     return {
         "preprocess": f"{ns}attention_bwd_preprocess<{ns}{elem}, {d}>",
-        "main": f"{ns}attention_bwd_sm90<{ns}{elem}, {d}, {_b(causal)}, {cfg.block_m}, {cfg.stages}, {cfg.dq_mode}>",
+        "main": f"{ns}attention_bwd_sm90<{ns}{elem}, {d}, {_b(causal)}, {cfg.block_m}, {cfg.stages}, {cfg.dq_mode}{f', {cfg.opts}' if cfg.opts else ''}>",
         "convert": f"{ns}attention_bwd_dq_convert<{ns}{elem}, {d}>",
     }
 
@@ -201,11 +217,14 @@ def main(argv=None):
     ap.add_argument("command", choices=["precompile"])
     ap.add_argument("--out")
     ap.add_argument("--defaults-only", action="store_true")
+    ap.add_argument("--only", help="comma-separated terms every job's description (elem D=d causal=c tag) must contain")
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args(argv)
     if a.out:
         os.environ["OPFUSE_ATTN_CUBIN_DIR"] = a.out
     jobs = [(e, d, c, cfg.tag()) for (e, d, c, cfg) in all_problems() if not a.defaults_only or cfg == DEFAULT[d]]
+    if a.only:  # e.g. --only bf16 keeps the jobs whose description contains every term
+        jobs = [j for j in jobs if all(t in f"{j[0]} D={j[1]} causal={int(j[2])} {j[3]}" for t in a.only.split(","))]
     with cf.ProcessPoolExecutor(max_workers=a.j) as ex:
         for elem, d, causal, tag, r, cached in ex.map(_compile_one, jobs):
             print(f"sm_90a {elem:4} D={d:3} causal={int(causal)} {tag}: regs {r['registers']} stack {r['stack']} "
