@@ -135,8 +135,12 @@ enum { kDqRed = 0, kDqBulk = 1, kDqWriter = 2 };
 //   block ahead of the other and their exp / dS^T phases need not coincide (ncu at
 //   1172345: both consumers idle the tensor pipe at the same points);
 // - kOptStagger ("t", with "d"): consumer 1 starts its first block only once
-//   consumer 0's S^T and dP^T of it are done, i.e. about half a block later.
-enum { kOptEarlyDK = 1, kOptDeferDQ = 2, kOptStagger = 4 };
+//   consumer 0's S^T and dP^T of it are done, i.e. about half a block later;
+// - kOptRedV4 ("v", dQ mode 0): lanes 2i and 2i + 1 swap half of their dQ
+//   pairs (shfl) so that each adds 4 adjacent floats with one
+//   red.global.add.v4.f32: half the RED instructions (ncu at 1172345: the REDs
+//   wait on the LSU queue).
+enum { kOptEarlyDK = 1, kOptDeferDQ = 2, kOptStagger = 4, kOptRedV4 = 8 };
 
 template <int HEAD_DIM, int BLOCK_M, int STAGES, int DQ_MODE = kDqRed, int OPTS = 0>
 struct BwdSm90Tile {
@@ -153,6 +157,7 @@ struct BwdSm90Tile {
   static constexpr bool kEarlyDK = (OPTS & kOptEarlyDK) != 0;
   static constexpr bool kDeferDQ = (OPTS & kOptDeferDQ) != 0;
   static constexpr bool kStagger = (OPTS & kOptStagger) != 0;
+  static constexpr bool kRedV4 = (OPTS & kOptRedV4) != 0;
   // Both consumers read each dS^T buffer: two, so that one barrier per block
   // suffices. Deferred dQ: consumer w stores dS^T(i) while the other may still
   // read dS^T(i - 3) (its dQ(i - 3), finished in its iteration i - 2); w knows
@@ -164,14 +169,23 @@ struct BwdSm90Tile {
   // dQ split between the consumers: query rows when there are 128, else D columns.
   static constexpr bool kDqSplitRows = BLOCK_M == 64 * kConsumers;
   static constexpr int kDqN = kDqSplitRows ? HEAD_DIM : HEAD_DIM / kConsumers;
-  // dQ staging, rows padded by 32 bytes so that the v2 stores of a warp (8
-  // rows x 32 bytes) touch every bank twice, the minimum. Mode 1: each of the
-  // 8 consumer warps owns 16 rows of its kDqN columns. Mode 2: the block's
-  // BLOCK_M rows of HEAD_DIM floats (both consumers' parts side by side).
-  static constexpr int kDqRowBytes = (kDqWriterThread ? HEAD_DIM : kDqN) * 4 + 32;
+  // dQ staging. Mode 1: each of the 8 consumer warps owns 16 rows of its kDqN
+  // columns, rows padded by 32 bytes so that the v2 stores of a warp (8 rows x
+  // 32 bytes) touch every bank twice, the minimum. Mode 2: the block's BLOCK_M
+  // rows of HEAD_DIM floats (both consumers' parts side by side), in pairs of
+  // rows padded by 32 bytes: the 8 rows of a warp's store fall on 4 bank
+  // offsets 8 words apart (still every bank twice at D = 128), and one bulk
+  // reduction adds a pair (two adjacent rows of the accumulator).
+  static constexpr int kDqRowBytes = kDqN * 4 + 32;
   static constexpr int kDqWarpBytes = 16 * kDqRowBytes;
+  static constexpr int kDqPairBytes = 2 * HEAD_DIM * 4 + 32;
   static constexpr int kDqStageBytes =
-      DQ_MODE == kDqBulk ? 4 * kConsumers * kDqWarpBytes : DQ_MODE == kDqWriter ? BLOCK_M * kDqRowBytes : 0;
+      DQ_MODE == kDqBulk ? 4 * kConsumers * kDqWarpBytes : DQ_MODE == kDqWriter ? BLOCK_M / 2 * kDqPairBytes : 0;
+  // Mode 2: lane 0 of producer warps 1-3 each issues a third of the block's
+  // reductions (one thread issuing all 64 per-row reductions of a block made
+  // the backward 23% slower than mode 0 on the H200 at 5bd677a: it could not
+  // keep up).
+  static constexpr int kDqWriters = 3;
   // smem (from a 1024-byte aligned base):
   // K | V | Q[STAGES] | dO[STAGES] | dS^T[kDSBufs] | LSE2[STAGES] | Delta[STAGES] | dQ staging | barriers
   static constexpr int kOffK = 0;
@@ -207,7 +221,8 @@ struct BwdSm90Tile {
   static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
   static_assert(DQ_MODE >= kDqRed && DQ_MODE <= kDqWriter, "DQ_MODE 0, 1 or 2");
   static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
-  static_assert(OPTS >= 0 && OPTS < 8, "OPTS: bits kOptEarlyDK, kOptDeferDQ, kOptStagger");
+  static_assert(OPTS >= 0 && OPTS < 16, "OPTS: bits kOptEarlyDK, kOptDeferDQ, kOptStagger, kOptRedV4");
+  static_assert(!kRedV4 || DQ_MODE == kDqRed, "v4 reductions: dQ mode 0");
   static_assert(!kDeferDQ || (BLOCK_M == 64 && DQ_MODE != kDqBulk), "deferred dQ: BLOCK_M = 64, dQ mode 0 or 2");
   static_assert(!kStagger || kDeferDQ, "the stagger needs the deferred dQ (else the barrier re-aligns the consumers)");
 };
@@ -275,7 +290,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (Tile::kDqWriterThread) {
       mbar_init(bar_dq_full, 4 * Tile::kConsumers);  // every consumer warp stored its dQ rows
-      mbar_init(bar_dq_empty, 1);                   // the writer's reductions have read the tile
+      mbar_init(bar_dq_empty, Tile::kDqWriters);    // the writers' reductions have read the tile
     }
     fence_mbar_init();
   }
@@ -316,18 +331,20 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
     if constexpr (Tile::kDqWriterThread) {
-      // The dQ writer (mode 2): per block, once all consumer warps stored
-      // their rows, one bulk reduction per row into the float32 accumulator
-      // (rows of Sq_pad per (b, h): all in bounds), then the tile is free
-      // again as soon as the copy engine has read it.
-      if (tid == 32 && n_iters > 0) {
+      // The dQ writers (mode 2): per block, once all consumer warps stored
+      // their rows, one bulk reduction per pair of rows into the float32
+      // accumulator (rows of Sq_pad per (b, h): all in bounds), then the tile
+      // is free again as soon as the copy engine has read it.
+      const int writer = tid / 32 - 1;  // producer warps 1 .. kDqWriters
+      if (writer >= 0 && writer < Tile::kDqWriters && (tid & 31) == 0 && n_iters > 0) {
         for (int it = 0; it < n_iters; ++it) {
           const int head = head_kv * G + it / per_head;
           const int m0 = (m_first + it % per_head) * BLOCK_M;
           mbar_wait(bar_dq_full, it & 1);
           float* dqa = p.dq_accum + (((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0) * HEAD_DIM;
 #pragma unroll 1
-          for (int r = 0; r < BLOCK_M; ++r) bulk_reduce_add_f32(dqa + r * HEAD_DIM, sDQ + r * Tile::kDqRowBytes, HEAD_DIM * 4);
+          for (int q = writer; q < BLOCK_M / 2; q += Tile::kDqWriters)
+            bulk_reduce_add_f32(dqa + 2 * q * HEAD_DIM, sDQ + q * Tile::kDqPairBytes, 2 * HEAD_DIM * 4);
           bulk_commit();
           bulk_wait_read_all();
           mbar_arrive(bar_dq_empty);
@@ -387,7 +404,8 @@ __global__ void __launch_bounds__(384, 1)
         for (int j = 0; j < Tile::kDqN / 8; ++j)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            st_shared_f32x2(sDQ + (dq_row0 + r0 + 8 * h) * Tile::kDqRowBytes + (dq_col0 + 8 * j + c0) * 4,
+            st_shared_f32x2(sDQ + ((dq_row0 + r0 + 8 * h) >> 1) * Tile::kDqPairBytes +
+                                ((dq_row0 + r0 + 8 * h) & 1) * HEAD_DIM * 4 + (dq_col0 + 8 * j + c0) * 4,
                             acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
         fence_proxy_async_smem();
         syncwarp();
@@ -416,6 +434,23 @@ __global__ void __launch_bounds__(384, 1)
                               Tile::kDqN * 4);
           bulk_commit();
         }
+      } else if constexpr (Tile::kRedV4) {
+        // Columns 8 j + 2 q, +1 at lane q = lane % 4. For the pair j0 = 2 m,
+        // j1 = 2 m + 1: an even lane keeps its j0 pair and takes its odd
+        // neighbour's (columns 8 j0 + 4 (q / 2) ..+3), the odd lane keeps its j1
+        // pair and takes the even one's (8 j1 + 4 (q / 2) ..+3).
+        const bool odd = lane & 1;
+        const int c4 = 4 * ((lane & 3) >> 1);
+#pragma unroll
+        for (int m = 0; m < Tile::kDqN / 16; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float a0 = acc_dq[8 * m + 2 * h], a1 = acc_dq[8 * m + 2 * h + 1];
+            const float b0 = acc_dq[8 * m + 4 + 2 * h], b1 = acc_dq[8 * m + 4 + 2 * h + 1];
+            const float x0 = shfl_xor(odd ? a0 : b0, 1), x1 = shfl_xor(odd ? a1 : b1, 1);
+            red_add_f32x4(dqa + (r0 + 8 * h) * HEAD_DIM + 8 * (2 * m + (odd ? 1 : 0)) + c4, odd ? x0 : a0,
+                          odd ? x1 : a1, odd ? b0 : x0, odd ? b1 : x1);
+          }
       } else {
 #pragma unroll
         for (int j = 0; j < Tile::kDqN / 8; ++j)

@@ -260,6 +260,10 @@ __device__ __forceinline__ void st_shared_f32x2(u32 addr, float a, float b) {
 // (bytes and both addresses multiples of 16), done by the copy engine and
 // L2, tracked in this thread's bulk async-group: commit, then wait (.read:
 // until the shared source may be rewritten; plain: until it is complete).
+// Four adjacent floats (16-byte aligned) added in global memory (sm_90).
+__device__ __forceinline__ void red_add_f32x4(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"((u64)dst), "r"(src),
                "r"(bytes)

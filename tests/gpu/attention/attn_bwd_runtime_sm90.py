@@ -39,9 +39,9 @@ def source() -> str:
 # the producer warpgroup.
 DQ_SUFFIX = {0: "", 1: "q", 2: "w"}
 # OPTS of the kernel (a bit set, BwdSm90Tile): 1 early dK, 2 deferred dQ (no
-# per-block barrier of the two consumers), 4 staggered consumers (with 2). Tag
-# suffix "_" + their letters, e.g. wgb64s2w_kd.
-OPT_LETTERS = {1: "k", 2: "d", 4: "t"}
+# per-block barrier of the two consumers), 4 staggered consumers (with 2), 8
+# red.global.add.v4 for dQ (mode 0). Tag suffix "_" + their letters, e.g. wgb64s2w_kd.
+OPT_LETTERS = {1: "k", 2: "d", 4: "t", 8: "v"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +57,7 @@ class BwdSm90Config:
 
     @staticmethod
     def parse(tag: str) -> "BwdSm90Config":
-        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdt]+))?", tag)
+        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdtv]+))?", tag)
         if not m:
             raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2w, wgb64s2w_kd)")
         mode = {v: k for k, v in DQ_SUFFIX.items()}[m.group(3)]
@@ -90,8 +90,8 @@ DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[0][128]}
 # backward"), with dQ modes 0 and 2, for the A/B runs.
 VARIANTS = {64: [BwdSm90Config(128, 2, 0)],
             128: [BY_DQ_MODE[1][128], BY_DQ_MODE[2][128]] +
-                 [BwdSm90Config.parse(t) for t in ("wgb64s2_k", "wgb64s2w_k", "wgb64s2_kd", "wgb64s2w_kd",
-                                                   "wgb64s2_kdt", "wgb64s2w_kdt")]}
+                 [BwdSm90Config.parse(t) for t in ("wgb64s2_kd", "wgb64s2_kdt", "wgb64s2_kdtv", "wgb64s2w_kdt",
+                                                   "wgb64s3_kdt")]}
 
 
 def default(d: int) -> BwdSm90Config:
@@ -114,7 +114,7 @@ def smem_bytes(d: int, cfg: BwdSm90Config) -> int:
     """BwdSm90Tile::kSmemBytes."""
     kv, q, stat, ds = BLOCK_N * d * 2, cfg.block_m * d * 2, cfg.block_m * 4, BLOCK_N * cfg.block_m * 2
     dq_n = d if cfg.block_m == 128 else d // 2  # a consumer's dQ columns
-    dq_stage = {0: 0, 1: 8 * 16 * (dq_n * 4 + 32), 2: cfg.block_m * (d * 4 + 32)}[cfg.dq_mode]
+    dq_stage = {0: 0, 1: 8 * 16 * (dq_n * 4 + 32), 2: cfg.block_m // 2 * (2 * d * 4 + 32)}[cfg.dq_mode]
     bars = 1 + 2 * cfg.stages + (2 if cfg.dq_mode == 2 else 0)
     return 2 * kv + 2 * cfg.stages * q + cfg.ds_buffers() * ds + 2 * cfg.stages * stat + dq_stage + 8 * bars + 1024
 

@@ -74,13 +74,16 @@ def test_sass_uses_hgmma_tma_and_no_local_memory(compiled, tmp_path):
     for e in compiled["exprs"]:
         f = funcs[compiled["lowered"][e]]
         # S^T, dP^T: D / 16 steps each; dV, dK: BLOCK_M / 16 each; dQ: 128 / 16.
-        d, bm, mode = (int(x) for x in re.search(r", (\d+), (?:true|false), (\d+), \d+, (\d)>", e).groups())
-        assert f.count("HGMMA.64x") == 2 * (d // 16) + 2 * (bm // 16) + 8, e
+        m = re.search(r", (\d+), (?:true|false), (\d+), \d+, (\d)(?:, (\d+))?>", e)
+        d, bm, mode, opts = int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4) or 0)
+        # The deferred dQ (opts & 2) issues dQ in the loop and once more after it.
+        assert f.count("HGMMA.64x") == 2 * (d // 16) + 2 * (bm // 16) + 8 * (2 if opts & 2 else 1), e
         assert "tnspA.tnspB" in f and "UTMALDG.4D" in f and "UBLKCP" in f, e
         assert " HMMA" not in f and "LDL" not in f and "STL" not in f, e
         assert "USETMAXREG" in f, e
         # dQ: red.global from registers (mode 0), else bulk reductions from shared memory.
-        assert ("REDG.E.ADD.F32x2" in f) == (mode == 0) and ("UBLKRED" in f) == (mode > 0), e
+        assert ("REDG.E.ADD.F32x2" in f) == (mode == 0 and not opts & 8) and ("UBLKRED" in f) == (mode > 0), e
+        assert ("REDG.E.ADD.F32x4" in f) == bool(opts & 8), e
 
 
 def test_smem_and_tiles_match_the_kernel_limits():
