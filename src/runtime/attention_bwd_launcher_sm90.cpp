@@ -49,7 +49,12 @@ bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
 
 std::string AttnBwdSm90Tile::tag() const {
   static const char* const kSuffix[] = {"", "q", "w"};
-  return "wgb" + std::to_string(block_m) + "s" + std::to_string(stages) + kSuffix[dq_mode];
+  static const char kOptLetters[] = "kdtv";  // OPTS bits 1, 2, 4, 8
+  std::string letters;
+  for (int b = 0; b < 4; ++b)
+    if (opts & (1 << b)) letters += kOptLetters[b];
+  return "wgb" + std::to_string(block_m) + "s" + std::to_string(stages) + kSuffix[dq_mode] +
+         (letters.empty() ? "" : "_" + letters);
 }
 
 bool attn_bwd_sm90_enabled() {
@@ -68,37 +73,46 @@ AttnBwdSm90Tile tile_of_dq_mode(int head_dim, int mode) {
   const int block_m = head_dim == 64 ? 128 : 64;
   return {block_m, mode == 0 && head_dim == 64 ? 3 : 2, mode};
 }
-// attn_bwd_runtime_sm90.DEFAULT
-int default_dq_mode(int) { return 0; }
+// attn_bwd_runtime_sm90.DEFAULT: at D = 128 dQ mode 0 with early dK, deferred
+// dQ and staggered consumers (wgb64s2_kdt; docs/attention.md, "Hopper backward").
+AttnBwdSm90Tile default_tile(int head_dim) {
+  AttnBwdSm90Tile t = tile_of_dq_mode(head_dim, 0);
+  if (head_dim == 128) t.opts = 1 | 2 | 4;
+  return t;
+}
 }  // namespace
 
 AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
   const char* v = std::getenv("OPFUSE_ATTN_BWD_SM90_DQ");
-  int mode = default_dq_mode(head_dim);
   if (v && *v) {
     const std::string m(v);
     if (m != "0" && m != "1" && m != "2")
       throw std::invalid_argument("OPFUSE_ATTN_BWD_SM90_DQ=" + m + ": want 0, 1 or 2");
-    mode = m[0] - '0';
+    return tile_of_dq_mode(head_dim, m[0] - '0');
   }
-  return tile_of_dq_mode(head_dim, mode);
+  return default_tile(head_dim);
 }
 
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
-  // Mirrors attn_bwd_runtime_sm90.configs: the default, then the other modes.
-  if (head_dim == 64) return {tile_of_dq_mode(64, 0), {128, 2, 0}};
-  return {tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1), tile_of_dq_mode(head_dim, 2)};
+  // The default, then the plain tile of each dQ mode (attn_bwd_runtime_sm90.configs
+  // also carries the option variants being measured).
+  if (head_dim == 64) return {default_tile(64), {128, 2, 0}};
+  return {default_tile(head_dim), tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1),
+          tile_of_dq_mode(head_dim, 2)};
 }
 
 int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {
-  // BwdSm90Tile::kSmemBytes: dQ staging, rows of floats padded by 32 bytes
-  // (mode 1: 8 warps x 16 rows of a consumer's columns; mode 2: the block's
-  // BLOCK_M x D), and in mode 2 two more mbarriers.
+  // BwdSm90Tile::kSmemBytes: dQ staging (mode 1: 8 warps x 16 rows of a
+  // consumer's columns, rows padded by 32 bytes; mode 2: the block's BLOCK_M x D
+  // in pairs of rows padded by 32 bytes), in mode 2 two more mbarriers, and
+  // with the deferred dQ (opts & 2) 4 dS^T buffers (mode 0) or 3 (mode 2).
   const int kv = kBlockN * d * 2, q = t.block_m * d * 2, stat = t.block_m * 4, ds = kBlockN * t.block_m * 2;
   const int dq_n = t.block_m == 128 ? d : d / 2;  // a consumer's dQ columns
-  const int dq_stage = t.dq_mode == 1 ? 8 * 16 * (dq_n * 4 + 32) : t.dq_mode == 2 ? t.block_m * (d * 4 + 32) : 0;
+  const int dq_stage =
+      t.dq_mode == 1 ? 8 * 16 * (dq_n * 4 + 32) : t.dq_mode == 2 ? t.block_m / 2 * (2 * d * 4 + 32) : 0;
   const int bars = 1 + 2 * t.stages + (t.dq_mode == 2 ? 2 : 0);
-  return 2 * kv + 2 * t.stages * q + 2 * ds + 2 * t.stages * stat + dq_stage + 8 * bars + 1024;
+  const int ds_bufs = !(t.opts & 2) ? 2 : t.dq_mode == 2 ? 3 : 4;
+  return 2 * kv + 2 * t.stages * q + ds_bufs * ds + 2 * t.stages * stat + dq_stage + 8 * bars + 1024;
 }
 
 std::vector<std::string> attn_bwd_sm90_name_expressions(AttnElem e, int d, bool causal, const AttnBwdSm90Tile& t) {
@@ -106,7 +120,8 @@ std::vector<std::string> attn_bwd_sm90_name_expressions(AttnElem e, int d, bool 
   return {
       "opfuse_attn::attention_bwd_preprocess<" + el + ", " + D + ">",
       "opfuse_attn::attention_bwd_sm90<" + el + ", " + D + ", " + (causal ? "true" : "false") + ", " +
-          std::to_string(t.block_m) + ", " + std::to_string(t.stages) + ", " + std::to_string(t.dq_mode) + ">",
+          std::to_string(t.block_m) + ", " + std::to_string(t.stages) + ", " + std::to_string(t.dq_mode) +
+          (t.opts ? ", " + std::to_string(t.opts) : "") + ">",
       "opfuse_attn::attention_bwd_dq_convert<" + el + ", " + D + ">",
   };
 }

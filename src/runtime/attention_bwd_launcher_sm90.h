@@ -18,17 +18,19 @@ namespace opfuse::attention {
 // BLOCK_M query rows per step (the CTA owns 128 keys), a `stages`-deep ring
 // of Q / dO / LSE2 / Delta, how dQ is added (the kernel's DQ_MODE: 0 red.global,
 // 1 staged per warp + bulk reductions from the consumer lanes, 2 staged per
-// block + bulk reductions from a writer thread). Tag form "wgb64s2" (mode 0),
-// "wgb64s2q" (1), "wgb64s2w" (2).
+// block + bulk reductions from producer warps) and the kernel's schedule
+// options (OPTS bits: 1 early dK, 2 deferred dQ, 4 staggered consumers, 8
+// red.global.add.v4). Tag form "wgb64s2" (mode 0), "wgb64s2q" (1), "wgb64s2w"
+// (2), options as "_" + letters k, d, t, v ("wgb64s2_kdt").
 struct AttnBwdSm90Tile {
-  int block_m = 64, stages = 2, dq_mode = 0;
+  int block_m = 64, stages = 2, dq_mode = 0, opts = 0;
   std::string tag() const;
   bool operator==(const AttnBwdSm90Tile&) const = default;
 };
 
 // False when OPFUSE_ATTN_BWD_SM90=0 (forces the mma.sync kernels, for comparison).
 bool attn_bwd_sm90_enabled();
-// OPFUSE_ATTN_BWD_SM90_DQ=0|1|2 picks the dQ mode's tile instead (A/B).
+// OPFUSE_ATTN_BWD_SM90_DQ=0|1|2 picks the dQ mode's plain tile instead (A/B; no options).
 AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim);
 // The default and the variants (what CI compiles); mirrors attn_bwd_runtime_sm90.
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim);

@@ -83,14 +83,16 @@ class BwdSm90Config:
 BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
               1: {128: BwdSm90Config(64, 2, 1)},
               2: {128: BwdSm90Config(64, 2, 2)}}
-# Defaults: mode 0 (measured best at 1172345; mode 1 equal within 1%). Mode 2
-# has not run yet: its first build hung on the register pool (fixed since).
-DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[0][128]}
+# Defaults: mode 0 (measured best at 1172345; mode 1 equal within 1%; mode 2's
+# first writer, one thread, 23% slower at 5bd677a). At D = 128 with early dK,
+# deferred dQ and staggered consumers: 8-9% faster than plain wgb64s2 in the
+# same H200 run at 5bd677a (S = 4096, full / causal).
+DEFAULT = {64: BY_DQ_MODE[0][64], 128: BwdSm90Config(64, 2, 0, 1 | 2 | 4)}
 # Schedule options at D = 128 (OPT_LETTERS; docs/attention.md, "Hopper
 # backward"), with dQ modes 0 and 2, for the A/B runs.
 VARIANTS = {64: [BwdSm90Config(128, 2, 0)],
             128: [BY_DQ_MODE[1][128], BY_DQ_MODE[2][128]] +
-                 [BwdSm90Config.parse(t) for t in ("wgb64s2_kd", "wgb64s2_kdt", "wgb64s2_kdtv", "wgb64s2w_kdt",
+                 [BwdSm90Config.parse(t) for t in ("wgb64s2", "wgb64s2_kd", "wgb64s2_kdtv", "wgb64s2w_kdt",
                                                    "wgb64s3_kdt")]}
 
 
