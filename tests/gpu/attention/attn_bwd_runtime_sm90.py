@@ -83,17 +83,19 @@ class BwdSm90Config:
 BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
               1: {128: BwdSm90Config(64, 2, 1)},
               2: {128: BwdSm90Config(64, 2, 2)}}
-# Defaults: mode 0 (measured best at 1172345; mode 1 equal within 1%; mode 2's
-# first writer, one thread, 23% slower at 5bd677a). At D = 128 with early dK,
-# deferred dQ and staggered consumers: 8-9% faster than plain wgb64s2 in the
-# same H200 run at 5bd677a (S = 4096, full / causal).
-DEFAULT = {64: BY_DQ_MODE[0][64], 128: BwdSm90Config(64, 2, 0, 1 | 2 | 4)}
+# Defaults: D = 64 mode 0 (measured best at 1172345; mode 1 equal within 1%).
+# D = 128 mode 2, the dQ writers in the producer warpgroup: in the same H200
+# run at 1edd8e0 (S = 4096, full / causal, bwd TFLOP/s) 470 / 429 against
+# 390 / 347 for plain mode 0 (wgb64s2, the default until 5bd677a), 423 / 374
+# for mode 0 with early dK, deferred dQ and staggered consumers (wgb64s2_kdt)
+# and 459 / 414 for mode 2 with them. (Its first writer, one thread issuing
+# 64 reductions per block, was 23% slower than mode 0 at 5bd677a.)
+DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[2][128]}
 # Schedule options at D = 128 (OPT_LETTERS; docs/attention.md, "Hopper
 # backward"), with dQ modes 0 and 2, for the A/B runs.
 VARIANTS = {64: [BwdSm90Config(128, 2, 0)],
-            128: [BY_DQ_MODE[1][128], BY_DQ_MODE[2][128]] +
-                 [BwdSm90Config.parse(t) for t in ("wgb64s2", "wgb64s2_kd", "wgb64s2_kdtv", "wgb64s2w_kdt",
-                                                   "wgb64s3_kdt")]}
+            128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128]] +
+                 [BwdSm90Config.parse(t) for t in ("wgb64s2_kdt", "wgb64s2_kdtv", "wgb64s2w_kdt")]}
 
 
 def default(d: int) -> BwdSm90Config:
