@@ -252,6 +252,8 @@ NB_MODULE(_C, m) {
         return r;
       })
       .def("output_buffers", &CompiledGraph::output_buffers)
+      .def("gemm_pairs", &CompiledGraph::gemm_pairs)
+      .def("paired_buffers", &CompiledGraph::paired_buffers)
       .def("symbols", &CompiledGraph::symbols)
       .def("bind", &CompiledGraph::bind)
       .def("buffer_shape", &CompiledGraph::buffer_shape)

@@ -357,17 +357,20 @@ void bind_launch(nb::module_& m) {
              bool allow_tf32, nb::object cpu_gemm) {
             std::vector<void*> p = pointers_from(ptrs);
             RunOptions o = run_options(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
-            int gemm_kernels = 0;
+            int gemm_kernels = 0, gemm_merged = 0;
             o.gemm_kernels = &gemm_kernels;
+            o.gemm_merged = &gemm_merged;
             {
               nb::gil_scoped_release release;
               r.graph->run_prepared(r.run, p, o);
             }
-            return gemm_kernels;  // GEMM steps run as opfuse kernels, not library calls
+            // GEMM steps run as opfuse kernels, and those run inside another's batched call: not library calls
+            return nb::make_tuple(gemm_kernels, gemm_merged);
           },
           nb::arg("ptrs"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
           nb::arg("allow_tf32") = false, nb::arg("cpu_gemm") = nb::none(),
-          "Any graph (GEMM steps too) on raw pointers; returns the GEMM steps run as opfuse kernels. Not counted.");
+          "Any graph (GEMM steps too) on raw pointers; returns (GEMM steps run as opfuse kernels, GEMM steps run "
+          "inside a paired step's batched call). Not counted.");
 
   nb::class_<Launcher>(m, "Launcher", nb::type_slots(launcher_slots),
                        "The launch path's callable, subclassed in Python: a call tries the checks of the recent "

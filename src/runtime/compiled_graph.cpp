@@ -136,6 +136,7 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
     info_.push_back(info);
     steps_.emplace_back(false, static_cast<int>(kernels_.size()) - 1);
   }
+  pair_gemms();
 }
 
 std::vector<int64_t> CompiledGraph::bind(const std::vector<std::vector<int64_t>>& shapes) const {
@@ -315,9 +316,25 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
     if (!ctx) ensure_cuda_context(p.device);
     int64_t local[64];
     std::vector<int64_t> heap;
+    // Paired GEMM steps may swap their two result pointers (launch_gemm_pair):
+    // every step then reads this run's copy.
+    std::vector<void*> swapped;
+    bool pairs = std::any_of(pair_of_.begin(), pair_of_.end(), [](int j) { return j >= 0; });
+    if (pairs) swapped = ptrs;
+    const std::vector<void*>& run_ptrs = pairs ? swapped : ptrs;
+    std::vector<char> done(pairs ? gemms_.size() : 0, 0);
     for (const PreparedRun::Step& st : p.steps) {
       if (st.gemm >= 0) {
-        launch_gemm(gemms_[static_cast<size_t>(st.gemm)], p.env, ptrs, p.input_strides, options);
+        size_t gi = static_cast<size_t>(st.gemm);
+        if (pairs && done[gi]) continue;
+        int partner = pairs ? pair_of_[gi] : -1;
+        if (partner >= 0 && launch_gemm_pair(gemms_[gi], gemms_[static_cast<size_t>(partner)], p.env, swapped,
+                                             p.input_strides, options)) {
+          done[static_cast<size_t>(partner)] = 1;
+          if (options.gemm_merged) ++*options.gemm_merged;
+          continue;
+        }
+        launch_gemm(gemms_[gi], p.env, run_ptrs, p.input_strides, options);
         continue;
       }
       if (st.empty) continue;
@@ -328,11 +345,11 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
       }
       std::copy(st.args.begin(), st.args.end(), args);
       for (size_t a = 0; a < st.n_ptrs; ++a)
-        args[a] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(st.ptr_buffers[a])]));
+        args[a] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(run_ptrs[static_cast<size_t>(st.ptr_buffers[a])]));
       // The vector twin only when every vector access is aligned for every lane group.
       bool vec = st.vec_possible;
       for (size_t a = 0; a < st.vec_align.size() && vec; ++a)
-        vec = reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(st.vec_align[a].first)]) % st.vec_align[a].second == 0;
+        vec = reinterpret_cast<uintptr_t>(run_ptrs[static_cast<size_t>(st.vec_align[a].first)]) % st.vec_align[a].second == 0;
       if (vec ? st.vec_too_many_rows : st.too_many_rows)
         throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
       size_t k = static_cast<size_t>(st.kernel);

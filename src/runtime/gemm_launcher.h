@@ -45,6 +45,13 @@ struct GemmArgs {
   size_t workspace_bytes = 0;
   bool allow_tf32 = false;       // float32: TF32 tensor cores, as torch.backends.cuda.matmul.allow_tf32
   void* stream = nullptr;
+  // Algorithm search, done once per problem: how many answers to ask of
+  // cuBLASLt's heuristic and time; split_k_max > 1 also times each answer
+  // that supports split-K re-cut into 2 .. split_k_max K splits (decode
+  // shapes: m <= kSplitKMaxRows only), checked by cublasLtMatmulAlgoCheck.
+  int candidates = 8;
+  int split_k_max = 0;
+  static constexpr int64_t kSplitKMaxRows = 64;
 };
 
 // Enqueues the GEMM on args.stream. Throws GemmUnsupported (see above), or
