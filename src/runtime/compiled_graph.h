@@ -117,8 +117,8 @@ class CompiledGraph {
   const std::vector<GemmStep>& gemms() const { return gemms_; }
   // GEMM steps run as one batched call (first, second): OPFUSE_GEMM_PAIRS=1.
   std::vector<std::pair<int, int>> gemm_pairs() const;
-  // Their result buffers: a caller that allocates each pair as one [2, ...]
-  // block (first, then second) lets the pair run as one call.
+  // Their result buffers: a caller that allocates each pair in one block
+  // (first, then second at the next 256-byte boundary) lets the pair run as one call.
   std::vector<std::pair<int, int>> paired_buffers() const;
   // The order of the work: (false, kernel index) or (true, gemm index).
   const std::vector<std::pair<bool, int>>& steps() const { return steps_; }

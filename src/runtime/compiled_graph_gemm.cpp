@@ -116,11 +116,12 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
 // Two GEMMs of one A and two B of one shape and layout (Llama's gate and up
 // projections, x @ w1^T and x @ w3^T) as one strided-batched cuBLASLt call:
 // A's batch stride is 0, B's the distance between the two weights, D's the
-// distance between the two results, which the caller allocated as one
-// [2, M, N] block (paired_buffers()). One launch streams both weights, with
+// distance between the two results, which the caller allocated in one
+// block, the second 256-byte aligned after the first (paired_buffers()). One launch streams both weights, with
 // one ramp and one tail. Where this run's pointers do not allow it (B's
 // distance not a whole number of elements, results not adjacent), returns
-// false and the caller runs the two calls. The two results are scratch
+// false and the caller runs the two calls. (A weight's own alignment is
+// the first batch's, which the heuristic sees: both are 16-byte aligned.) The two results are scratch
 // buffers of the same shape that no caller sees, so when the weights lie in
 // the opposite order to the results, their pointers are swapped in `ptrs`
 // (which every later step reads) rather than asking for a negative stride.
@@ -135,8 +136,10 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
   int64_t elem = static_cast<int64_t>(dtype_size(gx.dtype));
   int64_t b_diff = static_cast<int64_t>(reinterpret_cast<intptr_t>(gy.b.ptr) - reinterpret_cast<intptr_t>(gx.b.ptr));
   int64_t d_diff = static_cast<int64_t>(reinterpret_cast<intptr_t>(gy.d) - reinterpret_cast<intptr_t>(gx.d));
-  int64_t d_bytes = gx.m * gx.n * elem;
-  if (b_diff == 0 || b_diff % elem != 0 || (d_diff != d_bytes && d_diff != -d_bytes)) return false;
+  // Each batch of B and D starts 16-byte aligned like the first (the
+  // heuristic sees the first's alignment only), and D's two results do not overlap.
+  int64_t d_abs = d_diff < 0 ? -d_diff : d_diff;
+  if (b_diff == 0 || b_diff % 16 != 0 || d_abs % 16 != 0 || d_abs < gx.m * gx.n * elem) return false;
   if ((b_diff > 0) != (d_diff > 0)) {
     std::swap(ptrs[static_cast<size_t>(x.out)], ptrs[static_cast<size_t>(y.out)]);
     std::swap(gx.d, gy.d);
@@ -145,6 +148,7 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
   g.batch = 2;
   g.a.batch_stride = 0;
   g.b.batch_stride = (b_diff > 0 ? b_diff : -b_diff) / elem;
+  g.d_batch_stride = d_abs / elem;
   try {
     run_gemm(g);
   } catch (const GemmUnsupported&) {

@@ -180,7 +180,7 @@ void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, con
   check(api.MatrixLayoutCreate(&p.d, type, static_cast<uint64_t>(g.n), static_cast<uint64_t>(g.m), g.n), "layout D");
   set_layout_batch(p.a, g.batch, ma.batch_stride);
   set_layout_batch(p.b, g.batch, mb.batch_stride);
-  set_layout_batch(p.d, g.batch, g.m * g.n);
+  set_layout_batch(p.d, g.batch, g.d_batch_stride ? g.d_batch_stride : g.m * g.n);
   if (mc) {
     check(api.MatrixLayoutCreate(&p.c, type, static_cast<uint64_t>(g.n), static_cast<uint64_t>(g.m), mc->ld), "layout C");
     set_layout_batch(p.c, g.batch, mc->batch_stride);
@@ -329,7 +329,7 @@ std::vector<int64_t> key_of(const GemmArgs& g, int epilogue, const LtMatrix& ma,
                             int device) {
   std::vector<int64_t> k = {device, static_cast<int64_t>(g.dtype), g.batch, g.m, g.n, g.k, epilogue, g.allow_tf32,
                             static_cast<int64_t>(g.workspace_bytes), g.float32_bias, g.aux_ld, g.candidates,
-                            g.split_k_max};
+                            g.split_k_max, g.d_batch_stride};
   for (const LtMatrix* m : {&ma, &mb, mc}) {
     if (!m) {
       k.push_back(-1);

@@ -82,11 +82,14 @@ def test_no_pair_when_off_on_the_cpu_or_unlike(monkeypatch):
     assert pairs_of(unlike, monkeypatch) == []
 
 
+PAIR_CASES = [(torch.bfloat16, m, k, h, w3_first) for m, k, h in [(1, 64, 88), (5, 72, 136), (16, 4096, 1000), (67, 29, 37)]
+              for w3_first in (False, True)] + [(torch.float16, 16, 72, 136, True), (torch.float32, 5, 29, 37, False)]
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m,k,h", [(1, 64, 88), (5, 72, 136), (16, 4096, 1000), (67, 29, 37)])
-@pytest.mark.parametrize("w3_first", [False, True])
+@pytest.mark.parametrize("dtype,m,k,h,w3_first", PAIR_CASES,
+                         ids=[f"{str(c[0])[6:]}-{c[1]}x{c[2]}x{c[3]}-{'w3first' if c[4] else 'w1first'}" for c in PAIR_CASES])
 def test_llama_mlp_pair_values_and_calls(dtype, m, k, h, w3_first, monkeypatch):
     monkeypatch.setenv("OPFUSE_GEMM_PAIRS", "1")
     dev = "cuda"

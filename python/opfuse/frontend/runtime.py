@@ -330,10 +330,13 @@ class FusedPartition(_C.Launcher):
         empty = self._empty
         bufs = [empty(*spec) for spec in lay.out_specs]
         for first, second in self.paired:
-            # A pair of GEMM results in one [2, ...] block: one batched call computes both.
+            # A pair of GEMM results in one block, the second at the next 256-byte boundary
+            # (CompiledGraph.paired_buffers): one batched call computes both.
             size, strides, dt = lay.out_specs[first]
-            block = empty((2, *size), (math.prod(size), *strides), dt)
-            bufs[first], bufs[second] = block[0], block[1]
+            n = math.prod(size)
+            per = -(-n * dt.itemsize // 256) * 256 // dt.itemsize
+            block = empty((2, per), (per, 1), dt)
+            bufs[first], bufs[second] = block[0, :n].view(size), block[1, :n].view(size)
         ptrs = [t.data_ptr() for t in tensors]
         ptrs += [b.data_ptr() for b in bufs]
         if self.cuda:
