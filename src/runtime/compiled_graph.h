@@ -115,7 +115,7 @@ class CompiledGraph {
   const std::vector<KernelInfo>& kernel_info() const { return info_; }
   const std::vector<std::string>& symbols() const { return symbols_; }
   const std::vector<GemmStep>& gemms() const { return gemms_; }
-  // GEMM steps run as one batched call (first, second): OPFUSE_GEMM_PAIRS=1.
+  // GEMM steps run as one batched call (first, second); OPFUSE_GEMM_PAIRS=0 turns pairing off.
   std::vector<std::pair<int, int>> gemm_pairs() const;
   // Their result buffers: a caller that allocates each pair in one block
   // (first, then second at the next 256-byte boundary) lets the pair run as one call.

@@ -1,6 +1,7 @@
 // CompiledGraph's GEMM steps on the GPU: buffers and strides to a cuBLASLt
 // call, or to the skinny GEMM kernel for decode shapes (M <= 16).
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -21,6 +22,15 @@ std::vector<int64_t> view_strides(const BufferSpec& b, int index, const std::vec
   std::vector<int64_t> st(shape.size(), 1);
   for (size_t d = shape.size(); d-- > 1;) st[d - 1] = st[d] * std::max<int64_t>(shape[d], 1);
   return st;
+}
+
+// A pair that runs as two calls: said on stderr with OPFUSE_GEMM_LOG=1.
+bool not_paired(const std::string& why, const GemmArgs& g) {
+  const char* log = std::getenv("OPFUSE_GEMM_LOG");
+  if (log && std::string(log) == "1")
+    std::fprintf(stderr, "opfuse gemm pair %lldx%lldx%lld runs as two calls: %s\n", static_cast<long long>(g.m),
+                 static_cast<long long>(g.n), static_cast<long long>(g.k), why.c_str());
+  return false;
 }
 
 }  // namespace
@@ -117,14 +127,17 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
 // projections, x @ w1^T and x @ w3^T) as one strided-batched cuBLASLt call:
 // A's batch stride is 0, B's the distance between the two weights, D's the
 // distance between the two results, which the caller allocated in one
-// block, the second 256-byte aligned after the first (paired_buffers()). One launch streams both weights, with
-// one ramp and one tail. Where this run's pointers do not allow it (B's
-// distance not a whole number of elements, results not adjacent), returns
-// false and the caller runs the two calls. (A weight's own alignment is
-// the first batch's, which the heuristic sees: both are 16-byte aligned.) The two results are scratch
-// buffers of the same shape that no caller sees, so when the weights lie in
-// the opposite order to the results, their pointers are swapped in `ptrs`
-// (which every later step reads) rather than asking for a negative stride.
+// block, the second at the next 256-byte boundary (paired_buffers()). One
+// launch streams both weights, with one ramp and one tail.
+//
+// Returns false, and the caller runs the two calls, where this run's
+// pointers do not allow it: a distance that is not a multiple of 16 bytes
+// (the heuristic sees the first batch's alignment only), results that
+// overlap, cuBLASLt refusing the batched call, or the skinny GEMM kernel
+// (opt-in) taking these GEMMs. The two results are scratch buffers of one
+// shape that no caller sees, so when the weights lie in the opposite order
+// to the results, their pointers are swapped in `ptrs` (which every later
+// step reads) rather than asking for a negative stride.
 bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const SymbolEnv& env, std::vector<void*>& ptrs,
                                      const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
   GemmArgs gx = gemm_args(x, env, ptrs, input_strides, o);
@@ -132,14 +145,17 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
   if (gx.batch != 1 || gy.batch != 1 || gx.m != gy.m || gx.n != gy.n || gx.k != gy.k || gx.a.ptr != gy.a.ptr ||
       gx.a.row_stride != gy.a.row_stride || gx.a.col_stride != gy.a.col_stride ||
       gx.b.row_stride != gy.b.row_stride || gx.b.col_stride != gy.b.col_stride)
-    return false;
+    return not_paired("operands differ", gx);
+  if (skinny::enabled() && skinny::unsupported_reason(gx).empty()) return not_paired("the skinny GEMM takes it", gx);
   int64_t elem = static_cast<int64_t>(dtype_size(gx.dtype));
   int64_t b_diff = static_cast<int64_t>(reinterpret_cast<intptr_t>(gy.b.ptr) - reinterpret_cast<intptr_t>(gx.b.ptr));
   int64_t d_diff = static_cast<int64_t>(reinterpret_cast<intptr_t>(gy.d) - reinterpret_cast<intptr_t>(gx.d));
   // Each batch of B and D starts 16-byte aligned like the first (the
   // heuristic sees the first's alignment only), and D's two results do not overlap.
   int64_t d_abs = d_diff < 0 ? -d_diff : d_diff;
-  if (b_diff == 0 || b_diff % 16 != 0 || d_abs % 16 != 0 || d_abs < gx.m * gx.n * elem) return false;
+  if (b_diff == 0 || b_diff % 16 != 0 || d_abs % 16 != 0 || d_abs < gx.m * gx.n * elem)
+    return not_paired("weights or results apart (b " + std::to_string(b_diff) + " bytes, d " + std::to_string(d_diff) +
+                      ")", gx);
   if ((b_diff > 0) != (d_diff > 0)) {
     std::swap(ptrs[static_cast<size_t>(x.out)], ptrs[static_cast<size_t>(y.out)]);
     std::swap(gx.d, gy.d);
@@ -151,8 +167,9 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
   g.d_batch_stride = d_abs / elem;
   try {
     run_gemm(g);
-  } catch (const GemmUnsupported&) {
-    return false;  // the two calls instead (the pointers as swapped above: every step reads them)
+  } catch (const GemmUnsupported& e) {
+    // the two calls instead (the pointers as swapped above: every step reads them)
+    return not_paired(std::string("cuBLASLt refused the batched call: ") + e.what(), gx);
   }
   return true;
 }
@@ -162,7 +179,8 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
 // per-call operand (no bias, residual, aux or bias gradient; the same
 // activation), 2-D, whose results are same-shaped scratch buffers (no graph
 // output): the second can run at the first's place when its B is a graph
-// input or written by an earlier step. CUDA only; OPFUSE_GEMM_PAIRS=1.
+// input or written by an earlier step. CUDA only; on by default
+// (OPFUSE_GEMM_PAIRS=0: off; measured in docs/perf-notes.md, GEMM run 3).
 // Also reads the algorithm search knobs of the graph's GEMM steps.
 void CompiledGraph::pair_gemms() {
   pair_of_.assign(gemms_.size(), -1);
@@ -173,7 +191,7 @@ void CompiledGraph::pair_gemms() {
   gemm_candidates_ = std::clamp(knob("OPFUSE_GEMM_CANDIDATES", 8), 1, 64);
   gemm_split_k_ = std::clamp(knob("OPFUSE_GEMM_SPLITK", 0), 0, 32);
   const char* env = std::getenv("OPFUSE_GEMM_PAIRS");
-  if (target_ != Target::CUDA || !env || std::string(env) != "1") return;
+  if (target_ != Target::CUDA || (env && std::string(env) == "0")) return;
   const Graph& pg = plan_.graph;
   // The step position writing each buffer (inputs: -1).
   std::vector<int> written_at(buffers_.size(), -1);

@@ -1,4 +1,4 @@
-"""GEMM pairs (OPFUSE_GEMM_PAIRS=1): two GEMMs of one A and two same-shaped
+"""GEMM pairs (on by default; OPFUSE_GEMM_PAIRS=0 turns them off): two GEMMs of one A and two same-shaped
 B (Llama's gate and up projections) run as one strided-batched cuBLASLt
 call, A's batch stride 0, B's the distance between the weights, the two
 results allocated as one block. Which steps pair is checked on the plan
@@ -55,6 +55,11 @@ def test_gate_and_up_projections_pair(monkeypatch):
     gemms = cg.gemms()
     assert (first, second) == (gemms[0]["out"], gemms[1]["out"])
     assert gemms[0]["a"][0] == gemms[1]["a"][0] and gemms[0]["b"][0] != gemms[1]["b"][0]
+
+
+def test_pairs_are_on_by_default(monkeypatch):
+    monkeypatch.delenv("OPFUSE_GEMM_PAIRS", raising=False)
+    assert _C.CompiledGraph(llama_ir(), target="cuda").gemm_pairs() == [(0, 1)]
 
 
 def test_no_pair_when_off_on_the_cpu_or_unlike(monkeypatch):
