@@ -115,7 +115,8 @@ class CompiledGraph {
   const std::vector<KernelInfo>& kernel_info() const { return info_; }
   const std::vector<std::string>& symbols() const { return symbols_; }
   const std::vector<GemmStep>& gemms() const { return gemms_; }
-  // GEMM steps run as one batched call (first, second); OPFUSE_GEMM_PAIRS=0 turns pairing off.
+  // GEMM steps that may run as one batched call (first, second): at most 64
+  // rows of A by default, any size with OPFUSE_GEMM_PAIRS=1, none with =0.
   std::vector<std::pair<int, int>> gemm_pairs() const;
   // Their result buffers: a caller that allocates each pair in one block
   // (first, then second at the next 256-byte boundary) lets the pair run as one call.
@@ -191,6 +192,8 @@ class CompiledGraph {
   std::vector<std::pair<int, Expr>> large_written_;  // written buffers that may take huge pages: (buffer, bytes)
   std::vector<GemmStep> gemms_;
   std::vector<int> pair_of_;  // per GEMM step: the later step it runs with as one batched call (pair_gemms()), or -1
+  int64_t gemm_pair_max_rows_ = kPairDefaultMaxRows;  // pairs run as one call up to this many rows of A
+  static constexpr int64_t kPairDefaultMaxRows = 64;
   int gemm_candidates_ = 8, gemm_split_k_ = 0;  // GemmArgs::candidates, split_k_max (OPFUSE_GEMM_CANDIDATES, _SPLITK)
   std::vector<std::pair<bool, int>> steps_;
   std::vector<int> input_nodes_;

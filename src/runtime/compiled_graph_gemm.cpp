@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <string>
 
@@ -141,6 +142,7 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
 bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const SymbolEnv& env, std::vector<void*>& ptrs,
                                      const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
   GemmArgs gx = gemm_args(x, env, ptrs, input_strides, o);
+  if (gx.m > gemm_pair_max_rows_) return false;  // the default's size bound: two calls, as measured
   GemmArgs gy = gemm_args(y, env, ptrs, input_strides, o);
   if (gx.batch != 1 || gy.batch != 1 || gx.m != gy.m || gx.n != gy.n || gx.k != gy.k || gx.a.ptr != gy.a.ptr ||
       gx.a.row_stride != gy.a.row_stride || gx.a.col_stride != gy.a.col_stride ||
@@ -179,8 +181,11 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
 // per-call operand (no bias, residual, aux or bias gradient; the same
 // activation), 2-D, whose results are same-shaped scratch buffers (no graph
 // output): the second can run at the first's place when its B is a graph
-// input or written by an earlier step. CUDA only; on by default
-// (OPFUSE_GEMM_PAIRS=0: off; measured in docs/perf-notes.md, GEMM run 3).
+// input or written by an earlier step. CUDA only. By default a pair runs as
+// one call where A has at most kPairDefaultMaxRows rows (decode shapes, where
+// it measured 6 us faster on Llama's 16x4096x11008; at 8192 rows it measured
+// level with the two calls: docs/perf-notes.md, GEMM run 3);
+// OPFUSE_GEMM_PAIRS=1 at every size, OPFUSE_GEMM_PAIRS=0 never.
 // Also reads the algorithm search knobs of the graph's GEMM steps.
 void CompiledGraph::pair_gemms() {
   pair_of_.assign(gemms_.size(), -1);
@@ -191,7 +196,9 @@ void CompiledGraph::pair_gemms() {
   gemm_candidates_ = std::clamp(knob("OPFUSE_GEMM_CANDIDATES", 8), 1, 64);
   gemm_split_k_ = std::clamp(knob("OPFUSE_GEMM_SPLITK", 0), 0, 32);
   const char* env = std::getenv("OPFUSE_GEMM_PAIRS");
-  if (target_ != Target::CUDA || (env && std::string(env) == "0")) return;
+  std::string mode = env ? env : "";
+  gemm_pair_max_rows_ = mode == "1" ? std::numeric_limits<int64_t>::max() : kPairDefaultMaxRows;
+  if (target_ != Target::CUDA || mode == "0") return;
   const Graph& pg = plan_.graph;
   // The step position writing each buffer (inputs: -1).
   std::vector<int> written_at(buffers_.size(), -1);
@@ -224,7 +231,11 @@ void CompiledGraph::pair_gemms() {
     if (pair_of_[i] != -1 || !plain(x)) continue;
     for (size_t j = i + 1; j < gemms_.size(); ++j) {
       const GemmStep& y = gemms_[j];
-      if (pair_of_[j] != -1 || !plain(y) || y.a != x.a || y.b == x.b || y.dtype != x.dtype ||
+      // One A: the same buffer, or two graph inputs (the backend passes each
+      // x.view(...) of a 3-D activation as its own input) whose pointers and
+      // strides launch_gemm_pair compares per run.
+      bool one_a = y.a == x.a || (buffers_[static_cast<size_t>(x.a)].is_input && buffers_[static_cast<size_t>(y.a)].is_input);
+      if (pair_of_[j] != -1 || !plain(y) || !one_a || y.b == x.b || y.dtype != x.dtype ||
           y.call.activation != x.call.activation || !same_view(x.call.a, y.call.a) || !same_view(x.call.b, y.call.b) ||
           buffers_[static_cast<size_t>(x.b)].dtype != buffers_[static_cast<size_t>(y.b)].dtype ||
           !same_shape(buffers_[static_cast<size_t>(x.out)].shape, buffers_[static_cast<size_t>(y.out)].shape) ||

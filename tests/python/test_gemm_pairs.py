@@ -1,9 +1,10 @@
-"""GEMM pairs (on by default; OPFUSE_GEMM_PAIRS=0 turns them off): two GEMMs of one A and two same-shaped
-B (Llama's gate and up projections) run as one strided-batched cuBLASLt
+"""GEMM pairs: two GEMMs of one A and two same-shaped B (Llama's gate and up
+projections) run as one strided-batched cuBLASLt
 call, A's batch stride 0, B's the distance between the weights, the two
 results allocated as one block. Which steps pair is checked on the plan
 (no GPU); values against float64, the weights in either memory order, and
-the library-call count on the GPU."""
+the library-call count on the GPU. By default pairs run as one call up to 64
+rows of A; OPFUSE_GEMM_PAIRS=1 at any size (the tests below), =0 never."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,3 +155,38 @@ def test_pair_forward_and_backward(monkeypatch):
     llama(*ref).backward(grad)
     for a, r in zip(mine, ref):
         torch.testing.assert_close(a.grad.double(), r.grad, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m,calls", [(16, 2), (64, 2), (65, 3)])
+def test_default_pairs_decode_shapes_only(m, calls, monkeypatch):
+    monkeypatch.delenv("OPFUSE_GEMM_PAIRS", raising=False)
+    dev, dt, k, h = "cuda", torch.bfloat16, 64, 88
+    args = [randn(m, k, dtype=dt, device=dev), randn(h, k, dtype=dt, device=dev, scale=k ** -0.5),
+            randn(h, k, dtype=dt, device=dev, scale=k ** -0.5), randn(k, h, dtype=dt, device=dev, scale=h ** -0.5)]
+
+    def llama(x, w1, w3, w2):
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+    out, got, kernels = run_counted(compiled(llama), *args)
+    assert_gemm_close(out, llama, args)
+    assert (got, kernels) == (calls, 1)
+
+
+def test_views_of_one_activation_pair(monkeypatch):
+    """The backend passes each x.view(...) of a 3-D activation as its own
+    partition input: the plan pairs them (the run compares their pointers)."""
+    ir = """graph {
+  %0 = input() {name="w1"} : bf16[56, 40]
+  %1 = permute(%0) {dims=[1, 0]} : bf16[40, 56]
+  %2 = input() {name="w3"} : bf16[56, 40]
+  %3 = permute(%2) {dims=[1, 0]} : bf16[40, 56]
+  %4 = input() {name="view"} : bf16[21, 40]
+  %5 = matmul(%4, %1) : bf16[21, 56]
+  %6 = input() {name="view_2"} : bf16[21, 40]
+  %7 = matmul(%6, %3) : bf16[21, 56]
+  %8 = mul(%5, %7) : bf16[21, 56]
+  return (%8)
+}"""
+    assert pairs_of(ir, monkeypatch) == [(0, 1)]
