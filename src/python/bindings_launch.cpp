@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "runtime/compiled_graph.h"
+#include "runtime/launch_floor.h"
 
 namespace nb = nanobind;
 using namespace opfuse;
@@ -282,6 +283,17 @@ void bind_launch(nb::module_& m) {
   m.def("launch_counts", [] { return g_kernel_launches.load(); },
         "Kernel launches made by PreparedRun.call and Launcher calls since the last reset_launch_counts().");
   m.def("reset_launch_counts", [] { g_kernel_launches.store(0); });
+  m.def("launch_floor_source", [] { return launch_floor_source(); },
+        "CUDA C++ of the empty kernel time_empty_launches launches.");
+  m.def(
+      "time_empty_launches",
+      [](uintptr_t stream, int launches) {
+        nb::gil_scoped_release release;  // as around opfuse's own launches
+        return time_empty_launches(stream, launches);
+      },
+      nb::arg("stream"), nb::arg("launches"),
+      "Host ns of `launches` back-to-back cuLaunchKernel calls of an empty kernel with the seed chain's argument "
+      "size: the driver's floor under any launcher's per-kernel cost.");
 
   nb::class_<PreparedRunRef>(m, "PreparedRun",
                              "CompiledGraph.run split in two: built once per input layout (variant, size symbols, "

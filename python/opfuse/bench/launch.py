@@ -22,6 +22,12 @@ Per call and per fused kernel, the host microseconds of
                   and the launches
   eager add       one eager PyTorch op (add) for scale
 
+and, on CUDA, the driver's floor: back-to-back cuLaunchKernel calls of an
+empty kernel with the chain kernel's argument size, timed in C++
+(`_C.time_empty_launches`). No launcher goes below it; "run" minus it is
+what opfuse's C++ adds to a launch, "partition" minus it the whole path's
+own cost.
+
 Each number is the median over batches of the mean time per call in a batch
 (and the fastest batch, less disturbed by other processes). On the CPU the
 same layers are timed with one torch thread; there the kernels run on the
@@ -127,6 +133,20 @@ def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls:
     return {"layers": results, "kernels": part.num_kernels}
 
 
+def measure_driver_floor(device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> tuple[float, float]:
+    """(median, min) over batches of host us per cuLaunchKernel of an empty kernel."""
+    from .. import _C
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _C.time_empty_launches(stream, 100)  # compile, load, warm
+    torch.cuda.synchronize(device)
+    per_batch = []
+    for _ in range(batches):
+        per_batch.append(_C.time_empty_launches(stream, calls) / calls / 1e3)
+        torch.cuda.synchronize(device)
+    return statistics.median(per_batch), min(per_batch)
+
+
 def measure_launch(device: torch.device, quick: bool = False) -> dict:
     batches, calls = (9, 50) if quick else (BATCHES, CALLS)
     # On the CPU the kernels run in the call: one thread, so that a parallel
@@ -146,6 +166,13 @@ def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[d
     print("\n== launch (host us: median over batches of the mean per call; min = fastest batch) ==")
     print(f"{'graph':12s} {'kernels':>7s} {'layer':14s} {'us/call':>9s} {'us/kernel':>10s} {'min us/call':>12s}")
     records = []
+    if device.type == "cuda":
+        batches, calls = (9, 50) if quick else (BATCHES, CALLS)
+        med, best = measure_driver_floor(device, batches, calls)
+        print(f"{'driver floor':12s} {1:7d} {'cuLaunchKernel':14s} {med:9.2f} {med:10.2f} {best:12.2f}")
+        records.append(make_record(info, suite="launch", case="driver-floor-host", impl="cuLaunchKernel (empty kernel)",
+                                   metric="ms", value=med / 1e3, floor=None, host_us=med, host_us_min=best,
+                                   host_us_per_kernel=med, kernels=1))
     for graph, r in measured.items():
         k = r["kernels"]
         for layer in LAYERS:
