@@ -11,6 +11,7 @@ import torch
 
 import opfuse
 from opfuse import _C
+from opfuse.bench.launch import find_partition
 from opfuse.frontend import runtime
 
 
@@ -25,20 +26,7 @@ def two_outputs(x, b):
 
 def partition_of(fn, *args):
     """The one FusedPartition a compiled call goes through, and its arguments."""
-    found = []
-    original = runtime.FusedPartition.__call__
-
-    def spy(self, *a):
-        found.append((self, a))
-        return original(self, *a)
-
-    runtime.FusedPartition.__call__ = spy
-    try:
-        fn(*args)
-    finally:
-        runtime.FusedPartition.__call__ = original
-    assert len(found) == 1, f"expected one opfuse partition, found {len(found)}"
-    return found[0]
+    return find_partition(fn, args)
 
 
 def test_repeated_calls_take_the_fast_path_and_count_exactly(device):

@@ -44,6 +44,7 @@ import time
 
 import torch
 
+from .cases import seed_chain as chain
 from .records import RunInfo, make_record
 
 BATCHES, CALLS = 41, 200  # median over 41 batches of 200 calls
@@ -66,7 +67,7 @@ def _host_us(fn, device: torch.device, batches: int, calls: int) -> tuple[float,
     return statistics.median(per_batch), min(per_batch)
 
 
-def _find_partition(compiled_fn, args):
+def find_partition(compiled_fn, args):
     """The one FusedPartition a compiled call goes through, and its arguments."""
     from ..frontend import runtime
 
@@ -87,11 +88,7 @@ def _find_partition(compiled_fn, args):
     return found[0]
 
 
-def _chain(x, b1, b2):
-    return torch.relu(x + b1) * 0.5 + b2
-
-
-def _multi(x, b):
+def multi(x, b):
     # A row reduction, then a column reduction of something that needs it:
     # no one kernel computes both, so the partition launches several.
     y = torch.relu(x + b)
@@ -103,17 +100,19 @@ def _multi(x, b):
 def graphs(device: torch.device) -> dict:
     """name -> (function, example arguments)."""
     return {
-        "chain-4K": (_chain, tuple(torch.randn(4096, device=device) for _ in range(3))),
-        "multi-64x64": (_multi, (torch.randn(64, 64, device=device), torch.randn(64, device=device))),
+        "chain-4K": (chain, tuple(torch.randn(4096, device=device) for _ in range(3))),
+        "multi-64x64": (multi, (torch.randn(64, 64, device=device), torch.randn(64, device=device))),
     }
 
 
-def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> dict:
-    """Host us (median, min) per layer for one graph, and its kernel count."""
+def layer_calls(fn, args, device: torch.device) -> tuple[int, dict]:
+    """Compiles `fn` with opfuse and returns its kernel count and, per layer,
+    a no-argument callable that makes one call of that layer (checked once
+    against eager first, so that a layer that went wrong is not timed as fast)."""
     torch._dynamo.reset()
     compiled_fn = torch.compile(fn, backend="opfuse")
     compiled_fn(*args)
-    part, part_args = _find_partition(compiled_fn, args)
+    part, part_args = find_partition(compiled_fn, args)
     tensors = [part_args[i] for i in part.tensor_positions]
     layout = part.layout_of(tensors)
     if layout is None or part.num_library_calls:
@@ -122,15 +121,22 @@ def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls:
     ptrs = [t.data_ptr() for t in tensors] + [o.data_ptr() for o in outs]
     stream = torch.cuda.current_stream(device).cuda_stream if part.cuda else 0
     a, b = args[0], args[1]
-    # Checked once here, so that a layer that went wrong is not timed as fast.
     torch.testing.assert_close(compiled_fn(*args), fn(*args))
-    results = {
-        "torch.compile": _host_us(lambda: compiled_fn(*args), device, batches, calls),
-        "partition": _host_us(lambda: part(*part_args), device, batches, calls),
-        "run": _host_us(lambda: layout.prepared.launch(ptrs, stream), device, batches, calls),
-        "eager add": _host_us(lambda: torch.add(a, b), device, batches, calls),
+    return part.num_kernels, {
+        "torch.compile": lambda: compiled_fn(*args),
+        "partition": lambda: part(*part_args),
+        # `outs` is named in the call so that it lives as long as the
+        # callable does: `ptrs` points into it.
+        "run": lambda: (layout.prepared.launch(ptrs, stream), outs)[0],
+        "eager add": lambda: torch.add(a, b),
     }
-    return {"layers": results, "kernels": part.num_kernels}
+
+
+def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> dict:
+    """Host us (median, min) per layer for one graph, and its kernel count."""
+    kernels, calls_of = layer_calls(fn, args, device)
+    results = {layer: _host_us(call, device, batches, calls) for layer, call in calls_of.items()}
+    return {"layers": results, "kernels": kernels}
 
 
 def measure_driver_floor(device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> tuple[float, float]:
