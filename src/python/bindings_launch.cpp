@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "runtime/compiled_graph.h"
+#include "runtime/launch_floor.h"
+#include "python/run_options.h"
 
 namespace nb = nanobind;
 using namespace opfuse;
@@ -94,20 +96,6 @@ std::vector<void*> pointers_from(nb::handle seq) {
   std::vector<void*> p(n);
   for (size_t i = 0; i < n; ++i) p[i] = as_pointer(sequence_item(seq.ptr(), i));
   return p;
-}
-
-RunOptions run_options(uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, bool allow_tf32, nb::object cpu_gemm) {
-  RunOptions o;
-  o.stream = reinterpret_cast<void*>(stream);
-  o.workspace = reinterpret_cast<void*>(workspace);
-  o.workspace_bytes = workspace_bytes;
-  o.allow_tf32 = allow_tf32;
-  if (!cpu_gemm.is_none())
-    o.cpu_gemm = [cpu_gemm](int g) {
-      nb::gil_scoped_acquire acquire;
-      cpu_gemm(g);
-    };
-  return o;
 }
 
 // The run on tensors: allocates the written buffers, launches on every
@@ -282,6 +270,17 @@ void bind_launch(nb::module_& m) {
   m.def("launch_counts", [] { return g_kernel_launches.load(); },
         "Kernel launches made by PreparedRun.call and Launcher calls since the last reset_launch_counts().");
   m.def("reset_launch_counts", [] { g_kernel_launches.store(0); });
+  m.def("launch_floor_source", [] { return launch_floor_source(); },
+        "CUDA C++ of the empty kernel time_empty_launches launches.");
+  m.def(
+      "time_empty_launches",
+      [](uintptr_t stream, int launches) {
+        nb::gil_scoped_release release;  // as around opfuse's own launches
+        return time_empty_launches(stream, launches);
+      },
+      nb::arg("stream"), nb::arg("launches"),
+      "Host ns of `launches` back-to-back cuLaunchKernel calls of an empty kernel with the seed chain's argument "
+      "size: the driver's floor under any launcher's per-kernel cost.");
 
   nb::class_<PreparedRunRef>(m, "PreparedRun",
                              "CompiledGraph.run split in two: built once per input layout (variant, size symbols, "
@@ -356,7 +355,7 @@ void bind_launch(nb::module_& m) {
           [](const PreparedRunRef& r, nb::handle ptrs, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
              bool allow_tf32, nb::object cpu_gemm) {
             std::vector<void*> p = pointers_from(ptrs);
-            RunOptions o = run_options(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
+            RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
             int gemm_kernels = 0, gemm_merged = 0;
             o.gemm_kernels = &gemm_kernels;
             o.gemm_merged = &gemm_merged;
