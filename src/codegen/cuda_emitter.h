@@ -71,6 +71,7 @@ class CudaEmitter : public CEmitter {
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)
   std::vector<int> partial_buffers_;    // column_partials buffers of this kernel
   int partial_items_ = 0;               // vectors per thread the partials cover
+  bool lean_retry_ = false;              // generating again without the lean default (see row_lean)
   int lean_blocks_ = 0;                 // blocks an SM asked for by OPFUSE_ROW_LEAN (0: the default bound)
   bool partials_smem_ = false;          // partials in shared memory (OPFUSE_ROW_PARTIALS_SMEM), per-row values in registers
   // L2 prefetch of the row a thread takes next (OPFUSE_ROW_PREFETCH): set

@@ -72,21 +72,25 @@ int prefetch_ahead(int threads) {
 // default it goes with the 1024-thread loop blocks of rows that overflow L2
 // (see choose_geometry).
 int reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", -1); }
-// Two sums of a stage in one block reduction (opf_block_sum2).
-// OPFUSE_ROW_LEAN=1 turns on the three register savings below together
-// (the pair reduction, partials in shared memory, the raw 16-bit cache) and,
-// where all of them apply on sm_90, asks for more blocks an SM (3 of 512
-// threads, 4 of 256); each has its own knob to measure it alone.
-int row_lean() { return env_int("OPFUSE_ROW_LEAN", 0); }
+// Register savings for the partials kernels of the norm backwards, each
+// with its own knob (0/1 forces it) and OPFUSE_ROW_LEAN=1/0 forcing the
+// three together, with more blocks an SM where all of them apply on sm_90
+// (3 of 512 threads, 4 of 256; see lean_blocks_):
+// - the pair reduction (opf_block_sum2): on by default in a block per row
+//   with the row cached in registers (H200, rows_bwd2_session.py at
+//   333d743: layer_norm backward 32768x4096 330.3 -> 322.0 us; loop stages
+//   of 8192x32768 854.8 -> 859.5, left off there);
+// - the column partials in shared memory, each row's values added in
+//   registers and folded into the thread's own shared slots;
+// - the register cache of 16-bit vector loads as raw 128-bit vectors (half
+//   the registers of floats; see opf_raw_lane).
+// By default the last two (and the blocks) go together to lane groups
+// (rows of at most 1024 elements) where all of them apply, else to none:
+// 262144x256 151.8 -> 142.0 us; a block per row at 32768x4096 with all
+// three and 3 blocks an SM ran 342.7 us against 322.0 with the pair alone.
+int row_lean() { return env_int("OPFUSE_ROW_LEAN", -1); }
 int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
-// Column partials of a block per row in shared memory rather than registers
-// (16 registers fewer at 8 columns and two buffers a thread, for more blocks
-// an SM): each row's values are added in registers, then folded into the
-// thread's own shared slots after the stage that adds them.
 int partials_smem() { return env_int("OPFUSE_ROW_PARTIALS_SMEM", row_lean()); }
-// The register cache of 16-bit vector loads as raw 128-bit vectors (half the
-// registers of floats), chosen over the frontier plan when it costs fewer
-// registers (see opf_raw_lane).
 int cache_raw() { return env_int("OPFUSE_ROW_CACHE_RAW", row_lean()); }
 // L2 of the H100/H200 (50 MB; the A100's is 40): rows in flight against it.
 constexpr int64_t kL2Bytes = 50LL << 20;
@@ -276,7 +280,8 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
 // sum(g) and sum(g * xhat) (OPFUSE_ROW_PAIR_REDUCE=0/1 forces it off/on).
 void CudaEmitter::reduce_stage_across_threads(const KStage& st) {
   std::vector<const KAccumulator*> sums;
-  bool block = !grouped_rows_ && !columns_ && cluster_ == 1 && pair_reduce() != 0;
+  int forced = pair_reduce();
+  bool block = !grouped_rows_ && !columns_ && cluster_ == 1 && (forced >= 0 ? forced > 0 : caching_);
   for (const KAccumulator& a : st.accs) {
     bool pairable = block && a.combiner == "sum" && (a.type == DType::Float32 || a.type == DType::Float64);
     if (pairable) {
@@ -448,6 +453,12 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   bool known = is_const(split.cols, &ncols);
   last_var_ = split.loop.size() == 1 ? "x" + std::to_string(split.loop[0]) : "";
 
+  // The lean default (see row_lean): tried for lane groups with partials,
+  // dropped (the kernel generated again without it) unless all of it applies.
+  bool has_partials = false;
+  for (const KBuffer& b : k_->buffers) has_partials = has_partials || b.partials;
+  bool lean_try = row_lean() < 0 && !lean_retry_ && known && ncols <= 1024 && has_partials && vec > 1 && arch_ >= 90;
+
   // The register cache: the frontier plan or the loads-only plan, whichever
   // needs fewer registers.
   cache_ = RowCachePlan{};
@@ -466,7 +477,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     RowCachePlan frontier = plan_row_cache(*k_, key, false, invariant), loads = plan_row_cache(*k_, key, true, invariant);
     cache_ = frontier.slots() <= loads.slots() ? frontier : loads;
     raw_slots_.clear();
-    if (cache_raw() > 0 && vec > 1) {
+    if ((cache_raw() >= 0 ? cache_raw() > 0 : lean_try) && vec > 1) {
       // Slots of the loads plan that hold only 16-bit vector loads (8 lanes
       // of 16 bytes) cost half a register a value as raw vectors.
       std::vector<int> raw(static_cast<size_t>(loads.slots()), 1);
@@ -583,7 +594,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   caching_ = g.items > 0 && cache_.slots() > 0;
   partials_smem_ = false;
-  if (partials && partials_smem() > 0 && partial_cluster == 1 && vec > 1 && (partial_items_ * vec) % 4 == 0) {
+  if (partials && (partials_smem() >= 0 ? partials_smem() > 0 : lean_try) && partial_cluster == 1 && vec > 1 && (partial_items_ * vec) % 4 == 0) {
     bool f32 = true;
     for (int b : partial_buffers_) f32 = f32 && k_->buffers[static_cast<size_t>(b)].dtype == DType::Float32;
     int64_t bytes = static_cast<int64_t>(partial_buffers_.size()) * partial_items_ * vec * g.threads * 4;
@@ -593,9 +604,15 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // cached value is a raw vector (ptxas fits 40 registers at 512 threads,
   // 64 at 256, without spills on sm_90; sm_80's spilled at 262144x256).
   lean_blocks_ = 0;
-  if (partials_smem_ && row_lean() > 0 && arch_ >= 90 && static_cast<int>(raw_slots_.size()) == (caching_ ? cache_.slots() : 0) &&
-      cache_.slots() > 0)
+  if (partials_smem_ && (row_lean() > 0 || lean_try) && arch_ >= 90 &&
+      static_cast<int>(raw_slots_.size()) == (caching_ ? cache_.slots() : 0) && cache_.slots() > 0)
     lean_blocks_ = g.threads == 512 ? 3 : g.threads == 256 ? 4 : 0;
+  if (lean_try && lean_blocks_ == 0) {
+    lean_retry_ = true;
+    row_kernel(name, vec);
+    lean_retry_ = false;
+    return;
+  }
   grouped_rows_ = g.grouped;
   lanes_ = g.lanes;
   cluster_ = caching_ || columns_ || partial_cluster > 1 ? g.cluster : 1;

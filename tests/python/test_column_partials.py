@@ -237,3 +237,28 @@ def test_lean_row_knobs_compile_without_spills(arch, lead, cols, dt, smem, bound
     _, _, log = cg.compile_cuda(shapes, contiguous_strides(shapes), arch, False)
     spills = re.findall(r"(\d+) bytes spill stores", log)
     assert spills and all(int(s) == 0 for s in spills), (lead, cols, log[-3000:])
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_lean_defaults_where_measured(arch, monkeypatch):
+    """Defaults from the H200 run at 333d743: the pair reduction in a block
+    per row with the row cached (32768x4096), not in loop stages (8192x32768,
+    not split); the whole lean combination for lane groups on sm_90
+    (262144x256: partials in shared memory, raw cache, 4 blocks of 256), not
+    on sm_80 (its ptxas spilled); OPFUSE_ROW_LEAN=0 turns all of it off."""
+    nvrtc_or_skip()
+
+    def vec_kernel(rows, cols):
+        cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols), target="cuda")
+        shapes = [[rows, cols], [rows, cols], [rows, 1], [rows, 1], [cols]]
+        src = cg.cuda_source(shapes, contiguous_strides(shapes), arch)
+        return src[src.index("opfuse_k0_"):].split("\n}\n")[0] if "_v8" not in src else \
+            src[src.index("_v8_args a) {") - 200:].split("\n}\n")[0]
+
+    wide, short, loops = vec_kernel(32768, 4096), vec_kernel(262144, 256), vec_kernel(8192, 32768)
+    assert "opf_block_sum2(a" in wide and "opf_pps[" not in wide and "__launch_bounds__(512, 1)" in wide
+    assert "opf_block_sum2(a" not in loops
+    assert ("opf_pps[" in short and "rr0[it_]" in short and "__launch_bounds__(256, 4)" in short) == (arch >= 90)
+    monkeypatch.setenv("OPFUSE_ROW_LEAN", "0")
+    wide, short = vec_kernel(32768, 4096), vec_kernel(262144, 256)
+    assert "opf_block_sum2(a" not in wide and "opf_pps[" not in short and "rr0[" not in short
