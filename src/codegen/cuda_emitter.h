@@ -55,6 +55,8 @@ class CudaEmitter : public CEmitter {
   // Row kernels.
   RowCachePlan cache_;            // values kept in registers between stages
   bool caching_ = false;
+  std::set<int> raw_slots_;                  // cache slots kept as raw 16-byte vectors (rr<slot>[it_])
+  std::map<int, std::string> raw_type_;      // their element storage type (opf_bf16, opf_half)
   int stage_index_ = 0;
   std::string smem_ = "opf_smem";
   bool grouped_rows_ = false;     // a group of `lanes_` lanes per row
@@ -62,12 +64,16 @@ class CudaEmitter : public CEmitter {
   int lanes_ = 32;
   int cluster_ = 1;
   int cluster_reductions_ = 0;    // slots used so far
+  int pair_reductions_ = 0;       // opf_block_sum2 calls printed (their shared buffer and parity are declared)
   bool cluster_row_loop_ = false;
   bool loop_overflow_ = false;     // loop stages in 1024-thread blocks, later stages backwards (rows overflowing L2)  // a cluster steps through rows (column partials): slots alternate by row (par_)
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)
   std::vector<int> partial_buffers_;    // column_partials buffers of this kernel
   int partial_items_ = 0;               // vectors per thread the partials cover
+  bool lean_retry_ = false;              // generating again without the lean default (see row_lean)
+  int lean_blocks_ = 0;                 // blocks an SM asked for by OPFUSE_ROW_LEAN (0: the default bound)
+  bool partials_smem_ = false;          // partials in shared memory (OPFUSE_ROW_PARTIALS_SMEM), per-row values in registers
   // L2 prefetch of the row a thread takes next (OPFUSE_ROW_PREFETCH): set
   // while the first unrolled stage loop is printed; its vector loads of
   // row-varying buffers also prefetch the same columns of row pfx<kept>.
@@ -95,6 +101,7 @@ class CudaEmitter : public CEmitter {
   void vector_loads(const std::vector<KStmt>& stmts, const std::string& lane0);
   void vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0);
   void reduce_across_threads(const KAccumulator& a);
+  void reduce_stage_across_threads(const KStage& st);
   int choose_vec(bool all_stages);
   std::string header(const std::string& name, int threads, int cluster = 1);
 };

@@ -282,7 +282,8 @@ def test_wide_column_partials_in_clusters(shape, dtype, monkeypatch):
 # of blocks an SM (a register cap).
 KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_PREFETCH_AHEAD": "264"},
          {"OPFUSE_ROW_REVERSE_LOOPS": "1"}, {"OPFUSE_ROW_PARTIAL_VALUES": "8", "OPFUSE_ROW_MIN_BLOCKS": "2"},
-         {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"}]
+         {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"},
+         {"OPFUSE_ROW_LEAN": "1"}, {"OPFUSE_ROW_PAIR_REDUCE": "1"}]
 
 
 def _knob_id(knobs):
@@ -303,3 +304,39 @@ def test_row_knobs_keep_results(knobs, monkeypatch):
         check(softmax, x, x[0], x[0], torch.bfloat16)
     _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (300, 40000), torch.bfloat16, 2)
     _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (4099, 4096), torch.float32, 2)
+
+
+# OPFUSE_ROW_LEAN=1: one reduction for layer_norm backward's two row sums
+# (opf_block_sum2, whose shared slots alternate by call), the column partials
+# in shared memory, 16-bit loads cached as raw vectors, 3 or 4 blocks an SM.
+# A block per row (4096; 1032 at 256 threads), lane groups (256), the scalar
+# twin (1031), rows not a multiple of the parts, 3-D, float16 and float32,
+# and a strided view (rows of a wider tensor), all against float64.
+@pytest.mark.parametrize("shape,dtype", [((2050, 4096), torch.bfloat16), ((4099, 256), torch.bfloat16),
+                                         ((2048, 1032), torch.bfloat16), ((2048, 1031), torch.bfloat16),
+                                         ((3, 700, 1000), torch.float16), ((2111, 4096), torch.float32)])
+def test_lean_row_backward_matches_float64(shape, dtype, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_LEAN", "1")
+    _grads_against_float64(layer_norm, shape, dtype, 3)
+    _grads_against_float64(rms_norm, shape, dtype, 2)
+
+
+def test_lean_row_backward_strided_rows(monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_LEAN", "1")
+    rows, cols = 2304, 4096
+    wide = torch.randn(rows, cols + 8, device="cuda", dtype=torch.bfloat16)
+    x = wide[:, 3:cols + 3].detach().requires_grad_()  # rows 8208 bytes apart, not 16-byte aligned: the scalar twin
+    x2 = wide[:, 8:].detach().requires_grad_()         # aligned rows of a wider tensor: the vector twin, strided
+    for xv in (x, x2):
+        w = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        torch._dynamo.reset()
+        out = torch.compile(lambda x, w, b: layer_norm(x, w, b), backend="opfuse", dynamic=False)(xv, w, b)
+        grads = torch.autograd.grad(out, (xv, w, b), dy)
+        xd, wd, bd = (t.detach().double().requires_grad_() for t in (xv, w, b))
+        refs = torch.autograd.grad(layer_norm(xd, wd, bd), (xd, wd, bd), dy.double())
+        eager = torch.autograd.grad(layer_norm(xv, w, b), (xv, w, b), dy)
+        for g, r, e in zip(grads, refs, eager):
+            err = (g.double() - r).abs().max().item()
+            assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, err
