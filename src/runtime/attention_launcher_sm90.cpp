@@ -91,13 +91,13 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
-         (pingpong ? "p" : "") + (persistent ? "" : "n");
+         (pingpong ? "p" : "") + (overlap ? "o" : "") + (skip ? "k" : "") + (persistent ? "" : "n");
 }
 
 bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
 
 AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
-  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(n?))");
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
     throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
@@ -106,7 +106,9 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.block_n = std::stoi(m[2]);
   t.stages = std::stoi(m[3]);
   t.pingpong = m[4].length() > 0;
-  t.persistent = m[5].length() == 0;
+  t.overlap = m[5].length() > 0;
+  t.skip = m[6].length() > 0;
+  t.persistent = m[7].length() == 0;
   return t;
 }
 
@@ -123,8 +125,9 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal) {
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   // Mirrors attn_runtime_sm90.VARIANT_SM90 (the benchmark's variants).
   std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim, false)};
-  if (head_dim == 64) r.insert(r.end(), {{128, 3, 4, true, false}, {128, 2, 4, true}, {128, 2, 4, true, false}});
-  else r.insert(r.end(), {{128, 2, 2, true, false}, {128, 2, 2, false}});
+  if (head_dim == 64)
+    r.insert(r.end(), {{128, 3, 4, true, true, true, false}, {128, 3, 4, true, true, true, true}, {128, 2, 4, true, true, true, false}});
+  else r.insert(r.end(), {{128, 2, 2, true, true, true, false}, {128, 2, 2, true, true, true, true}});
   return r;
 }
 
@@ -137,7 +140,8 @@ std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, con
   return std::string("opfuse_attn::attention_fwd_sm90<opfuse_attn::") + attn_elem_name(e) + ", " +
          std::to_string(head_dim) + ", " + (causal ? "true" : "false") + ", " + std::to_string(t.block_n) + ", " +
          std::to_string(t.consumers) + ", " + std::to_string(t.stages) + ", " + (t.pingpong ? "true" : "false") +
-         attn_mask_template_arg(mask) + ">";
+         (mask == AttnMaskKind::None && t.opts() ? std::string(", opfuse_attn::MaskNone") : attn_mask_template_arg(mask)) +
+         (t.opts() ? ", " + std::to_string(t.opts()) : std::string()) + ">";
 }
 
 bool attn_sm90_enabled() {

@@ -35,6 +35,13 @@ class Sm90Config:
     stages: int  # K/V ring depth
     pingpong: bool  # consumers take turns issuing their products
     persistent: bool = True  # host only: grid of min(tiles, SMs) CTAs looping over tiles, else one CTA a tile
+    overlap: bool = False  # OPTS kOptOverlap: the next tile's first S goes out before this tile's epilogue
+    skip: bool = False  # OPTS kOptSkip: a consumer skips the key blocks none of its rows see
+
+    @property
+    def opts(self) -> int:
+        """The kernel's OPTS template argument."""
+        return (1 if self.overlap else 0) | (2 if self.skip else 0)
 
     @property
     def block_m(self) -> int:
@@ -46,14 +53,15 @@ class Sm90Config:
 
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
-                f"{'' if self.persistent else 'n'}")
+                f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(n?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(5))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(7),
+                          bool(m.group(5)), bool(m.group(6)))
 
     def grid(self, seqlen_q: int, heads_q: int, batch: int, num_sms: int):
         tiles = -(-seqlen_q // self.block_m) * heads_q * batch
@@ -73,9 +81,10 @@ DEFAULT_SM90 = {
     (128, True): Sm90Config(128, 2, 2, True),
 }
 VARIANT_SM90 = {
-    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, False), Sm90Config(128, 2, 4, True),
-         Sm90Config(128, 2, 4, True, False)],
-    128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, False), Sm90Config(128, 2, 2, False)],
+    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, overlap=True),
+         Sm90Config(128, 3, 4, True, overlap=True, skip=True), Sm90Config(128, 2, 4, True, overlap=True)],
+    128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
+          Sm90Config(128, 2, 2, True, overlap=True, skip=True)],
 }
 
 
@@ -110,7 +119,8 @@ def smem_bytes_sm90(head_dim: int, cfg: Sm90Config) -> int:
 def name_expression_sm90(elem: str, head_dim: int, causal: bool, cfg: Sm90Config, mask=None) -> str:
     return (f"opfuse_attn::attention_fwd_sm90<opfuse_attn::{elem}, {head_dim}, {'true' if causal else 'false'}, "
             f"{cfg.block_n}, {cfg.consumers}, {cfg.stages}, {'true' if cfg.pingpong else 'false'}"
-            f"{ar._mask_arg(mask)}>")
+            f"{ar._mask_arg(mask) or (', opfuse_attn::MaskNone' if cfg.opts else '')}"
+            f"{f', {cfg.opts}' if cfg.opts else ''}>")
 
 
 def masked_instantiations_sm90():

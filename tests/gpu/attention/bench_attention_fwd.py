@@ -74,6 +74,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="S in {2048, 8192} only")
     ap.add_argument("--seqlens", default=None, help="comma-separated S values")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; the best median is kept")
+    ap.add_argument("--skip", default="", help="comma-separated implementations not to time (e.g. opfuse-mma,sdpa-flash)")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="which masks to run")
     a = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -98,7 +100,7 @@ def main(argv=None):
         seqlens = [int(s) for s in a.seqlens.split(",")]
     rows = []
     for D in (64, 128):
-        for causal in (False, True):
+        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]:
             for S in seqlens:
                 B, H = 16384 // S, 2048 // D
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
@@ -146,8 +148,11 @@ def main(argv=None):
                 # Rounds over all implementations, interleaved, best median
                 # kept: clock and thermal drift then hits every one alike.
                 times = {}
+                skip = set(filter(None, a.skip.split(",")))
                 for _ in range(a.rounds):
                     for name, fn in impls.items():
+                        if name in skip:
+                            continue
                         try:
                             times.setdefault(name, []).append(bench_ms(fn))
                         except RuntimeError as e:
