@@ -91,13 +91,14 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
-         (pingpong ? "p" : "") + (overlap ? "o" : "") + (skip ? "k" : "") + (persistent ? "" : "n");
+         (pingpong ? "p" : "") + (overlap ? "o" : "") + (skip ? "k" : "") + (pairs ? "l" : "") +
+         (persistent ? "" : "n");
 }
 
 bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
 
 AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
-  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(n?))");
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
     throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
@@ -108,7 +109,8 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.pingpong = m[4].length() > 0;
   t.overlap = m[5].length() > 0;
   t.skip = m[6].length() > 0;
-  t.persistent = m[7].length() == 0;
+  t.pairs = m[7].length() > 0;
+  t.persistent = m[8].length() == 0;
   return t;
 }
 
@@ -125,9 +127,15 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal) {
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   // Mirrors attn_runtime_sm90.VARIANT_SM90 (the benchmark's variants).
   std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim, false)};
+  // {block_n, consumers, stages, pingpong, persistent, overlap, skip, pairs}
   if (head_dim == 64)
-    r.insert(r.end(), {{128, 3, 4, true, true, true, false}, {128, 3, 4, true, true, true, true}, {128, 2, 4, true, true, true, false}});
-  else r.insert(r.end(), {{128, 2, 2, true, true, true, false}, {128, 2, 2, true, true, true, true}});
+    r.insert(r.end(), {{128, 3, 4, true, true, true, false, false},
+                       {128, 3, 4, true, true, true, true, false},
+                       {128, 3, 4, true, true, false, false, true}});
+  else
+    r.insert(r.end(), {{128, 2, 2, true, true, true, false, false},
+                       {128, 2, 2, true, true, false, false, true},
+                       {128, 2, 2, true, true, true, false, true}});
   return r;
 }
 

@@ -122,20 +122,13 @@ struct TileWork {
   int n_mask_start;  // key blocks >= this one need the mask
 };
 
+// The tile of query block m_block of (batch, head) hb = batch * Hq + head.
 template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m, int t) {
+__device__ __forceinline__ TileWork tile_at(const AttnFwdParams& p, int hb, int m_block) {
   TileWork w;
-  // Not causal: m block fastest (CTAs that run together share a head's K and
-  // V in L2). Causal: tiles in order of decreasing work (the last query
-  // blocks first, all heads of one m block together, so that CTAs running
-  // together still walk the same key blocks): a scheduler that hands tiles
-  // out in this order balances like longest-processing-time-first.
-  const int hb = IS_CAUSAL ? t % (p.heads_q * p.batch) : t / num_m;
-  const int x = IS_CAUSAL ? t / (p.heads_q * p.batch) : t % num_m;
   w.head = hb % p.heads_q;
   w.batch = hb / p.heads_q;
   w.head_kv = w.head / p.q_per_kv;
-  const int m_block = IS_CAUSAL ? num_m - 1 - x : x;
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
   w.m_start = m_block * BLOCK_M;
   const int m_end = (w.m_start + BLOCK_M < Sq) ? w.m_start + BLOCK_M : Sq;
@@ -149,6 +142,63 @@ __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m,
   return w;
 }
 
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m, int t) {
+  // Not causal: m block fastest (CTAs that run together share a head's K and
+  // V in L2). Causal: tiles in order of decreasing work (the last query
+  // blocks first, all heads of one m block together, so that CTAs running
+  // together still walk the same key blocks): a scheduler that hands tiles
+  // out in this order balances like longest-processing-time-first.
+  const int hb = IS_CAUSAL ? t % (p.heads_q * p.batch) : t / num_m;
+  const int x = IS_CAUSAL ? t / (p.heads_q * p.batch) : t % num_m;
+  return tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, hb, IS_CAUSAL ? num_m - 1 - x : x);
+}
+
+// Slot k of this CTA's persistent loop: 1 and the tile in w, 0 for an empty
+// slot, -1 past the last one. Default: round k hands tiles [k G, k G + G)
+// out (G = gridDim.x), CTA i taking k G + i in even rounds and k G + G - 1 - i
+// in odd ones.
+// PAIRS (causal only, kOptPairs): first items of two tiles of one (batch,
+// head), query blocks x and num_m - 1 - x, which have about the same work
+// (num_m + 1 key blocks when BLOCK_M = BLOCK_N): item j = (k / 2) G + i goes
+// to CTA i, its long tile in the even slot and its short one in the odd one,
+// items ordered head by head, so CTAs running together work on a few heads
+// (G / (num_m / 2)) instead of one query block of G heads, whose K and V
+// together overflow L2 at S = 2048 (H200: 128 heads x 1 MB at D = 128). Then,
+// when num_m is odd, the middle blocks (half the work), one a slot, CTAs in
+// reverse order: those that got no item in the last, partial pair round first.
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, bool PAIRS>
+__device__ __forceinline__ int cta_tile(const AttnFwdParams& p, int num_m, int k, TileWork& w) {
+  const int G = (int)gridDim.x, i = (int)blockIdx.x;
+  const int hbs = p.heads_q * p.batch;
+  if constexpr (IS_CAUSAL && PAIRS) {
+    const int P2 = num_m / 2;  // pairs a head
+    const int NP = P2 * hbs;   // pair items
+    const int R2 = (NP + G - 1) / G;
+    if (k < 2 * R2) {
+      const int j = (k >> 1) * G + i;
+      if (j >= NP) return 0;
+      const int hb = j / P2, pr = j - hb * P2;
+      w = tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, hb, (k & 1) ? pr : num_m - 1 - pr);
+      return 1;
+    }
+    const int r = k - 2 * R2;
+    if ((num_m & 1) == 0 || r * G >= hbs) return -1;
+    const int j = r * G + (G - 1 - i);
+    if (j >= hbs) return 0;
+    w = tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, j, num_m / 2);
+    return 1;
+  } else {
+    const int num_tiles = num_m * hbs;
+    const int base = k * G;
+    if (base >= num_tiles) return -1;
+    const int t = base + ((k & 1) ? G - 1 - i : i);
+    if (t >= num_tiles) return 0;
+    w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+    return 1;
+  }
+}
+
 // OPTS bits of attention_fwd_sm90 (tag letters "o" and "k"; docs/attention.md, "Hopper").
 // kOptOverlap: a consumer issues the next tile's first S = Q K^T right after
 // this tile's last P V, outside its ping-pong turn, so the epilogue (normalise,
@@ -159,8 +209,10 @@ __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m,
 // (192-row tiles: up to two of three consumers), and every block for rows
 // past Sq (the last tile when BLOCK_M does not divide Sq). It still waits,
 // takes its turns and releases the slots, so the protocol is unchanged.
+// kOptPairs: causal tiles handed out in pairs of one head (cta_tile).
 constexpr int kOptOverlap = 1;
 constexpr int kOptSkip = 2;
+constexpr int kOptPairs = 4;
 
 // ---------------------------------------------------------------------------
 // The kernel
@@ -202,7 +254,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   const int Sq = p.seqlen_q;
   const int Sk = p.seqlen_k;
   const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
-  const int num_tiles = num_m * p.heads_q * p.batch;
+  constexpr bool kPairs = (OPTS & kOptPairs) != 0;
 
   if (tid == 0) {
     for (int b = 0; b < 2; ++b) {
@@ -228,10 +280,11 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       prefetch_tma_desc(&tm_k);
       prefetch_tma_desc(&tm_v);
       int q_count = 0, kv_count = 0;
-      for (int k = 0, base = 0; base < num_tiles; ++k, base += gridDim.x) {
-        const int t = base + ((k & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
-        if (t >= num_tiles) continue;
-        const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+      for (int k = 0;; ++k) {
+        TileWork w;
+        const int slot = cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
+        if (slot < 0) break;
+        if (slot == 0) continue;
         if (w.n_blocks == 0) continue;  // the consumers write 0 / -inf
         const int qb = q_count % kQBufs;
         mbar_wait(bar_q_empty + 8 * qb, ((q_count / kQBufs) & 1) ^ 1);
@@ -322,10 +375,11 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     // pre: the first S of this tile went out with the previous tile's last
     // P V (kOverlap; the same for every consumer, so turns stay matched).
     bool pre = false;
-    for (int k = 0, base = 0; base < num_tiles; ++k, base += gridDim.x) {
-      const int t = base + ((k & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
-      if (t >= num_tiles) continue;
-      const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+    for (int k = 0;; ++k) {
+      TileWork w;
+      const int slot = cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
+      if (slot < 0) break;
+      if (slot == 0) continue;
       // The next S issued before the epilogue completes here at the latest:
       // on every path, so that ptxas sees no product in flight across tiles.
       if constexpr (kOverlap) wgmma_wait<0>();
@@ -590,9 +644,8 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       const int next_qb = q_count % kQBufs;
       const u32 next_sK = sK0 + ((kv_count + n_blocks) % STAGES) * Tile::kKVBytes;
       if constexpr (kOverlap) {
-        const int kn = k + 1, tn = base + (int)gridDim.x + ((kn & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
-        if (tn < num_tiles) {
-          const TileWork wn = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, tn);
+        TileWork wn;
+        if (cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k + 1, wn) > 0) {
           pre_next = wn.n_blocks > 0;
           issue_next = pre_next && consumer_skip(wn) == 0;
         }

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pathlib
 import re
 
 import attn_runtime as ar
@@ -22,8 +23,10 @@ PTX_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_sm90_pt
 
 
 def sm90_source() -> str:
-    """What NVRTC compiles: the shared PTX helpers (all kernels', then Hopper's), then the Hopper kernel."""
-    return ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + KERNEL_SOURCE_SM90.read_text()
+    """What NVRTC compiles: the shared PTX helpers (all kernels', then Hopper's), then the Hopper kernel
+    (OPFUSE_ATTN_SM90_KERNEL=FILE: another version of the kernel file, to time two versions in one session)."""
+    kernel = os.environ.get("OPFUSE_ATTN_SM90_KERNEL") or KERNEL_SOURCE_SM90
+    return ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + pathlib.Path(kernel).read_text()
 HEAD_DIMS_SM90 = (64, 128)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 
@@ -37,11 +40,12 @@ class Sm90Config:
     persistent: bool = True  # host only: grid of min(tiles, SMs) CTAs looping over tiles, else one CTA a tile
     overlap: bool = False  # OPTS kOptOverlap: the next tile's first S goes out before this tile's epilogue
     skip: bool = False  # OPTS kOptSkip: a consumer skips the key blocks none of its rows see
+    pairs: bool = False  # OPTS kOptPairs: causal tiles handed out in pairs (x, num_m - 1 - x) of one head
 
     @property
     def opts(self) -> int:
         """The kernel's OPTS template argument."""
-        return (1 if self.overlap else 0) | (2 if self.skip else 0)
+        return (1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0)
 
     @property
     def block_m(self) -> int:
@@ -53,15 +57,16 @@ class Sm90Config:
 
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
-                f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'' if self.persistent else 'n'}")
+                f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}"
+                f"{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(n?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(7),
-                          bool(m.group(5)), bool(m.group(6)))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(8),
+                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)))
 
     def grid(self, seqlen_q: int, heads_q: int, batch: int, num_sms: int):
         tiles = -(-seqlen_q // self.block_m) * heads_q * batch
@@ -82,9 +87,9 @@ DEFAULT_SM90 = {
 }
 VARIANT_SM90 = {
     64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, overlap=True),
-         Sm90Config(128, 3, 4, True, overlap=True, skip=True), Sm90Config(128, 2, 4, True, overlap=True)],
+         Sm90Config(128, 3, 4, True, overlap=True, skip=True), Sm90Config(128, 3, 4, True, pairs=True)],
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
-          Sm90Config(128, 2, 2, True, overlap=True, skip=True)],
+          Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True)],
 }
 
 

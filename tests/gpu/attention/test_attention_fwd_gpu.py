@@ -252,8 +252,9 @@ def _sm90_persistent_params():
 
 # (B, Hq, Hkv, Sq, Sk): tiles that see no key (causal, Sq > Sk) and a last
 # tile whose third consumer has no row (700 = 3 x 192 + 124); then Sq = Sk with
-# a ragged last tile and many tiles a CTA.
-PERSISTENT_SHAPES = [(3, 24, 8, 700, 300), (2, 40, 20, 1000, 1000)]
+# ragged last tiles and an odd number of query blocks (the middle one a single
+# in the pairs schedule: 9 of 128 rows for 1100, 5 of 192 rows for 900).
+PERSISTENT_SHAPES = [(3, 24, 8, 700, 300), (2, 40, 20, 1100, 1100), (1, 48, 16, 900, 900)]
 
 
 @pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
