@@ -129,9 +129,7 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim, false)};
   // {block_n, consumers, stages, pingpong, persistent, overlap, skip, pairs}
   if (head_dim == 64)
-    r.insert(r.end(), {{128, 3, 4, true, true, true, false, false},
-                       {128, 3, 4, true, true, true, true, false},
-                       {128, 3, 4, true, true, false, false, true}});
+    r.insert(r.end(), {{128, 3, 4, true, true, false, false, true}});
   else
     r.insert(r.end(), {{128, 2, 2, true, true, true, false, false},
                        {128, 2, 2, true, true, false, false, true},

@@ -86,8 +86,7 @@ DEFAULT_SM90 = {
     (128, True): Sm90Config(128, 2, 2, True),
 }
 VARIANT_SM90 = {
-    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, overlap=True),
-         Sm90Config(128, 3, 4, True, overlap=True, skip=True), Sm90Config(128, 3, 4, True, pairs=True)],
+    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True)],
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
           Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True)],
 }
