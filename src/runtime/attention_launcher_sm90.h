@@ -38,7 +38,7 @@ struct AttnSm90Tile {
 };
 
 bool attn_sm90_head_dim_supported(int64_t head_dim);  // 64, 128
-// The same for causal and not today (the persistent grid; docs/attention.md).
+// The persistent grid; causal: the pairs schedule (docs/attention.md, "Hopper").
 AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal);
 // The default and the benchmark variants (what CI compiles).
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim);

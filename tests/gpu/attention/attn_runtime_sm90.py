@@ -77,13 +77,15 @@ class Sm90Config:
 # (CI compiles all). The persistent grid everywhere: with causal tiles handed
 # out in order of decreasing work in snake rounds it matched or beat one CTA
 # per tile in 7 of 8 causal cases of the third H200 run (commit 6e378ba,
-# docs/attention.md, "Hopper"); in the second run, with head-major rounds, it
-# had lost on causal problems.
+# docs/attention.md, "Hopper"). Causal: the pairs schedule (tag "l"), which
+# beat that order in the same H200 run (commit 9af5955) at D = 128 by 15% /
+# 7% / 3% (S = 2048 / 8192 / 16384) and at D = 64 by 5% at S = 2048 (+1% /
+# -0.4% at S = 8192 / 16384, a tie).
 DEFAULT_SM90 = {
     (64, False): Sm90Config(128, 3, 4, True),
-    (64, True): Sm90Config(128, 3, 4, True),
+    (64, True): Sm90Config(128, 3, 4, True, pairs=True),
     (128, False): Sm90Config(128, 2, 2, True),
-    (128, True): Sm90Config(128, 2, 2, True),
+    (128, True): Sm90Config(128, 2, 2, True, pairs=True),
 }
 VARIANT_SM90 = {
     64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True)],

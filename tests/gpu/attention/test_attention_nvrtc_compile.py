@@ -153,6 +153,11 @@ def test_sm90_every_instantiation_compiles_without_spills(compiled_sm90):
     # ptxas warns (C7508, C7515...) when it ignores setmaxnreg or serialises wgmma.
     warnings = [l for l in c["log"].splitlines() if "warning" in l.lower()]
     assert not warnings, "\n".join(warnings[:20])
+    # ... and only reports (C7518, C7520 "Potential Performance Loss") when a
+    # wgmma sits under a branch it cannot prove uniform: every wgmma of the
+    # kernel is then serialised (seen while adding OPTS; docs/attention.md).
+    serialised = [l for l in c["log"].splitlines() if "serialized" in l or "Performance Loss" in l]
+    assert not serialised, "\n".join(serialised[:20])
     problems = []
     print(f"\nsm_90a: {'instantiation':86} regs stack spill_st spill_ld smem")
     for (elem, d, causal, cfg), e in zip(c["inst"], c["exprs"]):
