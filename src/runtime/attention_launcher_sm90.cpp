@@ -116,11 +116,13 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
 
 bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 128; }
 
-AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal) {
-  // Mirrors attn_runtime_sm90.DEFAULT_SM90: causal tiles in the pairs
-  // schedule (15% faster at D = 128, S = 2048 on the H200; docs/attention.md).
-  if (head_dim == 64) return {128, 3, 4, true, true, false, false, causal};
-  if (head_dim == 128) return {128, 2, 2, true, true, false, false, causal};
+AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
+  // Mirrors attn_runtime_sm90.default_config_sm90: causal tiles in the pairs
+  // schedule (15% faster at D = 128, S = 2048 on the H200; docs/attention.md)
+  // unless masked (pairs with a mask spilled).
+  const bool pairs = causal && !masked;
+  if (head_dim == 64) return {128, 3, 4, true, true, false, false, pairs};
+  if (head_dim == 128) return {128, 2, 2, true, true, false, false, pairs};
   throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
 }
 
@@ -212,7 +214,8 @@ AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const Attn
 void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, CUcontext ctx, CUstream stream) {
   const CudaApi& c = cuda();
   const int D = static_cast<int>(a.head_dim);
-  const AttnSm90Tile tile = a.tile.empty() ? attn_sm90_default_tile(D, a.causal) : AttnSm90Tile::parse(a.tile);
+  const AttnSm90Tile tile =
+      a.tile.empty() ? attn_sm90_default_tile(D, a.causal, a.mask != AttnMaskKind::None) : AttnSm90Tile::parse(a.tile);
   const int smem = attn_sm90_smem_bytes(D, tile);
   struct Loaded {
     CUmodule module = nullptr;

@@ -38,8 +38,9 @@ struct AttnSm90Tile {
 };
 
 bool attn_sm90_head_dim_supported(int64_t head_dim);  // 64, 128
-// The persistent grid; causal: the pairs schedule (docs/attention.md, "Hopper").
-AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal);
+// The persistent grid; causal: the pairs schedule (docs/attention.md,
+// "Hopper"), except with an attn_mask (pairs there spilled 16-28 bytes).
+AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked = false);
 // The default and the benchmark variants (what CI compiles).
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim);
 // Sm90Tile::kSmemBytes: Q (two buffers when they fit), the K/V ring, the

@@ -94,8 +94,12 @@ VARIANT_SM90 = {
 }
 
 
-def default_config_sm90(head_dim: int, causal: bool) -> Sm90Config:
-    return DEFAULT_SM90[(head_dim, bool(causal))]
+def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
+    """With an attn_mask, the tile without the pairs schedule: pairs on top of
+    a mask spilled 16-28 bytes (D = 128, causal, key padding) where the
+    plain tile spills none (C++: attn_sm90_default_tile)."""
+    cfg = DEFAULT_SM90[(head_dim, bool(causal))]
+    return dataclasses.replace(cfg, pairs=False) if masked else cfg
 
 
 def configs_sm90(head_dim: int):
@@ -136,7 +140,7 @@ def masked_instantiations_sm90():
         for elem in ar.ELEMENTS:
             for causal in (False, True):
                 for mask in ar.mask_kinds(elem):
-                    out.append((elem, d, causal, DEFAULT_SM90[(d, causal)], mask))
+                    out.append((elem, d, causal, default_config_sm90(d, causal, masked=True), mask))
     return out
 
 
