@@ -85,7 +85,8 @@ void bind_attention_bwd(nb::module_& m) {
       nb::arg("mask") = 0, nb::arg("mask_strides") = std::vector<int64_t>{},
       "Launches the attention backward kernels on `stream` (an integer cudaStream_t).\n"
       "ptrs: q, k, v, o, dout, dq, dk, dv, lse, delta, lse_log2, dq_accum (workspaces: float32,\n"
-      "contiguous, attention_backward_padded_rows(Sq) rows per (b, h); dq_accum [.., D], unused when\n"
+      "contiguous, attention_backward_padded_rows(Sq) rows per (b, h); lse_log2 twice that with a mask;\n"
+      "dq_accum [.., D], unused when\n"
       "deterministic); sizes: B, Hq, Hkv, Sq, Sk, D; strides: dims 0..2 of the eight tensors, 0..1 of lse.");
   m.def(
       "attention_backward_unsupported_reason",
