@@ -98,11 +98,11 @@ void bind_attention_bwd(nb::module_& m) {
   m.def("attention_backward_padded_rows", &at::attn_bwd_padded_rows);
   m.def(
       "attention_backward_tiles",
-      [](int head_dim, int arch, int smem_limit) {
-        const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch, smem_limit);
+      [](int head_dim, int arch, int smem_limit, bool masked) {
+        const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch, smem_limit, masked);
         return std::make_tuple(t.dkdv.tag(), t.dq.tag());
       },
-      nb::arg("head_dim"), nb::arg("arch"), nb::arg("smem_limit") = 0,
+      nb::arg("head_dim"), nb::arg("arch"), nb::arg("smem_limit") = 0, nb::arg("masked") = false,
       "(dK/dV tile, deterministic dQ tile) the launcher uses, as tags such as '64x128w8b1'.");
   m.def(
       "attention_backward_compile",
