@@ -699,8 +699,12 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         s += shfl_xor(s, 2);
         inv_sum[h] = (s > 0.f) ? rcp(s) : 0.f;
         const int row = w.m_start + e_row0 + 8 * h;
-        if (lse_base && (e_lane & 3) == 0 && row < Sq)
-          store_f32_global(lse_base + row, (s > 0.f) ? (row_max[h] + lg2(s)) * 0.69314718055994531f : neg_inf());
+        if (lse_base && (e_lane & 3) == 0 && row < Sq) {
+          float lse = (s > 0.f) ? (row_max[h] + lg2(s)) * 0.69314718055994531f : neg_inf();
+          if constexpr (kMaskMode != 0)  // only huge mask values give a max of +-FLT_MAX
+            if (s > 0.f && is_huge_row_max(row_max[h])) lse = huge_row_lse(row_max[h], lg2(s));
+          store_f32_global(lse_base + row, lse);
+        }
       }
       // Every warp of this consumer is past its last wgmma on these Q rows.
       named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
