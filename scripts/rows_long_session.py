@@ -48,6 +48,7 @@ def main():
     ap.add_argument("--shapes", default="8192x32768,4096x262144")
     ap.add_argument("--phases", default="opfuse,opfuse-loop,baselines")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds of timing per impl and case")
     a = ap.parse_args()
     IMPLS["opfuse-loop"] = with_env("OPFUSE_ROW_SMEM_KB", "0", IMPLS["opfuse"])
     device = torch.device(a.device)
@@ -62,7 +63,7 @@ def main():
     for phase in a.phases.split(","):
         for case in cases:
             # A case per run_case call: it resets dynamo first, so each impl compiles afresh.
-            results = run_case(case, phases[phase], device, budget_s=0.3, min_reps=10)
+            results = run_case(case, phases[phase], device, budget_s=a.budget, min_reps=10)
             records += to_records(results, bw, info)
             for r in results:
                 gbs = f"{r.nbytes / r.timing.median_ms / 1e6:7.0f} GB/s" if r.timing else f"ERROR {r.error}"
