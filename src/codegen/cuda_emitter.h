@@ -89,7 +89,7 @@ class CudaEmitter : public CEmitter {
   int64_t stage_chunk_ = 0;
   int stage_min_blocks_ = 1;
   bool stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster);
-  void stage_prologue(int threads_per_row);
+  void stage_prologue(int threads_per_row, const std::vector<size_t>& kept);
   void partial(const KStmt& s) override;
   void store_partials(int threads_per_row, const std::string& slot);
 

@@ -440,13 +440,29 @@ bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cl
 
 // The staged row's copy: each thread issues its columns' 16-byte copies at
 // once and waits for them (its own only: see stage_rows).
-void CudaEmitter::stage_prologue(int threads_per_row) {
+// OPFUSE_ROW_SMEM_PREFETCH=n (an experiment, off by default): after its
+// copies each thread also asks L2 for the same columns of the row n rows on
+// (-1: one wave on, the blocks an SM x 132 / the cluster), so that the
+// block taking that row finds it in L2 and its cluster waits less at the
+// first barrier for the slowest copy.
+void CudaEmitter::stage_prologue(int threads_per_row, const std::vector<size_t>& kept) {
   std::string V = std::to_string(vec_), step = std::to_string(threads_per_row * vec_);
+  int64_t ahead = env_int("OPFUSE_ROW_SMEM_PREFETCH", 0);
+  if (ahead < 0) ahead = std::max<int64_t>(1, 132 * stage_min_blocks_ / cluster_);
+  if (ahead > 0) {
+    line("const bool spf_ok_ = row_ + " + std::to_string(ahead) + " < rows;");
+    decompose("spf_ok_ ? row_ + " + std::to_string(ahead) + " : row_", kept, "spfx");
+  }
   line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
   for (const auto& [b, st] : staged_) {
     std::vector<Expr> idx = st.load.index;
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var("c_") : nullptr; });
     line("  opf_cp_async16(" + st.name + " + (c_ - cbegin_), b" + std::to_string(b) + " + " + offset(b, idx) + ");");
+    if (ahead > 0) {
+      for (auto& e : idx)
+        e = substitute(e, [&](const ExprNode& v) -> Expr { return kept_vars_.count(v.name) ? var("spf" + v.name) : nullptr; });
+      line("  if (spf_ok_) opf_prefetch_l2(b" + std::to_string(b) + " + " + offset(b, idx) + ");");
+    }
   }
   line("}");
   line("opf_cp_async_wait_all();");
@@ -624,7 +640,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   bool long_rows = known && ncols > 32768;
   // (Rows staged in shared memory re-read it, not HBM: three passes.)
   int online = (long_rows && !caching_ && !columns_ && cluster_ == 1 && stage_bytes_ == 0) ? online_softmax_stage() : -1;
-  if (stage_bytes_ > 0) stage_prologue(threads_per_row);
+  if (stage_bytes_ > 0) stage_prologue(threads_per_row, split.kept);
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);
