@@ -49,6 +49,10 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   if (!(mb && std::atoi(mb) > 0) && k_->row && loop_overflow_ && vec_ > 1) min_blocks = "2";
   // Lean partials kernels (OPFUSE_ROW_LEAN): see lean_blocks_.
   if (!(mb && std::atoi(mb) > 0) && k_->row && lean_blocks_ > 0 && vec_ > 1) min_blocks = std::to_string(lean_blocks_);
+  // Rows staged in shared memory: as many blocks an SM as its shared memory
+  // holds (three of 64 KB on sm_90), so one block's reductions and stores
+  // overlap another's copies.
+  if (!(mb && std::atoi(mb) > 0) && k_->row && stage_bytes_ > 0 && vec_ > 1) min_blocks = std::to_string(stage_min_blocks_);
   std::string bounds = std::to_string(threads) + (k_->row ? ", " + min_blocks : "");
   line("extern \"C\" __global__ void __launch_bounds__(" + bounds + ") " + dims + name + "(const " + args + " a) {");
   ++indent_;
@@ -105,6 +109,14 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
     std::string key = access_key(s);
     if (lane_of_.count(key)) continue;
     if (caching_ && cache_.read[static_cast<size_t>(stage_index_)].count(s.dst)) continue;  // read from registers instead
+    if (auto st = staged_.find(s.buffer); st != staged_.end()) {
+      // The thread's own copy of these columns, from the stage prologue.
+      std::string arr = "lv" + std::to_string(lane_of_.size());
+      lane_of_[key] = arr;
+      line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
+      line("opf_vload<" + std::to_string(vec_) + ">(" + st->second.name + " + (" + lane0 + " - cbegin_), " + arr + ");");
+      continue;
+    }
     std::vector<Expr> idx = s.index;
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
     int raw_slot = -1;
@@ -273,6 +285,8 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
   out_.str("");
   indent_ = 0;
   launch_ = CudaLaunch{};
+  staged_.clear();
+  stage_bytes_ = 0;
   // Every output in 16-bit floats: exp may use the hardware's approximation.
   fast_math_ = true;
   for (const KBuffer& b : k.buffers)
@@ -295,6 +309,7 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
       launch_.vec_threads = vl.threads;
       launch_.vec_rows_per_block = vl.rows_per_block;
       launch_.vec_cluster = vl.cluster;
+      launch_.vec_smem = vl.smem;
       for (size_t b = 0; b < vb.size(); ++b)
         if (vb[b]) launch_.vec_buffers.push_back(static_cast<int>(b));
     }

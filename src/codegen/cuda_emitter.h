@@ -31,6 +31,7 @@ struct CudaLaunch {
   int cluster = 1;          // row kernels: blocks per row (a thread-block cluster)
   int vec_threads = 0, vec_rows_per_block = 0, vec_cluster = 1;  // row kernels: geometry of the vector twin
   int64_t parts = 0;       // row kernels with column partials: grid x rows_per_block = parts
+  int smem = 0, vec_smem = 0;  // row kernels: dynamic shared memory bytes (rows staged there), scalar and vector twin
   Expr numel, rows, cols;  // launch geometry in terms of size symbols
   std::string name, vec_name;  // scalar and vector entry points
 };
@@ -81,6 +82,20 @@ class CudaEmitter : public CEmitter {
   std::vector<std::string> prefetch_lines_;  // collected by vector_loads, printed after the stage loop
   std::set<std::string> kept_vars_;     // x<axis> of the kept (row) axes
   int loop_stages_printed_ = 0;         // loop (not unrolled) stages so far: odd ones may run backwards
+  // Rows staged in shared memory (vector twins of loop-stage rows): the
+  // staged buffers' smem arrays, the bytes a block stages, the columns a
+  // block (of a cluster) takes, and the blocks an SM that leaves room for.
+  struct Staged {
+    std::string name;
+    int64_t offset = 0;
+    KStmt load;  // the buffer's one access along the row
+  };
+  std::map<int, Staged> staged_;
+  int stage_bytes_ = 0;
+  int64_t stage_chunk_ = 0;
+  int stage_min_blocks_ = 1;
+  bool stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster);
+  void stage_prologue(int threads_per_row, const std::vector<size_t>& kept);
   void partial(const KStmt& s) override;
   void store_partials(int threads_per_row, const std::string& slot);
 

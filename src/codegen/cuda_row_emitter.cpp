@@ -2,6 +2,7 @@
 // the stage loops, and the reductions across the threads of a row.
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -442,6 +443,99 @@ void CudaEmitter::store_partials(int threads_per_row, const std::string& slot) {
   line("}");
 }
 
+// Rows too long for the register cache run loop stages, and each stage
+// after the first re-reads the row: from L2 where the rows in flight fit
+// (8192x32768 bf16: 3 passes, ~3.4 TB/s on the H200), from HBM where they do
+// not (4096x262144: 2-3 reads of each element). Staged instead, each block
+// copies its row (or, in a cluster of up to 8 blocks, its slice of the row)
+// into shared memory once with cp.async, and every stage reads it there:
+// each element is read from HBM once and written once. The row statistics
+// of a cluster combine through distributed shared memory (the cluster
+// reductions). Vector twins only (16-byte copies of aligned rows); each
+// thread reads back only the columns it copied, so no barrier guards the
+// copy. OPFUSE_ROW_SMEM_KB (default 64: three blocks an SM on sm_90, 0 turns
+// staging off) is the most a block stages; OPFUSE_ROW_SMEM_CLUSTER (8) the
+// most blocks a row may take; OPFUSE_ROW_SMEM_THREADS (512) the most threads
+// a block has.
+bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster) {
+  int64_t budget = static_cast<int64_t>(env_int("OPFUSE_ROW_SMEM_KB", 64)) * 1024;
+  if (budget <= 0 || arch_ < 80 || columns_ || row_loop_axes_.size() != 1 || last_var_.empty() || k_->stages.size() < 2)
+    return false;
+  // Forward rows re-read one tensor; the backward kernels' two (dy and y or
+  // x) are staged only with OPFUSE_ROW_SMEM_TENSORS=2 (not measured yet).
+  if (static_cast<int>(reread.size()) > std::max(1, env_int("OPFUSE_ROW_SMEM_TENSORS", 1))) return false;
+  std::map<int, std::set<std::string>> keys;
+  std::map<int, KStmt> load;
+  for (const KStage& st : k_->stages)
+    for (const KStmt& s : st.loop)
+      if (s.kind == KStmt::Load && reread.count(s.buffer)) {
+        keys[s.buffer].insert(access_key(s));
+        load.emplace(s.buffer, s);
+      }
+  int64_t esum = 0;
+  for (int b : reread) {
+    const KBuffer& kb = k_->buffers[static_cast<size_t>(b)];
+    // One access a row (its columns at one offset), read with 16-byte vectors, never written here.
+    if (!vec_buffer_[static_cast<size_t>(b)] || kb.written || keys[b].size() != 1 || dtype_size(kb.dtype) * vec_ != 16) return false;
+    esum += dtype_size(kb.dtype);
+  }
+  int max_c = arch_ >= 90 && cluster_ok ? std::max(1, std::min(8, env_int("OPFUSE_ROW_SMEM_CLUSTER", 8))) : 1;
+  auto chunk_of = [&](int c) { return ceil_div(ceil_div(ncols, c), vec_) * vec_; };
+  int c = 1;
+  while (chunk_of(c) * esum > budget && c < max_c) c *= 2;
+  int64_t chunk = chunk_of(c);
+  if (chunk * esum > budget) return false;
+  stage_chunk_ = chunk;
+  int64_t off = 0;
+  for (int b : reread) {
+    staged_[b] = Staged{"sr" + std::to_string(b), off, load.at(b)};
+    off += chunk * dtype_size(k_->buffers[static_cast<size_t>(b)].dtype);  // a multiple of 16
+  }
+  stage_bytes_ = static_cast<int>(off);
+  int max_threads = env_int("OPFUSE_ROW_SMEM_THREADS", 512);
+  if (max_threads < 128 || max_threads > 1024 || (max_threads & (max_threads - 1)) != 0) max_threads = 512;
+  *threads = std::min(max_threads, std::max(128, pow2_at_least(ceil_div(chunk, 8 * vec_))));
+  *cluster = c;
+  // Shared memory an SM (KB): sm_80/87 164, sm_90/100 228, others 100;
+  // each block also takes ~1 KB of static and 1 KB of reserved memory.
+  int64_t sm_kb = arch_ == 80 || arch_ == 87 ? 164 : arch_ == 90 || arch_ == 100 || arch_ == 103 ? 228 : 100;
+  // At most 1536 threads an SM (40 registers a thread): at 32 (four 512-thread
+  // blocks) ptxas spilled in float32 rms_norm.
+  int64_t blocks = (sm_kb * 1024) / (off + 2048);
+  stage_min_blocks_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1536 / *threads)));
+  return true;
+}
+
+// The staged row's copy: each thread issues its columns' 16-byte copies at
+// once and waits for them (its own only: see stage_rows).
+// OPFUSE_ROW_SMEM_PREFETCH=n (an experiment, off by default): after its
+// copies each thread also asks L2 for the same columns of the row n rows on
+// (-1: one wave on, the blocks an SM x 132 / the cluster), so that the
+// block taking that row finds it in L2 and its cluster waits less at the
+// first barrier for the slowest copy.
+void CudaEmitter::stage_prologue(int threads_per_row, const std::vector<size_t>& kept) {
+  std::string V = std::to_string(vec_), step = std::to_string(threads_per_row * vec_);
+  int64_t ahead = env_int("OPFUSE_ROW_SMEM_PREFETCH", 0);
+  if (ahead < 0) ahead = std::max<int64_t>(1, 132 * stage_min_blocks_ / cluster_);
+  if (ahead > 0) {
+    line("const bool spf_ok_ = row_ + " + std::to_string(ahead) + " < rows;");
+    decompose("spf_ok_ ? row_ + " + std::to_string(ahead) + " : row_", kept, "spfx");
+  }
+  line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
+  for (const auto& [b, st] : staged_) {
+    std::vector<Expr> idx = st.load.index;
+    for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var("c_") : nullptr; });
+    line("  opf_cp_async16(" + st.name + " + (c_ - cbegin_), b" + std::to_string(b) + " + " + offset(b, idx) + ");");
+    if (ahead > 0) {
+      for (auto& e : idx)
+        e = substitute(e, [&](const ExprNode& v) -> Expr { return kept_vars_.count(v.name) ? var("spf" + v.name) : nullptr; });
+      line("  if (spf_ok_) opf_prefetch_l2(b" + std::to_string(b) + " + " + offset(b, idx) + ");");
+    }
+  }
+  line("}");
+  line("opf_cp_async_wait_all();");
+}
+
 void CudaEmitter::row_kernel(const std::string& name, int vec) {
   vec_ = vec;
   lane_of_.clear();
@@ -525,10 +619,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // row-varying buffers loaded after the first stage.
   int64_t reread = 0;
   size_t reread_bufs = 0;
+  std::set<int> bufs;
   if (known) {
     std::set<std::string> kept;
     for (size_t a : split.kept) kept.insert("x" + std::to_string(a));
-    std::set<int> bufs;
     for (size_t si = 1; si < k_->stages.size(); ++si)
       for (const KStmt& s : k_->stages[si].loop)
         if (s.kind == KStmt::Load && std::any_of(s.index.begin(), s.index.end(), [&](const Expr& e) {
@@ -544,6 +638,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     reread_bufs = bufs.size();
   }
   RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok, reread, static_cast<int>(reread_bufs));
+  staged_.clear();
+  stage_bytes_ = 0;
+  if (vec > 1 && known && g.items == 0 && !g.grouped && !partials && !bufs.empty() &&
+      stage_rows(ncols, bufs, cluster_ok, &g.threads, &g.cluster))
+    g.l2_overflow = false;
   if (columns_) {
     g = RowGeometry{};
     g.threads = 512;
@@ -615,9 +714,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   grouped_rows_ = g.grouped;
   lanes_ = g.lanes;
-  cluster_ = caching_ || columns_ || partial_cluster > 1 ? g.cluster : 1;
+  cluster_ = caching_ || columns_ || partial_cluster > 1 || stage_bytes_ > 0 ? g.cluster : 1;
   cluster_row_loop_ = partial_cluster > 1;
-  loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1;
+  loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
+  launch_.smem = stage_bytes_;
   cluster_reductions_ = 0;
   pair_reductions_ = 0;
   launch_.threads = g.threads;
@@ -660,7 +760,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // dependent chain cost more than the pass it saves (8192x32768 softmax
   // 3.26 -> 2.40 TB/s), so they keep three stages.
   bool long_rows = known && ncols > 32768;
-  int online = (long_rows && !caching_ && !columns_ && cluster_ == 1) ? online_softmax_stage() : -1;
+  // (Rows staged in shared memory re-read it, not HBM: three passes.)
+  int online = (long_rows && !caching_ && !columns_ && cluster_ == 1 && stage_bytes_ == 0) ? online_softmax_stage() : -1;
+  if (stage_bytes_ > 0) stage_prologue(threads_per_row, split.kept);
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);
@@ -714,6 +816,12 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   if (pair_reductions_ > 0) {
     line("__shared__ __align__(16) double opf_psmem[128];");
     line("int opf_rp_ = 0;");
+  }
+  if (stage_bytes_ > 0) {
+    line("extern __shared__ __align__(16) unsigned char opf_dsmem[];");
+    for (const auto& [b, st] : staged_)
+      line(storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "* const " + st.name + " = reinterpret_cast<" +
+           storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "*>(opf_dsmem + " + std::to_string(st.offset) + ");");
   }
   line("const int64_t rows = " + size_c(split.rows) + ";");
   line("const int64_t cols = " + size_c(split.cols) + ";");
@@ -782,6 +890,15 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     line("int par_ = 0;");
     line("for (int64_t row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
     line("  const bool real_ = true;");
+  } else if (cluster_ > 1 && stage_bytes_ > 0) {
+    // A staged row split over the cluster: block r takes (and stages) the
+    // r-th slice of the row in every stage.
+    std::string S = std::to_string(stage_chunk_);
+    line("const int tid_ = threadIdx.x;");
+    line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");
+    line("const int64_t cbase_ = 0, cbegin_ = (int64_t)opf_cluster_rank() * " + S + ";");
+    line("const int64_t cend_ = cbegin_ + " + S + " < cols ? cbegin_ + " + S + " : cols;");
+    line("{");
   } else if (cluster_ > 1) {
     line("const int tid_ = threadIdx.x;");
     line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");

@@ -202,6 +202,15 @@ template <int V, class T> static __device__ __forceinline__ void opf_vload(const
 // result): row kernels ask for the row they take next while they reduce this
 // one, so more of HBM's latency is covered than their registers allow.
 static __device__ __forceinline__ void opf_prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
+// Rows staged in shared memory (sm_80+): each thread copies its own 16-byte
+// pieces of the row with cp.async (no registers held while they are in
+// flight, so the whole row is requested at once), waits for its own copies
+// and later reads back only what it copied, so no barrier is needed.
+static __device__ __forceinline__ void opf_cp_async16(void* smem, const void* gmem) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+static __device__ __forceinline__ void opf_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 template <int V, class T> static __device__ __forceinline__ void opf_vstore(T* __restrict__ p, const T* in) {
   opf_lanes<T, V> l;
 #pragma unroll

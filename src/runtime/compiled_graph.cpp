@@ -355,7 +355,7 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
       size_t k = static_cast<size_t>(st.kernel);
       void* params[] = {args};
       check_cuda(c.LaunchKernel(vec ? v.cu_vector[k] : v.cu_scalar[k], vec ? st.vec_grid : st.grid, 1, 1,
-                                vec ? st.vec_threads : st.threads, 1, 1, 0, options.stream, params, nullptr),
+                                vec ? st.vec_threads : st.threads, 1, 1, vec ? st.vec_smem : 0, options.stream, params, nullptr),
                  "cuLaunchKernel");
     }
     return;
@@ -448,6 +448,10 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
     CUfunction f = nullptr, fv = nullptr;
     check_cuda(c.ModuleGetFunction(&f, v.module, l.name.c_str()), "cuModuleGetFunction");
     if (!l.vec_name.empty()) check_cuda(c.ModuleGetFunction(&fv, v.module, l.vec_name.c_str()), "cuModuleGetFunction");
+    // Past 48 KB a kernel must opt into its dynamic shared memory.
+    constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if (fv && l.vec_smem > 0)
+      check_cuda(c.FuncSetAttribute(fv, kAttrMaxDynamicSharedBytes, l.vec_smem), "cuFuncSetAttribute(max dynamic shared memory)");
     v.cu_scalar.push_back(f);
     v.cu_vector.push_back(fv);
   }
@@ -489,6 +493,7 @@ void CompiledGraph::prepare_cuda_kernel(const Variant& v, size_t i, const std::v
   }
   st->vec_possible = vec_ok;
   st->threads = static_cast<unsigned>(cl.threads);
+  st->vec_smem = static_cast<unsigned>(cl.vec_smem);
   if (!cl.row) {
     int64_t n = evaluate(cl.numel, env);
     st->empty = n == 0;

@@ -100,6 +100,7 @@ class CompiledGraph {
       bool vec_possible = false;
       std::vector<std::pair<int, uintptr_t>> vec_align;  // (buffer, bytes)
       unsigned grid = 1, threads = 1, vec_grid = 1, vec_threads = 1;
+      unsigned vec_smem = 0;  // dynamic shared memory of the vector twin (rows staged there)
       bool too_many_rows = false, vec_too_many_rows = false;  // a cluster grid past the limit
     };
     std::vector<Step> steps;
