@@ -1,9 +1,8 @@
 """Thread CPU time per call of the launch path's layers, for noisy shared
 machines where `opfuse bench --suite launch`'s wall time swings:
-time.thread_time_ns counts only this thread's CPU time. Self-contained (it
-uses only what every opfuse since the PreparedRun change has: the
-partition's layout_of and PreparedRun.launch), so the same file measures
-two trees alternately:
+time.thread_time_ns counts only this thread's CPU time. The layers are
+the bench's (opfuse.bench.launch.layer_calls), so running this file against
+two trees alternately measures each tree's own path:
 
     N=4096 .venv/bin/python scripts/launch_cpu_time.py [cpu|cuda]
 
@@ -20,7 +19,7 @@ import time
 import torch
 
 import opfuse  # noqa: F401  (registers the backend before torch.compile looks it up)
-from opfuse.frontend import runtime
+from opfuse.bench.launch import chain, layer_calls, multi
 
 
 def timed(fn, calls, batches=7):
@@ -35,48 +34,10 @@ def timed(fn, calls, batches=7):
     return statistics.median(per), min(per)
 
 
-def find_partition(f, args):
-    found, original = [], runtime.FusedPartition.__call__
-
-    def spy(self, *a):
-        found.append((self, a))
-        return original(self, *a)
-
-    runtime.FusedPartition.__call__ = spy
-    try:
-        f(*args)
-    finally:
-        runtime.FusedPartition.__call__ = original
-    assert len(found) == 1, len(found)
-    return found[0]
-
-
-def chain(x, b1, b2):
-    return torch.relu(x + b1) * 0.5 + b2
-
-
-def multi(x, b):
-    y = torch.relu(x + b)
-    r = y.sum(-1, keepdim=True)
-    c = (y * r).sum(0)
-    return y * 0.5 + c
-
-
 def measure(fn, args, device):
-    torch._dynamo.reset()
-    f = torch.compile(fn, backend="opfuse")
-    f(*args)
-    part, pargs = find_partition(f, args)
-    tensors = [pargs[i] for i in part.tensor_positions]
-    lay = part.layout_of(tensors)
-    outs = [torch.empty_strided(s, st, dtype=d, device=device) for s, st, d in lay.out_specs]
-    ptrs = [t.data_ptr() for t in tensors] + [o.data_ptr() for o in outs]
-    stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
-    a, b = args[0], args[1]
-    return part.num_kernels, {"torch.compile": timed(lambda: f(*args), 2000),
-                              "partition": timed(lambda: part(*pargs), 5000),
-                              "run": timed(lambda: lay.prepared.launch(ptrs, stream), 5000),
-                              "eager add": timed(lambda: torch.add(a, b), 5000)}
+    k, calls_of = layer_calls(fn, args, torch.device(device))
+    counts = {"torch.compile": 2000}
+    return k, {layer: timed(call, counts.get(layer, 5000)) for layer, call in calls_of.items()}
 
 
 def main():

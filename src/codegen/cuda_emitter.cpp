@@ -47,6 +47,12 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   if (!(mb && std::atoi(mb) > 0) && cluster_row_loop_ && vec_ > 1) min_blocks = "2";
   // 1024-thread loop blocks for rows overflowing L2: two an SM (32 registers).
   if (!(mb && std::atoi(mb) > 0) && k_->row && loop_overflow_ && vec_ > 1) min_blocks = "2";
+  // Lean partials kernels (OPFUSE_ROW_LEAN): see lean_blocks_.
+  if (!(mb && std::atoi(mb) > 0) && k_->row && lean_blocks_ > 0 && vec_ > 1) min_blocks = std::to_string(lean_blocks_);
+  // Rows staged in shared memory: as many blocks an SM as its shared memory
+  // holds (three of 64 KB on sm_90), so one block's reductions and stores
+  // overlap another's copies.
+  if (!(mb && std::atoi(mb) > 0) && k_->row && stage_bytes_ > 0 && vec_ > 1) min_blocks = std::to_string(stage_min_blocks_);
   std::string bounds = std::to_string(threads) + (k_->row ? ", " + min_blocks : "");
   line("extern \"C\" __global__ void __launch_bounds__(" + bounds + ") " + dims + name + "(const " + args + " a) {");
   ++indent_;
@@ -103,12 +109,33 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
     std::string key = access_key(s);
     if (lane_of_.count(key)) continue;
     if (caching_ && cache_.read[static_cast<size_t>(stage_index_)].count(s.dst)) continue;  // read from registers instead
-    std::string arr = "lv" + std::to_string(lane_of_.size());
-    lane_of_[key] = arr;
+    if (auto st = staged_.find(s.buffer); st != staged_.end()) {
+      // The thread's own copy of these columns, from the stage prologue.
+      std::string arr = "lv" + std::to_string(lane_of_.size());
+      lane_of_[key] = arr;
+      line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
+      line("opf_vload<" + std::to_string(vec_) + ">(" + st->second.name + " + (" + lane0 + " - cbegin_), " + arr + ");");
+      continue;
+    }
     std::vector<Expr> idx = s.index;
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
-    line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
-    line("opf_vload<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " + arr + ");");
+    int raw_slot = -1;
+    if (caching_) {
+      const std::map<int, int>& writes = cache_.write[static_cast<size_t>(stage_index_)];
+      auto w = writes.find(s.dst);
+      if (w != writes.end() && raw_slots_.count(w->second)) raw_slot = w->second;
+    }
+    if (raw_slot >= 0) {
+      // Loaded straight into the raw cache vector; its lanes are read from there.
+      std::string arr = "rr" + std::to_string(raw_slot) + "[it_]";
+      lane_of_[key] = arr;
+      line(arr + " = *reinterpret_cast<const opf_vec<16>*>(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ");");
+    } else {
+      std::string arr = "lv" + std::to_string(lane_of_.size());
+      lane_of_[key] = arr;
+      line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
+      line("opf_vload<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " + arr + ");");
+    }
     if (prefetch_) {
       bool row_varying = false;
       std::vector<Expr> next = idx;
@@ -147,14 +174,18 @@ void CudaEmitter::statement(const KStmt& s, const KStage& stage) {
   if (caching_ && s.dst >= 0) {
     auto r = cache_.read[static_cast<size_t>(stage_index_)].find(s.dst);
     if (r != cache_.read[static_cast<size_t>(stage_index_)].end()) {
-      line("const " + value_type(s.type) + " " + value(s.dst) + " = rc" + std::to_string(r->second) + "[" + cache_index + "];");
+      if (raw_slots_.count(r->second))
+        line("const " + value_type(s.type) + " " + value(s.dst) + " = opf_raw_lane<" + raw_type_.at(r->second) + ">(rr" +
+             std::to_string(r->second) + "[it_], j_);");
+      else
+        line("const " + value_type(s.type) + " " + value(s.dst) + " = rc" + std::to_string(r->second) + "[" + cache_index + "];");
       return;
     }
   }
   plain_statement(s, stage);
   if (caching_ && s.dst >= 0) {
     auto w = cache_.write[static_cast<size_t>(stage_index_)].find(s.dst);
-    if (w != cache_.write[static_cast<size_t>(stage_index_)].end())
+    if (w != cache_.write[static_cast<size_t>(stage_index_)].end() && !raw_slots_.count(w->second))
       line("rc" + std::to_string(w->second) + "[" + cache_index + "] = " + value(s.dst) + ";");
   }
 }
@@ -167,7 +198,8 @@ void CudaEmitter::plain_statement(const KStmt& s, const KStage& stage) {
     DType t = k_->buffers[static_cast<size_t>(s.buffer)].dtype;
     if (s.kind == KStmt::Load) {
       std::string e = arr + "[j_]";
-      if (t == DType::Float16 || t == DType::BFloat16) e = "opf_to_float(" + e + ")";
+      if (arr.compare(0, 2, "rr") == 0) e = "opf_raw_lane<" + storage_type(t) + ">(" + arr + ", j_)";  // the raw cache vector
+      else if (t == DType::Float16 || t == DType::BFloat16) e = "opf_to_float(" + e + ")";
       line("const " + value_type(s.type) + " " + value(s.dst) + " = " + e + ";");
     } else {
       std::string v = value(s.args[0]);
@@ -253,6 +285,8 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
   out_.str("");
   indent_ = 0;
   launch_ = CudaLaunch{};
+  staged_.clear();
+  stage_bytes_ = 0;
   // Every output in 16-bit floats: exp may use the hardware's approximation.
   fast_math_ = true;
   for (const KBuffer& b : k.buffers)
@@ -275,6 +309,7 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
       launch_.vec_threads = vl.threads;
       launch_.vec_rows_per_block = vl.rows_per_block;
       launch_.vec_cluster = vl.cluster;
+      launch_.vec_smem = vl.smem;
       for (size_t b = 0; b < vb.size(); ++b)
         if (vb[b]) launch_.vec_buffers.push_back(static_cast<int>(b));
     }

@@ -31,6 +31,7 @@ struct CudaLaunch {
   int cluster = 1;          // row kernels: blocks per row (a thread-block cluster)
   int vec_threads = 0, vec_rows_per_block = 0, vec_cluster = 1;  // row kernels: geometry of the vector twin
   int64_t parts = 0;       // row kernels with column partials: grid x rows_per_block = parts
+  int smem = 0, vec_smem = 0;  // row kernels: dynamic shared memory bytes (rows staged there), scalar and vector twin
   Expr numel, rows, cols;  // launch geometry in terms of size symbols
   std::string name, vec_name;  // scalar and vector entry points
 };
@@ -55,6 +56,8 @@ class CudaEmitter : public CEmitter {
   // Row kernels.
   RowCachePlan cache_;            // values kept in registers between stages
   bool caching_ = false;
+  std::set<int> raw_slots_;                  // cache slots kept as raw 16-byte vectors (rr<slot>[it_])
+  std::map<int, std::string> raw_type_;      // their element storage type (opf_bf16, opf_half)
   int stage_index_ = 0;
   std::string smem_ = "opf_smem";
   bool grouped_rows_ = false;     // a group of `lanes_` lanes per row
@@ -62,12 +65,16 @@ class CudaEmitter : public CEmitter {
   int lanes_ = 32;
   int cluster_ = 1;
   int cluster_reductions_ = 0;    // slots used so far
+  int pair_reductions_ = 0;       // opf_block_sum2 calls printed (their shared buffer and parity are declared)
   bool cluster_row_loop_ = false;
   bool loop_overflow_ = false;     // loop stages in 1024-thread blocks, later stages backwards (rows overflowing L2)  // a cluster steps through rows (column partials): slots alternate by row (par_)
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)
   std::vector<int> partial_buffers_;    // column_partials buffers of this kernel
   int partial_items_ = 0;               // vectors per thread the partials cover
+  bool lean_retry_ = false;              // generating again without the lean default (see row_lean)
+  int lean_blocks_ = 0;                 // blocks an SM asked for by OPFUSE_ROW_LEAN (0: the default bound)
+  bool partials_smem_ = false;          // partials in shared memory (OPFUSE_ROW_PARTIALS_SMEM), per-row values in registers
   // L2 prefetch of the row a thread takes next (OPFUSE_ROW_PREFETCH): set
   // while the first unrolled stage loop is printed; its vector loads of
   // row-varying buffers also prefetch the same columns of row pfx<kept>.
@@ -75,6 +82,20 @@ class CudaEmitter : public CEmitter {
   std::vector<std::string> prefetch_lines_;  // collected by vector_loads, printed after the stage loop
   std::set<std::string> kept_vars_;     // x<axis> of the kept (row) axes
   int loop_stages_printed_ = 0;         // loop (not unrolled) stages so far: odd ones may run backwards
+  // Rows staged in shared memory (vector twins of loop-stage rows): the
+  // staged buffers' smem arrays, the bytes a block stages, the columns a
+  // block (of a cluster) takes, and the blocks an SM that leaves room for.
+  struct Staged {
+    std::string name;
+    int64_t offset = 0;
+    KStmt load;  // the buffer's one access along the row
+  };
+  std::map<int, Staged> staged_;
+  int stage_bytes_ = 0;
+  int64_t stage_chunk_ = 0;
+  int stage_min_blocks_ = 1;
+  bool stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster);
+  void stage_prologue(int threads_per_row, const std::vector<size_t>& kept);
   void partial(const KStmt& s) override;
   void store_partials(int threads_per_row, const std::string& slot);
 
@@ -95,6 +116,7 @@ class CudaEmitter : public CEmitter {
   void vector_loads(const std::vector<KStmt>& stmts, const std::string& lane0);
   void vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0);
   void reduce_across_threads(const KAccumulator& a);
+  void reduce_stage_across_threads(const KStage& st);
   int choose_vec(bool all_stages);
   std::string header(const std::string& name, int threads, int cluster = 1);
 };

@@ -2,6 +2,7 @@
 // the stage loops, and the reductions across the threads of a row.
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <set>
 #include <stdexcept>
 
@@ -72,6 +73,26 @@ int prefetch_ahead(int threads) {
 // default it goes with the 1024-thread loop blocks of rows that overflow L2
 // (see choose_geometry).
 int reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", -1); }
+// Register savings for the partials kernels of the norm backwards, each
+// with its own knob (0/1 forces it) and OPFUSE_ROW_LEAN=1/0 forcing the
+// three together, with more blocks an SM where all of them apply on sm_90
+// (3 of 512 threads, 4 of 256; see lean_blocks_):
+// - the pair reduction (opf_block_sum2): on by default in a block per row
+//   with the row cached in registers (H200, rows_bwd2_session.py at
+//   333d743: layer_norm backward 32768x4096 330.3 -> 322.0 us; loop stages
+//   of 8192x32768 854.8 -> 859.5, left off there);
+// - the column partials in shared memory, each row's values added in
+//   registers and folded into the thread's own shared slots;
+// - the register cache of 16-bit vector loads as raw 128-bit vectors (half
+//   the registers of floats; see opf_raw_lane).
+// By default the last two (and the blocks) go together to lane groups
+// (rows of at most 1024 elements) where all of them apply, else to none:
+// 262144x256 151.8 -> 142.0 us; a block per row at 32768x4096 with all
+// three and 3 blocks an SM ran 342.7 us against 322.0 with the pair alone.
+int row_lean() { return env_int("OPFUSE_ROW_LEAN", -1); }
+int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
+int partials_smem() { return env_int("OPFUSE_ROW_PARTIALS_SMEM", row_lean()); }
+int cache_raw() { return env_int("OPFUSE_ROW_CACHE_RAW", row_lean()); }
 // L2 of the H100/H200 (50 MB; the A100's is 40): rows in flight against it.
 constexpr int64_t kL2Bytes = 50LL << 20;
 
@@ -254,6 +275,34 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
   }
 }
 
+// A stage's accumulators across the threads of a row. In a block per row,
+// floating-point sums go two at a time through opf_block_sum2 (one barrier
+// for the pair instead of two barriers each): layer_norm backward's
+// sum(g) and sum(g * xhat) (OPFUSE_ROW_PAIR_REDUCE=0/1 forces it off/on).
+void CudaEmitter::reduce_stage_across_threads(const KStage& st) {
+  std::vector<const KAccumulator*> sums;
+  int forced = pair_reduce();
+  bool block = !grouped_rows_ && !columns_ && cluster_ == 1 && (forced >= 0 ? forced > 0 : caching_);
+  for (const KAccumulator& a : st.accs) {
+    bool pairable = block && a.combiner == "sum" && (a.type == DType::Float32 || a.type == DType::Float64);
+    if (pairable) {
+      for (size_t i = 0; i < sums.size(); ++i)
+        if (sums[i]->type == a.type) {
+          line("opf_block_sum2(" + acc_name(*sums[i]) + ", " + acc_name(a) + ", reinterpret_cast<" + value_type(a.type) +
+               "*>(opf_psmem), opf_rp_);");
+          ++pair_reductions_;
+          sums.erase(sums.begin() + static_cast<std::ptrdiff_t>(i));
+          pairable = false;
+          break;
+        }
+      if (pairable) sums.push_back(&a);
+    } else {
+      reduce_across_threads(a);
+    }
+  }
+  for (const KAccumulator* a : sums) reduce_across_threads(*a);
+}
+
 // One stage's loop over the part of the row this thread covers.
 void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_row) {
   std::vector<KStmt> loop;
@@ -321,6 +370,18 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     --indent_;
     line("}");
   }
+  if (partials && partials_smem_) {
+    // This row's values into the thread's shared slots (see opf_smem_add4).
+    int n = partial_items_ * vec_;
+    line("#pragma unroll");
+    line("for (int q_ = 0; q_ < " + std::to_string(n / 4) + "; ++q_) {");
+    for (size_t k = 0; k < partial_buffers_.size(); ++k) {
+      std::string bs = std::to_string(partial_buffers_[k]);
+      line("  opf_smem_add4(opf_pps + ((" + std::to_string(static_cast<int64_t>(k) * (n / 4)) + " + q_) * " +
+           std::to_string(launch_.threads) + " + threadIdx.x) * 4, pp" + bs + " + q_ * 4);");
+    }
+    line("}");
+  }
   if (!prefetch_lines_.empty()) {
     // The next row's prefetches go after the loop that loaded this row's:
     // while this row's reductions wait on barriers its loaded vectors are
@@ -363,15 +424,116 @@ void CudaEmitter::store_partials(int threads_per_row, const std::string& slot) {
   line("for (int j_ = 0; j_ < " + V + "; ++j_)");
   ++indent_;
   std::string stores;
-  for (int b : partial_buffers_) {
+  for (size_t k = 0; k < partial_buffers_.size(); ++k) {
+    int b = partial_buffers_[k];
     std::string bs = std::to_string(b);
-    stores += " " + store(b, "slot_ * cols + c_ + j_", "pp" + bs + "[it_ * " + V + " + j_]");
+    std::string v = "pp" + bs + "[it_ * " + V + " + j_]";
+    if (partials_smem_) {
+      // Element e = it_ * V + j_ of buffer k sits at ((k * n/4 + e/4) * threads + threadIdx.x) * 4 + e % 4.
+      int n = partial_items_ * vec_;
+      v = "opf_pps[((" + std::to_string(static_cast<int64_t>(k) * (n / 4)) + " + (it_ * " + V + " + j_) / 4) * " +
+          std::to_string(launch_.threads) + " + threadIdx.x) * 4 + (it_ * " + V + " + j_) % 4]";
+    }
+    stores += " " + store(b, "slot_ * cols + c_ + j_", v);
   }
   line("if (c_ + j_ < cols) {" + stores + " }");
   indent_ -= 2;
   line("}");
   --indent_;
   line("}");
+}
+
+// Rows too long for the register cache run loop stages, and each stage
+// after the first re-reads the row: from L2 where the rows in flight fit
+// (8192x32768 bf16: 3 passes, ~3.4 TB/s on the H200), from HBM where they do
+// not (4096x262144: 2-3 reads of each element). Staged instead, each block
+// copies its row (or, in a cluster of up to 8 blocks, its slice of the row)
+// into shared memory once with cp.async, and every stage reads it there:
+// each element is read from HBM once and written once. The row statistics
+// of a cluster combine through distributed shared memory (the cluster
+// reductions). Vector twins only (16-byte copies of aligned rows); each
+// thread reads back only the columns it copied, so no barrier guards the
+// copy. OPFUSE_ROW_SMEM_KB (default 64: three blocks an SM on sm_90, 0 turns
+// staging off) is the most a block stages; OPFUSE_ROW_SMEM_CLUSTER (8) the
+// most blocks a row may take; OPFUSE_ROW_SMEM_THREADS (512) the most threads
+// a block has.
+bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster) {
+  int64_t budget = static_cast<int64_t>(env_int("OPFUSE_ROW_SMEM_KB", 64)) * 1024;
+  if (budget <= 0 || arch_ < 80 || columns_ || row_loop_axes_.size() != 1 || last_var_.empty() || k_->stages.size() < 2)
+    return false;
+  // Forward rows re-read one tensor; the backward kernels' two (dy and y or
+  // x) are staged only with OPFUSE_ROW_SMEM_TENSORS=2 (not measured yet).
+  if (static_cast<int>(reread.size()) > std::max(1, env_int("OPFUSE_ROW_SMEM_TENSORS", 1))) return false;
+  std::map<int, std::set<std::string>> keys;
+  std::map<int, KStmt> load;
+  for (const KStage& st : k_->stages)
+    for (const KStmt& s : st.loop)
+      if (s.kind == KStmt::Load && reread.count(s.buffer)) {
+        keys[s.buffer].insert(access_key(s));
+        load.emplace(s.buffer, s);
+      }
+  int64_t esum = 0;
+  for (int b : reread) {
+    const KBuffer& kb = k_->buffers[static_cast<size_t>(b)];
+    // One access a row (its columns at one offset), read with 16-byte vectors, never written here.
+    if (!vec_buffer_[static_cast<size_t>(b)] || kb.written || keys[b].size() != 1 || dtype_size(kb.dtype) * vec_ != 16) return false;
+    esum += dtype_size(kb.dtype);
+  }
+  int max_c = arch_ >= 90 && cluster_ok ? std::max(1, std::min(8, env_int("OPFUSE_ROW_SMEM_CLUSTER", 8))) : 1;
+  auto chunk_of = [&](int c) { return ceil_div(ceil_div(ncols, c), vec_) * vec_; };
+  int c = 1;
+  while (chunk_of(c) * esum > budget && c < max_c) c *= 2;
+  int64_t chunk = chunk_of(c);
+  if (chunk * esum > budget) return false;
+  stage_chunk_ = chunk;
+  int64_t off = 0;
+  for (int b : reread) {
+    staged_[b] = Staged{"sr" + std::to_string(b), off, load.at(b)};
+    off += chunk * dtype_size(k_->buffers[static_cast<size_t>(b)].dtype);  // a multiple of 16
+  }
+  stage_bytes_ = static_cast<int>(off);
+  int max_threads = env_int("OPFUSE_ROW_SMEM_THREADS", 512);
+  if (max_threads < 128 || max_threads > 1024 || (max_threads & (max_threads - 1)) != 0) max_threads = 512;
+  *threads = std::min(max_threads, std::max(128, pow2_at_least(ceil_div(chunk, 8 * vec_))));
+  *cluster = c;
+  // Shared memory an SM (KB): sm_80/87 164, sm_90/100 228, others 100;
+  // each block also takes ~1 KB of static and 1 KB of reserved memory.
+  int64_t sm_kb = arch_ == 80 || arch_ == 87 ? 164 : arch_ == 90 || arch_ == 100 || arch_ == 103 ? 228 : 100;
+  // At most 1536 threads an SM (40 registers a thread): at 32 (four 512-thread
+  // blocks) ptxas spilled in float32 rms_norm.
+  int64_t blocks = (sm_kb * 1024) / (off + 2048);
+  stage_min_blocks_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1536 / *threads)));
+  return true;
+}
+
+// The staged row's copy: each thread issues its columns' 16-byte copies at
+// once and waits for them (its own only: see stage_rows).
+// OPFUSE_ROW_SMEM_PREFETCH=n (an experiment, off by default): after its
+// copies each thread also asks L2 for the same columns of the row n rows on
+// (-1: one wave on, the blocks an SM x 132 / the cluster), so that the
+// block taking that row finds it in L2 and its cluster waits less at the
+// first barrier for the slowest copy.
+void CudaEmitter::stage_prologue(int threads_per_row, const std::vector<size_t>& kept) {
+  std::string V = std::to_string(vec_), step = std::to_string(threads_per_row * vec_);
+  int64_t ahead = env_int("OPFUSE_ROW_SMEM_PREFETCH", 0);
+  if (ahead < 0) ahead = std::max<int64_t>(1, 132 * stage_min_blocks_ / cluster_);
+  if (ahead > 0) {
+    line("const bool spf_ok_ = row_ + " + std::to_string(ahead) + " < rows;");
+    decompose("spf_ok_ ? row_ + " + std::to_string(ahead) + " : row_", kept, "spfx");
+  }
+  line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
+  for (const auto& [b, st] : staged_) {
+    std::vector<Expr> idx = st.load.index;
+    for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var("c_") : nullptr; });
+    line("  opf_cp_async16(" + st.name + " + (c_ - cbegin_), b" + std::to_string(b) + " + " + offset(b, idx) + ");");
+    if (ahead > 0) {
+      for (auto& e : idx)
+        e = substitute(e, [&](const ExprNode& v) -> Expr { return kept_vars_.count(v.name) ? var("spf" + v.name) : nullptr; });
+      line("  if (spf_ok_) opf_prefetch_l2(b" + std::to_string(b) + " + " + offset(b, idx) + ");");
+    }
+  }
+  line("}");
+  line("opf_cp_async_wait_all();");
 }
 
 void CudaEmitter::row_kernel(const std::string& name, int vec) {
@@ -385,9 +547,17 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   bool known = is_const(split.cols, &ncols);
   last_var_ = split.loop.size() == 1 ? "x" + std::to_string(split.loop[0]) : "";
 
+  // The lean default (see row_lean): tried for lane groups with partials,
+  // dropped (the kernel generated again without it) unless all of it applies.
+  bool has_partials = false;
+  for (const KBuffer& b : k_->buffers) has_partials = has_partials || b.partials;
+  bool lean_try = row_lean() < 0 && !lean_retry_ && known && ncols <= 1024 && has_partials && vec > 1 && arch_ >= 90;
+
   // The register cache: the frontier plan or the loads-only plan, whichever
   // needs fewer registers.
   cache_ = RowCachePlan{};
+  raw_slots_.clear();
+  raw_type_.clear();
   if (known && k_->stages.size() > 1) {
     StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
     // Values the same for every row (weights) are reloaded from L1 in short
@@ -400,6 +570,31 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     bool invariant = forced >= 0 ? forced != 0 : ncols > 1024;
     RowCachePlan frontier = plan_row_cache(*k_, key, false, invariant), loads = plan_row_cache(*k_, key, true, invariant);
     cache_ = frontier.slots() <= loads.slots() ? frontier : loads;
+    raw_slots_.clear();
+    if ((cache_raw() >= 0 ? cache_raw() > 0 : lean_try) && vec > 1) {
+      // Slots of the loads plan that hold only 16-bit vector loads (8 lanes
+      // of 16 bytes) cost half a register a value as raw vectors.
+      std::vector<int> raw(static_cast<size_t>(loads.slots()), 1);
+      for (size_t si = 0; si < k_->stages.size(); ++si) {
+        std::map<int, const KStmt*> defs;
+        for (const KStmt& st : k_->stages[si].loop)
+          if (st.dst >= 0) defs[st.dst] = &st;
+        for (auto& [value, slot] : loads.write[si]) {
+          const KStmt* d = defs.count(value) ? defs[value] : nullptr;
+          DType t = d && d->kind == KStmt::Load ? k_->buffers[static_cast<size_t>(d->buffer)].dtype : DType::Float32;
+          bool ok = d && d->kind == KStmt::Load && vec_buffer_[static_cast<size_t>(d->buffer)] && vec * 2 == 16 &&
+                    (t == DType::BFloat16 || t == DType::Float16);
+          if (!ok) raw[static_cast<size_t>(slot)] = 0;
+          else raw_type_[slot] = storage_type(t);
+        }
+      }
+      int n_raw = static_cast<int>(std::count(raw.begin(), raw.end(), 1));
+      if (loads.slots() > 0 && 2 * (loads.slots() - n_raw) + n_raw < 2 * frontier.slots()) {
+        cache_ = loads;
+        for (int i = 0; i < loads.slots(); ++i)
+          if (raw[static_cast<size_t>(i)]) raw_slots_.insert(i);
+      }
+    }
   }
   partial_buffers_.clear();
   for (size_t b = 0; b < k_->buffers.size(); ++b)
@@ -424,10 +619,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // row-varying buffers loaded after the first stage.
   int64_t reread = 0;
   size_t reread_bufs = 0;
+  std::set<int> bufs;
   if (known) {
     std::set<std::string> kept;
     for (size_t a : split.kept) kept.insert("x" + std::to_string(a));
-    std::set<int> bufs;
     for (size_t si = 1; si < k_->stages.size(); ++si)
       for (const KStmt& s : k_->stages[si].loop)
         if (s.kind == KStmt::Load && std::any_of(s.index.begin(), s.index.end(), [&](const Expr& e) {
@@ -443,6 +638,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     reread_bufs = bufs.size();
   }
   RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok, reread, static_cast<int>(reread_bufs));
+  staged_.clear();
+  stage_bytes_ = 0;
+  if (vec > 1 && known && g.items == 0 && !g.grouped && !partials && !bufs.empty() &&
+      stage_rows(ncols, bufs, cluster_ok, &g.threads, &g.cluster))
+    g.l2_overflow = false;
   if (columns_) {
     g = RowGeometry{};
     g.threads = 512;
@@ -492,12 +692,34 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       throw std::runtime_error("opfuse: column partials' parts must be a multiple of the rows a block takes");
   }
   caching_ = g.items > 0 && cache_.slots() > 0;
+  partials_smem_ = false;
+  if (partials && (partials_smem() >= 0 ? partials_smem() > 0 : lean_try) && partial_cluster == 1 && vec > 1 && (partial_items_ * vec) % 4 == 0) {
+    bool f32 = true;
+    for (int b : partial_buffers_) f32 = f32 && k_->buffers[static_cast<size_t>(b)].dtype == DType::Float32;
+    int64_t bytes = static_cast<int64_t>(partial_buffers_.size()) * partial_items_ * vec * g.threads * 4;
+    partials_smem_ = f32 && bytes <= 40 * 1024;
+  }
+  // More blocks an SM where the partials sit in shared memory and every
+  // cached value is a raw vector (ptxas fits 40 registers at 512 threads,
+  // 64 at 256, without spills on sm_90; sm_80's spilled at 262144x256).
+  lean_blocks_ = 0;
+  if (partials_smem_ && (row_lean() > 0 || lean_try) && arch_ >= 90 &&
+      static_cast<int>(raw_slots_.size()) == (caching_ ? cache_.slots() : 0) && cache_.slots() > 0)
+    lean_blocks_ = g.threads == 512 ? 3 : g.threads == 256 ? 4 : 0;
+  if (lean_try && lean_blocks_ == 0) {
+    lean_retry_ = true;
+    row_kernel(name, vec);
+    lean_retry_ = false;
+    return;
+  }
   grouped_rows_ = g.grouped;
   lanes_ = g.lanes;
-  cluster_ = caching_ || columns_ || partial_cluster > 1 ? g.cluster : 1;
+  cluster_ = caching_ || columns_ || partial_cluster > 1 || stage_bytes_ > 0 ? g.cluster : 1;
   cluster_row_loop_ = partial_cluster > 1;
-  loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1;
+  loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
+  launch_.smem = stage_bytes_;
   cluster_reductions_ = 0;
+  pair_reductions_ = 0;
   launch_.threads = g.threads;
   launch_.rows_per_block = g.rows_per_block;
   launch_.cluster = cluster_;
@@ -538,7 +760,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // dependent chain cost more than the pass it saves (8192x32768 softmax
   // 3.26 -> 2.40 TB/s), so they keep three stages.
   bool long_rows = known && ncols > 32768;
-  int online = (long_rows && !caching_ && !columns_ && cluster_ == 1) ? online_softmax_stage() : -1;
+  // (Rows staged in shared memory re-read it, not HBM: three passes.)
+  int online = (long_rows && !caching_ && !columns_ && cluster_ == 1 && stage_bytes_ == 0) ? online_softmax_stage() : -1;
+  if (stage_bytes_ > 0) stage_prologue(threads_per_row, split.kept);
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);
@@ -568,7 +792,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     for (auto& s : st.pre) statement(s, st);
     for (auto& a : st.accs) accumulator_init(a);
     if (!st.loop.empty()) row_stage_loop(st, g.items, threads_per_row);
-    for (auto& a : st.accs) reduce_across_threads(a);
+    reduce_stage_across_threads(st);
     for (auto& a : st.accs) accumulator_finish(a);
     for (auto& s : st.post) statement(s, st);
   }
@@ -589,9 +813,31 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     int slots = std::max(1, cluster_reductions_) * (cluster_row_loop_ ? 2 : 1);
     line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(slots) + "];");
   }
+  if (pair_reductions_ > 0) {
+    line("__shared__ __align__(16) double opf_psmem[128];");
+    line("int opf_rp_ = 0;");
+  }
+  if (stage_bytes_ > 0) {
+    line("extern __shared__ __align__(16) unsigned char opf_dsmem[];");
+    for (const auto& [b, st] : staged_)
+      line(storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "* const " + st.name + " = reinterpret_cast<" +
+           storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "*>(opf_dsmem + " + std::to_string(st.offset) + ");");
+  }
   line("const int64_t rows = " + size_c(split.rows) + ";");
   line("const int64_t cols = " + size_c(split.cols) + ";");
   auto partial_declarations = [&]() {
+    if (partials_smem_) {
+      // Each thread zeroes its own slots (no one else reads them before the end).
+      int64_t n = static_cast<int64_t>(partial_buffers_.size()) * partial_items_ * vec;
+      line("__shared__ __align__(16) float opf_pps[" + std::to_string(n * g.threads) + "];");
+      line("for (int q_ = 0; q_ < " + std::to_string(n / 4) + "; ++q_) {");
+      line("  const float z_[4] = {};");
+      line("  opf_lanes<float, 4> l_;");
+      line("  for (int j_ = 0; j_ < 4; ++j_) l_.e[j_] = z_[j_];");
+      line("  *reinterpret_cast<opf_vec<16>*>(opf_pps + ((int64_t)q_ * " + std::to_string(g.threads) + " + threadIdx.x) * 4) = l_.v;");
+      line("}");
+      return;
+    }
     for (int b : partial_buffers_)
       line(value_type(k_->buffers[static_cast<size_t>(b)].dtype) + " pp" + std::to_string(b) + "[" +
            std::to_string(partial_items_ * vec) + "] = {};");
@@ -644,6 +890,15 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     line("int par_ = 0;");
     line("for (int64_t row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
     line("  const bool real_ = true;");
+  } else if (cluster_ > 1 && stage_bytes_ > 0) {
+    // A staged row split over the cluster: block r takes (and stages) the
+    // r-th slice of the row in every stage.
+    std::string S = std::to_string(stage_chunk_);
+    line("const int tid_ = threadIdx.x;");
+    line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");
+    line("const int64_t cbase_ = 0, cbegin_ = (int64_t)opf_cluster_rank() * " + S + ";");
+    line("const int64_t cend_ = cbegin_ + " + S + " < cols ? cbegin_ + " + S + " : cols;");
+    line("{");
   } else if (cluster_ > 1) {
     line("const int tid_ = threadIdx.x;");
     line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");
@@ -657,8 +912,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     if (partials) line("  const bool real_ = true;");
   }
   line("  (void)cbase_; (void)cbegin_; (void)cend_;");
+  if (partials_smem_)  // this row's values, folded into shared memory after the stage that adds them
+    for (int b : partial_buffers_) line("  float pp" + std::to_string(b) + "[" + std::to_string(partial_items_ * vec) + "] = {};");
   for (int i = 0; i < cache_.slots() && caching_; ++i)
-    line("  " + value_type(cache_.slot_types[static_cast<size_t>(i)]) + " rc" + std::to_string(i) + "[" +
+    if (raw_slots_.count(i)) line("  opf_vec<16> rr" + std::to_string(i) + "[" + std::to_string(g.items) + "];");
+    else line("  " + value_type(cache_.slot_types[static_cast<size_t>(i)]) + " rc" + std::to_string(i) + "[" +
          std::to_string(g.items * vec) + "];");
   out_ << body;
   line("}");

@@ -202,11 +202,46 @@ template <int V, class T> static __device__ __forceinline__ void opf_vload(const
 // result): row kernels ask for the row they take next while they reduce this
 // one, so more of HBM's latency is covered than their registers allow.
 static __device__ __forceinline__ void opf_prefetch_l2(const void* p) { asm volatile("prefetch.L2 [%0];" ::"l"(p)); }
+// Rows staged in shared memory (sm_80+): each thread copies its own 16-byte
+// pieces of the row with cp.async (no registers held while they are in
+// flight, so the whole row is requested at once), waits for its own copies
+// and later reads back only what it copied, so no barrier is needed.
+static __device__ __forceinline__ void opf_cp_async16(void* smem, const void* gmem) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+static __device__ __forceinline__ void opf_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 template <int V, class T> static __device__ __forceinline__ void opf_vstore(T* __restrict__ p, const T* in) {
   opf_lanes<T, V> l;
 #pragma unroll
   for (int j = 0; j < V; ++j) l.e[j] = in[j];
   *reinterpret_cast<opf_vec<sizeof(T) * V>*>(p) = l.v;
+}
+
+// The row cache of 16-bit loads kept as the raw 128-bit vector
+// (OPFUSE_ROW_CACHE_RAW): 4 registers for 8 values instead of 8 floats, so
+// more blocks fit an SM; a later stage converts lane j again (a shift or a
+// mask for bf16, one cvt for half).
+template <class T> static __device__ __forceinline__ float opf_raw_lane(const opf_vec<16>& v, int j);
+template <> __device__ __forceinline__ float opf_raw_lane<opf_bf16>(const opf_vec<16>& v, int j) {
+  return __int_as_float((j & 1) ? (v.w[j >> 1] & 0xffff0000u) : (v.w[j >> 1] << 16));
+}
+template <> __device__ __forceinline__ float opf_raw_lane<opf_half>(const opf_vec<16>& v, int j) {
+  opf_half h;
+  h.x = (uint16_t)(v.w[j >> 1] >> ((j & 1) * 16));
+  return opf_to_float(h);
+}
+
+// Column partials kept in shared memory (OPFUSE_ROW_PARTIALS_SMEM): a
+// thread adds its row's 4 values of a column group to its own 16 bytes (one
+// 128-bit shared load and store; threads of a warp hit consecutive 16-byte
+// slots, so no bank conflicts and no barrier: no other thread touches them).
+static __device__ __forceinline__ void opf_smem_add4(float* p, const float* v) {
+  opf_lanes<float, 4> l;
+  l.v = *reinterpret_cast<const opf_vec<16>*>(p);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) l.e[j] += v[j];
+  *reinterpret_cast<opf_vec<16>*>(p) = l.v;
 }
 
 // Reductions across the threads of a row: a warp (shuffles) or a block.
@@ -245,6 +280,35 @@ template <class Op, class T> static __device__ __forceinline__ T opf_block_reduc
   // every thread holds the same total without a third barrier.
   v = lane < nwarps ? s[lane] : Op::template identity<T>();
   return opf_warp_reduce<Op>(v);
+}
+
+// Two sums of a row across a block in one pass (layer_norm backward's
+// sum(g) and sum(g * xhat)): the two shuffle trees interleave and one
+// shared-memory exchange with one barrier serves both, where two calls of
+// opf_block_reduce cost four barriers in a chain. The exchange alternates
+// between the two halves of `buf` (parity p, flipped each call): the half a
+// call writes was last read two calls before, and every thread passed the
+// previous call's barrier after that read, so no leading barrier is needed.
+// Every thread of the block must make every call (block-uniform control
+// flow). Same summation order as opf_block_reduce, so the same totals.
+template <class T> static __device__ __forceinline__ void opf_block_sum2(T& a, T& b, T* buf, int& p) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = (blockDim.x + 31) >> 5;
+  T* s = buf + p * 64;
+  p ^= 1;
+  if (lane == 0) { s[warp] = a; s[32 + warp] = b; }
+  __syncthreads();
+  a = lane < nwarps ? s[lane] : (T)0;
+  b = lane < nwarps ? s[32 + lane] : (T)0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
 }
 
 // A thread-block cluster shares one row (distributed shared memory): each

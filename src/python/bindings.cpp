@@ -20,7 +20,7 @@
 #include "runtime/compiled_graph.h"
 #include "runtime/gemm_launcher.h"
 #include "runtime/cublaslt_api.h"
-#include <nanobind/stl/function.h>
+#include "python/run_options.h"
 
 namespace nb = nanobind;
 using namespace opfuse;
@@ -252,6 +252,8 @@ NB_MODULE(_C, m) {
         return r;
       })
       .def("output_buffers", &CompiledGraph::output_buffers)
+      .def("gemm_pairs", &CompiledGraph::gemm_pairs)
+      .def("paired_buffers", &CompiledGraph::paired_buffers)
       .def("symbols", &CompiledGraph::symbols)
       .def("bind", &CompiledGraph::bind)
       .def("buffer_shape", &CompiledGraph::buffer_shape)
@@ -275,16 +277,7 @@ NB_MODULE(_C, m) {
              std::vector<void*> p;
              p.reserve(ptrs.size());
              for (auto x : ptrs) p.push_back(reinterpret_cast<void*>(x));
-             RunOptions o;
-             o.stream = reinterpret_cast<void*>(stream);
-             o.workspace = reinterpret_cast<void*>(workspace);
-             o.workspace_bytes = workspace_bytes;
-             o.allow_tf32 = allow_tf32;
-             if (!cpu_gemm.is_none())
-               o.cpu_gemm = [cpu_gemm](int g) {
-                 nb::gil_scoped_acquire acquire;
-                 cpu_gemm(g);
-               };
+             RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
              int gemm_kernels = 0;
              o.gemm_kernels = &gemm_kernels;
              {

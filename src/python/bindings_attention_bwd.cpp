@@ -85,7 +85,8 @@ void bind_attention_bwd(nb::module_& m) {
       nb::arg("mask") = 0, nb::arg("mask_strides") = std::vector<int64_t>{},
       "Launches the attention backward kernels on `stream` (an integer cudaStream_t).\n"
       "ptrs: q, k, v, o, dout, dq, dk, dv, lse, delta, lse_log2, dq_accum (workspaces: float32,\n"
-      "contiguous, attention_backward_padded_rows(Sq) rows per (b, h); dq_accum [.., D], unused when\n"
+      "contiguous, attention_backward_padded_rows(Sq) rows per (b, h); lse_log2 twice that with a mask;\n"
+      "dq_accum [.., D], unused when\n"
       "deterministic); sizes: B, Hq, Hkv, Sq, Sk, D; strides: dims 0..2 of the eight tensors, 0..1 of lse.");
   m.def(
       "attention_backward_unsupported_reason",
@@ -97,11 +98,11 @@ void bind_attention_bwd(nb::module_& m) {
   m.def("attention_backward_padded_rows", &at::attn_bwd_padded_rows);
   m.def(
       "attention_backward_tiles",
-      [](int head_dim, int arch, int smem_limit) {
-        const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch, smem_limit);
+      [](int head_dim, int arch, int smem_limit, bool masked) {
+        const at::AttnBwdTiles t = at::attn_bwd_choose_tiles(head_dim, arch, smem_limit, masked);
         return std::make_tuple(t.dkdv.tag(), t.dq.tag());
       },
-      nb::arg("head_dim"), nb::arg("arch"), nb::arg("smem_limit") = 0,
+      nb::arg("head_dim"), nb::arg("arch"), nb::arg("smem_limit") = 0, nb::arg("masked") = false,
       "(dK/dV tile, deterministic dQ tile) the launcher uses, as tags such as '64x128w8b1'.");
   m.def(
       "attention_backward_compile",

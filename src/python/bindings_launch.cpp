@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "runtime/compiled_graph.h"
+#include "runtime/launch_floor.h"
+#include "python/run_options.h"
 
 namespace nb = nanobind;
 using namespace opfuse;
@@ -94,20 +96,6 @@ std::vector<void*> pointers_from(nb::handle seq) {
   std::vector<void*> p(n);
   for (size_t i = 0; i < n; ++i) p[i] = as_pointer(sequence_item(seq.ptr(), i));
   return p;
-}
-
-RunOptions run_options(uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, bool allow_tf32, nb::object cpu_gemm) {
-  RunOptions o;
-  o.stream = reinterpret_cast<void*>(stream);
-  o.workspace = reinterpret_cast<void*>(workspace);
-  o.workspace_bytes = workspace_bytes;
-  o.allow_tf32 = allow_tf32;
-  if (!cpu_gemm.is_none())
-    o.cpu_gemm = [cpu_gemm](int g) {
-      nb::gil_scoped_acquire acquire;
-      cpu_gemm(g);
-    };
-  return o;
 }
 
 // The run on tensors: allocates the written buffers, launches on every
@@ -282,6 +270,17 @@ void bind_launch(nb::module_& m) {
   m.def("launch_counts", [] { return g_kernel_launches.load(); },
         "Kernel launches made by PreparedRun.call and Launcher calls since the last reset_launch_counts().");
   m.def("reset_launch_counts", [] { g_kernel_launches.store(0); });
+  m.def("launch_floor_source", [] { return launch_floor_source(); },
+        "CUDA C++ of the empty kernel time_empty_launches launches.");
+  m.def(
+      "time_empty_launches",
+      [](uintptr_t stream, int launches) {
+        nb::gil_scoped_release release;  // as around opfuse's own launches
+        return time_empty_launches(stream, launches);
+      },
+      nb::arg("stream"), nb::arg("launches"),
+      "Host ns of `launches` back-to-back cuLaunchKernel calls of an empty kernel with the seed chain's argument "
+      "size: the driver's floor under any launcher's per-kernel cost.");
 
   nb::class_<PreparedRunRef>(m, "PreparedRun",
                              "CompiledGraph.run split in two: built once per input layout (variant, size symbols, "
@@ -356,18 +355,21 @@ void bind_launch(nb::module_& m) {
           [](const PreparedRunRef& r, nb::handle ptrs, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
              bool allow_tf32, nb::object cpu_gemm) {
             std::vector<void*> p = pointers_from(ptrs);
-            RunOptions o = run_options(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
-            int gemm_kernels = 0;
+            RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
+            int gemm_kernels = 0, gemm_merged = 0;
             o.gemm_kernels = &gemm_kernels;
+            o.gemm_merged = &gemm_merged;
             {
               nb::gil_scoped_release release;
               r.graph->run_prepared(r.run, p, o);
             }
-            return gemm_kernels;  // GEMM steps run as opfuse kernels, not library calls
+            // GEMM steps run as opfuse kernels, and those run inside another's batched call: not library calls
+            return nb::make_tuple(gemm_kernels, gemm_merged);
           },
           nb::arg("ptrs"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
           nb::arg("allow_tf32") = false, nb::arg("cpu_gemm") = nb::none(),
-          "Any graph (GEMM steps too) on raw pointers; returns the GEMM steps run as opfuse kernels. Not counted.");
+          "Any graph (GEMM steps too) on raw pointers; returns (GEMM steps run as opfuse kernels, GEMM steps run "
+          "inside a paired step's batched call). Not counted.");
 
   nb::class_<Launcher>(m, "Launcher", nb::type_slots(launcher_slots),
                        "The launch path's callable, subclassed in Python: a call tries the checks of the recent "

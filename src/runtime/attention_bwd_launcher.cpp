@@ -92,10 +92,10 @@ AttnBwdCompiled attn_bwd_compiled(const std::vector<std::string>& exprs, NvrtcNa
   return out;
 }
 
-int attn_bwd_dkdv_smem_bytes(int d, const AttnTile& t) {
+int attn_bwd_dkdv_smem_bytes(int d, const AttnTile& t, bool masked) {
   const int sb = (d + 8) * 2, psb = (t.block_m + 8) * 2;
   const int warps_d = t.num_warps / (t.block_n / 16);
-  const int stage = 2 * t.block_m * sb + 2 * t.block_m * 4;
+  const int stage = 2 * t.block_m * sb + (masked ? 3 : 2) * t.block_m * 4;  // Q, dO, LSE2, Delta (, A)
   return 2 * t.block_n * sb + 2 * stage + (warps_d > 1 ? 2 : 1) * t.block_n * psb;
 }
 
@@ -124,7 +124,7 @@ AttnBwdTiles attn_bwd_choose_tiles(int head_dim, int arch, int smem_limit, bool 
   AttnBwdTiles t;
   bool have_kv = false, have_q = false;
   for (const AttnTile& x : kv)
-    if (!have_kv && attn_bwd_dkdv_smem_bytes(head_dim, x) <= limit) t.dkdv = x, have_kv = true;
+    if (!have_kv && attn_bwd_dkdv_smem_bytes(head_dim, x, masked) <= limit) t.dkdv = x, have_kv = true;
   for (const AttnTile& x : q)
     if (!have_q && attn_bwd_dq_smem_bytes(head_dim, x) <= limit) t.dq = x, have_q = true;
   if (!have_kv || !have_q)
@@ -250,7 +250,7 @@ void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
   // sm_90, D = 64 / 128, atomic dQ, no mask: the Hopper kernel (unless OPFUSE_ATTN_BWD_SM90=0).
   if (attn_bwd_sm90_unsupported_reason(a, info.arch).empty()) return attn_backward_sm90_launch(a, p, ctx, stream);
   const AttnBwdTiles tiles = attn_bwd_choose_tiles(D, info.arch, info.smem_optin, a.mask != AttnMaskKind::None);
-  const int smem_kv = attn_bwd_dkdv_smem_bytes(D, tiles.dkdv), smem_q = attn_bwd_dq_smem_bytes(D, tiles.dq);
+  const int smem_kv = attn_bwd_dkdv_smem_bytes(D, tiles.dkdv, a.mask != AttnMaskKind::None), smem_q = attn_bwd_dq_smem_bytes(D, tiles.dq);
   const std::vector<std::string> exprs = attn_bwd_name_expressions(a.elem, D, a.causal, tiles, a.mask);
   Loaded& lf = loaded[{ctx, exprs[kDkdv]}];
   if (!lf.module) {

@@ -51,7 +51,8 @@ struct AttnBwdTiles {
   AttnTile dkdv{64, 128, 8, 1};
   AttnTile dq{128, 64, 8, 1};
 };
-int attn_bwd_dkdv_smem_bytes(int head_dim, const AttnTile& t);
+// `masked`: the kernel stages a third per-row array (the rows' scales of S).
+int attn_bwd_dkdv_smem_bytes(int head_dim, const AttnTile& t, bool masked = false);
 int attn_bwd_dq_smem_bytes(int head_dim, const AttnTile& t);
 // The default tiles for a head dim that fit `smem_limit` bytes (<= 0: the
 // architecture's table value); throws std::invalid_argument when none does.
@@ -80,7 +81,8 @@ struct AttnBackwardArgs {
   const void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *dout = nullptr;
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;  // outputs, q's element type
   const float* lse = nullptr;                         // [B, Hq, Sq] float32 from the forward
-  // Workspaces, float32, contiguous: delta and lse_log2 [B, Hq, round_up(Sq, 128)];
+  // Workspaces, float32, contiguous: delta and lse_log2 [B, Hq, round_up(Sq, 128)]
+  // (lse_log2 [2, B, Hq, round_up(Sq, 128)] with a mask: L2, then the rows' scales);
   // dq_accum [B, Hq, round_up(Sq, 128), D] unless deterministic (then unused).
   float *delta = nullptr, *lse_log2 = nullptr, *dq_accum = nullptr;
   int64_t q_strides[3] = {}, k_strides[3] = {}, v_strides[3] = {}, o_strides[3] = {}, do_strides[3] = {},

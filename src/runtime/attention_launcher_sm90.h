@@ -18,10 +18,17 @@ namespace opfuse::attention {
 // `stages`-deep K/V ring, ping-pong (consumers take turns issuing their
 // matrix products), and (host only) a persistent grid of min(tiles, SMs) CTAs
 // rather than one CTA per tile. Tag form "wg128x128s2p" (BLOCK_M x BLOCK_N,
-// s stages, p ping-pong; a trailing "n": not persistent).
+// s stages, p ping-pong, o overlap, k skip, l pairs; a trailing "n": not persistent).
+// Kernel options (the OPTS template argument; tag letters after "p"):
+// overlap ("o"): the next tile's first S = Q K^T goes out before this tile's
+// epilogue; skip ("k"): a consumer issues no product for the key blocks none
+// of its rows see; pairs ("l"): causal tiles handed out in pairs of query
+// blocks (x, last - x) of one head (equal work per pair, few heads in L2).
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
   bool pingpong = true, persistent = true;
+  bool overlap = false, skip = false, pairs = false;
+  int opts() const { return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0); }
   int block_m() const { return 64 * consumers; }
   int threads() const { return 128 * (consumers + 1); }
   std::string tag() const;
@@ -31,8 +38,9 @@ struct AttnSm90Tile {
 };
 
 bool attn_sm90_head_dim_supported(int64_t head_dim);  // 64, 128
-// The same for causal and not today (the persistent grid; docs/attention.md).
-AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal);
+// The persistent grid; causal: the pairs schedule (docs/attention.md,
+// "Hopper"), except with an attn_mask (pairs there spilled 16-28 bytes).
+AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked = false);
 // The default and the benchmark variants (what CI compiles).
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim);
 // Sm90Tile::kSmemBytes: Q (two buffers when they fit), the K/V ring, the

@@ -136,6 +136,7 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
     info_.push_back(info);
     steps_.emplace_back(false, static_cast<int>(kernels_.size()) - 1);
   }
+  pair_gemms();
 }
 
 std::vector<int64_t> CompiledGraph::bind(const std::vector<std::vector<int64_t>>& shapes) const {
@@ -315,9 +316,25 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
     if (!ctx) ensure_cuda_context(p.device);
     int64_t local[64];
     std::vector<int64_t> heap;
+    // Paired GEMM steps may swap their two result pointers (launch_gemm_pair):
+    // every step then reads this run's copy.
+    std::vector<void*> swapped;
+    bool pairs = std::any_of(pair_of_.begin(), pair_of_.end(), [](int j) { return j >= 0; });
+    if (pairs) swapped = ptrs;
+    const std::vector<void*>& run_ptrs = pairs ? swapped : ptrs;
+    std::vector<char> done(pairs ? gemms_.size() : 0, 0);
     for (const PreparedRun::Step& st : p.steps) {
       if (st.gemm >= 0) {
-        launch_gemm(gemms_[static_cast<size_t>(st.gemm)], p.env, ptrs, p.input_strides, options);
+        size_t gi = static_cast<size_t>(st.gemm);
+        if (pairs && done[gi]) continue;
+        int partner = pairs ? pair_of_[gi] : -1;
+        if (partner >= 0 && launch_gemm_pair(gemms_[gi], gemms_[static_cast<size_t>(partner)], p.env, swapped,
+                                             p.input_strides, options)) {
+          done[static_cast<size_t>(partner)] = 1;
+          if (options.gemm_merged) ++*options.gemm_merged;
+          continue;
+        }
+        launch_gemm(gemms_[gi], p.env, run_ptrs, p.input_strides, options);
         continue;
       }
       if (st.empty) continue;
@@ -328,17 +345,17 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
       }
       std::copy(st.args.begin(), st.args.end(), args);
       for (size_t a = 0; a < st.n_ptrs; ++a)
-        args[a] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(st.ptr_buffers[a])]));
+        args[a] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(run_ptrs[static_cast<size_t>(st.ptr_buffers[a])]));
       // The vector twin only when every vector access is aligned for every lane group.
       bool vec = st.vec_possible;
       for (size_t a = 0; a < st.vec_align.size() && vec; ++a)
-        vec = reinterpret_cast<uintptr_t>(ptrs[static_cast<size_t>(st.vec_align[a].first)]) % st.vec_align[a].second == 0;
+        vec = reinterpret_cast<uintptr_t>(run_ptrs[static_cast<size_t>(st.vec_align[a].first)]) % st.vec_align[a].second == 0;
       if (vec ? st.vec_too_many_rows : st.too_many_rows)
         throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
       size_t k = static_cast<size_t>(st.kernel);
       void* params[] = {args};
       check_cuda(c.LaunchKernel(vec ? v.cu_vector[k] : v.cu_scalar[k], vec ? st.vec_grid : st.grid, 1, 1,
-                                vec ? st.vec_threads : st.threads, 1, 1, 0, options.stream, params, nullptr),
+                                vec ? st.vec_threads : st.threads, 1, 1, vec ? st.vec_smem : 0, options.stream, params, nullptr),
                  "cuLaunchKernel");
     }
     return;
@@ -431,6 +448,10 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
     CUfunction f = nullptr, fv = nullptr;
     check_cuda(c.ModuleGetFunction(&f, v.module, l.name.c_str()), "cuModuleGetFunction");
     if (!l.vec_name.empty()) check_cuda(c.ModuleGetFunction(&fv, v.module, l.vec_name.c_str()), "cuModuleGetFunction");
+    // Past 48 KB a kernel must opt into its dynamic shared memory.
+    constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if (fv && l.vec_smem > 0)
+      check_cuda(c.FuncSetAttribute(fv, kAttrMaxDynamicSharedBytes, l.vec_smem), "cuFuncSetAttribute(max dynamic shared memory)");
     v.cu_scalar.push_back(f);
     v.cu_vector.push_back(fv);
   }
@@ -472,6 +493,7 @@ void CompiledGraph::prepare_cuda_kernel(const Variant& v, size_t i, const std::v
   }
   st->vec_possible = vec_ok;
   st->threads = static_cast<unsigned>(cl.threads);
+  st->vec_smem = static_cast<unsigned>(cl.vec_smem);
   if (!cl.row) {
     int64_t n = evaluate(cl.numel, env);
     st->empty = n == 0;

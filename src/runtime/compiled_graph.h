@@ -12,6 +12,7 @@
 #include "codegen/c_emitter.h"
 #include "codegen/cuda_emitter.h"
 #include "runtime/cuda_api.h"
+#include "runtime/gemm_launcher.h"
 #include "codegen/kernel_ir.h"
 #include "fusion/plan.h"
 #include "ir/evaluate.h"
@@ -57,6 +58,9 @@ struct RunOptions {
   // Out (CUDA): incremented for each GEMM step that ran as an opfuse kernel
   // (the skinny GEMM) instead of a cuBLASLt call.
   int* gemm_kernels = nullptr;
+  // Out (CUDA): incremented for each GEMM step that ran inside another
+  // step's batched call (a pair, CompiledGraph::gemm_pairs()): no call of its own.
+  int* gemm_merged = nullptr;
 };
 
 struct KernelInfo {
@@ -96,6 +100,7 @@ class CompiledGraph {
       bool vec_possible = false;
       std::vector<std::pair<int, uintptr_t>> vec_align;  // (buffer, bytes)
       unsigned grid = 1, threads = 1, vec_grid = 1, vec_threads = 1;
+      unsigned vec_smem = 0;  // dynamic shared memory of the vector twin (rows staged there)
       bool too_many_rows = false, vec_too_many_rows = false;  // a cluster grid past the limit
     };
     std::vector<Step> steps;
@@ -111,6 +116,12 @@ class CompiledGraph {
   const std::vector<KernelInfo>& kernel_info() const { return info_; }
   const std::vector<std::string>& symbols() const { return symbols_; }
   const std::vector<GemmStep>& gemms() const { return gemms_; }
+  // GEMM steps that may run as one batched call (first, second): at most 64
+  // rows of A by default, any size with OPFUSE_GEMM_PAIRS=1, none with =0.
+  std::vector<std::pair<int, int>> gemm_pairs() const;
+  // Their result buffers: a caller that allocates each pair in one block
+  // (first, then second at the next 256-byte boundary) lets the pair run as one call.
+  std::vector<std::pair<int, int>> paired_buffers() const;
   // The order of the work: (false, kernel index) or (true, gemm index).
   const std::vector<std::pair<bool, int>>& steps() const { return steps_; }
 
@@ -181,6 +192,10 @@ class CompiledGraph {
   std::vector<int> output_buffers_;
   std::vector<std::pair<int, Expr>> large_written_;  // written buffers that may take huge pages: (buffer, bytes)
   std::vector<GemmStep> gemms_;
+  std::vector<int> pair_of_;  // per GEMM step: the later step it runs with as one batched call (pair_gemms()), or -1
+  int64_t gemm_pair_max_rows_ = kPairDefaultMaxRows;  // pairs run as one call up to this many rows of A
+  static constexpr int64_t kPairDefaultMaxRows = 64;
+  int gemm_candidates_ = 8, gemm_split_k_ = 0;  // GemmArgs::candidates, split_k_max (OPFUSE_GEMM_CANDIDATES, _SPLITK)
   std::vector<std::pair<bool, int>> steps_;
   std::vector<int> input_nodes_;
   std::vector<std::string> symbols_;
@@ -190,11 +205,16 @@ class CompiledGraph {
   Target target_ = Target::CPU;
 
   std::string cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches, int arch) const;
+  void pair_gemms();
   void build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit);
   // `env`: the size symbols' values, built once per layout for every step.
   using SymbolEnv = std::map<std::string, int64_t>;
   void prepare_cuda_kernel(const Variant& v, size_t i, const std::vector<int64_t>& symbol_values, const SymbolEnv& env,
                            const std::vector<std::vector<int64_t>>& input_strides, PreparedRun::Step* step) const;
+  GemmArgs gemm_args(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
+                     const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
+  bool launch_gemm_pair(const GemmStep& x, const GemmStep& y, const SymbolEnv& env, std::vector<void*>& ptrs,
+                        const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
   void launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                    const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
 

@@ -1,8 +1,14 @@
 // CompiledGraph's GEMM steps on the GPU: buffers and strides to a cuBLASLt
 // call, or to the skinny GEMM kernel for decode shapes (M <= 16).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
 #include <map>
+#include <string>
 
 #include "runtime/compiled_graph.h"
+#include "ir/ops.h"
 #include "runtime/gemm_launcher.h"
 #include "runtime/skinny_gemm_launcher.h"
 
@@ -19,10 +25,19 @@ std::vector<int64_t> view_strides(const BufferSpec& b, int index, const std::vec
   return st;
 }
 
+// A pair that runs as two calls: said on stderr with OPFUSE_GEMM_LOG=1.
+bool not_paired(const std::string& why, const GemmArgs& g) {
+  const char* log = std::getenv("OPFUSE_GEMM_LOG");
+  if (log && std::string(log) == "1")
+    std::fprintf(stderr, "opfuse gemm pair %lldx%lldx%lld runs as two calls: %s\n", static_cast<long long>(g.m),
+                 static_cast<long long>(g.n), static_cast<long long>(g.k), why.c_str());
+  return false;
+}
+
 }  // namespace
 
-void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
-                                const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+GemmArgs CompiledGraph::gemm_args(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
+                                  const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
   auto concrete = [&](const Shape& sh) {
     std::vector<int64_t> v;
     for (auto& d : sh) v.push_back(evaluate(d, env));
@@ -93,12 +108,159 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
   g.workspace_bytes = o.workspace_bytes;
   g.allow_tf32 = o.allow_tf32;
   g.stream = o.stream;
+  g.candidates = gemm_candidates_;
+  g.split_k_max = gemm_split_k_;
+  return g;
+}
+
+void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
+                                const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+  GemmArgs g = gemm_args(s, env, ptrs, input_strides, o);
   // An opfuse kernel, not a library call: counted as such (RunOptions::gemm_kernels).
   if (skinny::try_run(g)) {
     if (o.gemm_kernels) ++*o.gemm_kernels;
     return;
   }
   run_gemm(g);
+}
+
+// Two GEMMs of one A and two B of one shape and layout (Llama's gate and up
+// projections, x @ w1^T and x @ w3^T) as one strided-batched cuBLASLt call:
+// A's batch stride is 0, B's the distance between the two weights, D's the
+// distance between the two results, which the caller allocated in one
+// block, the second at the next 256-byte boundary (paired_buffers()). One
+// launch streams both weights, with one ramp and one tail.
+//
+// Returns false, and the caller runs the two calls, where this run's
+// pointers do not allow it: a distance that is not a multiple of 16 bytes
+// (the heuristic sees the first batch's alignment only), results that
+// overlap, cuBLASLt refusing the batched call, or the skinny GEMM kernel
+// (opt-in) taking these GEMMs. The two results are scratch buffers of one
+// shape that no caller sees, so when the weights lie in the opposite order
+// to the results, their pointers are swapped in `ptrs` (which every later
+// step reads) rather than asking for a negative stride.
+bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const SymbolEnv& env, std::vector<void*>& ptrs,
+                                     const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+  GemmArgs gx = gemm_args(x, env, ptrs, input_strides, o);
+  if (gx.m > gemm_pair_max_rows_) return false;  // the default's size bound: two calls, as measured
+  GemmArgs gy = gemm_args(y, env, ptrs, input_strides, o);
+  if (gx.batch != 1 || gy.batch != 1 || gx.m != gy.m || gx.n != gy.n || gx.k != gy.k || gx.a.ptr != gy.a.ptr ||
+      gx.a.row_stride != gy.a.row_stride || gx.a.col_stride != gy.a.col_stride ||
+      gx.b.row_stride != gy.b.row_stride || gx.b.col_stride != gy.b.col_stride)
+    return not_paired("operands differ", gx);
+  if (skinny::enabled() && skinny::unsupported_reason(gx).empty()) return not_paired("the skinny GEMM takes it", gx);
+  int64_t elem = static_cast<int64_t>(dtype_size(gx.dtype));
+  int64_t b_diff = static_cast<int64_t>(reinterpret_cast<intptr_t>(gy.b.ptr) - reinterpret_cast<intptr_t>(gx.b.ptr));
+  int64_t d_diff = static_cast<int64_t>(reinterpret_cast<intptr_t>(gy.d) - reinterpret_cast<intptr_t>(gx.d));
+  // Each batch of B and D starts 16-byte aligned like the first (the
+  // heuristic sees the first's alignment only), and D's two results do not overlap.
+  int64_t d_abs = d_diff < 0 ? -d_diff : d_diff;
+  if (b_diff == 0 || b_diff % 16 != 0 || d_abs % 16 != 0 || d_abs < gx.m * gx.n * elem)
+    return not_paired("weights or results apart (b " + std::to_string(b_diff) + " bytes, d " + std::to_string(d_diff) +
+                      ")", gx);
+  if ((b_diff > 0) != (d_diff > 0)) {
+    std::swap(ptrs[static_cast<size_t>(x.out)], ptrs[static_cast<size_t>(y.out)]);
+    std::swap(gx.d, gy.d);
+  }
+  GemmArgs g = b_diff > 0 ? gx : gy;
+  g.batch = 2;
+  g.a.batch_stride = 0;
+  g.b.batch_stride = (b_diff > 0 ? b_diff : -b_diff) / elem;
+  g.d_batch_stride = d_abs / elem;
+  try {
+    run_gemm(g);
+  } catch (const GemmUnsupported& e) {
+    // the two calls instead (the pointers as swapped above: every step reads them)
+    return not_paired(std::string("cuBLASLt refused the batched call: ") + e.what(), gx);
+  }
+  return true;
+}
+
+// Pairs GEMM steps that read the same A buffer through the same view and two
+// different B buffers of one shape and view, with no epilogue that reads a
+// per-call operand (no bias, residual, aux or bias gradient; the same
+// activation), 2-D, whose results are same-shaped scratch buffers (no graph
+// output): the second can run at the first's place when its B is a graph
+// input or written by an earlier step. CUDA only. By default a pair runs as
+// one call where A has at most kPairDefaultMaxRows rows (decode shapes, where
+// it measured 6 us faster on Llama's 16x4096x11008; at 8192 rows it measured
+// level with the two calls: docs/perf-notes.md, GEMM run 3);
+// OPFUSE_GEMM_PAIRS=1 at every size, OPFUSE_GEMM_PAIRS=0 never.
+// Also reads the algorithm search knobs of the graph's GEMM steps.
+void CompiledGraph::pair_gemms() {
+  pair_of_.assign(gemms_.size(), -1);
+  auto knob = [](const char* name, int fallback) {
+    const char* v = std::getenv(name);
+    return v && *v ? std::atoi(v) : fallback;
+  };
+  gemm_candidates_ = std::clamp(knob("OPFUSE_GEMM_CANDIDATES", 8), 1, 64);
+  gemm_split_k_ = std::clamp(knob("OPFUSE_GEMM_SPLITK", 0), 0, 32);
+  const char* env = std::getenv("OPFUSE_GEMM_PAIRS");
+  std::string mode = env ? env : "";
+  gemm_pair_max_rows_ = mode == "1" ? std::numeric_limits<int64_t>::max() : kPairDefaultMaxRows;
+  if (target_ != Target::CUDA || mode == "0") return;
+  const Graph& pg = plan_.graph;
+  // The step position writing each buffer (inputs: -1).
+  std::vector<int> written_at(buffers_.size(), -1);
+  std::vector<int> gemm_pos(gemms_.size(), -1);
+  for (size_t pos = 0; pos < steps_.size(); ++pos) {
+    auto [gemm, index] = steps_[pos];
+    if (gemm) {
+      const GemmStep& s = gemms_[static_cast<size_t>(index)];
+      gemm_pos[static_cast<size_t>(index)] = static_cast<int>(pos);
+      for (int b : {s.out, s.aux, s.bias_grad})
+        if (b >= 0) written_at[static_cast<size_t>(b)] = static_cast<int>(pos);
+    } else {
+      for (int b : launches_[static_cast<size_t>(index)].buffers)
+        if (!buffers_[static_cast<size_t>(b)].is_input && written_at[static_cast<size_t>(b)] < 0)
+          written_at[static_cast<size_t>(b)] = static_cast<int>(pos);
+    }
+  }
+  auto is_output = [&](int b) {
+    return std::find(output_buffers_.begin(), output_buffers_.end(), b) != output_buffers_.end();
+  };
+  auto plain = [&](const GemmStep& s) {
+    return s.bias < 0 && s.residual < 0 && s.aux < 0 && s.bias_grad < 0 && pg.node(s.call.matmul).rank() == 2 &&
+           !is_output(s.out);
+  };
+  auto same_view = [](const GemmOperand& x, const GemmOperand& y) {
+    return x.transposed == y.transposed && same_shape(x.shape, y.shape);
+  };
+  for (size_t i = 0; i < gemms_.size(); ++i) {
+    const GemmStep& x = gemms_[i];
+    if (pair_of_[i] != -1 || !plain(x)) continue;
+    for (size_t j = i + 1; j < gemms_.size(); ++j) {
+      const GemmStep& y = gemms_[j];
+      // One A: the same buffer, or two graph inputs (the backend passes each
+      // x.view(...) of a 3-D activation as its own input) whose pointers and
+      // strides launch_gemm_pair compares per run.
+      bool one_a = y.a == x.a || (buffers_[static_cast<size_t>(x.a)].is_input && buffers_[static_cast<size_t>(y.a)].is_input);
+      if (pair_of_[j] != -1 || !plain(y) || !one_a || y.b == x.b || y.dtype != x.dtype ||
+          y.call.activation != x.call.activation || !same_view(x.call.a, y.call.a) || !same_view(x.call.b, y.call.b) ||
+          buffers_[static_cast<size_t>(x.b)].dtype != buffers_[static_cast<size_t>(y.b)].dtype ||
+          !same_shape(buffers_[static_cast<size_t>(x.out)].shape, buffers_[static_cast<size_t>(y.out)].shape) ||
+          written_at[static_cast<size_t>(y.b)] >= gemm_pos[i])
+        continue;
+      pair_of_[i] = static_cast<int>(j);
+      pair_of_[j] = -2;  // a second: in no other pair
+      break;
+    }
+  }
+  for (int& p : pair_of_)
+    if (p == -2) p = -1;
+}
+
+std::vector<std::pair<int, int>> CompiledGraph::gemm_pairs() const {
+  std::vector<std::pair<int, int>> r;
+  for (size_t i = 0; i < pair_of_.size(); ++i)
+    if (pair_of_[i] >= 0) r.emplace_back(static_cast<int>(i), pair_of_[i]);
+  return r;
+}
+
+std::vector<std::pair<int, int>> CompiledGraph::paired_buffers() const {
+  std::vector<std::pair<int, int>> r;
+  for (auto [i, j] : gemm_pairs()) r.emplace_back(gemms_[static_cast<size_t>(i)].out, gemms_[static_cast<size_t>(j)].out);
+  return r;
 }
 
 }  // namespace opfuse

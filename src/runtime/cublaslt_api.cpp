@@ -27,6 +27,11 @@ const lt::Api& cublaslt() {
               bind(h, api.MatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic", e) &
               bind(h, api.Matmul, "cublasLtMatmul", e);
     api.loaded = ok;
+    std::string optional;  // a missing optional symbol only turns its use off
+    bind(h, api.AlgoConfigGetAttribute, "cublasLtMatmulAlgoConfigGetAttribute", &optional);
+    bind(h, api.AlgoConfigSetAttribute, "cublasLtMatmulAlgoConfigSetAttribute", &optional);
+    bind(h, api.AlgoCapGetAttribute, "cublasLtMatmulAlgoCapGetAttribute", &optional);
+    bind(h, api.AlgoCheck, "cublasLtMatmulAlgoCheck", &optional);
   });
   return api;
 }

@@ -46,9 +46,15 @@ enum Epilogue : int {
 enum LayoutAttr : int { LAYOUT_BATCH_COUNT = 5, LAYOUT_STRIDED_BATCH_OFFSET = 6 };
 // cublasLtMatmulPreferenceAttributes_t
 enum PrefAttr : int {
-  PREF_MAX_WORKSPACE_BYTES = 1, PREF_MIN_ALIGNMENT_A = 5, PREF_MIN_ALIGNMENT_B = 6, PREF_MIN_ALIGNMENT_C = 7,
+  PREF_MAX_WORKSPACE_BYTES = 1, PREF_REDUCTION_SCHEME_MASK = 3, PREF_MIN_ALIGNMENT_A = 5, PREF_MIN_ALIGNMENT_B = 6, PREF_MIN_ALIGNMENT_C = 7,
   PREF_MIN_ALIGNMENT_D = 8,
 };
+
+// cublasLtMatmulAlgoConfigAttributes_t, cublasLtMatmulAlgoCapAttributes_t and
+// cublasLtReductionScheme_t: a heuristic answer re-cut into more K splits.
+enum AlgoConfigAttr : int { CONFIG_SPLITK_NUM = 2, CONFIG_REDUCTION_SCHEME = 3 };
+enum AlgoCapAttr : int { CAP_SPLITK_SUPPORT = 0, CAP_REDUCTION_SCHEME_MASK = 1 };
+enum ReductionScheme : uint32_t { REDUCE_NONE = 0, REDUCE_INPLACE = 1, REDUCE_COMPUTE_TYPE = 2, REDUCE_OUTPUT_TYPE = 4 };
 
 struct Api {
   bool loaded = false;
@@ -70,6 +76,11 @@ struct Api {
   Status (*Matmul)(Handle, MatmulDesc, const void* alpha, const void* A, Layout, const void* B, Layout,
                    const void* beta, const void* C, Layout, void* D, Layout, const Algo* algo, void* workspace,
                    size_t workspace_bytes, void* stream) = nullptr;
+  // Optional (nullptr where missing): re-configuring heuristic answers.
+  Status (*AlgoConfigGetAttribute)(const Algo*, int attr, void* buf, size_t size, size_t* written) = nullptr;
+  Status (*AlgoConfigSetAttribute)(Algo*, int attr, const void* buf, size_t size) = nullptr;
+  Status (*AlgoCapGetAttribute)(const Algo*, int attr, void* buf, size_t size, size_t* written) = nullptr;
+  Status (*AlgoCheck)(Handle, MatmulDesc, Layout, Layout, Layout, Layout, const Algo*, HeuristicResult* result) = nullptr;
 };
 
 }  // namespace lt

@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 #include <vector>
@@ -58,7 +59,7 @@ int lt_type(DType t) {
   }
 }
 
-constexpr int kCandidates = 8;  // algorithms asked of the heuristic and timed
+constexpr int kMaxCandidates = 64;  // bound on GemmArgs::candidates
 constexpr lt::Status kStatusInvalidValue = 7, kStatusNotSupported = 15;  // cublasStatus_t
 
 int alignment(const void* p) {
@@ -147,6 +148,8 @@ void set_layout_batch(lt::Layout l, int64_t batch, int64_t stride) {
         "cublasLtMatrixLayoutSetAttribute");
 }
 
+void add_split_k(Prepared& p, const GemmArgs& g, lt::Handle handle);
+
 // D^T (n x m, ld n) = op(A') op(B') with A' describing B^T and B' describing
 // A^T. So a bias along D's columns (n) is along D^T's rows (cuBLASLt's
 // BIAS), and the bias gradient of a (summed over k) is BGRADB, of b BGRADA.
@@ -177,7 +180,7 @@ void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, con
   check(api.MatrixLayoutCreate(&p.d, type, static_cast<uint64_t>(g.n), static_cast<uint64_t>(g.m), g.n), "layout D");
   set_layout_batch(p.a, g.batch, ma.batch_stride);
   set_layout_batch(p.b, g.batch, mb.batch_stride);
-  set_layout_batch(p.d, g.batch, g.m * g.n);
+  set_layout_batch(p.d, g.batch, g.d_batch_stride ? g.d_batch_stride : g.m * g.n);
   if (mc) {
     check(api.MatrixLayoutCreate(&p.c, type, static_cast<uint64_t>(g.n), static_cast<uint64_t>(g.m), mc->ld), "layout C");
     set_layout_batch(p.c, g.batch, mc->batch_stride);
@@ -197,10 +200,12 @@ void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, con
   void* bias_ptr = g.bias_grad ? g.bias_grad : const_cast<void*>(g.bias);
   if (bias_ptr) api.MatmulDescSetAttribute(p.desc, lt::DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr));
   if (g.aux) api.MatmulDescSetAttribute(p.desc, lt::DESC_AUX_POINTER, &g.aux, sizeof(g.aux));
-  lt::HeuristicResult results[kCandidates] = {};
+  int wanted = std::clamp(g.candidates, 1, kMaxCandidates);
+  std::vector<lt::HeuristicResult> results(static_cast<size_t>(wanted));
   int found = 0;
-  lt::Status s = api.MatmulAlgoGetHeuristic(handle_for_device(current_device()), p.desc, p.a, p.b, p.c ? p.c : p.d, p.d,
-                                             pref, kCandidates, results, &found);
+  lt::Handle handle = handle_for_device(current_device());
+  lt::Status s = api.MatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c ? p.c : p.d, p.d, pref, wanted,
+                                             results.data(), &found);
   api.MatmulPreferenceDestroy(pref);
   const lt::HeuristicResult& r = results[0];
   if (s != 0 || found == 0 || r.state != 0) {
@@ -213,8 +218,51 @@ void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, con
   p.algo = r.algo;
   p.workspace = r.workspace_size;
   for (int i = 0; i < found; ++i)
-    if (results[i].state == 0) p.candidates.push_back(results[i].algo);
+    if (results[static_cast<size_t>(i)].state == 0) p.candidates.push_back(results[static_cast<size_t>(i)].algo);
+  if (g.split_k_max > 1 && g.m <= GemmArgs::kSplitKMaxRows) add_split_k(p, g, handle);
   p.ok = true;
+}
+
+// Decode shapes (few rows of A) have few output tiles: the heuristic's
+// answers may not split K enough to stream the weight with every SM. Each
+// answer that supports split-K is re-cut into 2 .. split_k_max splits,
+// reduced in float32 in the workspace where the algorithm allows (no
+// atomics: deterministic), else in the output type; cuBLASLt's AlgoCheck
+// keeps those it can run within the workspace. Timed with the rest.
+void add_split_k(Prepared& p, const GemmArgs& g, lt::Handle handle) {
+  const lt::Api& api = cublaslt();
+  if (!api.AlgoConfigGetAttribute || !api.AlgoConfigSetAttribute || !api.AlgoCapGetAttribute || !api.AlgoCheck) return;
+  std::vector<lt::Algo> base = p.candidates;
+  for (const lt::Algo& a : base) {
+    int32_t support = 0;
+    size_t written = 0;
+    if (api.AlgoCapGetAttribute(&a, lt::CAP_SPLITK_SUPPORT, &support, sizeof(support), &written) != 0 || !support)
+      continue;
+    uint32_t mask = 0;
+    if (api.AlgoCapGetAttribute(&a, lt::CAP_REDUCTION_SCHEME_MASK, &mask, sizeof(mask), &written) != 0) continue;
+    uint32_t scheme = (mask & lt::REDUCE_COMPUTE_TYPE) ? lt::REDUCE_COMPUTE_TYPE
+                      : (mask & lt::REDUCE_OUTPUT_TYPE) ? lt::REDUCE_OUTPUT_TYPE
+                                                        : 0;
+    if (!scheme) continue;
+    uint32_t current = 1;
+    api.AlgoConfigGetAttribute(&a, lt::CONFIG_SPLITK_NUM, &current, sizeof(current), &written);
+    for (uint32_t split : {2u, 3u, 4u, 6u, 8u, 12u, 16u, 24u, 32u}) {
+      if (static_cast<int>(split) > g.split_k_max || split == current) continue;
+      if (static_cast<int64_t>(split) * 256 > g.k) break;  // at least 256 of K per split
+      lt::Algo v = a;
+      if (api.AlgoConfigSetAttribute(&v, lt::CONFIG_SPLITK_NUM, &split, sizeof(split)) != 0 ||
+          api.AlgoConfigSetAttribute(&v, lt::CONFIG_REDUCTION_SCHEME, &scheme, sizeof(scheme)) != 0)
+        continue;
+      bool dup = false;
+      for (const lt::Algo& c : p.candidates) dup = dup || std::equal(std::begin(c.data), std::end(c.data), std::begin(v.data));
+      if (dup) continue;
+      lt::HeuristicResult r{};
+      if (api.AlgoCheck(handle, p.desc, p.a, p.b, p.c ? p.c : p.d, p.d, &v, &r) != 0 || r.state != 0 ||
+          r.workspace_size > g.workspace_bytes)
+        continue;
+      p.candidates.push_back(v);
+    }
+  }
 }
 
 // Times each candidate algorithm on the call's own operands (a few runs
@@ -224,7 +272,8 @@ void build(Prepared& p, const GemmArgs& g, int epilogue, const LtMatrix& ma, con
 // belongs to the first call, like compiling. OPFUSE_GEMM_AUTOTUNE=0 keeps
 // the heuristic's first answer.
 template <class Enqueue>
-void autotune(Prepared& p, void* stream, Enqueue enqueue) {
+void autotune(Prepared& p, const GemmArgs& g, Enqueue enqueue) {
+  void* stream = g.stream;
   p.tuned = true;
   const char* env = std::getenv("OPFUSE_GEMM_AUTOTUNE");
   if ((env && std::string(env) == "0") || p.candidates.size() < 2) return;
@@ -243,7 +292,7 @@ void autotune(Prepared& p, void* stream, Enqueue enqueue) {
     c.EventDestroy(start);
     return;
   }
-  float best = 0;
+  float best = 0, first = 0;
   size_t best_i = 0;
   for (size_t i = 0; i < p.candidates.size(); ++i) {
     if (enqueue(p.candidates[i]) != 0) continue;  // warm-up; an algorithm that fails is skipped
@@ -252,6 +301,7 @@ void autotune(Prepared& p, void* stream, Enqueue enqueue) {
     c.EventRecord(stop, stream);
     float ms = 0;
     if (c.EventSynchronize(stop) != 0 || c.EventElapsedTime(&ms, start, stop) != 0) continue;
+    if (i == 0) first = ms;
     if (best == 0 || ms < best) {
       best = ms;
       best_i = i;
@@ -260,6 +310,17 @@ void autotune(Prepared& p, void* stream, Enqueue enqueue) {
   c.EventDestroy(start);
   c.EventDestroy(stop);
   if (best > 0) p.algo = p.candidates[best_i];
+  const char* log = std::getenv("OPFUSE_GEMM_LOG");
+  if (log && std::string(log) == "1" && best > 0) {
+    uint32_t split = 1;
+    size_t written = 0;
+    const lt::Api& api = cublaslt();
+    if (api.AlgoConfigGetAttribute) api.AlgoConfigGetAttribute(&p.algo, lt::CONFIG_SPLITK_NUM, &split, sizeof(split), &written);
+    std::fprintf(stderr, "opfuse gemm tuned: batch %lld m %lld n %lld k %lld: %zu candidates, best #%zu (split-K %u) %.2f us, "
+                 "heuristic's first %.2f us\n", static_cast<long long>(g.batch), static_cast<long long>(g.m),
+                 static_cast<long long>(g.n), static_cast<long long>(g.k), p.candidates.size(), best_i, split,
+                 best / 3 * 1e3, first / 3 * 1e3);
+  }
 }
 
 // The problem's identity, as integers: this runs on every call, so no
@@ -267,7 +328,8 @@ void autotune(Prepared& p, void* stream, Enqueue enqueue) {
 std::vector<int64_t> key_of(const GemmArgs& g, int epilogue, const LtMatrix& ma, const LtMatrix& mb, const LtMatrix* mc,
                             int device) {
   std::vector<int64_t> k = {device, static_cast<int64_t>(g.dtype), g.batch, g.m, g.n, g.k, epilogue, g.allow_tf32,
-                            static_cast<int64_t>(g.workspace_bytes), g.float32_bias, g.aux_ld};
+                            static_cast<int64_t>(g.workspace_bytes), g.float32_bias, g.aux_ld, g.candidates,
+                            g.split_k_max, g.d_batch_stride};
   for (const LtMatrix* m : {&ma, &mb, mc}) {
     if (!m) {
       k.push_back(-1);
@@ -337,7 +399,7 @@ void run_gemm(const GemmArgs& g) {
     return api.Matmul(handle, p->desc, &alpha, g.b.ptr, p->a, g.a.ptr, p->b, &beta, c_ptr, p->c ? p->c : p->d, g.d, p->d,
                       &algo, g.workspace, g.workspace_bytes, g.stream);
   };
-  if (!p->tuned) autotune(*p, g.stream, enqueue);
+  if (!p->tuned) autotune(*p, g, enqueue);
   // cuBLASLt checks some combinations only when the call is made (nothing
   // is enqueued then): a refusal, like the heuristic's, for the fallback.
   lt::Status status = enqueue(p->algo);

@@ -31,7 +31,8 @@ struct GemmArgs {
   DType dtype = DType::BFloat16;  // of A, B, C, D, aux, and of bias, bias_grad unless float32_bias
   int64_t batch = 1, m = 0, n = 0, k = 0;
   GemmMatrix a, b;               // [m, k] and [k, n]
-  void* d = nullptr;             // [batch, m, n], contiguous
+  void* d = nullptr;             // [batch, m, n], rows contiguous
+  int64_t d_batch_stride = 0;    // elements from one batch of D to the next (0: m * n, contiguous)
   const void* bias = nullptr;    // [n]
   int64_t bias_stride = 1;
   bool float32_bias = false;     // bias or bias_grad is float32 while dtype is 16-bit (BIAS_DATA_TYPE)
@@ -45,6 +46,13 @@ struct GemmArgs {
   size_t workspace_bytes = 0;
   bool allow_tf32 = false;       // float32: TF32 tensor cores, as torch.backends.cuda.matmul.allow_tf32
   void* stream = nullptr;
+  // Algorithm search, done once per problem: how many answers to ask of
+  // cuBLASLt's heuristic and time; split_k_max > 1 also times each answer
+  // that supports split-K re-cut into 2 .. split_k_max K splits (decode
+  // shapes: m <= kSplitKMaxRows only), checked by cublasLtMatmulAlgoCheck.
+  int candidates = 8;
+  int split_k_max = 0;
+  static constexpr int64_t kSplitKMaxRows = 64;
 };
 
 // Enqueues the GEMM on args.stream. Throws GemmUnsupported (see above), or

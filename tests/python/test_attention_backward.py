@@ -53,13 +53,17 @@ def test_backward_tiles_match_the_harness():
 
     for arch, limit in ((80, 166912), (90, 232448), (86, 101376)):
         for d in (64, 96, 128, 256):
-            try:
-                want = tuple(t.tag() for t in br.choose_tiles(d, f"sm_{arch}", limit))
-            except ValueError:
-                with pytest.raises(ValueError):
-                    _C.attention_backward_tiles(d, arch, limit)
-                continue
-            assert _C.attention_backward_tiles(d, arch, limit) == want, (arch, d)
+            for masked in (False, True):  # a masked dK/dV kernel stages one more per-row array
+                try:
+                    want = tuple(t.tag() for t in br.choose_tiles(d, f"sm_{arch}", limit, masked=masked))
+                except ValueError:
+                    with pytest.raises(ValueError):
+                        _C.attention_backward_tiles(d, arch, limit, masked)
+                    continue
+                assert _C.attention_backward_tiles(d, arch, limit, masked) == want, (arch, d, masked)
+        for d in (64, 128):
+            kv, _ = br.choose_tiles(d, f"sm_{arch}", limit, masked=True)
+            assert br.dkdv_smem(d, kv, True) == br.dkdv_smem(d, kv) + 2 * kv.block_m * 4
 
 
 def _bwd_args(**over):

@@ -204,3 +204,61 @@ def test_row_knobs_compile_without_spills(arch, knobs, monkeypatch):
         _, _, log = cg.compile_cuda(shapes, contiguous_strides(shapes), arch, False)
         spills = re.findall(r"(\d+) bytes spill stores", log)
         assert spills and all(int(s) == 0 for s in spills), (lead, cols, log[-3000:])
+
+
+# OPFUSE_ROW_LEAN=1 (rows-bwd-2): the pair reduction (opf_block_sum2),
+# partials in shared memory (opf_pps, where they fit in 40 KB), the raw
+# 16-bit cache (rr<slot>) and, on sm_90 where all apply, 3 blocks of 512 or
+# 4 of 256 an SM: no spills on either arch. 768 (f16: 48 KB) and 5000 (64
+# KB, rows not cached) keep register partials; float32 has no raw cache
+# (bound unchanged).
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("lead,cols,dt,smem,bound", [([32768], 4096, "bf16", True, "512, 3"),
+                                                     ([262144], 256, "bf16", True, "256, 4"),
+                                                     ([2048], 1032, "bf16", True, "256, 4"),
+                                                     ([3, 1401], 768, "f16", False, "256, 1"),
+                                                     ([4099], 5000, "bf16", False, "512, 1"),
+                                                     ([32768], 4096, "f32", True, "512, 1")])
+def test_lean_row_knobs_compile_without_spills(arch, lead, cols, dt, smem, bound, monkeypatch):
+    nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_ROW_LEAN", "1")
+    rows = int(np.prod(lead))
+    cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols, dt=dt, lead=lead), target="cuda")
+    shapes = [lead + [cols], lead + [cols], lead + [1], lead + [1], [cols]]
+    src = cg.cuda_source(shapes, contiguous_strides(shapes), arch)
+    vec = src[src.index("column_partials_v"):].split("\n}\n")[0]
+    assert ("opf_pps[" in vec) == smem
+    if cols > 1024:  # a block per row: the two sums in one reduction
+        assert "opf_block_sum2(" in vec
+    if dt != "f32" and cols <= 4096:  # 16-bit loads cached raw, not as floats (5000: not cached, loop stages)
+        assert "rr0[it_] = *reinterpret_cast<const opf_vec<16>*>" in vec and "float rc" not in vec
+    want = bound if arch >= 90 else bound.split(",")[0] + ", 1"
+    assert f"__launch_bounds__({want})" in vec, vec[:400]
+    _, _, log = cg.compile_cuda(shapes, contiguous_strides(shapes), arch, False)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    assert spills and all(int(s) == 0 for s in spills), (lead, cols, log[-3000:])
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_lean_defaults_where_measured(arch, monkeypatch):
+    """Defaults from the H200 run at 333d743: the pair reduction in a block
+    per row with the row cached (32768x4096), not in loop stages (8192x32768,
+    not split); the whole lean combination for lane groups on sm_90
+    (262144x256: partials in shared memory, raw cache, 4 blocks of 256), not
+    on sm_80 (its ptxas spilled); OPFUSE_ROW_LEAN=0 turns all of it off."""
+    nvrtc_or_skip()
+
+    def vec_kernel(rows, cols):
+        cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols), target="cuda")
+        shapes = [[rows, cols], [rows, cols], [rows, 1], [rows, 1], [cols]]
+        src = cg.cuda_source(shapes, contiguous_strides(shapes), arch)
+        return src[src.index("opfuse_k0_"):].split("\n}\n")[0] if "_v8" not in src else \
+            src[src.index("_v8_args a) {") - 200:].split("\n}\n")[0]
+
+    wide, short, loops = vec_kernel(32768, 4096), vec_kernel(262144, 256), vec_kernel(8192, 32768)
+    assert "opf_block_sum2(a" in wide and "opf_pps[" not in wide and "__launch_bounds__(512, 1)" in wide
+    assert "opf_block_sum2(a" not in loops
+    assert ("opf_pps[" in short and "rr0[it_]" in short and "__launch_bounds__(256, 4)" in short) == (arch >= 90)
+    monkeypatch.setenv("OPFUSE_ROW_LEAN", "0")
+    wide, short = vec_kernel(32768, 4096), vec_kernel(262144, 256)
+    assert "opf_block_sum2(a" not in wide and "opf_pps[" not in short and "rr0[" not in short

@@ -167,9 +167,11 @@ def test_column_reductions_compile_coalesced(arch):
     assert all(int(s) == 0 for s in spills), log[-2000:]
 
 
-def test_loop_stages_fuse_softmax_max_and_sum_into_one_online_pass():
+def test_loop_stages_fuse_softmax_max_and_sum_into_one_online_pass(monkeypatch):
     """Rows too long for the register cache re-read memory each stage; the
-    max and sum-of-exp stages become one pass with an online (max, sum) pair."""
+    max and sum-of-exp stages become one pass with an online (max, sum) pair
+    (where the row is not staged in shared memory: OPFUSE_ROW_SMEM_KB=0)."""
+    monkeypatch.setenv("OPFUSE_ROW_SMEM_KB", "0")
     long_rows, short_rows = [[4096, 262144]], [[8192, 32768]]
     for op in ("softmax", "log_softmax"):
         cg = _C.CompiledGraph(row_ir(op, "bf16", *long_rows[0]), target="cuda")
@@ -180,3 +182,62 @@ def test_loop_stages_fuse_softmax_max_and_sum_into_one_online_pass():
         cg = _C.CompiledGraph(row_ir(op, "bf16", *short_rows[0]), target="cuda")
         # 64 KB rows: the later stages re-read them from L2, which was faster on the H200
         assert "opf_online_add<" not in cg.cuda_source(short_rows, contiguous_strides(short_rows), 90)
+
+
+def _vector_kernel(src):
+    return src[src.index("_v8_args"):] if "_v8_args" in src else src[src.index("_v4_args"):]
+
+
+def test_long_rows_staged_in_shared_memory_read_each_element_once():
+    """Rows past the register cache are copied once into shared memory
+    (cp.async) and every stage reads them there: one block of 512 threads
+    per 64 KB row, three an SM; 512 KB rows split over a cluster of 8 on
+    sm_90, whose statistics combine through distributed shared memory; on
+    sm_80 (no clusters) such rows keep the loop stages."""
+    for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+        shapes = [[8192, 32768]]
+        cg = _C.CompiledGraph(row_ir(op, "bf16", 8192, 32768), target="cuda")
+        for arch in (80, 90):
+            v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), arch))
+            assert "opf_cp_async16(sr0" in v and "opf_vload<8>(b0" not in v, v
+            assert "__cluster_dims__" not in v
+            stages = 2 if op == "rms_norm" else 3
+            assert v.count("opf_vload<8>(sr0") == stages, v
+            assert f"__launch_bounds__(512, {3 if arch == 90 else 2})" in v
+        shapes = [[4096, 262144]]
+        cg = _C.CompiledGraph(row_ir(op, "bf16", 4096, 262144), target="cuda")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert "__cluster_dims__(8, 1, 1)" in v and "opf_cp_async16(sr0" in v and "opf_vload<8>(b0" not in v
+        assert "opf_cluster_reduce<" in v and "opf_block_reduce<" not in v
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 80))
+        assert "opf_cp_async16(sr" not in v and "opf_vload<8>(b0" in v
+
+
+def test_staging_knobs_and_limits(monkeypatch):
+    """float32 rows of 32768 take a cluster of 2 (128 KB); OPFUSE_ROW_SMEM_KB=0
+    turns staging off; rows that fit the register cache are not staged; the
+    backward's two re-read tensors are staged only with OPFUSE_ROW_SMEM_TENSORS=2."""
+    shapes = [[64, 32768]]
+    cg = _C.CompiledGraph(row_ir("softmax", "f32", 64, 32768), target="cuda")
+    v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+    assert "__cluster_dims__(2, 1, 1)" in v and "opf_cp_async16(sr" in v
+    monkeypatch.setenv("OPFUSE_ROW_SMEM_KB", "0")
+    assert "opf_cp_async16(sr" not in cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+    monkeypatch.delenv("OPFUSE_ROW_SMEM_KB")
+    shapes = [[64, 4096]]
+    cg = _C.CompiledGraph(row_ir("softmax", "bf16", 64, 4096), target="cuda")
+    assert "opf_cp_async16(sr" not in cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+    shapes = [[64, 32768]] * 3 + [[32768]]
+    cg = _C.CompiledGraph(backward_ir(64, 32768), target="cuda")
+    assert "opf_cp_async16(sr" not in cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("cols", [20000, 32768, 40000, 70000, 262144])
+def test_staged_rows_compile_without_spills(arch, dtype, cols, monkeypatch):
+    nvrtc_or_skip()
+    for op in ["softmax", "log_softmax", "layer_norm", "rms_norm"]:
+        _, log = compile_for(row_ir(op, dtype, 64, cols), [[64, cols]], arch)
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and all(int(s) == 0 for s in spills), log[-2000:]

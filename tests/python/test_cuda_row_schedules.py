@@ -186,10 +186,13 @@ def test_layer_norm_weight_and_bias_gradients(rows, cols):
         assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, err
 
 
+@pytest.mark.parametrize("smem_kb", ["0", "64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_online_softmax_pass_with_special_values(dtype):
-    """Loop-stage rows (40000 elements) take max and sum in one online pass:
-    +inf, -inf, NaN and all -inf rows as eager."""
+def test_online_softmax_pass_with_special_values(dtype, smem_kb, monkeypatch):
+    """Loop-stage rows (40000 elements) take max and sum in one online pass
+    (OPFUSE_ROW_SMEM_KB=0) or, staged in shared memory, three passes over it
+    (a cluster of 2 or 4 on sm_90): +inf, -inf, NaN and all -inf rows as eager."""
+    monkeypatch.setenv("OPFUSE_ROW_SMEM_KB", smem_kb)
     x = torch.randn(6, 40000, device="cuda", dtype=dtype) * 4
     x[1, 7] = float("nan")
     x[2, 39999] = float("inf")
@@ -282,7 +285,8 @@ def test_wide_column_partials_in_clusters(shape, dtype, monkeypatch):
 # of blocks an SM (a register cap).
 KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_PREFETCH_AHEAD": "264"},
          {"OPFUSE_ROW_REVERSE_LOOPS": "1"}, {"OPFUSE_ROW_PARTIAL_VALUES": "8", "OPFUSE_ROW_MIN_BLOCKS": "2"},
-         {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"}]
+         {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"},
+         {"OPFUSE_ROW_LEAN": "1"}, {"OPFUSE_ROW_PAIR_REDUCE": "1"}]
 
 
 def _knob_id(knobs):
@@ -303,3 +307,91 @@ def test_row_knobs_keep_results(knobs, monkeypatch):
         check(softmax, x, x[0], x[0], torch.bfloat16)
     _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (300, 40000), torch.bfloat16, 2)
     _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (4099, 4096), torch.float32, 2)
+
+
+# OPFUSE_ROW_LEAN=1: one reduction for layer_norm backward's two row sums
+# (opf_block_sum2, whose shared slots alternate by call), the column partials
+# in shared memory, 16-bit loads cached as raw vectors, 3 or 4 blocks an SM.
+# A block per row (4096; 1032 at 256 threads), lane groups (256), the scalar
+# twin (1031), rows not a multiple of the parts, 3-D, float16 and float32,
+# and a strided view (rows of a wider tensor), all against float64.
+@pytest.mark.parametrize("shape,dtype", [((2050, 4096), torch.bfloat16), ((4099, 256), torch.bfloat16),
+                                         ((2048, 1032), torch.bfloat16), ((2048, 1031), torch.bfloat16),
+                                         ((3, 700, 1000), torch.float16), ((2111, 4096), torch.float32)])
+def test_lean_row_backward_matches_float64(shape, dtype, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_LEAN", "1")
+    _grads_against_float64(layer_norm, shape, dtype, 3)
+    _grads_against_float64(rms_norm, shape, dtype, 2)
+
+
+def test_lean_row_backward_strided_rows(monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_LEAN", "1")
+    rows, cols = 2304, 4096
+    wide = torch.randn(rows, cols + 8, device="cuda", dtype=torch.bfloat16)
+    x = wide[:, 3:cols + 3].detach().requires_grad_()  # rows 8208 bytes apart, not 16-byte aligned: the scalar twin
+    x2 = wide[:, 8:].detach().requires_grad_()         # aligned rows of a wider tensor: the vector twin, strided
+    for xv in (x, x2):
+        w = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        torch._dynamo.reset()
+        out = torch.compile(lambda x, w, b: layer_norm(x, w, b), backend="opfuse", dynamic=False)(xv, w, b)
+        grads = torch.autograd.grad(out, (xv, w, b), dy)
+        xd, wd, bd = (t.detach().double().requires_grad_() for t in (xv, w, b))
+        refs = torch.autograd.grad(layer_norm(xd, wd, bd), (xd, wd, bd), dy.double())
+        eager = torch.autograd.grad(layer_norm(xv, w, b), (xv, w, b), dy)
+        for g, r, e in zip(grads, refs, eager):
+            err = (g.double() - r).abs().max().item()
+            assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, err
+# Rows staged in shared memory (cuda_row_emitter.cpp, stage_rows): a block
+# per row (20000, 32768 bf16), on sm_90 clusters of 2 to 8 blocks (32776:
+# slices of 16392 and 16384; 40000, 70000, 262144; float32 from 20000);
+# 20001 is not a multiple of 8 and takes the scalar twin's loop stages.
+STAGED = [(5, 20000, torch.bfloat16), (4, 32768, torch.bfloat16), (3, 32776, torch.bfloat16),
+          (3, 70000, torch.bfloat16), (2, 262144, torch.bfloat16), (3, 20001, torch.bfloat16),
+          (5, 20000, torch.float32), (2, 262144, torch.float32)]
+
+
+@pytest.mark.parametrize("rows,cols,dtype", STAGED, ids=lambda v: str(v).replace("torch.", ""))
+def test_staged_rows_match_float64(rows, cols, dtype):
+    torch.manual_seed(cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * 3
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+    for fn in OPS.values():
+        check(fn, x, w, b, dtype)
+
+
+@pytest.mark.parametrize("cols", [20000, 40000])
+def test_staged_row_views(cols):
+    """Rows at a stride of cols + 16, 8 elements in (still 16-byte aligned:
+    the staged vector twin), and transposed rows (the scalar twin)."""
+    torch.manual_seed(1)
+    base = torch.randn(7 * (cols + 16) + 8, device="cuda", dtype=torch.bfloat16)
+    x = base[8:8 + 7 * (cols + 16)].view(7, cols + 16)[:, :cols]
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    xt = torch.randn(cols, 3, device="cuda", dtype=torch.bfloat16).t()
+    for fn in OPS.values():
+        check(fn, x, w, w, torch.bfloat16)
+        check(fn, xt, w, w, torch.bfloat16)
+
+
+# Staging knobs: 256 or 1024 threads, a 16 KB budget (clusters of 4 at
+# 20000), clusters off (262144 back to loop stages), the backward's two
+# re-read tensors staged, the L2 prefetch of the row one wave on.
+STAGE_KNOBS = [{"OPFUSE_ROW_SMEM_THREADS": "256"}, {"OPFUSE_ROW_SMEM_THREADS": "1024"},
+               {"OPFUSE_ROW_SMEM_KB": "16"}, {"OPFUSE_ROW_SMEM_CLUSTER": "1"}, {"OPFUSE_ROW_SMEM_TENSORS": "2"},
+               {"OPFUSE_ROW_SMEM_PREFETCH": "-1"}]
+
+
+@pytest.mark.parametrize("knobs", STAGE_KNOBS, ids=_knob_id)
+def test_staging_knobs_keep_results(knobs, monkeypatch):
+    for n, v in knobs.items():
+        monkeypatch.setenv(n, v)
+    torch.manual_seed(2)
+    for cols in [20000, 262144]:
+        x = torch.randn(3, cols, device="cuda", dtype=torch.bfloat16) * 3
+        for fn in (softmax, layer_norm):
+            check(fn, x, x[0], x[1], torch.bfloat16)
+    if "OPFUSE_ROW_SMEM_TENSORS" in knobs:
+        _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (300, 40000), torch.bfloat16, 2)

@@ -11,6 +11,7 @@ import torch
 
 import opfuse
 from opfuse import _C
+from opfuse.bench.launch import find_partition
 from opfuse.frontend import runtime
 
 
@@ -25,20 +26,7 @@ def two_outputs(x, b):
 
 def partition_of(fn, *args):
     """The one FusedPartition a compiled call goes through, and its arguments."""
-    found = []
-    original = runtime.FusedPartition.__call__
-
-    def spy(self, *a):
-        found.append((self, a))
-        return original(self, *a)
-
-    runtime.FusedPartition.__call__ = spy
-    try:
-        fn(*args)
-    finally:
-        runtime.FusedPartition.__call__ = original
-    assert len(found) == 1, f"expected one opfuse partition, found {len(found)}"
-    return found[0]
+    return find_partition(fn, args)
 
 
 def test_repeated_calls_take_the_fast_path_and_count_exactly(device):
@@ -491,3 +479,39 @@ def test_launch_bench_reports_every_layer_per_kernel(capsys):
     assert multi["host_us_per_kernel"] == pytest.approx(multi["host_us"] / multi["kernels"])
     assert all(r["host_us"] > 0 and r["host_us_min"] <= r["host_us"] for r in recs)
     assert "us/kernel" in capsys.readouterr().out
+
+
+# -- the driver's floor under the launch path ---------------------------------
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_launch_floor_kernel_compiles(arch):
+    """The empty kernel the launch bench times compiles with NVRTC alone (no
+    CUDA headers) and takes one argument block the size of the chain's."""
+    try:
+        _C.nvrtc_version()
+    except RuntimeError as e:
+        pytest.skip(f"NVRTC not available: {e}")
+    cubin, ptx, log = _C.nvrtc_compile(_C.launch_floor_source(), arch, False)
+    assert len(cubin) > 0
+    # 4 pointers + 1 size + 1 stride, 8 bytes each.
+    assert ".param .align 8 .b8 opfuse_launch_floor_param_0[48]" in ptx
+
+
+@pytest.mark.gpu
+def test_launch_bench_reports_the_driver_floor_on_cuda():
+    """On CUDA the suite adds the driver's floor: an empty kernel's launch,
+    positive, and not above what opfuse's C++ run of the chain costs by
+    more than noise (the run does that launch and more)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from opfuse.bench import launch, records
+
+    dev = torch.device("cuda")
+    info = records.run_info(dev)
+    recs = launch.run_launch_suite(dev, info, quick=True)
+    for r in recs:
+        records.validate_record(r)
+    got = {(r["case"], r["impl"]): r for r in recs}
+    floor = got[("driver-floor-host", "cuLaunchKernel (empty kernel)")]
+    assert 0 < floor["host_us_min"] <= floor["host_us"]
+    assert floor["host_us_min"] <= 1.5 * got[("chain-4K-host", "run")]["host_us"]

@@ -661,6 +661,20 @@ def test_attention_masked_instantiations_compile():
 
 
 @needs_nvrtc
+def test_attention_sm90_option_tags_compile():
+    # The OPTS letters of a Hopper tile tag (o overlap, k skip, l pairs) reach
+    # the name expression as the template argument after the Mask, the same
+    # as tests/gpu/attention/attn_runtime_sm90.name_expression_sm90 writes it.
+    expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pl", False, "keypad")
+    assert expr.endswith("true, opfuse_attn::MaskKeyPad, 4>") and cubin[:4] == b"\x7fELF"
+    expr, _, cubin, log, _ = _C.attention_sm90_compile("f16", 64, False, "wg192x128s4pl", False)
+    assert expr.endswith("true, opfuse_attn::MaskNone, 4>") and cubin[:4] == b"\x7fELF"
+    assert "Performance Loss" not in log
+    with pytest.raises(ValueError, match="tag"):
+        _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2lp", False)
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("arch", [80, 90])
 def test_norm_kernels_compile_for_cuda(arch):
     """The generated CUDA source of every forward and backward graph compiles."""

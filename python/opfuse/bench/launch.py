@@ -22,6 +22,12 @@ Per call and per fused kernel, the host microseconds of
                   and the launches
   eager add       one eager PyTorch op (add) for scale
 
+and, on CUDA, the driver's floor: back-to-back cuLaunchKernel calls of an
+empty kernel with the chain kernel's argument size, timed in C++
+(`_C.time_empty_launches`). No launcher goes below it; "run" minus it is
+what opfuse's C++ adds to a launch, "partition" minus it the whole path's
+own cost.
+
 Each number is the median over batches of the mean time per call in a batch
 (and the fastest batch, less disturbed by other processes). On the CPU the
 same layers are timed with one torch thread; there the kernels run on the
@@ -38,6 +44,7 @@ import time
 
 import torch
 
+from .cases import seed_chain as chain
 from .records import RunInfo, make_record
 
 BATCHES, CALLS = 41, 200  # median over 41 batches of 200 calls
@@ -60,7 +67,7 @@ def _host_us(fn, device: torch.device, batches: int, calls: int) -> tuple[float,
     return statistics.median(per_batch), min(per_batch)
 
 
-def _find_partition(compiled_fn, args):
+def find_partition(compiled_fn, args):
     """The one FusedPartition a compiled call goes through, and its arguments."""
     from ..frontend import runtime
 
@@ -81,11 +88,7 @@ def _find_partition(compiled_fn, args):
     return found[0]
 
 
-def _chain(x, b1, b2):
-    return torch.relu(x + b1) * 0.5 + b2
-
-
-def _multi(x, b):
+def multi(x, b):
     # A row reduction, then a column reduction of something that needs it:
     # no one kernel computes both, so the partition launches several.
     y = torch.relu(x + b)
@@ -97,17 +100,19 @@ def _multi(x, b):
 def graphs(device: torch.device) -> dict:
     """name -> (function, example arguments)."""
     return {
-        "chain-4K": (_chain, tuple(torch.randn(4096, device=device) for _ in range(3))),
-        "multi-64x64": (_multi, (torch.randn(64, 64, device=device), torch.randn(64, device=device))),
+        "chain-4K": (chain, tuple(torch.randn(4096, device=device) for _ in range(3))),
+        "multi-64x64": (multi, (torch.randn(64, 64, device=device), torch.randn(64, device=device))),
     }
 
 
-def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> dict:
-    """Host us (median, min) per layer for one graph, and its kernel count."""
+def layer_calls(fn, args, device: torch.device) -> tuple[int, dict]:
+    """Compiles `fn` with opfuse and returns its kernel count and, per layer,
+    a no-argument callable that makes one call of that layer (checked once
+    against eager first, so that a layer that went wrong is not timed as fast)."""
     torch._dynamo.reset()
     compiled_fn = torch.compile(fn, backend="opfuse")
     compiled_fn(*args)
-    part, part_args = _find_partition(compiled_fn, args)
+    part, part_args = find_partition(compiled_fn, args)
     tensors = [part_args[i] for i in part.tensor_positions]
     layout = part.layout_of(tensors)
     if layout is None or part.num_library_calls:
@@ -116,15 +121,36 @@ def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls:
     ptrs = [t.data_ptr() for t in tensors] + [o.data_ptr() for o in outs]
     stream = torch.cuda.current_stream(device).cuda_stream if part.cuda else 0
     a, b = args[0], args[1]
-    # Checked once here, so that a layer that went wrong is not timed as fast.
     torch.testing.assert_close(compiled_fn(*args), fn(*args))
-    results = {
-        "torch.compile": _host_us(lambda: compiled_fn(*args), device, batches, calls),
-        "partition": _host_us(lambda: part(*part_args), device, batches, calls),
-        "run": _host_us(lambda: layout.prepared.launch(ptrs, stream), device, batches, calls),
-        "eager add": _host_us(lambda: torch.add(a, b), device, batches, calls),
+    return part.num_kernels, {
+        "torch.compile": lambda: compiled_fn(*args),
+        "partition": lambda: part(*part_args),
+        # `outs` is named in the call so that it lives as long as the
+        # callable does: `ptrs` points into it.
+        "run": lambda: (layout.prepared.launch(ptrs, stream), outs)[0],
+        "eager add": lambda: torch.add(a, b),
     }
-    return {"layers": results, "kernels": part.num_kernels}
+
+
+def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> dict:
+    """Host us (median, min) per layer for one graph, and its kernel count."""
+    kernels, calls_of = layer_calls(fn, args, device)
+    results = {layer: _host_us(call, device, batches, calls) for layer, call in calls_of.items()}
+    return {"layers": results, "kernels": kernels}
+
+
+def measure_driver_floor(device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> tuple[float, float]:
+    """(median, min) over batches of host us per cuLaunchKernel of an empty kernel."""
+    from .. import _C
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _C.time_empty_launches(stream, 100)  # compile, load, warm
+    torch.cuda.synchronize(device)
+    per_batch = []
+    for _ in range(batches):
+        per_batch.append(_C.time_empty_launches(stream, calls) / calls / 1e3)
+        torch.cuda.synchronize(device)
+    return statistics.median(per_batch), min(per_batch)
 
 
 def measure_launch(device: torch.device, quick: bool = False) -> dict:
@@ -146,6 +172,13 @@ def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[d
     print("\n== launch (host us: median over batches of the mean per call; min = fastest batch) ==")
     print(f"{'graph':12s} {'kernels':>7s} {'layer':14s} {'us/call':>9s} {'us/kernel':>10s} {'min us/call':>12s}")
     records = []
+    if device.type == "cuda":
+        batches, calls = (9, 50) if quick else (BATCHES, CALLS)
+        med, best = measure_driver_floor(device, batches, calls)
+        print(f"{'driver floor':12s} {1:7d} {'cuLaunchKernel':14s} {med:9.2f} {med:10.2f} {best:12.2f}")
+        records.append(make_record(info, suite="launch", case="driver-floor-host", impl="cuLaunchKernel (empty kernel)",
+                                   metric="ms", value=med / 1e3, floor=None, host_us=med, host_us_min=best,
+                                   host_us_per_kernel=med, kernels=1))
     for graph, r in measured.items():
         k = r["kernels"]
         for layer in LAYERS:

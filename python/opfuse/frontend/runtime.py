@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import torch
@@ -177,6 +178,8 @@ class FusedPartition(_C.Launcher):
         self._refused = set()  # layout keys cuBLASLt refused with epilogues
         self.gemm_alignment_key = bool(self.num_library_calls and self.cuda)
         self._empty = _empty_strided(device)
+        # GEMM result buffers allocated as one block (index into the written buffers), CUDA pairs.
+        self.paired = [(a - self.n_inputs, b - self.n_inputs) for a, b in compiled.paired_buffers()]
         self.slow_calls = 0  # calls that missed every recent layout check (tests, inspection)
 
     def _prepare(self, tensors, key=None) -> _Layout:
@@ -326,17 +329,27 @@ class FusedPartition(_C.Launcher):
         the GPU, PyTorch's matmul on the CPU; returns the written buffers."""
         empty = self._empty
         bufs = [empty(*spec) for spec in lay.out_specs]
+        for first, second in self.paired:
+            # A pair of GEMM results in one block, the second at the next 256-byte boundary
+            # (CompiledGraph.paired_buffers): one batched call computes both.
+            size, strides, dt = lay.out_specs[first]
+            n = math.prod(size)
+            per = -(-n * dt.itemsize // 256) * 256 // dt.itemsize
+            block = empty((2, per), (per, 1), dt)
+            bufs[first], bufs[second] = block[0, :n].view(size), block[1, :n].view(size)
         ptrs = [t.data_ptr() for t in tensors]
         ptrs += [b.data_ptr() for b in bufs]
         if self.cuda:
-            gemm_kernels = lay.prepared.run(ptrs, stream, _workspace(lay.device, stream).data_ptr(), WORKSPACE_BYTES,
-                                            torch.backends.cuda.matmul.allow_tf32)
+            gemm_kernels, merged = lay.prepared.run(ptrs, stream, _workspace(lay.device, stream).data_ptr(),
+                                                    WORKSPACE_BYTES, torch.backends.cuda.matmul.allow_tf32)
         else:
             everything = [*tensors, *bufs]
             gemms = lay.gemms
-            gemm_kernels = lay.prepared.run(ptrs, stream, cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
-        # GEMM steps that ran as opfuse's skinny GEMM kernel are kernel launches, not library calls.
-        bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels)
+            gemm_kernels, merged = lay.prepared.run(ptrs, stream,
+                                                    cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
+        # GEMM steps that ran as opfuse's skinny GEMM kernel are kernel launches, not library calls;
+        # those that ran inside a paired step's batched call are neither.
+        bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels - merged)
         return bufs
 
     def _gemm_fallback(self, key, args, reason):

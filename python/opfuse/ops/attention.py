@@ -28,6 +28,9 @@ Paths of the forward (torch.ops.opfuse.attention returns (o, lse)):
     a PyTorch math implementation on the device (float32 arithmetic, chunked
     over query rows), logged once per reason.
 The log-sum-exp (float32; float64 for float64 inputs) is saved for the backward.
+A row masked only by huge additive values (|mask| > 2^100 * ln 2, e.g.
+finfo.min) sees its keys with equal weights, as in eager; the CUDA kernels
+store a marker as its LSE, +-2^120 * (1 + log2(l) / 64) (docs/attention.md).
 
 Paths of the backward (torch.ops.opfuse.attention_backward -> [dq, dk, dv(, dmask)]):
   - CUDA, bfloat16/float16, D in {64, 96, 128, 256}, with or without an
@@ -41,7 +44,7 @@ Paths of the backward (torch.ops.opfuse.attention_backward -> [dq, dk, dv(, dmas
   - everything else (CPU, an additive mask that requires grad, float32/float64,
     other head dims): the
     FlashAttention backward equations with PyTorch ops, P recomputed from q, k
-    and the saved LSE: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
+    (a softmax of the scores; the saved LSE marks the rows that saw no key): dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)),
     dQ = scale dS K, dK = scale dS^T Q (summed over the query heads of a KV
     head), and for an additive mask that requires grad, dMask = dS summed to
     its shape; float32 (float64 for float64 inputs), chunked over query rows
@@ -310,7 +313,9 @@ def _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, deterministic, a
     dv = torch.empty((B, Hkv, Sk, D), dtype=q.dtype, device=q.device)
     rows = _C.attention_backward_padded_rows(Sq)
     delta = torch.empty((B, Hq, rows), dtype=torch.float32, device=q.device)
-    lse2 = torch.empty((B, Hq, rows), dtype=torch.float32, device=q.device)
+    # With a mask, lse2 holds two arrays: L2, then the rows' scales of S
+    # (attention_bwd.cu, attn_bwd_row_terms: rows masked only by huge values).
+    lse2 = torch.empty((2 if mt is not None else 1, B, Hq, rows), dtype=torch.float32, device=q.device)
     acc = None if deterministic else torch.empty((B, Hq, rows, D), dtype=torch.float32, device=q.device)
     elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
     ts = (q, k, v, o, grad, dq, dk, dv)
@@ -344,10 +349,13 @@ def _backward_math(grad, q, k, v, o, lse, attn_mask, causal, scale, want_dmask):
         for i0 in range(0, Sq, step):
             i1 = min(Sq, i0 + step)
             s = _scores(qc, kc, mask4, b, i0, i1, causal, scale, Sq, Sk)
-            m = lse[b, :, i0:i1].to(ct).unsqueeze(-1)
-            dead = torch.isinf(m)  # rows that saw no key: P = 0
-            p = torch.exp(s - torch.where(dead, torch.zeros_like(m), m))
-            p = torch.where(dead, torch.zeros_like(p), p)
+            dead = torch.isinf(lse[b, :, i0:i1]).unsqueeze(-1)  # rows that saw no key: P = 0
+            # P recomputed as a softmax rather than exp(S - LSE): a row masked
+            # only by huge additive values (finfo.min) has scores that all
+            # equal the mask value, where LSE = m + log(l) rounds to m and
+            # exp(S - LSE) would give 1 instead of 1/l (and the CUDA forward
+            # stores a marker there, attention_ptx.cu, huge_row_lse).
+            p = torch.where(dead, torch.zeros_like(s), torch.softmax(s, dim=-1))
             g = gc[b, :, i0:i1]
             dv[b] += torch.matmul(p.transpose(-1, -2), g)
             dp = torch.matmul(g, vc[b].transpose(-1, -2))

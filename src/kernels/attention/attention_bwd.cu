@@ -63,7 +63,7 @@ struct AttnBwdParams {
   const float* lse;  // [B, Hq, Sq] forward log-sum-exp (natural log)
   float* dq_accum;   // workspace [B, Hq, Sq_pad, D] float32 (atomic mode), else null
   float* delta;      // workspace [B, Hq, Sq_pad] float32
-  float* lse_log2;   // workspace [B, Hq, Sq_pad] float32
+  float* lse_log2;   // workspace [B, Hq, Sq_pad] float32; [2, B, Hq, Sq_pad] with a mask (huge_rows_offset)
   // element strides of dims 0..2; the last dim of every tensor is contiguous
   i64 q_batch_stride, q_head_stride, q_row_stride;
   i64 k_batch_stride, k_head_stride, k_row_stride;
@@ -90,6 +90,36 @@ static_assert(sizeof(AttnBwdParams) == 384, "AttnBwdParams layout is a launch AB
 constexpr int kBwdRowPad = 128;  // workspace rows per (b, h) are a multiple of this
 constexpr float kLog2e = 1.4426950408889634f;
 
+// What P = 2^(a * S2 - L2) needs of a row (S2: the scaled, masked score in
+// log2 units), from the forward's LSE: a = 1 and L2 = LSE * log2(e) for
+// every row but huge ones; +inf for a row that saw no key (P = 0). A huge
+// row (its max was +-FLT_MAX: only huge mask values, attention_ptx.cu,
+// mask_to_log2) stores a marker instead of its LSE; its live scores are
+// exactly m = +-FLT_MAX, so P = 2^(S2 - m - log2(l)) with S2 - m computed
+// after scaling both by 2^-119 (exact; m becomes +-512) so that log2(l)
+// keeps its precision: a = 2^-119, L2 = m * 2^-119 + log2(l). Other
+// scores of such a row (only in a +FLT_MAX one, all far below) still give
+// P = 2^(<= -500) = 0.
+constexpr float kHugeRowScale = 1.5046327690525280e-36f;  // 2^-119
+__device__ __forceinline__ void attn_bwd_row_terms(float lse, float& l2, float& a) {
+  a = 1.f;
+  if (lse == neg_inf()) {
+    l2 = pos_inf();
+  } else if (lse > 0.5f * kHugeRowLse || lse < -0.5f * kHugeRowLse) {
+    const float log2_sum = ((lse < 0.f ? -lse : lse) * (1.f / kHugeRowLse) - 1.f) * 64.f;
+    a = kHugeRowScale;
+    l2 = (lse < 0.f ? -kFltMax : kFltMax) * kHugeRowScale + log2_sum;
+  } else {
+    l2 = lse * kLog2e;
+  }
+}
+
+// With a mask, the workspace lse_log2 holds two arrays of [B, Hq, Sq_pad]:
+// L2, then the rows' a (attn_bwd_row_terms).
+__device__ __forceinline__ i64 huge_rows_offset(const AttnBwdParams& p) {
+  return (i64)p.batch * p.heads_q * p.seqlen_q_pad;
+}
+
 __device__ __forceinline__ const char* elem_ptr(const void* base, i64 b, i64 bs, i64 h, i64 hs, i64 r, i64 rs) {
   return (const char*)base + 2 * (b * bs + h * hs + r * rs);
 }
@@ -110,7 +140,7 @@ __global__ void __launch_bounds__(256) attention_bwd_preprocess(const AttnBwdPar
 #pragma unroll 1
   for (int r = 0; r < 8; ++r) {
     const int i = blockIdx.x * 64 + warp * 8 + r;
-    float delta = 0.f, l2 = pos_inf();
+    float delta = 0.f, l2 = pos_inf(), a = 1.f;
     if (i < p.seqlen_q) {
       const char* orow = elem_ptr(p.o, b, p.o_batch_stride, h, p.o_head_stride, i, p.o_row_stride);
       const char* grow = elem_ptr(p.dout, b, p.do_batch_stride, h, p.do_head_stride, i, p.do_row_stride);
@@ -126,12 +156,12 @@ __global__ void __launch_bounds__(256) attention_bwd_preprocess(const AttnBwdPar
       for (int m = 16; m >= 1; m >>= 1) s += shfl_xor(s, m);
       delta = s;
       const float lse = ld_global_f32(p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + i);
-      // A row that saw no key (LSE = -inf) gets +inf: exp2(x - inf) = 0.
-      l2 = (lse == neg_inf()) ? pos_inf() : lse * kLog2e;
+      attn_bwd_row_terms(lse, l2, a);
     }
     if (lane == 0) {
       st_global_f32(p.delta + ws_row0 + i, delta);
       st_global_f32(p.lse_log2 + ws_row0 + i, l2);
+      if (p.mask) st_global_f32(p.lse_log2 + huge_rows_offset(p) + ws_row0 + i, a);
     }
     if (p.dq_accum) {
       float* row = p.dq_accum + (ws_row0 + i) * HEAD_DIM;
@@ -145,7 +175,7 @@ __global__ void __launch_bounds__(256) attention_bwd_preprocess(const AttnBwdPar
 // 2. dK, dV (and atomic dQ): one CTA per key block
 // ---------------------------------------------------------------------------
 
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS>
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int NUM_WARPS, bool MASKED = false>
 struct BwdKVTile {
   static constexpr int kThreads = NUM_WARPS * 32;
   static constexpr int kKeyGroups = BLOCK_N / 16;           // 16-key row groups of S^T
@@ -159,11 +189,12 @@ struct BwdKVTile {
   static constexpr int kPStrideBytes = (BLOCK_M + 8) * 2;   // rows of P^T / dS^T in smem
   static constexpr int kKVBytes = BLOCK_N * kStrideBytes;   // one of K, V
   static constexpr int kQBytes = BLOCK_M * kStrideBytes;    // one of Q, dO (per stage)
-  static constexpr int kStatBytes = BLOCK_M * 4;            // one of LSE2, Delta (per stage)
-  static constexpr int kStageBytes = 2 * kQBytes + 2 * kStatBytes;
+  static constexpr int kStatBytes = BLOCK_M * 4;            // one of LSE2, Delta, (masked) A (per stage)
+  static constexpr int kStatArrays = MASKED ? 3 : 2;
+  static constexpr int kStageBytes = 2 * kQBytes + kStatArrays * kStatBytes;
   static constexpr int kStages = 2;
   static constexpr int kPBytes = BLOCK_N * kPStrideBytes;   // one of dS^T, P^T
-  // smem: K | V | stages of (Q, dO, LSE2, Delta) | dS^T | P^T (only when warps split D)
+  // smem: K | V | stages of (Q, dO, LSE2, Delta, A when masked) | dS^T | P^T (only when warps split D)
   static constexpr int kSmemBytes = 2 * kKVBytes + kStages * kStageBytes + (kWarpsD > 1 ? 2 : 1) * kPBytes;
 
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256,
@@ -182,7 +213,7 @@ struct BwdKVTile {
 template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS,
           bool WITH_DQ, typename Mask = MaskNone>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv(const AttnBwdParams p) {
-  using Tile = BwdKVTile<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS>;
+  using Tile = BwdKVTile<HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, Mask::kMode != 0>;
   using Ops = ElemOps<Elem>;
   constexpr int kThreads = Tile::kThreads;
   constexpr int kWD = Tile::kWarpsD;
@@ -251,6 +282,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
     const u32 sdO = sQ + Tile::kQBytes;
     const u32 sL = sdO + Tile::kQBytes;
     const u32 sD = sL + Tile::kStatBytes;
+    const u32 sA = sD + Tile::kStatBytes;  // masked only
     const int b = opaque32(batch);
     const char* q_thr = (const char*)p.q + 2 * (b * p.q_batch_stride + h * p.q_head_stride + ld_ch * 8);
     const char* g_thr = (const char*)p.dout + 2 * (b * p.do_batch_stride + h * p.do_head_stride + ld_ch * 8);
@@ -270,6 +302,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
     if (tid < BLOCK_M / 4) {
       cp_async_16(sL + tid * 16, p.lse_log2 + ws + tid * 4, true);
       cp_async_16(sD + tid * 16, p.delta + ws + tid * 4, true);
+      if constexpr (Mask::kMode != 0) cp_async_16(sA + tid * 16, p.lse_log2 + huge_rows_offset(p) + ws + tid * 4, true);
     }
   };
 
@@ -328,6 +361,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
     const u32 sdO = sQ + Tile::kQBytes;
     const u32 sL = sdO + Tile::kQBytes;
     const u32 sDl = sL + Tile::kStatBytes;
+    const u32 sA = sDl + Tile::kStatBytes;  // masked only
     const int m0 = m_block * BLOCK_M;
 
     // S^T = K Q^T and dP^T = V dO^T for 16 keys x kQC queries
@@ -362,6 +396,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
         const int q_l = wd * kQC + nt * 8 + 2 * (lane & 3) + c;  // local query
         const float l2 = ld_shared_f32(sL + q_l * 4);
         const float dl = ld_shared_f32(sDl + q_l * 4);
+        float a = 1.f;  // the row's scale of S (huge rows: attn_bwd_row_terms)
+        if constexpr (kMaskMode != 0) a = ld_shared_f32(sA + q_l * 4);
         const char* mrow = nullptr;
         if constexpr (kMaskMode == 1) {
           const int qr = m0 + q_l < Sq ? m0 + q_l : Sq - 1;  // rows past Sq have P = 0 (LSE2 = +inf)
@@ -374,7 +410,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
           float sv = acc_s[nt][e] * scale_log2;
           if constexpr (kMaskMode == 1) sv += MaskLoad<MT>::l2(mrow + sizeof(MT) * mkey[hh]);
           if constexpr (kMaskMode == 2) sv += kp_add[hh];
-          float pv = ex2(sv - l2);
+          float pv = kMaskMode != 0 ? ex2(fmaf_rn(sv, a, -l2)) : ex2(sv - l2);
           if (masked) {
             const int key = n0 + key_l + 8 * hh;
             if ((IS_CAUSAL && key > m0 + q_l + diag) || key >= Sk) pv = 0.f;
@@ -658,13 +694,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
   const u32 bt_lane = (u32)(row_a * kSB + col_a * 2);               // B trans: K as [keys][D]
 
   // This thread's rows: warp_row0 + lane / 4 + 8 * hh; their LSE2 and Delta.
-  float l2[2], dl[2];
+  float l2[2], dl[2], a[2] = {1.f, 1.f};  // a: the rows' scales of S (huge rows: attn_bwd_row_terms)
   {
     const i64 ws = ((i64)batch * p.heads_q + head) * p.seqlen_q_pad + m0 + warp_row0 + (lane >> 2);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       l2[hh] = ld_global_f32(p.lse_log2 + ws + 8 * hh);
       dl[hh] = ld_global_f32(p.delta + ws + 8 * hh);
+      if constexpr (Mask::kMode != 0) a[hh] = ld_global_f32(p.lse_log2 + huge_rows_offset(p) + ws + 8 * hh);
     }
   }
 
@@ -733,7 +770,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
             const bool in = !masked || col0 + nt * 8 + c < Sk;
             sv += in ? MaskLoad<MT>::l2(mrow + sizeof(MT) * (nt * 8 + c)) : 0.f;
           }
-          float pv = ex2(sv - l2[hh]);
+          float pv = kMaskMode != 0 ? ex2(fmaf_rn(sv, a[hh], -l2[hh])) : ex2(sv - l2[hh]);
           if (masked) {
             const int key = col0 + nt * 8 + c;
             if ((IS_CAUSAL && key > row + diag) || key >= Sk) pv = 0.f;

@@ -393,8 +393,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       for (int nt = 0; nt < kNT; ++nt) {
         float a0, a1;
         ld_shared_f32x2(kp + nt * 32, a0, a1);
-        a0 *= kMaskLog2e;
-        a1 *= kMaskLog2e;
+        a0 = mask_to_log2(a0);
+        a1 = mask_to_log2(a1);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -536,7 +536,9 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_fwd(cons
       inv_sum[mt][h] = (s > 0.f) ? rcp(s) : 0.f;
       const int row = m_start + warp_row0 + mt * 16 + (lane >> 2) + 8 * h;
       if (lse_base && (lane & 3) == 0 && row < Sq) {
-        const float lse = (s > 0.f) ? (row_max[mt][h] + lg2(s)) * 0.69314718055994531f : neg_inf();
+        float lse = (s > 0.f) ? (row_max[mt][h] + lg2(s)) * 0.69314718055994531f : neg_inf();
+        if constexpr (kMaskMode != 0)  // only huge mask values give a max of +-FLT_MAX
+          if (s > 0.f && is_huge_row_max(row_max[mt][h])) lse = huge_row_lse(row_max[mt][h], lg2(s));
         store_f32_global(lse_base + row, lse);
       }
     }

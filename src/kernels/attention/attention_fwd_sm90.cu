@@ -122,20 +122,13 @@ struct TileWork {
   int n_mask_start;  // key blocks >= this one need the mask
 };
 
+// The tile of query block m_block of (batch, head) hb = batch * Hq + head.
 template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m, int t) {
+__device__ __forceinline__ TileWork tile_at(const AttnFwdParams& p, int hb, int m_block) {
   TileWork w;
-  // Not causal: m block fastest (CTAs that run together share a head's K and
-  // V in L2). Causal: tiles in order of decreasing work (the last query
-  // blocks first, all heads of one m block together, so that CTAs running
-  // together still walk the same key blocks): a scheduler that hands tiles
-  // out in this order balances like longest-processing-time-first.
-  const int hb = IS_CAUSAL ? t % (p.heads_q * p.batch) : t / num_m;
-  const int x = IS_CAUSAL ? t / (p.heads_q * p.batch) : t % num_m;
   w.head = hb % p.heads_q;
   w.batch = hb / p.heads_q;
   w.head_kv = w.head / p.q_per_kv;
-  const int m_block = IS_CAUSAL ? num_m - 1 - x : x;
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
   w.m_start = m_block * BLOCK_M;
   const int m_end = (w.m_start + BLOCK_M < Sq) ? w.m_start + BLOCK_M : Sq;
@@ -149,6 +142,78 @@ __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m,
   return w;
 }
 
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m, int t) {
+  // Not causal: m block fastest (CTAs that run together share a head's K and
+  // V in L2). Causal: tiles in order of decreasing work (the last query
+  // blocks first, all heads of one m block together, so that CTAs running
+  // together still walk the same key blocks): a scheduler that hands tiles
+  // out in this order balances like longest-processing-time-first.
+  const int hb = IS_CAUSAL ? t % (p.heads_q * p.batch) : t / num_m;
+  const int x = IS_CAUSAL ? t / (p.heads_q * p.batch) : t % num_m;
+  return tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, hb, IS_CAUSAL ? num_m - 1 - x : x);
+}
+
+// Slot k of this CTA's persistent loop: 1 and the tile in w, 0 for an empty
+// slot, -1 past the last one. Default: round k hands tiles [k G, k G + G)
+// out (G = gridDim.x), CTA i taking k G + i in even rounds and k G + G - 1 - i
+// in odd ones.
+// PAIRS (causal only, kOptPairs): first items of two tiles of one (batch,
+// head), query blocks x and num_m - 1 - x, which have about the same work
+// (num_m + 1 key blocks when BLOCK_M = BLOCK_N): item j = (k / 2) G + i goes
+// to CTA i, its long tile in the even slot and its short one in the odd one,
+// items ordered head by head, so CTAs running together work on a few heads
+// (G / (num_m / 2)) instead of one query block of G heads, whose K and V
+// together overflow L2 at S = 2048 (H200: 128 heads x 1 MB at D = 128). Then,
+// when num_m is odd, the middle blocks (half the work), one a slot, CTAs in
+// reverse order: those that got no item in the last, partial pair round first.
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, bool PAIRS>
+__device__ __forceinline__ int cta_tile(const AttnFwdParams& p, int num_m, int k, TileWork& w) {
+  const int G = (int)gridDim.x, i = (int)blockIdx.x;
+  const int hbs = p.heads_q * p.batch;
+  if constexpr (IS_CAUSAL && PAIRS) {
+    const int P2 = num_m / 2;  // pairs a head
+    const int NP = P2 * hbs;   // pair items
+    const int R2 = (NP + G - 1) / G;
+    if (k < 2 * R2) {
+      const int j = (k >> 1) * G + i;
+      if (j >= NP) return 0;
+      const int hb = j / P2, pr = j - hb * P2;
+      w = tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, hb, (k & 1) ? pr : num_m - 1 - pr);
+      return 1;
+    }
+    const int r = k - 2 * R2;
+    if ((num_m & 1) == 0 || r * G >= hbs) return -1;
+    const int j = r * G + (G - 1 - i);
+    if (j >= hbs) return 0;
+    w = tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, j, num_m / 2);
+    return 1;
+  } else {
+    const int num_tiles = num_m * hbs;
+    const int base = k * G;
+    if (base >= num_tiles) return -1;
+    const int t = base + ((k & 1) ? G - 1 - i : i);
+    if (t >= num_tiles) return 0;
+    w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+    return 1;
+  }
+}
+
+// OPTS bits of attention_fwd_sm90 (tag letters "o" and "k"; docs/attention.md, "Hopper").
+// kOptOverlap: a consumer issues the next tile's first S = Q K^T right after
+// this tile's last P V, outside its ping-pong turn, so the epilogue (normalise,
+// LSE, stage and store O) runs while the tensor cores work on it; needs two Q
+// buffers (ignored with one).
+// kOptSkip: a consumer issues no product for the key blocks none of its own
+// 64 rows see: the top key block of a causal tile above its rows' diagonal
+// (192-row tiles: up to two of three consumers), and every block for rows
+// past Sq (the last tile when BLOCK_M does not divide Sq). It still waits,
+// takes its turns and releases the slots, so the protocol is unchanged.
+// kOptPairs: causal tiles handed out in pairs of one head (cta_tile).
+constexpr int kOptOverlap = 1;
+constexpr int kOptSkip = 2;
+constexpr int kOptPairs = 4;
+
 // ---------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------
@@ -159,7 +224,7 @@ __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m,
 // per SM overlaps one tile's epilogue with the next tile's loads. Any grid
 // size is correct; with one CTA per tile it is the plain launch.
 template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_N, int NUM_CONSUMERS, int STAGES, bool PINGPONG,
-          typename Mask = MaskNone>
+          typename Mask = MaskNone, int OPTS = 0>
 __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     attention_fwd_sm90(const AttnFwdParams p, const __grid_constant__ TmaDesc tm_q, const __grid_constant__ TmaDesc tm_k,
                        const __grid_constant__ TmaDesc tm_v) {
@@ -189,7 +254,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   const int Sq = p.seqlen_q;
   const int Sk = p.seqlen_k;
   const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
-  const int num_tiles = num_m * p.heads_q * p.batch;
+  constexpr bool kPairs = (OPTS & kOptPairs) != 0;
 
   if (tid == 0) {
     for (int b = 0; b < 2; ++b) {
@@ -215,10 +280,11 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       prefetch_tma_desc(&tm_k);
       prefetch_tma_desc(&tm_v);
       int q_count = 0, kv_count = 0;
-      for (int k = 0, base = 0; base < num_tiles; ++k, base += gridDim.x) {
-        const int t = base + ((k & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
-        if (t >= num_tiles) continue;
-        const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+      for (int k = 0;; ++k) {
+        TileWork w;
+        const int slot = cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
+        if (slot < 0) break;
+        if (slot == 0) continue;
         if (w.n_blocks == 0) continue;  // the consumers write 0 / -inf
         const int qb = q_count % kQBufs;
         mbar_wait(bar_q_empty + 8 * qb, ((q_count / kQBufs) & 1) ^ 1);
@@ -285,11 +351,38 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     // matched by consumer 0's extra wait after the loop.
     if (PINGPONG && NUM_CONSUMERS > 1 && wg == NUM_CONSUMERS - 1) named_bar_arrive(1, kPairThreads);
 
+    // kOptOverlap needs the next tile's Q in its own buffer.
+    constexpr bool kOverlap = (OPTS & kOptOverlap) != 0 && kQBufs == 2;
+    // Key blocks this consumer skips at the start of tile w (kOptSkip): the
+    // tile's blocks minus those its own rows see (rows past Sq see none).
+    auto consumer_skip = [&](const TileWork& tw) -> int {
+      if constexpr ((OPTS & kOptSkip) == 0) {
+        return 0;
+      } else {
+        const int r0 = tw.m_start + wg * 64;
+        if (r0 >= Sq) return tw.n_blocks;
+        int key_end = Sk;
+        if (IS_CAUSAL) {
+          const int r_last = (r0 + 63 < Sq) ? r0 + 63 : Sq - 1;
+          key_end = (r_last + 1 + Sk - Sq < Sk) ? r_last + 1 + Sk - Sq : Sk;
+        }
+        const int seen = key_end > 0 ? (key_end + BLOCK_N - 1) / BLOCK_N : 0;
+        return tw.n_blocks - seen;
+      }
+    };
+
     int q_count = 0, kv_count = 0;
-    for (int k = 0, base = 0; base < num_tiles; ++k, base += gridDim.x) {
-      const int t = base + ((k & 1) ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x);
-      if (t >= num_tiles) continue;
-      const TileWork w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+    // pre: the first S of this tile went out with the previous tile's last
+    // P V (kOverlap; the same for every consumer, so turns stay matched).
+    bool pre = false;
+    for (int k = 0;; ++k) {
+      TileWork w;
+      const int slot = cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
+      if (slot < 0) break;
+      if (slot == 0) continue;
+      // The next S issued before the epilogue completes here at the latest:
+      // on every path, so that ptxas sees no product in flight across tiles.
+      if constexpr (kOverlap) wgmma_wait<0>();
       char* o_base = (char*)p.o + 2 * (w.batch * p.o_batch_stride + w.head * p.o_head_stride);
       const i64 o_rs = 2 * p.o_row_stride;
       float* lse_base = p.lse ? p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride : nullptr;
@@ -310,21 +403,25 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
 
       const int qb = q_count % kQBufs;
       const u32 sQ = sQ0 + qb * Tile::kQBytes;
+      // (Already waited for when pre: a completed phase waits no further, and
+      // the buffer cannot be refilled before this tile releases it.)
       mbar_wait(bar_q_full + 8 * qb, (q_count / kQBufs) & 1);
       ++q_count;
 
       // Descriptors. Q rows of this consumer: chunk c of the Q tile at
       // sQ + c * BLOCK_M * 128, rows wg * 64 .. + 63 (8 KB, 1024-aligned).
-      auto q_desc = [&](int ks) {
-        return make_desc(sQ + (ks / 4) * BLOCK_M * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
+      auto q_desc = [&](u32 sQb, int ks) {
+        return make_desc(sQb + (ks / 4) * BLOCK_M * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
       };
       auto k_desc = [&](u32 sK, int ks) { return make_desc(sK + (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32, 16, 1024); };
       auto v_desc = [&](u32 sV, int kk) { return make_desc(sV + kk * 16 * 128, BLOCK_N * 128, 1024); };
-      auto issue_s = [&](u32 sK) {
+      auto issue_s_from = [&](u32 sQb, u32 sK) {
 #pragma unroll
-        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma_ss<Elem, BLOCK_N>(acc_s, q_desc(ks), k_desc(sK, ks), ks > 0);
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
+          wgmma_ss<Elem, BLOCK_N>(acc_s, q_desc(sQb, ks), k_desc(sK, ks), ks > 0);
         wgmma_commit();
       };
+      auto issue_s = [&](u32 sK) { issue_s_from(sQ, sK); };
       auto issue_pv = [&](u32 sV) {
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) wgmma_rs_tb<Elem, HEAD_DIM>(acc_o, p_frag[kk], v_desc(sV, kk), 1);
@@ -454,26 +551,54 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       row_max[0] = row_max[1] = neg_inf();
       row_sum[0] = row_sum[1] = 0.f;
       const int n_blocks = w.n_blocks;
+      // Key blocks [0, n_skip) of the visiting order issue nothing here
+      // (kOptSkip): a block none of this consumer's rows see adds nothing to
+      // its rows' sums, maxima or O. Uniform over the warpgroup.
+      const int n_skip = consumer_skip(w);
+      // The first S of a pre tile is already out (or skipped): no turn for it.
+      const bool turn0 = !(kOverlap && pre);
 
-      // ---- first key block: S only ----
-      {
-        const int n = n_blocks - 1;
-        const int s = kv_count % STAGES;
-        mbar_wait(bar_full_k + 8 * s, (kv_count / STAGES) & 1);
-        turn_wait();
-        wgmma_fence();
-        issue_s(sK0 + s * Tile::kKVBytes);
-        turn_pass();
+      // A skipped block: the same waits, turn and releases, no product. (A
+      // code path of its own: a wgmma under a condition inside the step made
+      // ptxas serialise every wgmma of the kernel, C7520.)
+      auto skip_step = [&](const int it) {
+        const int c = kv_count + it;
+        const int s = c % STAGES, sp = (c + STAGES - 1) % STAGES;
+        mbar_wait(bar_full_k + 8 * s, (c / STAGES) & 1);
+        if (it > 0) mbar_wait(bar_full_v + 8 * sp, ((c - 1) / STAGES) & 1);
+        if (it > 0 || turn0) {
+          turn_wait();
+          turn_pass();
+        }
+        release(bar_empty_k + 8 * s);
+        if (it > 0) release(bar_empty_v + 8 * sp);
+      };
+
+      // ---- the first key block this consumer computes: S only ----
+      // (the last one of the sequence when nothing is skipped: may be ragged)
+      auto first_step = [&](const int it) {
+        const int n = n_blocks - 1 - it;
+        const int c = kv_count + it;
+        const int s = c % STAGES, sp = (c + STAGES - 1) % STAGES;
+        mbar_wait(bar_full_k + 8 * s, (c / STAGES) & 1);
+        if (it > 0) mbar_wait(bar_full_v + 8 * sp, ((c - 1) / STAGES) & 1);
+        if (it > 0 || turn0) {
+          turn_wait();
+          wgmma_fence();
+          issue_s(sK0 + s * Tile::kKVBytes);
+          turn_pass();
+        }
         wgmma_wait<0>();
         fence_regs(acc_s);
         release(bar_empty_k + 8 * s);
+        if (it > 0) release(bar_empty_v + 8 * sp);
         apply_attn_mask(n, true);
         if (n >= w.n_mask_start) apply_mask(n);
         softmax_exp();
         rescale_and_pack();
-      }
+      };
 
-      // ---- key blocks 1 .. n_blocks-1: S(it) with P V(it - 1) ----
+      // ---- later key blocks: S(it) with P V(it - 1) ----
       auto iteration = [&](const int it, const bool masked) {
         const int n = n_blocks - 1 - it;
         const int c = kv_count + it;
@@ -496,11 +621,39 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         release(bar_empty_v + 8 * sp);
         rescale_and_pack();
       };
-      int it = 1;
-      for (; it < n_blocks && n_blocks - 1 - it >= w.n_mask_start; ++it) iteration(it, true);
-      for (; it < n_blocks; ++it) iteration(it, false);
 
-      // ---- last P V ----
+      int it = 0;
+      if constexpr ((OPTS & kOptSkip) != 0) {
+        for (; it < n_skip; ++it) skip_step(it);
+        // A consumer that sees no key of the tile still issues the last P V,
+        // of zeros, so that the last product is unconditional.
+        if (it == n_blocks) {
+#pragma unroll
+          for (int kk = 0; kk < BLOCK_N / 16; ++kk) p_frag[kk][0] = p_frag[kk][1] = p_frag[kk][2] = p_frag[kk][3] = 0u;
+        }
+      }
+      // (n_blocks >= 1 here; only a skip can use all blocks up. Testing it
+      // without one cost 4 bytes of spill in a masked instantiation.)
+      if ((OPTS & kOptSkip) == 0 || it < n_blocks) {
+        first_step(it);
+        for (++it; it < n_blocks && n_blocks - 1 - it >= w.n_mask_start; ++it) iteration(it, true);
+        for (; it < n_blocks; ++it) iteration(it, false);
+      }
+
+      // The next tile of this CTA (kOverlap): its first S goes out right
+      // after this tile's last P V, when it has keys to visit.
+      bool pre_next = false, issue_next = false;
+      const int next_qb = q_count % kQBufs;
+      const u32 next_sK = sK0 + ((kv_count + n_blocks) % STAGES) * Tile::kKVBytes;
+      if constexpr (kOverlap) {
+        TileWork wn;
+        if (cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k + 1, wn) > 0) {
+          pre_next = wn.n_blocks > 0;
+          issue_next = pre_next && consumer_skip(wn) == 0;
+        }
+      }
+
+      // ---- last P V (and, kOverlap, the next tile's first S, outside the turn) ----
       {
         const int c = kv_count + n_blocks - 1;
         const int sp = c % STAGES;
@@ -509,11 +662,29 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         wgmma_fence();
         issue_pv(sV0 + sp * Tile::kKVBytes);
         turn_pass();
-        wgmma_wait<0>();
+        if constexpr (kOverlap) {
+          if (issue_next) {
+            const int cn = kv_count + n_blocks;
+            mbar_wait(bar_q_full + 8 * next_qb, (q_count / kQBufs) & 1);
+            mbar_wait(bar_full_k + 8 * (cn % STAGES), (cn / STAGES) & 1);
+          }
+          // Issued on every path: with the product under the branch ptxas
+          // serialised every wgmma of the kernel (C7520). Without a next
+          // tile (or when this consumer skips its first block) the product
+          // reads whatever the other Q buffer and that K slot hold (a TMA may
+          // be writing them) and its result is dropped: the next tile's first
+          // S overwrites acc_s (scale-d 0 on its first k step).
+          wgmma_fence();
+          issue_s_from(sQ0 + next_qb * Tile::kQBytes, next_sK);
+          wgmma_wait<1>();  // P V is complete, the next S may run on
+        } else {
+          wgmma_wait<0>();
+        }
         fence_regs(acc_o);
         release(bar_empty_v + 8 * sp);
       }
       kv_count += n_blocks;
+      pre = pre_next;
 
       // ---- epilogue: normalise, LSE, stage O in this consumer's Q rows, store ----
       const int e_tid = tid_opaque();
@@ -528,8 +699,12 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         s += shfl_xor(s, 2);
         inv_sum[h] = (s > 0.f) ? rcp(s) : 0.f;
         const int row = w.m_start + e_row0 + 8 * h;
-        if (lse_base && (e_lane & 3) == 0 && row < Sq)
-          store_f32_global(lse_base + row, (s > 0.f) ? (row_max[h] + lg2(s)) * 0.69314718055994531f : neg_inf());
+        if (lse_base && (e_lane & 3) == 0 && row < Sq) {
+          float lse = (s > 0.f) ? (row_max[h] + lg2(s)) * 0.69314718055994531f : neg_inf();
+          if constexpr (kMaskMode != 0)  // only huge mask values give a max of +-FLT_MAX
+            if (s > 0.f && is_huge_row_max(row_max[h])) lse = huge_row_lse(row_max[h], lg2(s));
+          store_f32_global(lse_base + row, lse);
+        }
       }
       // Every warp of this consumer is past its last wgmma on these Q rows.
       named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
@@ -557,6 +732,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       // tile's Q into it once every consumer warp has said so.
       release(bar_q_empty + 8 * qb);
     }
+    if constexpr (kOverlap) wgmma_wait<0>();  // (nothing is in flight here; for ptxas)
     if (PINGPONG && NUM_CONSUMERS > 1 && wg == 0) turn_wait();  // matches the last consumer's final pass
   }
 }

@@ -263,6 +263,43 @@ struct MaskElemOf<MaskNone> {
 // scores * scale * log2(e) + this with one fma. Plain (not volatile) asm:
 // the loads are free to move, and the mask is read-only (.nc).
 constexpr float kMaskLog2e = 1.4426950408889634f;
+
+// Huge additive values (|value * log2(e)| > 2^100, e.g. finfo(bf16).min, or
+// finfo(float32).min, which would overflow to -inf in log2 units): no score
+// can move them, as in PyTorch's float sum `scores + mask`, where they absorb
+// the score. They saturate to +-FLT_MAX, which absorbs the fma's score
+// exactly, so a row masked only by such values still sees its keys with
+// equal weights (the mean of V, as eager) instead of counting as fully
+// masked. Such a row's max is exactly +-FLT_MAX, which the forward's
+// epilogue recognises (huge_row_lse). -inf stays -inf: a masked key.
+constexpr float kFltMax = 3.40282347e38f;
+constexpr float kMaskHugeLog2 = 1.2676506002282294e30f;  // 2^100
+__device__ __forceinline__ float mask_to_log2(float v) {
+  const float a = v * kMaskLog2e;
+  const bool huge = (a > kMaskHugeLog2 || a < -kMaskHugeLog2) && v != pos_inf() && v != neg_inf();
+  return huge ? (v < 0.f ? -kFltMax : kFltMax) : a;
+}
+
+// The forward's LSE of a row whose max is +-FLT_MAX (only huge mask values
+// lead there): m + log2(l) cannot be stored next to FLT_MAX (its ulp is
+// 2^104), so the row stores a marker that the backward's preprocess decodes
+// (attention_bwd.cu, "huge rows"): +-2^120 * (1 + log2(l) / 64) in natural
+// units; log2(l) < 32 for any Sk < 2^31, and no other row's |LSE| reaches
+// 2^119 (that would need scores beyond 2^100).
+constexpr float kHugeRowLse = 1.329227995784916e36f;  // 2^120
+__device__ __forceinline__ bool is_huge_row_max(float m) { return m == kFltMax || m == -kFltMax; }
+__device__ __forceinline__ float huge_row_lse(float m, float log2_sum) {
+  return (m > 0.f ? kHugeRowLse : -kHugeRowLse) * (1.f + log2_sum * 0.015625f);
+}
+
+// a * b + c rounded once (the masked backward's P = 2^(a S2 - L2); asm, as
+// every helper here, so that no CUDA header is needed).
+__device__ __forceinline__ float fmaf_rn(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+
 template <typename T>
 struct MaskLoad;
 template <>
@@ -270,7 +307,7 @@ struct MaskLoad<float> {
   static __device__ __forceinline__ float l2(const void* p) {
     float v;
     asm("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v * kMaskLog2e;
+    return mask_to_log2(v);
   }
 };
 template <>
@@ -280,7 +317,7 @@ struct MaskLoad<bf16> {
     asm("ld.global.nc.u16 %0, [%1];" : "=r"(v) : "l"(p));
     float f;
     asm("mov.b32 %0, %1;" : "=f"(f) : "r"(v << 16));
-    return f * kMaskLog2e;
+    return mask_to_log2(f);
   }
 };
 template <>

@@ -79,12 +79,12 @@ def _b(x: bool) -> str:
     return "true" if x else "false"
 
 
-def dkdv_smem(d: int, t: Tile) -> int:
-    """BwdKVTile::kSmemBytes."""
+def dkdv_smem(d: int, t: Tile, masked: bool = False) -> int:
+    """BwdKVTile::kSmemBytes (a masked kernel stages a third per-row array, A)."""
     sb, psb = (d + 8) * 2, (t.block_m + 8) * 2
     key_groups = t.block_n // 16
     warps_d = t.num_warps // key_groups
-    stage = 2 * t.block_m * sb + 2 * t.block_m * 4
+    stage = 2 * t.block_m * sb + (3 if masked else 2) * t.block_m * 4
     return 2 * t.block_n * sb + 2 * stage + (2 if warps_d > 1 else 1) * t.block_n * psb
 
 
@@ -103,7 +103,7 @@ MASKED_DKDV_TILES = {64: [Tile(64, 128, 8, 1)]}
 def choose_tiles(d: int, arch: str = "sm_90", smem_limit: int | None = None, masked: bool = False) -> tuple[Tile, Tile]:
     limit = smem_limit or ar.MAX_SMEM_PER_BLOCK.get(arch, 101376)
     kv_list = MASKED_DKDV_TILES.get(d, DKDV_TILES[d]) if masked else DKDV_TILES[d]
-    kv = next((t for t in kv_list if dkdv_smem(d, t) <= limit), None)
+    kv = next((t for t in kv_list if dkdv_smem(d, t, masked) <= limit), None)
     q = next((t for t in DQ_TILES[d] if dq_smem(d, t) <= limit), None)
     if kv is None or q is None:
         raise ValueError(f"no attention backward tile for head dim {d} fits {limit} bytes of shared memory")
@@ -277,7 +277,8 @@ class AttentionBackward:
         fns = self._fns.get(key)
         if fns is None:
             info = compile_problem(self.nvrtc, self.arch, elem, d, causal, kv, q, src=self.source, mask=mask)
-            smem = {"dkdv": dkdv_smem(d, kv), "dkdv_atomic": dkdv_smem(d, kv), "dq": dq_smem(d, q)}
+            kv_smem = dkdv_smem(d, kv, mask is not None)
+            smem = {"dkdv": kv_smem, "dkdv_atomic": kv_smem, "dq": dq_smem(d, q)}
             fns = {}
             for role, name in info["lowered"].items():
                 _, fns[role] = self.driver.load_function(info["cubin"], name, smem.get(role, 0))
@@ -347,9 +348,10 @@ class AttentionBackward:
             return dq, dk, dv
         sq_pad = (Sq + ROW_PAD - 1) // ROW_PAD * ROW_PAD
         delta = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
-        lse2 = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
         acc = None if deterministic else torch.empty((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)
         mask, mt, mst = ar.kernel_mask(attn_mask, B, Hq, Sq, Sk, q.dtype)
+        # With a mask: L2, then the rows' scales A (attention_bwd.cu, attn_bwd_row_terms).
+        lse2 = torch.empty((2 if mt is not None else 1, B, Hq, sq_pad), dtype=torch.float32, device=dev)
         if mask and tiles is None:
             kv_t, q_t = choose_tiles(D, self.arch, self.smem_limit, masked=True)
         fns = self.functions_sm90(elem, D, bool(causal), sm90_cfg) if sm90_cfg else \
@@ -382,7 +384,7 @@ class AttentionBackward:
         nkb = (Sk + kv_t.block_n - 1) // kv_t.block_n
         if nkb:
             L(fns["dkdv" if deterministic else "dkdv_atomic"], (nkb, Hkv, B), (kv_t.num_warps * 32, 1, 1),
-              dkdv_smem(D, kv_t), stream, p)
+              dkdv_smem(D, kv_t, mt is not None), stream, p)
         if Sq:
             if deterministic:
                 L(fns["dq"], ((Sq + q_t.block_m - 1) // q_t.block_m, Hq, B), (q_t.num_warps * 32, 1, 1),

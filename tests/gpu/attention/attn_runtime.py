@@ -554,7 +554,7 @@ class AttentionForward:
         # D = 128 unless OPFUSE_ATTN_SM90_MASK=0, at D = 64 if it is 1).
         sm90_cfg = config if isinstance(config, self.sm90.Sm90Config) else None
         if config is None and not self.sm90.sm90_unsupported_reason(self.arch, D, Sk, mask):
-            sm90_cfg = self.sm90.default_config_sm90(D, causal)
+            sm90_cfg = self.sm90.default_config_sm90(D, causal, masked=mask is not None)
         if sm90_cfg is not None:
             why = self.sm90.sm90_unsupported_reason(self.arch, D, Sk, mask)
             why = why.replace("an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)", "").replace("OPFUSE_ATTN_SM90=0", "")

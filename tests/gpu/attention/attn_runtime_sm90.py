@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pathlib
 import re
 
 import attn_runtime as ar
@@ -22,8 +23,10 @@ PTX_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_sm90_pt
 
 
 def sm90_source() -> str:
-    """What NVRTC compiles: the shared PTX helpers (all kernels', then Hopper's), then the Hopper kernel."""
-    return ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + KERNEL_SOURCE_SM90.read_text()
+    """What NVRTC compiles: the shared PTX helpers (all kernels', then Hopper's), then the Hopper kernel
+    (OPFUSE_ATTN_SM90_KERNEL=FILE: another version of the kernel file, to time two versions in one session)."""
+    kernel = os.environ.get("OPFUSE_ATTN_SM90_KERNEL") or KERNEL_SOURCE_SM90
+    return ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + pathlib.Path(kernel).read_text()
 HEAD_DIMS_SM90 = (64, 128)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 
@@ -35,6 +38,14 @@ class Sm90Config:
     stages: int  # K/V ring depth
     pingpong: bool  # consumers take turns issuing their products
     persistent: bool = True  # host only: grid of min(tiles, SMs) CTAs looping over tiles, else one CTA a tile
+    overlap: bool = False  # OPTS kOptOverlap: the next tile's first S goes out before this tile's epilogue
+    skip: bool = False  # OPTS kOptSkip: a consumer skips the key blocks none of its rows see
+    pairs: bool = False  # OPTS kOptPairs: causal tiles handed out in pairs (x, num_m - 1 - x) of one head
+
+    @property
+    def opts(self) -> int:
+        """The kernel's OPTS template argument."""
+        return (1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0)
 
     @property
     def block_m(self) -> int:
@@ -46,14 +57,16 @@ class Sm90Config:
 
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
+                f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}"
                 f"{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(n?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(5))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(8),
+                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)))
 
     def grid(self, seqlen_q: int, heads_q: int, batch: int, num_sms: int):
         tiles = -(-seqlen_q // self.block_m) * heads_q * batch
@@ -64,23 +77,29 @@ class Sm90Config:
 # (CI compiles all). The persistent grid everywhere: with causal tiles handed
 # out in order of decreasing work in snake rounds it matched or beat one CTA
 # per tile in 7 of 8 causal cases of the third H200 run (commit 6e378ba,
-# docs/attention.md, "Hopper"); in the second run, with head-major rounds, it
-# had lost on causal problems.
+# docs/attention.md, "Hopper"). Causal: the pairs schedule (tag "l"), which
+# beat that order in the same H200 run (commit 9af5955) at D = 128 by 15% /
+# 7% / 3% (S = 2048 / 8192 / 16384) and at D = 64 by 5% at S = 2048 (+1% /
+# -0.4% at S = 8192 / 16384, a tie).
 DEFAULT_SM90 = {
     (64, False): Sm90Config(128, 3, 4, True),
-    (64, True): Sm90Config(128, 3, 4, True),
+    (64, True): Sm90Config(128, 3, 4, True, pairs=True),
     (128, False): Sm90Config(128, 2, 2, True),
-    (128, True): Sm90Config(128, 2, 2, True),
+    (128, True): Sm90Config(128, 2, 2, True, pairs=True),
 }
 VARIANT_SM90 = {
-    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, False), Sm90Config(128, 2, 4, True),
-         Sm90Config(128, 2, 4, True, False)],
-    128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, False), Sm90Config(128, 2, 2, False)],
+    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True)],
+    128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
+          Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True)],
 }
 
 
-def default_config_sm90(head_dim: int, causal: bool) -> Sm90Config:
-    return DEFAULT_SM90[(head_dim, bool(causal))]
+def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
+    """With an attn_mask, the tile without the pairs schedule: pairs on top of
+    a mask spilled 16-28 bytes (D = 128, causal, key padding) where the
+    plain tile spills none (C++: attn_sm90_default_tile)."""
+    cfg = DEFAULT_SM90[(head_dim, bool(causal))]
+    return dataclasses.replace(cfg, pairs=False) if masked else cfg
 
 
 def configs_sm90(head_dim: int):
@@ -110,7 +129,8 @@ def smem_bytes_sm90(head_dim: int, cfg: Sm90Config) -> int:
 def name_expression_sm90(elem: str, head_dim: int, causal: bool, cfg: Sm90Config, mask=None) -> str:
     return (f"opfuse_attn::attention_fwd_sm90<opfuse_attn::{elem}, {head_dim}, {'true' if causal else 'false'}, "
             f"{cfg.block_n}, {cfg.consumers}, {cfg.stages}, {'true' if cfg.pingpong else 'false'}"
-            f"{ar._mask_arg(mask)}>")
+            f"{ar._mask_arg(mask) or (', opfuse_attn::MaskNone' if cfg.opts else '')}"
+            f"{f', {cfg.opts}' if cfg.opts else ''}>")
 
 
 def masked_instantiations_sm90():
@@ -120,7 +140,7 @@ def masked_instantiations_sm90():
         for elem in ar.ELEMENTS:
             for causal in (False, True):
                 for mask in ar.mask_kinds(elem):
-                    out.append((elem, d, causal, DEFAULT_SM90[(d, causal)], mask))
+                    out.append((elem, d, causal, default_config_sm90(d, causal, masked=True), mask))
     return out
 
 

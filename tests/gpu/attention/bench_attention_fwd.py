@@ -59,6 +59,25 @@ def bench_ms(fn) -> float:
         return times[len(times) // 2]
 
 
+def ab_impl(fwd, kernel_file, D, causal, q, k, v, out, lse):
+    """The default Hopper tile compiled from another version of the kernel
+    file: a config of a subclass (equal fields, unequal config) keys its own
+    entry in fwd's function cache, which is filled here from that source."""
+    sm = fwd.sm90
+    base = sm.default_config_sm90(D, causal)
+
+    class AbConfig(sm.Sm90Config):
+        pass
+
+    cfg = AbConfig(**{f.name: getattr(base, f.name) for f in __import__("dataclasses").fields(base)})
+    src = sm.sm90_source().replace(sm.KERNEL_SOURCE_SM90.read_text(), pathlib.Path(kernel_file).read_text())
+    elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
+    info = sm.compile_kernel_sm90(fwd.nvrtc, elem, D, causal, cfg, source=src)
+    _, fn = fwd.driver.load_function(info["cubin"], info["lowered"], sm.smem_bytes_sm90(D, cfg))
+    fwd._functions[(fwd.driver.current_context(), "sm90", elem, D, causal, cfg, None)] = fn
+    return lambda: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse)
+
+
 def gemm_ceiling() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -74,6 +93,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="S in {2048, 8192} only")
     ap.add_argument("--seqlens", default=None, help="comma-separated S values")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; the best median is kept")
+    ap.add_argument("--skip", default="", help="comma-separated implementations not to time (e.g. opfuse-mma,sdpa-flash)")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="which masks to run")
+    ap.add_argument("--ab-kernel", default=None,
+                    help="another attention_fwd_sm90.cu: its default tile is timed as opfuse@ab, interleaved")
     a = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -98,7 +121,7 @@ def main(argv=None):
         seqlens = [int(s) for s in a.seqlens.split(",")]
     rows = []
     for D in (64, 128):
-        for causal in (False, True):
+        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]:
             for S in seqlens:
                 B, H = 16384 // S, 2048 // D
                 flops = 4 * B * H * S * S * D / (2 if causal else 1)
@@ -121,6 +144,8 @@ def main(argv=None):
                         if cfg != fwd.last_config:
                             impls[f"opfuse[{cfg.tag()}]"] = (
                                 lambda cfg=cfg: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
+                if a.ab_kernel and fwd.sm90.sm90_unsupported_reason(fwd.arch, D, S) == "":
+                    impls["opfuse@ab"] = ab_impl(fwd, a.ab_kernel, D, causal, q, k, v, out, lse)
                 if a.variants == "all":
                     for cfg in [ar.default_config(D, fwd.arch, fwd.smem_limit)] + ar.VARIANT_CONFIGS[D]:
                         if (cfg != cfg0 and f"opfuse[{cfg.tag()}]" not in impls
@@ -146,8 +171,11 @@ def main(argv=None):
                 # Rounds over all implementations, interleaved, best median
                 # kept: clock and thermal drift then hits every one alike.
                 times = {}
+                skip = set(filter(None, a.skip.split(",")))
                 for _ in range(a.rounds):
                     for name, fn in impls.items():
+                        if name in skip:
+                            continue
                         try:
                             times.setdefault(name, []).append(bench_ms(fn))
                         except RuntimeError as e:

@@ -61,7 +61,7 @@ def fone(j):
     if kind == "mma":
         info = ar.compile_kernel(nv, "sm_90", elem, d, c, ar.default_config(d, "sm_90", masked=m is not None), mask=m)
     else:
-        info = sm.compile_kernel_sm90(nv, elem, d, c, sm.DEFAULT_SM90[(d, c)], mask=m)
+        info = sm.compile_kernel_sm90(nv, elem, d, c, sm.default_config_sm90(d, c, masked=True), mask=m)
     return j, info["resources"], info["cached"]
 
 def bone(j):

@@ -243,20 +243,37 @@ def test_sm90_many_key_blocks_and_rerun(fwd):
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
+def _sm90_persistent_params():
+    import attn_runtime_sm90 as sm90
+
+    return [pytest.param(d, cfg, id=f"D{d}-{cfg.tag()}") for d in sm90.HEAD_DIMS_SM90 for cfg in sm90.configs_sm90(d)
+            if cfg.persistent]
+
+
+# (B, Hq, Hkv, Sq, Sk): tiles that see no key (causal, Sq > Sk) and a last
+# tile whose third consumer has no row (700 = 3 x 192 + 124); then Sq = Sk with
+# ragged last tiles and an odd number of query blocks (the middle one a single
+# in the pairs schedule: 9 of 128 rows for 1100, 5 of 192 rows for 900).
+PERSISTENT_SHAPES = [(3, 24, 8, 700, 300), (2, 40, 20, 1100, 1100), (1, 48, 16, 900, 900)]
+
+
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
-def test_sm90_persistent_grid_matches_one_cta_per_tile(fwd, D, causal):
-    # More tiles than SMs (each CTA loops over several, Q buffers and mbarrier
-    # phases carry across tiles), with tiles that see no key (causal, Sq > Sk).
+@pytest.mark.parametrize("D,cfg", _sm90_persistent_params())
+def test_sm90_persistent_grid_matches_one_cta_per_tile(fwd, D, cfg, causal, shape):
+    # More tiles than SMs (each CTA loops over several, Q buffers, mbarrier
+    # phases, ping-pong turns and, with overlap, the next tile's first S
+    # carry across tiles), against the reference and against one CTA a tile
+    # (same kernel: bit-identical).
     _needs_sm90(fwd)
     import dataclasses
 
-    seed = _seed("persist", D, causal)
-    q = randn(3, 24, 700, D, dtype=torch.bfloat16, seed=seed)
-    k = randn(3, 8, 300, D, dtype=torch.bfloat16, seed=seed + 1)
-    v = randn(3, 8, 300, D, dtype=torch.bfloat16, seed=seed + 2)
-    cfg = dataclasses.replace(fwd.sm90.default_config_sm90(D, causal), persistent=True)
-    assert cfg.persistent and cfg.grid(700, 24, 3, fwd.num_sms)[0] < -(-700 // cfg.block_m) * 24 * 3
+    B, Hq, Hkv, Sq, Sk = shape
+    seed = _seed("persist", D, causal, shape)
+    q = randn(B, Hq, Sq, D, dtype=torch.bfloat16, seed=seed)
+    k = randn(B, Hkv, Sk, D, dtype=torch.bfloat16, seed=seed + 1)
+    v = randn(B, Hkv, Sk, D, dtype=torch.bfloat16, seed=seed + 2)
+    assert cfg.persistent and cfg.grid(Sq, Hq, B, fwd.num_sms)[0] < -(-Sq // cfg.block_m) * Hq * B
     o1, l1 = run_and_check(fwd, q, k, v, causal, config=cfg)
     o2, l2 = run_and_check(fwd, q, k, v, causal, config=dataclasses.replace(cfg, persistent=False))
     assert torch.equal(o1, o2) and torch.equal(l1, l2)

@@ -222,7 +222,7 @@ def test_forward_hopper_masked(fwd, kind, causal, Sq, Sk):
         pytest.skip("needs an sm_90 device")
     seed = _seed("mfwd-sm90", kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 2, Sq, Sk, 128, torch.bfloat16, seed)
-    cfg = fwd.sm90.default_config_sm90(128, causal)
+    cfg = fwd.sm90.default_config_sm90(128, causal, masked=True)
     check_forward(fwd, q, k, v, make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3), causal, config=cfg)
     assert isinstance(fwd.last_config, fwd.sm90.Sm90Config)
 

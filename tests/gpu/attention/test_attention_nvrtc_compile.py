@@ -153,6 +153,11 @@ def test_sm90_every_instantiation_compiles_without_spills(compiled_sm90):
     # ptxas warns (C7508, C7515...) when it ignores setmaxnreg or serialises wgmma.
     warnings = [l for l in c["log"].splitlines() if "warning" in l.lower()]
     assert not warnings, "\n".join(warnings[:20])
+    # ... and only reports (C7518, C7520 "Potential Performance Loss") when a
+    # wgmma sits under a branch it cannot prove uniform: every wgmma of the
+    # kernel is then serialised (seen while adding OPTS; docs/attention.md).
+    serialised = [l for l in c["log"].splitlines() if "serialized" in l or "Performance Loss" in l]
+    assert not serialised, "\n".join(serialised[:20])
     problems = []
     print(f"\nsm_90a: {'instantiation':86} regs stack spill_st spill_ld smem")
     for (elem, d, causal, cfg), e in zip(c["inst"], c["exprs"]):
@@ -181,8 +186,10 @@ def test_sm90_ptx_uses_wgmma_tma_mbarriers_and_setmaxnreg(compiled_sm90):
     for (elem, d, causal, cfg), e in zip(c["inst"], c["exprs"]):
         body = entries[c["lowered"][e]]
         # Three issue sites of each product (first block, masked and unmasked
-        # loops; the last P V replaces one): D/16 steps for S, BLOCK_N/16 for P V.
-        assert body.count("wgmma.mma_async") == 3 * (d // 16 + cfg.block_n // 16), e
+        # loops; the last P V replaces one): D/16 steps for S, BLOCK_N/16 for P V;
+        # with the overlap option (two Q buffers) a fourth S: the next tile's.
+        extra = d // 16 if cfg.overlap and sm90.q_buffers_sm90(d, cfg) == 2 else 0
+        assert body.count("wgmma.mma_async") == 3 * (d // 16 + cfg.block_n // 16) + extra, e
         assert "wgmma.wait_group" in body and "wgmma.commit_group" in body and "wgmma.fence" in body, e
         assert body.count("cp.async.bulk.tensor.4d") == 3 * (d // 64), e  # Q, K, V: one per 64 columns
         assert "mbarrier.try_wait.parity" in body and "mbarrier.arrive.expect_tx" in body, e

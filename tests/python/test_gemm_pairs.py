@@ -1,0 +1,192 @@
+"""GEMM pairs: two GEMMs of one A and two same-shaped B (Llama's gate and up
+projections) run as one strided-batched cuBLASLt
+call, A's batch stride 0, B's the distance between the weights, the two
+results allocated as one block. Which steps pair is checked on the plan
+(no GPU); values against float64, the weights in either memory order, and
+the library-call count on the GPU. By default pairs run as one call up to 64
+rows of A; OPFUSE_GEMM_PAIRS=1 at any size (the tests below), =0 never."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opfuse
+from opfuse import _C
+
+from test_gemm import assert_gemm_close, compiled, randn, run_counted
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def llama_ir(m=16, k=64, h=88, dt="bf16", out_gate=False, bias=False):
+    """Llama's MLP as the converter writes it (F.linear layers); out_gate also
+    returns the gate GEMM's result; bias adds a bias to the up projection."""
+    lines = []
+
+    def node(text):
+        lines.append(f"%{len(lines)} = {text}")
+        return f"%{len(lines) - 1}"
+
+    x = node(f'input() {{name="x"}} : {dt}[{m}, {k}]')
+    w1 = node(f'input() {{name="w1"}} : {dt}[{h}, {k}]')
+    w3 = node(f'input() {{name="w3"}} : {dt}[{h}, {k}]')
+    w2 = node(f'input() {{name="w2"}} : {dt}[{k}, {h}]')
+    b3 = node(f'input() {{name="b3"}} : {dt}[{h}]') if bias else None
+    gate = node(f"matmul({x}, {node(f'permute({w1}) {{dims=[1, 0]}} : {dt}[{k}, {h}]')}) : {dt}[{m}, {h}]")
+    act = node(f"silu({gate}) : {dt}[{m}, {h}]")
+    up = node(f"matmul({x}, {node(f'permute({w3}) {{dims=[1, 0]}} : {dt}[{k}, {h}]')}) : {dt}[{m}, {h}]")
+    if bias:
+        up = node(f"add({up}, {b3}) : {dt}[{m}, {h}]")
+    prod = node(f"mul({act}, {up}) : {dt}[{m}, {h}]")
+    out = node(f"matmul({prod}, {node(f'permute({w2}) {{dims=[1, 0]}} : {dt}[{h}, {k}]')}) : {dt}[{m}, {k}]")
+    outs = f"{out}, {gate}" if out_gate else out
+    return "graph {\n  " + "\n  ".join(lines) + f"\n  return ({outs})\n}}"
+
+
+def pairs_of(ir, monkeypatch, on=True):
+    monkeypatch.setenv("OPFUSE_GEMM_PAIRS", "1" if on else "0")
+    return _C.CompiledGraph(ir, target="cuda").gemm_pairs()
+
+
+def test_gate_and_up_projections_pair(monkeypatch):
+    cg_pairs = pairs_of(llama_ir(), monkeypatch)
+    assert cg_pairs == [(0, 1)]
+    monkeypatch.setenv("OPFUSE_GEMM_PAIRS", "1")
+    cg = _C.CompiledGraph(llama_ir(), target="cuda")
+    first, second = cg.paired_buffers()[0]
+    gemms = cg.gemms()
+    assert (first, second) == (gemms[0]["out"], gemms[1]["out"])
+    assert gemms[0]["a"][0] == gemms[1]["a"][0] and gemms[0]["b"][0] != gemms[1]["b"][0]
+
+
+def test_pairs_are_on_by_default(monkeypatch):
+    monkeypatch.delenv("OPFUSE_GEMM_PAIRS", raising=False)
+    assert _C.CompiledGraph(llama_ir(), target="cuda").gemm_pairs() == [(0, 1)]
+
+
+def test_no_pair_when_off_on_the_cpu_or_unlike(monkeypatch):
+    assert pairs_of(llama_ir(), monkeypatch, on=False) == []
+    monkeypatch.setenv("OPFUSE_GEMM_PAIRS", "1")
+    assert _C.CompiledGraph(llama_ir(), target="cpu").gemm_pairs() == []
+    # A result the caller sees is not scratch: it cannot share a block.
+    assert pairs_of(llama_ir(out_gate=True), monkeypatch) == []
+    # A bias on one of the two (a per-call operand), and B of different shapes.
+    assert pairs_of(llama_ir(bias=True), monkeypatch) == []
+    unlike = """graph {
+  %0 = input() {name="x"} : bf16[16, 64]
+  %1 = input() {name="w1"} : bf16[88, 64]
+  %2 = input() {name="w3"} : bf16[96, 64]
+  %3 = permute(%1) {dims=[1, 0]} : bf16[64, 88]
+  %4 = matmul(%0, %3) : bf16[16, 88]
+  %5 = permute(%2) {dims=[1, 0]} : bf16[64, 96]
+  %6 = matmul(%0, %5) : bf16[16, 96]
+  %7 = sum(%4) {dims=[1], keepdim=false} : bf16[16]
+  %8 = sum(%6) {dims=[1], keepdim=false} : bf16[16]
+  %9 = add(%7, %8) : bf16[16]
+  return (%9)
+}"""
+    assert len(_C.CompiledGraph(unlike, target="cuda").gemms()) == 2
+    assert pairs_of(unlike, monkeypatch) == []
+
+
+PAIR_CASES = [(torch.bfloat16, m, k, h, w3_first) for m, k, h in [(1, 64, 88), (5, 72, 136), (16, 4096, 1000), (67, 29, 37)]
+              for w3_first in (False, True)] + [(torch.float16, 16, 72, 136, True), (torch.float32, 5, 29, 37, False)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype,m,k,h,w3_first", PAIR_CASES,
+                         ids=[f"{str(c[0])[6:]}-{c[1]}x{c[2]}x{c[3]}-{'w3first' if c[4] else 'w1first'}" for c in PAIR_CASES])
+def test_llama_mlp_pair_values_and_calls(dtype, m, k, h, w3_first, monkeypatch):
+    monkeypatch.setenv("OPFUSE_GEMM_PAIRS", "1")
+    dev = "cuda"
+    # The allocation order decides which weight lies lower in memory: both orders
+    # (the second swaps the two result halves instead of a negative stride).
+    if w3_first:
+        w3 = randn(h, k, dtype=dtype, device=dev, scale=k ** -0.5)
+        w1 = randn(h, k, dtype=dtype, device=dev, scale=k ** -0.5)
+    else:
+        w1 = randn(h, k, dtype=dtype, device=dev, scale=k ** -0.5)
+        w3 = randn(h, k, dtype=dtype, device=dev, scale=k ** -0.5)
+    args = [randn(m, k, dtype=dtype, device=dev), w1, w3, randn(k, h, dtype=dtype, device=dev, scale=h ** -0.5)]
+
+    def llama(x, w1, w3, w2):
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+    out, calls, kernels = run_counted(compiled(llama), *args)
+    assert_gemm_close(out, llama, args)
+    assert (calls, kernels) == (2, 1)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_pair_with_batched_x_and_a_transposed_view(monkeypatch):
+    """x of [batch, seq, k] (reshaped to a matrix in the graph) and weights
+    given as transposed views of [k, h] buffers."""
+    monkeypatch.setenv("OPFUSE_GEMM_PAIRS", "1")
+    dev, dt, k, h = "cuda", torch.bfloat16, 40, 56
+    x = randn(3, 7, k, dtype=dt, device=dev)
+    w1 = randn(k, h, dtype=dt, device=dev, scale=k ** -0.5).t()
+    w3 = randn(k, h, dtype=dt, device=dev, scale=k ** -0.5).t()
+    w2 = randn(k, h, dtype=dt, device=dev, scale=h ** -0.5)
+
+    def llama(x, w1, w3, w2):
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+    out, calls, kernels = run_counted(compiled(llama), x, w1, w3, w2)
+    assert_gemm_close(out, llama, [x, w1, w3, w2])
+    assert calls == 2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_pair_forward_and_backward(monkeypatch):
+    monkeypatch.setenv("OPFUSE_GEMM_PAIRS", "1")
+    dev, dt, m, k, h = "cuda", torch.float32, 24, 48, 72
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, dtype=torch.float64) * scale).requires_grad_()
+    ref = [leaf(m, k), leaf(h, k, scale=k ** -0.5), leaf(h, k, scale=k ** -0.5), leaf(k, h, scale=h ** -0.5)]
+    mine = [r.detach().to(dt).requires_grad_() for r in ref]
+
+    def llama(x, w1, w3, w2):
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+    grad = torch.randn(m, k, device=dev, dtype=torch.float64)
+    compiled(llama)(*mine).backward(grad.to(dt))
+    llama(*ref).backward(grad)
+    for a, r in zip(mine, ref):
+        torch.testing.assert_close(a.grad.double(), r.grad, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m,calls", [(16, 2), (64, 2), (65, 3)])
+def test_default_pairs_decode_shapes_only(m, calls, monkeypatch):
+    monkeypatch.delenv("OPFUSE_GEMM_PAIRS", raising=False)
+    dev, dt, k, h = "cuda", torch.bfloat16, 64, 88
+    args = [randn(m, k, dtype=dt, device=dev), randn(h, k, dtype=dt, device=dev, scale=k ** -0.5),
+            randn(h, k, dtype=dt, device=dev, scale=k ** -0.5), randn(k, h, dtype=dt, device=dev, scale=h ** -0.5)]
+
+    def llama(x, w1, w3, w2):
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+    out, got, kernels = run_counted(compiled(llama), *args)
+    assert_gemm_close(out, llama, args)
+    assert (got, kernels) == (calls, 1)
+
+
+def test_views_of_one_activation_pair(monkeypatch):
+    """The backend passes each x.view(...) of a 3-D activation as its own
+    partition input: the plan pairs them (the run compares their pointers)."""
+    ir = """graph {
+  %0 = input() {name="w1"} : bf16[56, 40]
+  %1 = permute(%0) {dims=[1, 0]} : bf16[40, 56]
+  %2 = input() {name="w3"} : bf16[56, 40]
+  %3 = permute(%2) {dims=[1, 0]} : bf16[40, 56]
+  %4 = input() {name="view"} : bf16[21, 40]
+  %5 = matmul(%4, %1) : bf16[21, 56]
+  %6 = input() {name="view_2"} : bf16[21, 40]
+  %7 = matmul(%6, %3) : bf16[21, 56]
+  %8 = mul(%5, %7) : bf16[21, 56]
+  return (%8)
+}"""
+    assert pairs_of(ir, monkeypatch) == [(0, 1)]
