@@ -61,9 +61,11 @@ def test_backward_tiles_match_the_harness():
                         _C.attention_backward_tiles(d, arch, limit, masked)
                     continue
                 assert _C.attention_backward_tiles(d, arch, limit, masked) == want, (arch, d, masked)
-        for d in (64, 128):
-            kv, _ = br.choose_tiles(d, f"sm_{arch}", limit, masked=True)
-            assert br.dkdv_smem(d, kv, True) == br.dkdv_smem(d, kv) + 2 * kv.block_m * 4
+    # The masked kernel's shared memory is the unmasked one's plus one
+    # BLOCK_M x 4-byte array in each of the two stages.
+    for d in (64, 128):
+        kv, _ = br.choose_tiles(d, "sm_90", 232448, masked=True)
+        assert br.dkdv_smem(d, kv, True) == br.dkdv_smem(d, kv) + 2 * kv.block_m * 4
 
 
 def _bwd_args(**over):
