@@ -22,6 +22,13 @@ Graph eliminate_common_subexpressions(const Graph& g);
 // reduction's kernel can compute as partials (split_column_sums.cpp).
 Graph split_column_sums(const Graph& g);
 
+struct FusionPlan;
+struct PlannerOptions;
+// CUDA sm_90, after planning: a decode-shaped MLP block (two or three GEMM
+// calls and the gate kernel between them) becomes one call of the decode
+// MLP kernel (decode_mlp.cpp). Only with opt.decode_mlp and gemm_epilogues.
+void fuse_decode_mlp(FusionPlan& plan, const PlannerOptions& opt);
+
 struct GraphPass {
   const char* name;
   Graph (*run)(const Graph&);

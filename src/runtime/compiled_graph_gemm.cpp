@@ -4,6 +4,7 @@
 
 #include "runtime/compiled_graph.h"
 #include "runtime/gemm_launcher.h"
+#include "runtime/decode_mlp_launcher.h"
 #include "runtime/skinny_gemm_launcher.h"
 
 namespace opfuse {
@@ -21,8 +22,55 @@ std::vector<int64_t> view_strides(const BufferSpec& b, int index, const std::vec
 
 }  // namespace
 
+// The whole MLP block in one decode MLP kernel; where it cannot run (a
+// misaligned pointer, no sm_90, a build failure), GemmUnsupported sends the
+// Python runtime to a plan without epilogues, as for a refused cuBLASLt call.
+void CompiledGraph::launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
+                                      const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+  auto dim = [&](int buffer, int d) { return evaluate(buffers_[static_cast<size_t>(buffer)].shape.at(static_cast<size_t>(d)), env); };
+  // A graph input's row stride, requiring unit-stride rows (the planner matched [rows, cols] inputs).
+  auto row_stride = [&](int buffer) {
+    const auto& st = input_strides.at(static_cast<size_t>(buffer));
+    if (st.size() != 2 || (dim(buffer, 1) > 1 && st[1] != 1))
+      throw GemmUnsupported("decode MLP: an operand's rows are not unit-stride");
+    return st[0];
+  };
+  auto vec_stride = [&](int buffer) { return buffer < 0 ? int64_t{1} : input_strides.at(static_cast<size_t>(buffer)).back(); };
+  decode_mlp::Args a;
+  a.dtype = s.dtype;
+  a.m = dim(s.a, 0);
+  a.k = dim(s.a, 1);
+  a.h = dim(s.w1, 0);
+  a.n = dim(s.b, 0);
+  a.x = ptrs[static_cast<size_t>(s.a)];
+  a.ldx = row_stride(s.a);
+  a.w1 = ptrs[static_cast<size_t>(s.w1)];
+  a.ldw1 = row_stride(s.w1);
+  if (s.w3 >= 0) {
+    a.w3 = ptrs[static_cast<size_t>(s.w3)];
+    a.ldw3 = row_stride(s.w3);
+  }
+  if (s.b1 >= 0) a.b1 = ptrs[static_cast<size_t>(s.b1)];
+  a.b1_stride = vec_stride(s.b1);
+  a.w2 = ptrs[static_cast<size_t>(s.b)];
+  a.ldw2 = row_stride(s.b);
+  if (s.bias >= 0) a.b2 = ptrs[static_cast<size_t>(s.bias)];
+  a.b2_stride = vec_stride(s.bias);
+  a.out = ptrs[static_cast<size_t>(s.out)];
+  a.ldo = a.n;
+  a.activation = s.call.decode_activation;
+  a.stream = o.stream;
+  std::string why;
+  if (!decode_mlp::try_run(a, &why)) throw GemmUnsupported("decode MLP: " + why);
+  if (o.gemm_kernels) ++*o.gemm_kernels;  // an opfuse kernel, not a library call
+}
+
 void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                                 const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+  if (s.call.is_decode_mlp()) {
+    launch_decode_mlp(s, env, ptrs, input_strides, o);
+    return;
+  }
   auto concrete = [&](const Shape& sh) {
     std::vector<int64_t> v;
     for (auto& d : sh) v.push_back(evaluate(d, env));
