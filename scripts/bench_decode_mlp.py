@@ -7,7 +7,8 @@ algorithms), and the kernel called directly with each config and L2
 prefetch depth. Fractions are of the floor: every weight read once at the
 copy bandwidth measured in the same run.
 
-  python3 scripts/bench_decode_mlp.py [--iters 50] [--quick] [--json out.json]
+  python3 scripts/bench_decode_mlp.py [--iters 50] [--quick] [--m1] [--configs b64k256s4,...]
+      [--prefetch 0,2,4,8] [--json out.json] [--smoke]
 """
 import argparse
 import json
@@ -85,17 +86,36 @@ def graphed(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--quick", action="store_true", help="default config only, no M = 1")
+    ap.add_argument("--quick", action="store_true", help="default config and prefetch only")
+    ap.add_argument("--m1", action="store_true", help="also the blocks at M = 1")
     ap.add_argument("--json", default="")
+    ap.add_argument("--configs", default="", help="comma-separated config tags (default: every candidate)")
+    ap.add_argument("--prefetch", default="0,2,4,8", help="L2 prefetch depths to time")
+    ap.add_argument("--smoke", action="store_true", help="one launch of each block, checked, then exit")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.smoke:
+        for kind, (m, k, h) in (("mlp", (16, 1032, 2056)), ("llama", (5, 1032, 2056)), ("mlp", (16, 4096, 16384)),
+                                ("llama", (16, 4096, 11008))):
+            p = params(kind, m, k, h, dev)
+            fn = mlp_block if kind == "mlp" else llama_mlp
+            out = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
+            direct(kind, p, out)()
+            torch.cuda.synchronize()
+            ref = fn(*[t.double() for t in p])
+            err = (out.double() - ref).abs().max().item()
+            eerr = (fn(*p).double() - ref).abs().max().item()
+            print(f"smoke {kind} {m}x{k}x{h}: max err {err:.3g} (eager {eerr:.3g})", flush=True)
+            assert err <= 2 * eerr + 2 * 2 ** -8 * ref.abs().max().item(), "smoke: wrong values"
+        print("smoke ok", flush=True)
+        return
     major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     bw = copy_bandwidth_gb_s()
     print(f"{torch.cuda.get_device_name()}  sm_{major}{minor}  {sms} SMs  copy bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
     blocks = [("mlp", 16, 4096, 16384), ("llama", 16, 4096, 11008)]
-    if not args.quick:
+    if args.m1:
         blocks += [("mlp", 1, 4096, 16384), ("llama", 1, 4096, 11008)]
     for kind, m, k, h in blocks:
         p = params(kind, m, k, h, dev)
@@ -131,10 +151,10 @@ def main():
                    f"calls/kernels {s['library_calls']}/{s['kernel_launches']}  max err {err:.3g} (eager {eerr:.3g})")
             record(label + " graph", time_us(graphed(lambda: f(*p)), args.iters))
         os.environ.pop("OPFUSE_DECODE_MLP", None)
-        configs = dm.candidates()[:1] if args.quick else dm.candidates()
-        for cfg in configs:
+        configs = args.configs.split(",") if args.configs else dm.candidates()
+        for cfg in configs[:1] if args.quick else configs:
             os.environ["OPFUSE_DECODE_MLP_CONFIG"] = cfg
-            for pf in ((2,) if args.quick else (0, 2, 4, 8)):
+            for pf in ((2,) if args.quick else [int(v) for v in args.prefetch.split(",")]):
                 os.environ["OPFUSE_DECODE_MLP_PREFETCH"] = str(pf)
                 direct(kind, p, out)()
                 torch.cuda.synchronize()

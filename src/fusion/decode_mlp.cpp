@@ -85,19 +85,50 @@ class DecodeMlpFuser {
     return true;
   }
 
+  // The node `a` whose silu `node` computes, or -1: silu(a); a * sigmoid(a);
+  // or PyTorch's decomposition at 16 bits, cast(c * sigmoid(c)) with c a's
+  // float32 cast. Every node on the way is inlined (computed in the gate
+  // kernel, read nowhere else).
+  int silu_input(int node, DType dt) const {
+    auto inlined = [&](int id) { return kernel_of(id) < 0 && g_.node(id).op != "input"; };
+    const Node& n = g_.node(node);
+    if (!inlined(node)) return -1;
+    if (n.op == "silu" && n.dtype == dt) return g_.node(n.inputs[0]).dtype == dt ? n.inputs[0] : -1;
+    int prod = node;
+    if (n.op == "cast") {
+      if (n.dtype != dt) return -1;
+      prod = n.inputs[0];
+      if (!inlined(prod)) return -1;
+    }
+    const Node& mul = g_.node(prod);
+    if (mul.op != "mul" || mul.inputs.size() != 2) return -1;
+    for (int side = 0; side < 2; ++side) {
+      const int c = mul.inputs[static_cast<size_t>(side)];
+      const Node& sig = g_.node(mul.inputs[static_cast<size_t>(1 - side)]);
+      if (sig.op != "sigmoid" || sig.inputs[0] != c || !inlined(sig.id)) continue;
+      const Node& cn = g_.node(c);
+      if (cn.dtype == dt && prod == node) return c;  // a * sigmoid(a) in the element type
+      if (cn.op == "cast" && cn.dtype == DType::Float32 && mul.dtype == DType::Float32 && inlined(c) &&
+          g_.node(cn.inputs[0]).dtype == dt && prod != node)
+        return cn.inputs[0];
+    }
+    return -1;
+  }
+
   // The pointwise kernel `k` computes exactly silu(a) * b (either order) as
-  // its one root: returns true and sets a, b (realized nodes).
+  // its one root: returns true and sets a, b (realized nodes). The kernel
+  // rounds once where the graph may round silu(a) first: one rounding fewer,
+  // as a GEMM epilogue.
   bool gate_kernel(int k, int root, int* a, int* b) const {
     const KernelGroup& kg = p_.kernels[static_cast<size_t>(k)];
     if (kg.kind != Kind::Pointwise || kg.roots.size() != 1 || kg.roots[0] != root) return false;
     const Node& mul = g_.node(root);
     if (mul.op != "mul" || mul.inputs.size() != 2) return false;
     for (int side = 0; side < 2; ++side) {
-      const Node& s = g_.node(mul.inputs[static_cast<size_t>(side)]);
       const int other = mul.inputs[static_cast<size_t>(1 - side)];
-      if (s.op != "silu" || s.inputs.size() != 1 || kernel_of(s.id) >= 0) continue;  // silu inlined here
-      if (s.dtype != mul.dtype || g_.node(other).dtype != mul.dtype || g_.node(s.inputs[0]).dtype != mul.dtype) continue;
-      *a = s.inputs[0];
+      const int x = silu_input(mul.inputs[static_cast<size_t>(side)], mul.dtype);
+      if (x < 0 || g_.node(other).dtype != mul.dtype) continue;
+      *a = x;
       *b = other;
       return kernel_of(*a) >= 0 && kernel_of(*b) >= 0 && *a != *b;
     }
