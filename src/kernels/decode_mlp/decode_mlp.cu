@@ -487,10 +487,14 @@ struct Kernel {
       float* mine = slot_of(cta);
       for (int i = threadIdx.x; i < 16 * BN; i += CT) st_cg(mine + i, tb[(i / BN) * L::kTilePitch + i % BN]);
       consumers_sync(CT);
+      // With fewer stages than CTAs some CTAs own none: they take no part.
+      auto takes_part = [&](int c) { return range_begin(c + 1, s, grid) > range_begin(c, s, grid); };
       if (threadIdx.x == 0) {
         u32* counter = p.counters + (q == 0 ? 0 : ph[0].tiles) + t;
+        u32 parts = 0;
+        for (int c = first; c <= last; ++c) parts += takes_part(c) ? 1u : 0u;
         fence_gpu();
-        const bool is_last = atomic_add(counter, 1) == static_cast<u32>(last - first);
+        const bool is_last = atomic_add(counter, 1) == parts - 1;
         if (is_last) {
           store_relaxed(counter, 0);  // ready for the next launch
           fence_gpu();
@@ -502,7 +506,8 @@ struct Kernel {
       // The last CTA of the tile adds every slot in CTA order (deterministic).
       for (int i = threadIdx.x; i < 16 * BN; i += CT) {
         float v = 0.0f;
-        for (int c = first; c <= last; ++c) v += ld_cg(slot_of(c) + i);
+        for (int c = first; c <= last; ++c)
+          if (takes_part(c)) v += ld_cg(slot_of(c) + i);
         tb[(i / BN) * L::kTilePitch + i % BN] = v;
       }
       consumers_sync(CT);
