@@ -92,11 +92,22 @@ def main():
     ap.add_argument("--configs", default="", help="comma-separated config tags (default: every candidate)")
     ap.add_argument("--prefetch", default="0,2,4,8", help="L2 prefetch depths to time")
     ap.add_argument("--smoke", action="store_true", help="one launch of each block, checked, then exit")
+    ap.add_argument("--kernel-only", action="store_true", help="only the kernel's configs (no eager, Inductor, opfuse)")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    # Build every instantiation to be timed in parallel threads (NVRTC releases the GIL) into the disk cache.
+    from concurrent.futures import ThreadPoolExecutor
+    major, minor = torch.cuda.get_device_capability()
+    arch = major * 10 + minor
+    wanted = args.configs.split(",") if args.configs else dm.candidates()
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(lambda cg: dm.compile(torch.bfloat16, cg[1], cg[0], arch, use_cache=True),
+                    [(c, g) for c in wanted for g in (False, True)]))
     if args.smoke:
-        for kind, (m, k, h) in (("mlp", (16, 1032, 2056)), ("llama", (5, 1032, 2056)), ("mlp", (16, 4096, 16384)),
-                                ("llama", (16, 4096, 11008))):
+        cases = [(cfg, kind, shape) for cfg in wanted for kind, shape in (
+            ("mlp", (16, 1032, 2056)), ("llama", (5, 1032, 2056)), ("mlp", (16, 4096, 16384)), ("llama", (16, 4096, 11008)))]
+        for cfg, kind, (m, k, h) in cases:
+            os.environ["OPFUSE_DECODE_MLP_CONFIG"] = cfg
             p = params(kind, m, k, h, dev)
             fn = mlp_block if kind == "mlp" else llama_mlp
             out = torch.empty(m, k, dtype=torch.bfloat16, device=dev)
@@ -105,11 +116,11 @@ def main():
             ref = fn(*[t.double() for t in p])
             err = (out.double() - ref).abs().max().item()
             eerr = (fn(*p).double() - ref).abs().max().item()
-            print(f"smoke {kind} {m}x{k}x{h}: max err {err:.3g} (eager {eerr:.3g})", flush=True)
+            print(f"smoke {cfg} {kind} {m}x{k}x{h}: max err {err:.3g} (eager {eerr:.3g})", flush=True)
             assert err <= 2 * eerr + 2 * 2 ** -8 * ref.abs().max().item(), "smoke: wrong values"
+        os.environ.pop("OPFUSE_DECODE_MLP_CONFIG", None)
         print("smoke ok", flush=True)
         return
-    major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     bw = copy_bandwidth_gb_s()
     print(f"{torch.cuda.get_device_name()}  sm_{major}{minor}  {sms} SMs  copy bandwidth {bw:.0f} GB/s", flush=True)
@@ -132,25 +143,8 @@ def main():
             print(f"  {name:<22} {label:<34} {us:8.1f} us  {floor / us:6.1%} of floor {note}", flush=True)
 
         print(f"{name}: floor {floor:.1f} us (90%: {floor / 0.9:.1f} us)", flush=True)
-        record("eager", time_us(lambda: fn(*p), args.iters))
-        torch._dynamo.reset()
-        ind = torch.compile(fn)
-        record("torch.compile", time_us(lambda: ind(*p), args.iters))
-        for decode in ("0", "1"):
-            os.environ["OPFUSE_DECODE_MLP"] = decode
-            torch._dynamo.reset()
-            f = torch.compile(fn, backend="opfuse")
-            got = f(*p)
-            opfuse.reset_stats()
-            got = f(*p)
-            s = opfuse.stats()
-            err = (got.double() - ref).abs().max().item()
-            eerr = (want.double() - ref).abs().max().item()
-            label = "opfuse decode MLP" if decode == "1" else "opfuse cuBLASLt (DECODE_MLP=0)"
-            record(label, time_us(lambda: f(*p), args.iters),
-                   f"calls/kernels {s['library_calls']}/{s['kernel_launches']}  max err {err:.3g} (eager {eerr:.3g})")
-            record(label + " graph", time_us(graphed(lambda: f(*p)), args.iters))
-        os.environ.pop("OPFUSE_DECODE_MLP", None)
+        if not args.kernel_only:
+            frameworks(args, name, kind, fn, p, ref, want, record)
         configs = args.configs.split(",") if args.configs else dm.candidates()
         for cfg in configs[:1] if args.quick else configs:
             os.environ["OPFUSE_DECODE_MLP_CONFIG"] = cfg
@@ -166,6 +160,29 @@ def main():
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "copy_gb_s": bw, "rows": rows}, fh, indent=1)
+
+
+def frameworks(args, name, kind, fn, p, ref, want, record):
+    """Eager, Inductor and opfuse with and without the decode MLP step, on the same inputs."""
+    record("eager", time_us(lambda: fn(*p), args.iters))
+    torch._dynamo.reset()
+    ind = torch.compile(fn)
+    record("torch.compile", time_us(lambda: ind(*p), args.iters))
+    for decode in ("0", "1"):
+        os.environ["OPFUSE_DECODE_MLP"] = decode
+        torch._dynamo.reset()
+        f = torch.compile(fn, backend="opfuse")
+        got = f(*p)
+        opfuse.reset_stats()
+        got = f(*p)
+        s = opfuse.stats()
+        err = (got.double() - ref).abs().max().item()
+        eerr = (want.double() - ref).abs().max().item()
+        label = "opfuse decode MLP" if decode == "1" else "opfuse cuBLASLt (DECODE_MLP=0)"
+        record(label, time_us(lambda: f(*p), args.iters),
+               f"calls/kernels {s['library_calls']}/{s['kernel_launches']}  max err {err:.3g} (eager {eerr:.3g})")
+        record(label + " graph", time_us(graphed(lambda: f(*p)), args.iters))
+    os.environ.pop("OPFUSE_DECODE_MLP", None)
 
 
 if __name__ == "__main__":

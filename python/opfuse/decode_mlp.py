@@ -60,9 +60,11 @@ def reference(x, w1, w2, b1=None, b2=None, activation: str = "relu", w3=None):
     return out, hidden
 
 
-def compile(dtype: torch.dtype, gated: bool, config: str, arch: int = 90):
-    """NVRTC build of one instantiation (no GPU needed): (cubin, log)."""
-    return _C.decode_mlp_compile(_ELEM[dtype], gated, config, arch)
+def compile(dtype: torch.dtype, gated: bool, config: str, arch: int = 90, use_cache: bool = False):
+    """NVRTC build of one instantiation (no GPU needed): (cubin, log). With
+    use_cache it goes through the disk cache the launches use (a warm-up);
+    it releases the GIL, so builds can run in threads."""
+    return _C.decode_mlp_compile(_ELEM[dtype], gated, config, arch, use_cache)
 
 
 def candidates() -> list[str]:

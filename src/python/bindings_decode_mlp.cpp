@@ -59,12 +59,16 @@ void bind_decode_mlp(nb::module_& m) {
       "Enqueues the whole MLP block with the decode MLP kernel: (True, '') or (False, why) with nothing enqueued.");
   m.def(
       "decode_mlp_compile",
-      [](const std::string& dtype, bool gated, const std::string& config, int arch) {
-        decode_mlp::Compiled c = decode_mlp::compile(parse_elem(dtype), gated, decode_mlp::Config::parse(config), arch, false);
+      [](const std::string& dtype, bool gated, const std::string& config, int arch, bool use_cache) {
+        decode_mlp::Compiled c;
+        {
+          nb::gil_scoped_release release;  // builds may run in parallel threads
+          c = decode_mlp::compile(parse_elem(dtype), gated, decode_mlp::Config::parse(config), arch, use_cache);
+        }
         return nb::make_tuple(nb::bytes(c.cubin.data(), c.cubin.size()), c.log);
       },
-      nb::arg("dtype"), nb::arg("gated"), nb::arg("config"), nb::arg("arch"),
-      "NVRTC build of one instantiation (no cache): (cubin, log).");
+      nb::arg("dtype"), nb::arg("gated"), nb::arg("config"), nb::arg("arch"), nb::arg("use_cache") = false,
+      "NVRTC build of one instantiation (through the disk cache with use_cache): (cubin, log).");
   m.def("decode_mlp_candidates", [] {
     std::vector<std::string> r;
     for (auto& c : decode_mlp::candidate_configs()) r.push_back(c.tag());

@@ -71,15 +71,20 @@ struct Workspace {
 };
 
 // Workspace layout (bytes): the grid barrier [0, 256): arrivals at 0, the
-// generation at 128 (own cache lines); then the tile counters; then the
+// generation at 128 (own cache lines); then kMaxCounters tile counters, a
+// fixed region (the kernel leaves them at zero, and nothing else may ever
+// write there: problems of other shapes share the workspace); then the
 // float32 partials [2][grid][2][16 * bn]; then h [16, ldh].
+constexpr int64_t kMaxCounters = int64_t(1) << 16;
+int64_t tile_count(const Args& a, const Config& c) {
+  const int64_t rows1 = a.activation == "silu_gate" ? c.bn / 2 : c.bn;
+  return (a.h + rows1 - 1) / rows1 + (a.n + c.bn - 1) / c.bn;
+}
 struct WorkspaceLayout {
   size_t counters = 256, partials = 0, h = 0, total = 0;
   int64_t ldh = 0;
   WorkspaceLayout(const Args& a, const Config& c, int grid) {
-    const int64_t rows1 = a.activation == "silu_gate" ? c.bn / 2 : c.bn;
-    const int64_t tiles = (a.h + rows1 - 1) / rows1 + (a.n + c.bn - 1) / c.bn;
-    partials = counters + static_cast<size_t>(round_up(tiles * 4, 256));
+    partials = counters + static_cast<size_t>(kMaxCounters * 4);
     h = partials + static_cast<size_t>(2 * grid * 2 * 16 * c.bn) * 4;
     ldh = round_up(a.h, 8);
     total = h + static_cast<size_t>(16 * ldh * 2);
@@ -89,36 +94,41 @@ struct WorkspaceLayout {
 }  // namespace
 
 std::string Config::tag() const {
-  return "b" + std::to_string(bn) + "k" + std::to_string(ks) + "s" + std::to_string(stages);
+  return "b" + std::to_string(bn) + "k" + std::to_string(ks) + "s" + std::to_string(stages) + "g" + std::to_string(kg);
 }
 
 Config Config::parse(const std::string& tag) {
-  static const std::regex re(R"(b(\d+)k(\d+)s(\d+))");
+  static const std::regex re(R"(b(\d+)k(\d+)s(\d+)(?:g(\d+))?)");
   std::smatch m;
-  if (!std::regex_match(tag, m, re)) throw std::invalid_argument("bad decode MLP config '" + tag + "' (want e.g. b64k256s4)");
-  Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3])};
+  if (!std::regex_match(tag, m, re)) throw std::invalid_argument("bad decode MLP config '" + tag + "' (want e.g. b64k256s4g1)");
+  Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), m[4].matched ? std::stoi(m[4]) : 1};
   bool ok = c.bn % 32 == 0 && c.bn >= 32 && c.bn <= 256 && c.ks % 32 == 0 && c.ks >= 32 && c.ks <= 2048 &&
-            c.stages >= 2 && c.stages <= 8 && smem_bytes(c) <= 227 * 1024;
+            c.stages >= 2 && c.stages <= 8 && c.kg >= 1 && (c.ks / 32) % c.kg == 0 && c.bn / 16 * c.kg <= 16 &&
+            smem_bytes(c) <= 227 * 1024;
   if (!ok) throw std::invalid_argument("decode MLP config '" + tag + "' is out of range");
   return c;
 }
 
 int smem_bytes(const Config& c) {
   const int pitch = 2 * c.ks + 64, stage = (c.bn + 16) * pitch;
-  return c.stages * stage + 16 * (c.bn + 4) * 4 + 2 * c.stages * 8 + 16;
+  return c.stages * stage + c.kg * 16 * (c.bn + 4) * 4 + 2 * c.stages * 8 + 16;
 }
 
-// b64k256s4: 32 KB of weights a stage (512-byte row segments), 4 stages
-// (~185 KB): up to 128 KB of weights in flight per SM, where Little's law
-// asks ~64 KB at 32 GB/s per SM and ~2 us of loaded latency. b128k128s4
-// halves the activation's share of the ring (16 / BN) with 256-byte
-// segments; b64k256s3 checks whether a shallower ring suffices.
-std::vector<Config> candidate_configs() { return {Config{}, Config{128, 128, 4}, Config{64, 256, 3}}; }
+// b64k256s4g1: 32 KB of weights a stage in 512-byte row segments, 4
+// stages (~185 KB). Measured on the H200 (docs/perf-notes.md, "Decode MLP"):
+// 234 us for the 16x4096x16384 MLP, 27% of the floor; b128k128s4 (256-byte
+// segments) 368 us: the time followed the number of bulk copies, not the
+// bytes. The others make each copy longer (1-2 KB): b32k1024s2g4 (2 KB
+// segments, 4 k groups of 2 warps), b64k512s2g2 and b32k512s4g2 (1 KB).
+std::vector<Config> candidate_configs() {
+  return {Config{}, Config{32, 1024, 2, 4}, Config{64, 512, 2, 2}, Config{32, 512, 4, 2}};
+}
 
 std::string source(DType dtype, bool gated, const Config& c) {
   std::string s(decode_mlp_cu);
   s += "\nOPFUSE_DECODE_MLP_ENTRY(" + std::string(kEntryName) + ", " + elem_name(dtype) + ", " + (gated ? "true" : "false") +
-       ", " + std::to_string(c.bn) + ", " + std::to_string(c.ks) + ", " + std::to_string(c.stages) + ")\n";
+       ", " + std::to_string(c.bn) + ", " + std::to_string(c.ks) + ", " + std::to_string(c.stages) + ", " +
+       std::to_string(c.kg) + ")\n";
   return s;
 }
 
@@ -208,7 +218,7 @@ bool try_run(const Args& a, std::string* why) {
   const bool gated = a.activation == "silu_gate";
 
   static std::map<CUcontext, DevInfo> devices;
-  static std::map<std::tuple<CUcontext, DType, bool, int, int, int>, LoadedFn> functions;
+  static std::map<std::tuple<CUcontext, DType, bool, int, int, int, int>, LoadedFn> functions;
   static std::map<CUcontext, Workspace> workspaces;
   Config cfg;
   CUfunction fn = nullptr;
@@ -230,7 +240,7 @@ bool try_run(const Args& a, std::string* why) {
     }
     const char* forced = std::getenv("OPFUSE_DECODE_MLP_CONFIG");
     cfg = forced && *forced ? Config::parse(forced) : Config{};
-    LoadedFn& lf = functions[{ctx, a.dtype, gated, cfg.bn, cfg.ks, cfg.stages}];
+    LoadedFn& lf = functions[{ctx, a.dtype, gated, cfg.bn, cfg.ks, cfg.stages, cfg.kg}];
     if (!lf.failed.empty()) {
       g_error = lf.failed;
       if (why) *why = lf.failed;
@@ -248,7 +258,7 @@ bool try_run(const Args& a, std::string* why) {
                    "cuFuncSetAttribute(decode MLP shared memory)");
         lf.blocks_per_sm = 1;
         if (c.OccupancyMaxActiveBlocksPerMultiprocessor)
-          check_cuda(c.OccupancyMaxActiveBlocksPerMultiprocessor(&lf.blocks_per_sm, lf.fn, (cfg.bn / 16 + 1) * 32,
+          check_cuda(c.OccupancyMaxActiveBlocksPerMultiprocessor(&lf.blocks_per_sm, lf.fn, cfg.threads(),
                                                                  static_cast<size_t>(smem_bytes(cfg))),
                      "cuOccupancyMaxActiveBlocksPerMultiprocessor(decode MLP)");
         if (lf.blocks_per_sm < 1) throw std::runtime_error("decode MLP: no CTA fits on an SM");
@@ -261,6 +271,11 @@ bool try_run(const Args& a, std::string* why) {
       }
     }
     fn = lf.fn;
+    if (tile_count(a, cfg) > kMaxCounters) {
+      g_error = "more than " + std::to_string(kMaxCounters) + " tiles";
+      if (why) *why = g_error;
+      return false;
+    }
     // Every CTA must be resident at once (the grid barrier): at most one
     // wave, and no more CTAs than stages to stream.
     const int64_t rows1 = gated ? cfg.bn / 2 : cfg.bn;
@@ -314,7 +329,7 @@ bool try_run(const Args& a, std::string* why) {
   const char* pf = std::getenv("OPFUSE_DECODE_MLP_PREFETCH");
   p.prefetch = pf && *pf ? std::atoi(pf) : 2;
   void* params[] = {&p};
-  check_cuda(c.LaunchKernel(fn, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>((cfg.bn / 16 + 1) * 32), 1, 1,
+  check_cuda(c.LaunchKernel(fn, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(cfg.threads()), 1, 1,
                             static_cast<unsigned>(smem_bytes(cfg)), a.stream, params, nullptr),
              "cuLaunchKernel(decode MLP)");
   g_launches.fetch_add(1, std::memory_order_relaxed);

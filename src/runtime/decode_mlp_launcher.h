@@ -77,13 +77,15 @@ struct Args {
   void* stream = nullptr;
 };
 
-// BN weight rows and KS values of k per ring stage, STAGES stages.
-// Tag form "b64k256s4".
+// BN weight rows and KS values of k per ring stage, STAGES stages, KG
+// groups of consumer warps splitting each stage's k. Tag form "b64k256s4g1"
+// (the g part may be left out: 1).
 struct Config {
-  int bn = 64, ks = 256, stages = 4;
+  int bn = 64, ks = 256, stages = 4, kg = 1;
   std::string tag() const;
   static Config parse(const std::string& tag);  // throws std::invalid_argument
   bool operator==(const Config&) const = default;
+  int threads() const { return (bn / 16 * kg + 1) * 32; }
 };
 // Dynamic shared memory of a config (the kernel's Layout<>::kBytes).
 int smem_bytes(const Config& c);

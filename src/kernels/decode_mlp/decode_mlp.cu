@@ -34,9 +34,11 @@
 //   shapes.
 // - One producer warp fills a STAGES-deep ring in shared memory with 1-D
 //   bulk copies (cp.async.bulk, one per row segment, completing on an
-//   mbarrier with a byte count); BN / 16 consumer warps run mma.sync
-//   m16n8k16 on it, each warp owning 16 rows of the stage (two n8 tiles),
-//   so no cross-warp reduction is needed. Rows are padded by 64 bytes in
+//   mbarrier with a byte count); BN / 16 * KG consumer warps run mma.sync
+//   m16n8k16 on it, each warp owning 16 rows of the stage (two n8 tiles)
+//   and every KG-th 32-value step of k (its k group); the KG groups' sums
+//   meet in shared memory at the end of a tile, added in group order.
+//   Rows are padded by 64 bytes in
 //   shared memory, which makes the 16-byte fragment loads bank-conflict free.
 //   The k order inside each 32-value step is renumbered (a sum does not care):
 //   lane (g, t) reads 8 consecutive k of its row, which feed two MMAs.
@@ -60,12 +62,12 @@
 // Requirements (checked by the launcher, src/runtime/decode_mlp_launcher.cpp):
 // M <= 16; K % 8 == 0 and H % 8 == 0; x, weights 16-byte aligned with row
 // strides multiples of 8 elements; h workspace [16, ldh], ldh % 8 == 0.
-// Launch: grid G (<= resident CTAs), block (BN / 16 + 1) * 32, dynamic
-// shared memory smem_bytes(BN, KS, STAGES) (the launcher's copy of the
+// Launch: grid G (<= resident CTAs), block (BN / 16 * KG + 1) * 32, dynamic
+// shared memory smem_bytes(BN, KS, STAGES, KG) (the launcher's copy of the
 // formula below), one argument DecodeMlpParams by value.
 //
 // Entry point: the launcher appends one line
-//   OPFUSE_DECODE_MLP_ENTRY(name, bf16, GATED, BN, KS, STAGES)
+//   OPFUSE_DECODE_MLP_ENTRY(name, bf16, GATED, BN, KS, STAGES, KG)
 // which defines an extern "C" kernel (no name mangling to look up).
 
 namespace opfuse_decode {
@@ -261,13 +263,13 @@ struct Phase {
 __device__ __forceinline__ i64 range_begin(int c, i64 s, int g) { return static_cast<i64>(c) * s / g; }
 __device__ __forceinline__ int owner(i64 stage, i64 s, int g) { return static_cast<int>(((stage + 1) * g - 1) / s); }
 
-template <int BN, int KS, int STAGES>
+template <int BN, int KS, int STAGES, int KG>
 struct Layout {
   static constexpr int kPitch = 2 * KS + 64;       // bytes per row in the ring (64 bytes of padding: no bank conflicts)
   static constexpr int kStageBytes = (BN + 16) * kPitch;  // BN weight rows, then 16 activation rows
   static constexpr int kTilePitch = BN + 4;        // floats per row of the tile buffer
   static constexpr int kRing = STAGES * kStageBytes;
-  static constexpr int kTile = 16 * kTilePitch * 4;
+  static constexpr int kTile = KG * 16 * kTilePitch * 4;  // one tile buffer per k group
   static constexpr int kBars = 2 * STAGES * 8;
   static constexpr int kBytes = kRing + kTile + kBars + 16;
 };
@@ -276,11 +278,13 @@ struct Layout {
 // The kernel
 // ---------------------------------------------------------------------------
 
-template <class E, bool GATED, int BN, int KS, int STAGES>
+template <class E, bool GATED, int BN, int KS, int STAGES, int KG>
 struct Kernel {
-  static constexpr int CW = BN / 16;  // consumer warps
+  static constexpr int RW = BN / 16;  // consumer warps per k group: 16 rows each
+  static constexpr int CW = RW * KG;  // consumer warps: KG groups split each stage's k steps
   static constexpr int CT = CW * 32;  // consumer threads
-  using L = Layout<BN, KS, STAGES>;
+  using L = Layout<BN, KS, STAGES, KG>;
+  static_assert(KG >= 1 && (KS / 32) % KG == 0 && CW <= 16, "KG must divide the stage's 32-value steps");
   static_assert(BN % 32 == 0 && BN >= 32 && BN <= 256, "BN: a multiple of 32 up to 256");
   static_assert(KS % 32 == 0 && KS >= 32 && 2 * KS <= 4096, "KS: a multiple of 32");
   static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
@@ -416,19 +420,21 @@ struct Kernel {
   template <bool CHECK>
   __device__ __forceinline__ void compute(float (&acc)[2][2][4], int slot, int kl) const {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const u32 base = ring(slot);
-    const u32 w0 = base + (warp * 16 + g) * L::kPitch + 16 * t, w1 = w0 + 8 * L::kPitch;
+    const int g = lane >> 2, t = lane & 3, rw = warp % RW, kg = warp / RW;
+    const u32 base = ring(slot) + 64 * kg;  // k group kg takes the steps s = kg, kg + KG, ...
+    const u32 w0 = base + (rw * 16 + g) * L::kPitch + 16 * t, w1 = w0 + 8 * L::kPitch;
     const u32 a0 = base + (BN + g) * L::kPitch + 16 * t, a1 = a0 + 8 * L::kPitch;
 #pragma unroll
-    for (int s = 0; s < KS / 32; ++s) {
+    for (int ss = 0; ss < KS / 32 / KG; ++ss) {
+      const int s = ss * KG + kg;
       if (CHECK && 32 * s >= kl) break;
-      V4 x0 = lds128(a0 + 64 * s), x1 = lds128(a1 + 64 * s), y0 = lds128(w0 + 64 * s), y1 = lds128(w1 + 64 * s);
+      const u32 off = 64 * KG * ss;
+      V4 x0 = lds128(a0 + off), x1 = lds128(a1 + off), y0 = lds128(w0 + off), y1 = lds128(w1 + off);
       if (CHECK && 32 * s + 8 * t >= kl) x0 = x1 = y0 = y1 = V4{0, 0, 0, 0};  // past K: stale ring bytes
-      mma(E{}, acc[0][s & 1], x0.x, x1.x, x0.y, x1.y, y0.x, y0.y);
-      mma(E{}, acc[0][s & 1], x0.z, x1.z, x0.w, x1.w, y0.z, y0.w);
-      mma(E{}, acc[1][s & 1], x0.x, x1.x, x0.y, x1.y, y1.x, y1.y);
-      mma(E{}, acc[1][s & 1], x0.z, x1.z, x0.w, x1.w, y1.z, y1.w);
+      mma(E{}, acc[0][ss & 1], x0.x, x1.x, x0.y, x1.y, y0.x, y0.y);
+      mma(E{}, acc[0][ss & 1], x0.z, x1.z, x0.w, x1.w, y0.z, y0.w);
+      mma(E{}, acc[1][ss & 1], x0.x, x1.x, x0.y, x1.y, y1.x, y1.y);
+      mma(E{}, acc[1][ss & 1], x0.z, x1.z, x0.w, x1.w, y1.z, y1.w);
     }
   }
 
@@ -461,20 +467,32 @@ struct Kernel {
   // tile buffer, then finished here or via the partial slots.
   __device__ void end_run(float (&acc)[2][2][4], int q, int t) const {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, tq = lane & 3;
+    const int g = lane >> 2, tq = lane & 3, rw = warp % RW, kg = warp / RW;
     float* tb = tile_buf();
     consumers_sync(CT);  // the previous tile's readers of the buffer are done
+    float* mine = tb + kg * 16 * L::kTilePitch;  // k group kg's own buffer
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int col = warp * 16 + j * 8 + 2 * tq;
-      tb[g * L::kTilePitch + col] = acc[j][0][0] + acc[j][1][0];
-      tb[g * L::kTilePitch + col + 1] = acc[j][0][1] + acc[j][1][1];
-      tb[(g + 8) * L::kTilePitch + col] = acc[j][0][2] + acc[j][1][2];
-      tb[(g + 8) * L::kTilePitch + col + 1] = acc[j][0][3] + acc[j][1][3];
+      const int col = rw * 16 + j * 8 + 2 * tq;
+      mine[g * L::kTilePitch + col] = acc[j][0][0] + acc[j][1][0];
+      mine[g * L::kTilePitch + col + 1] = acc[j][0][1] + acc[j][1][1];
+      mine[(g + 8) * L::kTilePitch + col] = acc[j][0][2] + acc[j][1][2];
+      mine[(g + 8) * L::kTilePitch + col + 1] = acc[j][0][3] + acc[j][1][3];
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][0][e] = acc[j][1][e] = 0.0f;
     }
     consumers_sync(CT);
+    if (KG > 1) {
+      // The k groups' sums, added in group order (deterministic) into buffer 0.
+      for (int i = threadIdx.x; i < 16 * BN; i += CT) {
+        const int at = (i / BN) * L::kTilePitch + i % BN;
+        float v = tb[at];
+#pragma unroll
+        for (int q = 1; q < KG; ++q) v += tb[q * 16 * L::kTilePitch + at];
+        tb[at] = v;
+      }
+      consumers_sync(CT);
+    }
     const i64 s = ph[q].stages();
     const int first = owner(static_cast<i64>(t) * ph[q].kc, s, grid);
     const int last = owner(static_cast<i64>(t + 1) * ph[q].kc - 1, s, grid);
@@ -484,8 +502,8 @@ struct Kernel {
         const int first_tile = static_cast<int>(range_begin(c, s, grid) / ph[q].kc);
         return p.partials + ((static_cast<i64>(q) * grid + c) * 2 + (first_tile == t ? 0 : 1)) * 16 * BN;
       };
-      float* mine = slot_of(cta);
-      for (int i = threadIdx.x; i < 16 * BN; i += CT) st_cg(mine + i, tb[(i / BN) * L::kTilePitch + i % BN]);
+      float* slot = slot_of(cta);
+      for (int i = threadIdx.x; i < 16 * BN; i += CT) st_cg(slot + i, tb[(i / BN) * L::kTilePitch + i % BN]);
       consumers_sync(CT);
       // With fewer stages than CTAs some CTAs own none: they take no part.
       auto takes_part = [&](int c) { return range_begin(c + 1, s, grid) > range_begin(c, s, grid); };
@@ -578,8 +596,9 @@ struct Kernel {
 
 }  // namespace opfuse_decode
 
-#define OPFUSE_DECODE_MLP_ENTRY(NAME, E, GATED, BN, KS, STAGES)                                            \
-  extern "C" __global__ void __launch_bounds__(((BN) / 16 + 1) * 32, 1) NAME(const __grid_constant__ opfuse_decode::DecodeMlpParams p) { \
-    extern __shared__ __align__(128) unsigned char opfuse_decode_smem[];                                    \
-    opfuse_decode::Kernel<opfuse_decode::E, GATED, BN, KS, STAGES>(p, opfuse_decode_smem).run();             \
+#define OPFUSE_DECODE_MLP_ENTRY(NAME, E, GATED, BN, KS, STAGES, KG)                                        \
+  extern "C" __global__ void __launch_bounds__(((BN) / 16 * (KG) + 1) * 32, 1)                               \
+      NAME(const __grid_constant__ opfuse_decode::DecodeMlpParams p) {                                       \
+    extern __shared__ __align__(128) unsigned char opfuse_decode_smem[];                                     \
+    opfuse_decode::Kernel<opfuse_decode::E, GATED, BN, KS, STAGES, KG>(p, opfuse_decode_smem).run();          \
   }
