@@ -1,7 +1,8 @@
 """Direct access to opfuse's decode MLP kernel (src/kernels/decode_mlp/): one
 persistent kernel for a whole MLP block at M <= 16 on sm_90, for tests and
 the benchmark. Graphs compiled by opfuse reach it through the planner's
-decode-MLP step (src/fusion/decode_mlp.cpp; OPFUSE_DECODE_MLP=0 turns that off)."""
+decode-MLP step (src/fusion/decode_mlp.cpp) when OPFUSE_DECODE_MLP=1: opt-in,
+because on the H200 it was slower than the cuBLASLt chain (docs/perf-notes.md)."""
 from __future__ import annotations
 
 import torch

@@ -98,7 +98,7 @@ struct PlannerOptions {
   bool column_partials = false;
   // Plan a decode-shaped MLP block (GEMM -> epilogue -> GEMM, static
   // shapes, M <= 16) as one decode MLP kernel (decode_mlp.cpp). CUDA sm_90
-  // only; needs gemm_epilogues.
+  // only, opt-in (OPFUSE_DECODE_MLP=1); needs gemm_epilogues.
   bool decode_mlp = false;
 };
 

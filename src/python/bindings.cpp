@@ -194,7 +194,7 @@ NB_MODULE(_C, m) {
              // Column partials in row kernels on the GPU (OPFUSE_COLUMN_PARTIALS=0: off, for comparisons).
              const char* cp = std::getenv("OPFUSE_COLUMN_PARTIALS");
              opt.planner.column_partials = opt.target == Target::CUDA && fuse && !(cp && std::string(cp) == "0");
-             // A decode-shaped MLP block as one kernel (sm_90; OPFUSE_DECODE_MLP=0 off, =1 forced for plan tests).
+             // A decode-shaped MLP block as one kernel (sm_90; opt-in, OPFUSE_DECODE_MLP=1).
              opt.planner.decode_mlp = opt.target == Target::CUDA && fuse && level >= 1 && decode_mlp::planning_enabled();
              if (bandwidth > 0) opt.planner.bandwidth_bytes_per_s = bandwidth;
              if (flops > 0) opt.planner.flops_per_s = flops;

@@ -114,14 +114,15 @@ int smem_bytes(const Config& c) {
   return c.stages * stage + c.kg * 16 * (c.bn + 4) * 4 + 2 * c.stages * 8 + 16;
 }
 
-// b64k256s4g1: 32 KB of weights a stage in 512-byte row segments, 4
-// stages (~185 KB). Measured on the H200 (docs/perf-notes.md, "Decode MLP"):
-// 234 us for the 16x4096x16384 MLP, 27% of the floor; b128k128s4 (256-byte
-// segments) 368 us: the time followed the number of bulk copies, not the
-// bytes. The others make each copy longer (1-2 KB): b32k1024s2g4 (2 KB
-// segments, 4 k groups of 2 warps), b64k512s2g2 and b32k512s4g2 (1 KB).
+// Measured on the H200 (bench/results/h200/decode-mlp-c951c1c.txt), the
+// 16x4096x16384 MLP, by row segment length (one bulk copy each):
+// b64k256s4g1 (512 bytes) 233 us, b32k512s4g2 (1 KB, activation 50% of the
+// weights) 163 us, b64k512s2g2 (1 KB) 130 us, b32k1024s2g4 (2 KB) 96 us;
+// b128k128s4 (256 bytes) 368 us in the first run. The time follows the
+// number of copies (~2-3e9 copies/s over the GPU, ~60 ns per copy per SM),
+// not the bytes: the default is the longest segment that fits two stages.
 std::vector<Config> candidate_configs() {
-  return {Config{}, Config{32, 1024, 2, 4}, Config{64, 512, 2, 2}, Config{32, 512, 4, 2}};
+  return {Config{}, Config{64, 256, 4, 1}, Config{64, 512, 2, 2}, Config{32, 512, 4, 2}};
 }
 
 std::string source(DType dtype, bool gated, const Config& c) {
@@ -183,23 +184,12 @@ std::string unsupported_reason(const Args& a) {
   return {};
 }
 
-bool enabled() {
-  const char* e = std::getenv("OPFUSE_DECODE_MLP");
-  return !(e && std::string(e) == "0");
-}
 
+// Opt-in: on the H200 the kernel was slower than the cuBLASLt chain
+// (docs/perf-notes.md, "Decode MLP": 96 us against 76-85 us at M = 16).
 bool planning_enabled() {
   const char* e = std::getenv("OPFUSE_DECODE_MLP");
-  if (e && std::string(e) == "0") return false;
-  if (e && std::string(e) == "1") return true;
-  const CudaApi& c = cuda();
-  if (!c.loaded) return false;
-  CUcontext ctx = nullptr;
-  CUdevice dev = 0;
-  if (!(c.CtxGetCurrent(&ctx) == 0 && ctx && c.CtxGetDevice(&dev) == 0) && c.DeviceGet(&dev, 0) != 0) return false;
-  int major = 0;
-  constexpr int kComputeCapabilityMajor = 75;  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-  return c.DeviceGetAttribute(&major, kComputeCapabilityMajor, dev) == 0 && major >= 9;
+  return e && std::string(e) == "1";
 }
 
 bool try_run(const Args& a, std::string* why) {
@@ -327,7 +317,7 @@ bool try_run(const Args& a, std::string* why) {
   p.n = static_cast<int32_t>(a.n);
   p.act = act_code(a.activation);
   const char* pf = std::getenv("OPFUSE_DECODE_MLP_PREFETCH");
-  p.prefetch = pf && *pf ? std::atoi(pf) : 2;
+  p.prefetch = pf && *pf ? std::atoi(pf) : 0;  // prefetching 2 or 8 stages measured no faster on the H200
   void* params[] = {&p};
   check_cuda(c.LaunchKernel(fn, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(cfg.threads()), 1, 1,
                             static_cast<unsigned>(smem_bytes(cfg)), a.stream, params, nullptr),

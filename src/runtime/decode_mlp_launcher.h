@@ -13,10 +13,11 @@
 // on two streams. The launch itself allocates nothing and never
 // synchronizes (CUDA-graph safe once loaded and allocated).
 //
-// Environment: OPFUSE_DECODE_MLP=0 keeps graphs off this kernel (the
-// planner's pass, src/fusion/decode_mlp.cpp); OPFUSE_DECODE_MLP_CONFIG=<tag>
-// forces a config, OPFUSE_DECODE_MLP_PREFETCH=<n> the L2 prefetch depth
-// (benchmarking).
+// Environment: OPFUSE_DECODE_MLP=1 lets CUDA graphs plan this kernel (the
+// planner's pass, src/fusion/decode_mlp.cpp); it is opt-in because it was
+// slower than the cuBLASLt chain on the H200 (docs/perf-notes.md).
+// OPFUSE_DECODE_MLP_CONFIG=<tag> forces a config, OPFUSE_DECODE_MLP_PREFETCH=<n>
+// an L2 prefetch depth (benchmarking).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -81,7 +82,7 @@ struct Args {
 // groups of consumer warps splitting each stage's k. Tag form "b64k256s4g1"
 // (the g part may be left out: 1).
 struct Config {
-  int bn = 64, ks = 256, stages = 4, kg = 1;
+  int bn = 32, ks = 1024, stages = 2, kg = 4;  // the fastest measured (decode_mlp_launcher.cpp)
   std::string tag() const;
   static Config parse(const std::string& tag);  // throws std::invalid_argument
   bool operator==(const Config&) const = default;
@@ -107,11 +108,9 @@ Compiled compile(DType dtype, bool gated, const Config& c, int arch, bool use_ca
 // Empty when the kernel covers the problem (sizes, dtype, layouts,
 // alignment, activation), else why not. Does not look at the device.
 std::string unsupported_reason(const Args& a);
-// OPFUSE_DECODE_MLP is not "0".
-bool enabled();
-// Whether CUDA graphs should plan decode MLP calls: OPFUSE_DECODE_MLP=0 no,
-// =1 yes (also without a GPU: plan tests), unset: when the current
-// context's device (else device 0) is sm_90 or newer.
+// Whether CUDA graphs plan decode MLP calls: OPFUSE_DECODE_MLP=1 (also
+// without a GPU: plan tests). Where the device is not sm_90 the call then
+// refuses at run time and the partition falls back (GemmUnsupported).
 bool planning_enabled();
 
 // Enqueues the block on a.stream and returns true; or returns false with

@@ -2,15 +2,15 @@
 M <= 16 in one persistent kernel, and the planner's pass that uses it
 (src/fusion/decode_mlp.cpp).
 
-- CPU (CI): NVRTC builds every instantiation for sm_90 without spills; the
-  CUDA plans of both MLP blocks at M = 16 are one call of the kernel, at
-  M = 8192 (and with OPFUSE_DECODE_MLP=0) they are unchanged; the float64 CPU
-  reference against PyTorch's float64 math.
+- CPU (CI): NVRTC builds every instantiation for sm_90 without spills; with
+  the opt-in OPFUSE_DECODE_MLP=1 the CUDA plans of both MLP blocks at M = 16
+  are one call of the kernel, at M = 8192 (and without the knob) they are
+  unchanged; the float64 CPU reference against PyTorch's float64 math.
 - GPU (marked): the kernel against float64 at M in {1, 5, 16} for both
   blocks, with sizes that leave partial tiles and k chunks and biases at odd
-  offsets; repeated launches and CUDA graph replay (the grid barrier and the
-  tile counters reset themselves); torch.compile of both blocks at M = 16
-  runs one kernel.
+  offsets, every config; repeated launches, problems of other shapes and CUDA
+  graph replay (the grid barrier and the tile counters reset themselves);
+  torch.compile of both blocks at M <= 16 runs one kernel with the knob.
 
 Accuracy: the kernel rounds h once to the element type (as the unfused
 graph stores it) and accumulates in float32; the rule is test_gemm's
@@ -88,11 +88,14 @@ def partitions(monkeypatch):
 
 
 def cuda_plan(fn, args, partitions, monkeypatch, decode="1"):
-    """fn's partition (traced on the CPU) planned for CUDA with OPFUSE_DECODE_MLP=decode."""
+    """fn's partition (traced on the CPU) planned for CUDA with OPFUSE_DECODE_MLP=decode (None: unset)."""
     with torch.no_grad():
         compiled(fn)(*args)
     (text,) = partitions.values()
-    monkeypatch.setenv("OPFUSE_DECODE_MLP", decode)
+    if decode is None:
+        monkeypatch.delenv("OPFUSE_DECODE_MLP", raising=False)
+    else:
+        monkeypatch.setenv("OPFUSE_DECODE_MLP", decode)
     cg = _C.CompiledGraph(text, target="cuda")
     return cg
 
@@ -111,7 +114,7 @@ def test_plan_at_m16_is_one_decode_mlp_call(kind, partitions, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
-@pytest.mark.parametrize("m,decode", [(8192, "1"), (16, "0")])
+@pytest.mark.parametrize("m,decode", [(8192, "1"), (16, "0"), (16, None)])
 def test_plan_unchanged_at_m8192_and_when_off(kind, m, decode, partitions, monkeypatch):
     fn = mlp_block if kind == "mlp" else llama_mlp
     args = make_args(kind, m, 64, 96, 40, torch.bfloat16, "cpu")
@@ -294,8 +297,9 @@ def test_repeated_launches_and_graph_replay(kind):
 @gpu
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
-def test_torch_compile_runs_one_kernel(m, kind):
+def test_torch_compile_runs_one_kernel(m, kind, monkeypatch):
     needs_sm90()
+    monkeypatch.setenv("OPFUSE_DECODE_MLP", "1")  # opt-in
     fn = mlp_block if kind == "mlp" else llama_mlp
     args = make_args(kind, m, 264, 520, 136, torch.bfloat16, "cuda", seed=6)
     before = decode_mlp.launch_count()
