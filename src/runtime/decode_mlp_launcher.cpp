@@ -91,26 +91,58 @@ struct WorkspaceLayout {
   }
 };
 
+// CUtensorMap, as the kernel's TensorMap: 128 bytes, 64-byte aligned.
+struct alignas(64) TensorMap {
+  unsigned char bytes[128];
+};
+struct TensorMaps {
+  TensorMap w1, w3, w2, x, h;
+};
+static_assert(sizeof(TensorMaps) == 640, "TensorMaps layout is the kernel's launch ABI");
+
+// cuTensorMapEncodeTiled's enums (cuda.h): bf16 9, f16 6; no interleave, no
+// swizzle (the kernel's loads avoid bank conflicts themselves), L2 promotion
+// to 256 bytes (a stream), zeros outside the tensor.
+constexpr int kTmaBf16 = 9, kTmaF16 = 6, kTmaInterleaveNone = 0, kTmaSwizzleNone = 0, kTmaL2Promo256B = 3,
+              kTmaOobZero = 0;
+
+// A 2-D map of a [rows, cols] matrix with row stride ld (elements), boxes of
+// [box_rows, box_cols].
+TensorMap encode_2d(DType dt, const void* ptr, int64_t cols, int64_t rows, int64_t ld, int box_cols, int64_t box_rows) {
+  const CudaApi& c = cuda();
+  if (!c.TensorMapEncodeTiled) throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled");
+  TensorMap m{};
+  const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(ld) * 2};
+  const uint32_t box[2] = {static_cast<uint32_t>(box_cols), static_cast<uint32_t>(box_rows)};
+  const uint32_t estr[2] = {1, 1};
+  check_cuda(c.TensorMapEncodeTiled(m.bytes, dt == DType::BFloat16 ? kTmaBf16 : kTmaF16, 2, const_cast<void*>(ptr), dims,
+                                    strides, box, estr, kTmaInterleaveNone, kTmaSwizzleNone, kTmaL2Promo256B, kTmaOobZero),
+             "cuTensorMapEncodeTiled(decode MLP)");
+  return m;
+}
+
 }  // namespace
 
 std::string Config::tag() const {
-  return "b" + std::to_string(bn) + "k" + std::to_string(ks) + "s" + std::to_string(stages) + "g" + std::to_string(kg);
+  return "b" + std::to_string(bn) + "k" + std::to_string(ks) + "s" + std::to_string(stages) + "g" + std::to_string(kg) +
+         (tensor ? "t" : "");
 }
 
 Config Config::parse(const std::string& tag) {
-  static const std::regex re(R"(b(\d+)k(\d+)s(\d+)(?:g(\d+))?)");
+  static const std::regex re(R"(b(\d+)k(\d+)s(\d+)(?:g(\d+))?(t?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re)) throw std::invalid_argument("bad decode MLP config '" + tag + "' (want e.g. b64k256s4g1)");
-  Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), m[4].matched ? std::stoi(m[4]) : 1};
+  Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), m[4].matched ? std::stoi(m[4]) : 1, m[5].length() > 0};
   bool ok = c.bn % 32 == 0 && c.bn >= 32 && c.bn <= 256 && c.ks % 32 == 0 && c.ks >= 32 && c.ks <= 2048 &&
             c.stages >= 2 && c.stages <= 8 && c.kg >= 1 && (c.ks / 32) % c.kg == 0 && c.bn / 16 * c.kg <= 16 &&
-            smem_bytes(c) <= 227 * 1024;
+            (!c.tensor || (c.ks <= 256 && (c.ks / 64) % c.kg == 0)) && smem_bytes(c) <= 227 * 1024;
   if (!ok) throw std::invalid_argument("decode MLP config '" + tag + "' is out of range");
   return c;
 }
 
 int smem_bytes(const Config& c) {
-  const int pitch = 2 * c.ks + 64, stage = (c.bn + 16) * pitch;
+  const int pitch = c.tensor ? 2 * c.ks : 2 * c.ks + 64, stage = (c.bn + 16) * pitch;
   return c.stages * stage + c.kg * 16 * (c.bn + 4) * 4 + 2 * c.stages * 8 + 16;
 }
 
@@ -122,14 +154,16 @@ int smem_bytes(const Config& c) {
 // number of copies (~2-3e9 copies/s over the GPU, ~60 ns per copy per SM),
 // not the bytes: the default is the longest segment that fits two stages.
 std::vector<Config> candidate_configs() {
-  return {Config{}, Config{64, 256, 4, 1}, Config{64, 512, 2, 2}, Config{32, 512, 4, 2}};
+  // b64k256s5g1t: tensor-map boxes (3 copies a stage instead of 80), written
+  // after the measurement above and not yet run on a GPU.
+  return {Config{}, Config{64, 256, 4, 1}, Config{64, 512, 2, 2}, Config{32, 512, 4, 2}, Config{64, 256, 5, 1, true}};
 }
 
 std::string source(DType dtype, bool gated, const Config& c) {
   std::string s(decode_mlp_cu);
   s += "\nOPFUSE_DECODE_MLP_ENTRY(" + std::string(kEntryName) + ", " + elem_name(dtype) + ", " + (gated ? "true" : "false") +
        ", " + std::to_string(c.bn) + ", " + std::to_string(c.ks) + ", " + std::to_string(c.stages) + ", " +
-       std::to_string(c.kg) + ")\n";
+       std::to_string(c.kg) + ", " + (c.tensor ? "true" : "false") + ")\n";
   return s;
 }
 
@@ -208,7 +242,7 @@ bool try_run(const Args& a, std::string* why) {
   const bool gated = a.activation == "silu_gate";
 
   static std::map<CUcontext, DevInfo> devices;
-  static std::map<std::tuple<CUcontext, DType, bool, int, int, int, int>, LoadedFn> functions;
+  static std::map<std::tuple<CUcontext, DType, bool, int, int, int, int, bool>, LoadedFn> functions;
   static std::map<CUcontext, Workspace> workspaces;
   Config cfg;
   CUfunction fn = nullptr;
@@ -230,7 +264,7 @@ bool try_run(const Args& a, std::string* why) {
     }
     const char* forced = std::getenv("OPFUSE_DECODE_MLP_CONFIG");
     cfg = forced && *forced ? Config::parse(forced) : Config{};
-    LoadedFn& lf = functions[{ctx, a.dtype, gated, cfg.bn, cfg.ks, cfg.stages, cfg.kg}];
+    LoadedFn& lf = functions[{ctx, a.dtype, gated, cfg.bn, cfg.ks, cfg.stages, cfg.kg, cfg.tensor}];
     if (!lf.failed.empty()) {
       g_error = lf.failed;
       if (why) *why = lf.failed;
@@ -318,7 +352,23 @@ bool try_run(const Args& a, std::string* why) {
   p.act = act_code(a.activation);
   const char* pf = std::getenv("OPFUSE_DECODE_MLP_PREFETCH");
   p.prefetch = pf && *pf ? std::atoi(pf) : 0;  // prefetching 2 or 8 stages measured no faster on the H200
-  void* params[] = {&p};
+  TensorMaps maps{};
+  if (cfg.tensor) {
+    try {
+      const int64_t rows1 = gated ? cfg.bn / 2 : cfg.bn;
+      maps.w1 = encode_2d(a.dtype, a.w1, a.k, a.h, a.ldw1, cfg.ks, rows1);
+      if (gated) maps.w3 = encode_2d(a.dtype, a.w3, a.k, a.h, a.ldw3, cfg.ks, rows1);
+      maps.w2 = encode_2d(a.dtype, a.w2, a.h, a.n, a.ldw2, cfg.ks, cfg.bn);
+      maps.x = encode_2d(a.dtype, a.x, a.k, a.m, a.m > 1 ? a.ldx : round_up(a.k, 8), cfg.ks, 16);
+      maps.h = encode_2d(a.dtype, p.h, a.h, a.m, lay.ldh, cfg.ks, 16);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(g_mu);
+      g_error = e.what();
+      if (why) *why = g_error;
+      return false;
+    }
+  }
+  void* params[] = {&p, &maps};
   check_cuda(c.LaunchKernel(fn, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(cfg.threads()), 1, 1,
                             static_cast<unsigned>(smem_bytes(cfg)), a.stream, params, nullptr),
              "cuLaunchKernel(decode MLP)");

@@ -79,10 +79,12 @@ struct Args {
 };
 
 // BN weight rows and KS values of k per ring stage, STAGES stages, KG
-// groups of consumer warps splitting each stage's k. Tag form "b64k256s4g1"
-// (the g part may be left out: 1).
+// groups of consumer warps splitting each stage's k; `tensor`: each stage
+// arrives as tensor-map boxes instead of one bulk copy per row. Tag form
+// "b64k256s4g1", "t" appended for tensor (the g part may be left out: 1).
 struct Config {
   int bn = 32, ks = 1024, stages = 2, kg = 4;  // the fastest measured (decode_mlp_launcher.cpp)
+  bool tensor = false;
   std::string tag() const;
   static Config parse(const std::string& tag);  // throws std::invalid_argument
   bool operator==(const Config&) const = default;

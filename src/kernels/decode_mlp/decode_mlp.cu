@@ -42,8 +42,11 @@
 //   fragment loads bank-conflict free.
 //   Measured limit (H200): ~60 ns per bulk copy per SM whatever its size up
 //   to 2 KB, so the row segment (2 * KS bytes) sets the speed: 512-byte
-//   segments ran at 27% of the copy bandwidth, 2 KB ones at 65%. Reaching
-//   the bandwidth needs fewer, longer copies (2-D tensor-map boxes).
+//   segments ran at 27% of the copy bandwidth, 2 KB ones at 65%. The TM
+//   configs load each stage as 2-3 tensor-map boxes (cp.async.bulk.tensor,
+//   [BN, KS] of the weight and [16, KS] of the activation, zero-filled past
+//   the tensor) instead of BN + M row copies: written after that
+//   measurement, not yet run on a GPU.
 //   The k order inside each 32-value step is renumbered (a sum does not care):
 //   lane (g, t) reads 8 consecutive k of its row, which feed two MMAs.
 // - Tiles split between CTAs: each CTA writes its float32 partial [16, BN]
@@ -67,11 +70,11 @@
 // M <= 16; K % 8 == 0 and H % 8 == 0; x, weights 16-byte aligned with row
 // strides multiples of 8 elements; h workspace [16, ldh], ldh % 8 == 0.
 // Launch: grid G (<= resident CTAs), block (BN / 16 * KG + 1) * 32, dynamic
-// shared memory smem_bytes(BN, KS, STAGES, KG) (the launcher's copy of the
-// formula below), one argument DecodeMlpParams by value.
+// shared memory smem_bytes(config) (the launcher's copy of Layout below),
+// two arguments by value: DecodeMlpParams and TensorMaps (zeros unless TM).
 //
 // Entry point: the launcher appends one line
-//   OPFUSE_DECODE_MLP_ENTRY(name, bf16, GATED, BN, KS, STAGES, KG)
+//   OPFUSE_DECODE_MLP_ENTRY(name, bf16, GATED, BN, KS, STAGES, KG, TM)
 // which defines an extern "C" kernel (no name mangling to look up).
 
 namespace opfuse_decode {
@@ -218,6 +221,36 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 __device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
+// CUtensorMap: 128 opaque bytes, 64-byte aligned, encoded on the host
+// (cuTensorMapEncodeTiled); the maps are a __grid_constant__ parameter so
+// that their parameter-space address can be handed to the TMA unit.
+struct alignas(64) TensorMap {
+  u64 opaque[16];
+};
+// Maps of the tensor-copy configs (TM): 2-D [rows, K] views, boxes of
+// [rows per stage, KS], zero fill outside the tensor. Unused (zeros) otherwise.
+struct TensorMaps {
+  TensorMap w1, w3, w2, x, h;
+};
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar, u64 policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], "
+      "[%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+                   dst),
+               "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_2d(const TensorMap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(reinterpret_cast<u64>(map)), "r"(c0),
+               "r"(c1)
+               : "memory");
+}
+
 // The consumer warps' own barrier (the producer warp never joins it).
 __device__ __forceinline__ void consumers_sync(int threads) { asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); }
 
@@ -267,9 +300,12 @@ struct Phase {
 __device__ __forceinline__ i64 range_begin(int c, i64 s, int g) { return static_cast<i64>(c) * s / g; }
 __device__ __forceinline__ int owner(i64 stage, i64 s, int g) { return static_cast<int>(((stage + 1) * g - 1) / s); }
 
-template <int BN, int KS, int STAGES, int KG>
+template <int BN, int KS, int STAGES, int KG, bool TM>
 struct Layout {
-  static constexpr int kPitch = 2 * KS + 64;       // bytes per row in the ring (64 bytes of padding: no bank conflicts)
+  // Bytes per row in the ring: 64 bytes of padding make the fragment loads
+  // conflict free; tensor copies (TM) land rows unpadded, and the loads
+  // alternate 64-byte halves between even and odd rows instead.
+  static constexpr int kPitch = TM ? 2 * KS : 2 * KS + 64;
   static constexpr int kStageBytes = (BN + 16) * kPitch;  // BN weight rows, then 16 activation rows
   static constexpr int kTilePitch = BN + 4;        // floats per row of the tile buffer
   static constexpr int kRing = STAGES * kStageBytes;
@@ -282,25 +318,28 @@ struct Layout {
 // The kernel
 // ---------------------------------------------------------------------------
 
-template <class E, bool GATED, int BN, int KS, int STAGES, int KG>
+template <class E, bool GATED, int BN, int KS, int STAGES, int KG, bool TM>
 struct Kernel {
   static constexpr int RW = BN / 16;  // consumer warps per k group: 16 rows each
   static constexpr int CW = RW * KG;  // consumer warps: KG groups split each stage's k steps
   static constexpr int CT = CW * 32;  // consumer threads
-  using L = Layout<BN, KS, STAGES, KG>;
+  using L = Layout<BN, KS, STAGES, KG, TM>;
+  static_assert(!TM || (KS <= 256 && (KS / 64) % KG == 0), "tensor copies: boxes of at most 256 values, KG pairs of steps");
   static_assert(KG >= 1 && (KS / 32) % KG == 0 && CW <= 16, "KG must divide the stage's 32-value steps");
   static_assert(BN % 32 == 0 && BN >= 32 && BN <= 256, "BN: a multiple of 32 up to 256");
   static_assert(KS % 32 == 0 && KS >= 32 && 2 * KS <= 4096, "KS: a multiple of 32");
   static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 stages");
 
   const DecodeMlpParams& p;
+  const TensorMaps* tm;
   unsigned char* smem;
   Phase ph[2];
   int grid, cta;
   i64 begin[2];  // this CTA's first stage of each phase
   int count[2];  // and how many
 
-  __device__ __forceinline__ Kernel(const DecodeMlpParams& params, unsigned char* s) : p(params), smem(s) {
+  __device__ __forceinline__ Kernel(const DecodeMlpParams& params, const TensorMaps* maps, unsigned char* s)
+      : p(params), tm(maps), smem(s) {
     grid = static_cast<int>(gridDim.x);
     cta = static_cast<int>(blockIdx.x);
     const int rows1 = GATED ? BN / 2 : BN;
@@ -353,6 +392,21 @@ struct Kernel {
     const int kl = ph[q].klen - k0 < KS ? ph[q].klen - k0 : KS;
     const u32 bytes = static_cast<u32>(kl) * 2;
     const u32 base = ring(slot), bar = full_bar(slot);
+    if (TM) {
+      // One box per weight (GATED phase 1: the same rows of w1 and w3) and
+      // one for the activation; rows and k past the tensor arrive as zeros.
+      if (lane != 0) return;
+      if (w) {
+        if (q == 1) tma_load_2d(base, &tm->w2, k0, t * BN, bar, policy);
+        else if (!GATED) tma_load_2d(base, &tm->w1, k0, t * BN, bar, policy);
+        else {
+          tma_load_2d(base, &tm->w1, k0, t * (BN / 2), bar, policy);
+          tma_load_2d(base + (BN / 2) * L::kPitch, &tm->w3, k0, t * (BN / 2), bar, policy);
+        }
+      }
+      if (a) tma_load_2d(base + BN * L::kPitch, q == 0 ? &tm->x : &tm->h, k0, 0, bar);
+      return;
+    }
     for (int r = lane; r < BN + 16; r += 32) {
       if (r < BN) {
         if (!w) continue;
@@ -364,6 +418,7 @@ struct Kernel {
     }
   }
   __device__ __forceinline__ u32 stage_bytes(int q, i64 s) const {
+    if (TM) return (BN + 16) * KS * 2;  // whole boxes, zero-filled parts included
     const int t = static_cast<int>(s / ph[q].kc), ch = static_cast<int>(s % ph[q].kc);
     const int kl = ph[q].klen - ch * KS < KS ? ph[q].klen - ch * KS : KS;
     int rows = 0;
@@ -375,6 +430,10 @@ struct Kernel {
     const int t = static_cast<int>(s / ph[q].kc), ch = static_cast<int>(s % ph[q].kc);
     const int k0 = ch * KS;
     const int kl = ph[q].klen - k0 < KS ? ph[q].klen - k0 : KS;
+    if (TM) {
+      if (lane == 0) tma_prefetch_2d(&tm->w2, k0, t * BN);  // phase 2 only
+      return;
+    }
     for (int r = lane; r < BN; r += 32)
       if (const char* src = weight_row(q, t, r)) prefetch_l2(src + static_cast<i64>(k0) * 2, static_cast<u32>(kl) * 2);
   }
@@ -420,6 +479,39 @@ struct Kernel {
   }
 
   // ---- consumer warps ------------------------------------------------------
+
+  // TM: rows are unpadded (512 bytes apart), so the two rows a quarter-warp
+  // reads (g even and odd) would hit the same banks. Steps go in pairs: the
+  // first load of a pair reads step 2u on even rows and 2u + 1 on odd rows
+  // (the two 64-byte halves of a 128-byte window), the second load the
+  // other step; a select puts each step's data back in place.
+  static __device__ __forceinline__ V4 pick(bool odd, V4 a, V4 b) { return odd ? b : a; }
+  __device__ __forceinline__ void compute_tm(float (&acc)[2][2][4], int slot) const {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3, rw = warp % RW, kg = warp / RW;
+    const bool odd = g & 1;
+    const u32 base = ring(slot) + 16 * t;
+    const u32 w0 = base + (rw * 16 + g) * L::kPitch, w1 = w0 + 8 * L::kPitch;
+    const u32 a0 = base + (BN + g) * L::kPitch, a1 = a0 + 8 * L::kPitch;
+#pragma unroll
+    for (int uu = 0; uu < KS / 64 / KG; ++uu) {
+      const int u = uu * KG + kg;  // k group kg takes the pairs u = kg, kg + KG, ...
+      const u32 first = 128 * u + (odd ? 64 : 0), second = 128 * u + (odd ? 0 : 64);
+      const V4 fx0 = lds128(a0 + first), fx1 = lds128(a1 + first), fy0 = lds128(w0 + first), fy1 = lds128(w1 + first);
+      const V4 sx0 = lds128(a0 + second), sx1 = lds128(a1 + second), sy0 = lds128(w0 + second), sy1 = lds128(w1 + second);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // step 2u + h
+        const V4 x0 = h == 0 ? pick(odd, fx0, sx0) : pick(odd, sx0, fx0);
+        const V4 x1 = h == 0 ? pick(odd, fx1, sx1) : pick(odd, sx1, fx1);
+        const V4 y0 = h == 0 ? pick(odd, fy0, sy0) : pick(odd, sy0, fy0);
+        const V4 y1 = h == 0 ? pick(odd, fy1, sy1) : pick(odd, sy1, fy1);
+        mma(E{}, acc[0][h], x0.x, x1.x, x0.y, x1.y, y0.x, y0.y);
+        mma(E{}, acc[0][h], x0.z, x1.z, x0.w, x1.w, y0.z, y0.w);
+        mma(E{}, acc[1][h], x0.x, x1.x, x0.y, x1.y, y1.x, y1.y);
+        mma(E{}, acc[1][h], x0.z, x1.z, x0.w, x1.w, y1.z, y1.w);
+      }
+    }
+  }
 
   template <bool CHECK>
   __device__ __forceinline__ void compute(float (&acc)[2][2][4], int slot, int kl) const {
@@ -556,7 +648,8 @@ struct Kernel {
         const int kl = ph[q].klen - ch * KS < KS ? ph[q].klen - ch * KS : KS;
         const int slot = i % STAGES;
         mbar_wait(full_bar(slot), static_cast<u32>((i / STAGES) & 1));
-        if (kl == KS) compute<false>(acc, slot, kl);
+        if (TM) compute_tm(acc, slot);  // the boxes are whole: k past K arrived as zeros
+        else if (kl == KS) compute<false>(acc, slot, kl);
         else compute<true>(acc, slot, kl);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty_bar(slot));
@@ -588,10 +681,12 @@ struct Kernel {
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     if (warp == CW && (threadIdx.x & 31) == 0) gen0 = load_acquire(p.barrier + 32);  // before any arrival of this CTA
-    // Activation rows past M stay zero (no copy writes them).
-    for (int s = 0; s < STAGES; ++s)
-      for (int i = threadIdx.x; i < (16 - p.m) * L::kPitch / 4; i += blockDim.x)
-        reinterpret_cast<u32*>(smem + s * L::kStageBytes + (BN + p.m) * L::kPitch)[i] = 0;
+    // Activation rows past M stay zero (no copy writes them; tensor copies
+    // write them as zeros).
+    if (!TM)
+      for (int s = 0; s < STAGES; ++s)
+        for (int i = threadIdx.x; i < (16 - p.m) * L::kPitch / 4; i += blockDim.x)
+          reinterpret_cast<u32*>(smem + s * L::kStageBytes + (BN + p.m) * L::kPitch)[i] = 0;
     __syncthreads();
     if (warp == CW) producer(gen0);
     else consumer();
@@ -600,9 +695,9 @@ struct Kernel {
 
 }  // namespace opfuse_decode
 
-#define OPFUSE_DECODE_MLP_ENTRY(NAME, E, GATED, BN, KS, STAGES, KG)                                        \
-  extern "C" __global__ void __launch_bounds__(((BN) / 16 * (KG) + 1) * 32, 1)                               \
-      NAME(const __grid_constant__ opfuse_decode::DecodeMlpParams p) {                                       \
-    extern __shared__ __align__(128) unsigned char opfuse_decode_smem[];                                     \
-    opfuse_decode::Kernel<opfuse_decode::E, GATED, BN, KS, STAGES, KG>(p, opfuse_decode_smem).run();          \
+#define OPFUSE_DECODE_MLP_ENTRY(NAME, E, GATED, BN, KS, STAGES, KG, TM)                                         \
+  extern "C" __global__ void __launch_bounds__(((BN) / 16 * (KG) + 1) * 32, 1)                                    \
+      NAME(const __grid_constant__ opfuse_decode::DecodeMlpParams p, const __grid_constant__ opfuse_decode::TensorMaps tm) { \
+    extern __shared__ __align__(128) unsigned char opfuse_decode_smem[];                                          \
+    opfuse_decode::Kernel<opfuse_decode::E, GATED, BN, KS, STAGES, KG, TM>(p, &tm, opfuse_decode_smem).run();       \
   }
