@@ -6,7 +6,8 @@
 // tails and launch gaps (docs/perf-notes.md, "Decode MLP").
 //
 // Two shapes of the plan are matched, with every weight an nn.Linear weight
-// (a graph input [rows, K] read transposed) and x a graph input [M, K]:
+// (a graph input [rows, K] read transposed) and x [M, K] a graph input or a
+// node another kernel writes (a norm before the block):
 //   MLP:    call1 = act(x @ w1^T + b1)  (act none, relu, tanh-gelu; b1 optional)
 //           call2 = call1 @ w2^T + b2   (b2 optional)
 //   Llama:  call1 = x @ w1^T, call3 = x @ w3^T (no epilogues),
@@ -39,12 +40,19 @@ bool linear_weight(const Graph& g, const GemmOperand& op, DType dtype, int64_t* 
   return const_dim(w.shape[0], rows) && const_dim(w.shape[1], cols);
 }
 
-// x: a graph input [M, K] read as it is.
+// x: a graph input or a realized node (say a norm's output) [M, K], read as
+// it is (a realized node's buffer is contiguous).
 bool plain_input(const Graph& g, const GemmOperand& op, DType dtype, int64_t* m, int64_t* k) {
   if (op.node < 0 || op.transposed) return false;
   const Node& x = g.node(op.node);
-  if (x.op != "input" || x.dtype != dtype || x.rank() != 2 || !same_shape(x.shape, op.shape)) return false;
+  if (x.dtype != dtype || x.rank() != 2 || !same_shape(x.shape, op.shape)) return false;
   return const_dim(x.shape[0], m) && const_dim(x.shape[1], k);
+}
+
+// A bias the kernel reads: a graph input of the element type (not the
+// float32 input a level-2 call reads through a cast).
+bool bias_ok(const Graph& g, int bias, DType dtype) {
+  return bias < 0 || (g.node(bias).op == "input" && g.node(bias).dtype == dtype);
 }
 
 // A call with no epilogue but (optionally) a bias and relu/gelu: the first GEMM of an MLP.
@@ -144,7 +152,7 @@ class DecodeMlpFuser {
       const DType dt = mm2.dtype;
       if ((dt != DType::BFloat16 && dt != DType::Float16) || mm2.rank() != 2) continue;
       if (!plain_call(c2, true) || !c2.activation.empty()) continue;
-      if (c2.bias >= 0 && g_.node(c2.bias).op != "input") continue;
+      if (!bias_ok(g_, c2.bias, dt)) continue;
       int64_t n = 0, hdim = 0;
       if (!linear_weight(g_, c2.b, dt, &n, &hdim)) continue;
       // The hidden activation: a realized node read as it is.
@@ -165,7 +173,7 @@ class DecodeMlpFuser {
         const GemmCall& c1 = hk.gemm;
         int64_t m1 = 0, rows = 0, cols = 0;
         if (c1.result != hop.node || !plain_call(c1, true) || g_.node(c1.matmul).dtype != dt) continue;
-        if (c1.bias >= 0 && g_.node(c1.bias).op != "input") continue;
+        if (!bias_ok(g_, c1.bias, dt)) continue;
         if (!plain_input(g_, c1.a, dt, &m1, &kdim) || m1 != m) continue;
         if (!linear_weight(g_, c1.b, dt, &rows, &cols) || rows != hdim || cols != kdim) continue;
         fused.a = c1.a;

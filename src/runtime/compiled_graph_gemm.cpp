@@ -28,8 +28,11 @@ std::vector<int64_t> view_strides(const BufferSpec& b, int index, const std::vec
 void CompiledGraph::launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                                       const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
   auto dim = [&](int buffer, int d) { return evaluate(buffers_[static_cast<size_t>(buffer)].shape.at(static_cast<size_t>(d)), env); };
-  // A graph input's row stride, requiring unit-stride rows (the planner matched [rows, cols] inputs).
+  // A buffer's row stride, requiring unit-stride rows (the planner matched [rows, cols] matrices): a
+  // graph input's own strides, a written buffer's contiguous ones.
   auto row_stride = [&](int buffer) {
+    const BufferSpec& b = buffers_[static_cast<size_t>(buffer)];
+    if (!b.is_input) return dim(buffer, 1);
     const auto& st = input_strides.at(static_cast<size_t>(buffer));
     if (st.size() != 2 || (dim(buffer, 1) > 1 && st[1] != 1))
       throw GemmUnsupported("decode MLP: an operand's rows are not unit-stride");

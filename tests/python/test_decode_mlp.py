@@ -123,6 +123,18 @@ def test_plan_unchanged_at_m8192_and_when_off(kind, m, decode, partitions, monke
     assert "decode_mlp" not in cg.plan_text()
 
 
+def scaled_mlp(x, w1, b1, w2, b2):
+    """x comes from a generated kernel (as a norm's output would): the block still fuses."""
+    return mlp_block(x * 2, w1, b1, w2, b2)
+
+
+def test_plan_with_x_written_by_a_kernel(partitions, monkeypatch):
+    args = make_args("mlp", 16, 64, 96, 40, torch.bfloat16, "cpu")
+    cg = cuda_plan(scaled_mlp, args, partitions, monkeypatch)
+    assert (cg.num_library_calls, cg.num_kernels) == (1, 1), cg.plan_text()
+    assert "decode_mlp_relu" in cg.plan_text()
+
+
 def test_plan_not_taken_for_unaligned_sizes_or_float32(partitions, monkeypatch):
     # K = 60 is not a multiple of 8: the kernel's bulk copies need 16-byte rows.
     args = make_args("mlp", 16, 60, 96, 40, torch.bfloat16, "cpu")
@@ -307,6 +319,16 @@ def test_torch_compile_runs_one_kernel(m, kind, monkeypatch):
     check_against_reference(out, fn(*args), fn(*[a.double() for a in args]))
     assert (calls, kernels) == (0, 1), decode_mlp.last_error()
     assert decode_mlp.launch_count() - before == 2
+
+
+@gpu
+def test_torch_compile_with_x_written_by_a_kernel(monkeypatch):
+    needs_sm90()
+    monkeypatch.setenv("OPFUSE_DECODE_MLP", "1")
+    args = make_args("mlp", 16, 264, 520, 136, torch.bfloat16, "cuda", seed=9)
+    out, calls, kernels = run_counted(compiled(scaled_mlp), *args)
+    check_against_reference(out, scaled_mlp(*args), scaled_mlp(*[a.double() for a in args]))
+    assert (calls, kernels) == (0, 2), decode_mlp.last_error()
 
 
 @gpu
