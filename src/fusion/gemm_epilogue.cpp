@@ -241,6 +241,7 @@ std::vector<int> GemmCall::written() const {
 std::string GemmCall::epilogue_name() const {
   std::string s;
   auto add = [&](const std::string& x) { s += (s.empty() ? "" : "+") + x; };
+  if (is_decode_mlp()) add("decode_mlp" + (decode_activation.empty() ? std::string() : "_" + decode_activation));
   if (bias >= 0) add("bias");
   if (residual >= 0) add("residual");
   if (!activation.empty()) add(activation);

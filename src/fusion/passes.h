@@ -23,6 +23,13 @@ Graph eliminate_common_subexpressions(const Graph& g);
 // max_cols: the longest row split (8192; up to 32768 with clusters on sm_90).
 Graph split_column_sums(const Graph& g, int64_t max_cols = 8192);
 
+struct FusionPlan;
+struct PlannerOptions;
+// CUDA sm_90, after planning: a decode-shaped MLP block (two or three GEMM
+// calls and the gate kernel between them) becomes one call of the decode
+// MLP kernel (decode_mlp.cpp). Only with opt.decode_mlp and gemm_epilogues.
+void fuse_decode_mlp(FusionPlan& plan, const PlannerOptions& opt);
+
 struct GraphPass {
   const char* name;
   Graph (*run)(const Graph&);

@@ -40,6 +40,14 @@ struct GemmCall {
   int bias_grad = -1;     // the [N] (or [1, N]) node the call writes as the bias gradient: a sum, or its float32 cast
   int bias_grad_operand = -1;  // which sum: kBiasGradOfA, kBiasGradOfB or kBiasGradOfResult
   int result = -1;        // the node the call writes as D
+  // A whole decode-shaped MLP block run as one opfuse kernel
+  // (src/fusion/decode_mlp.cpp, src/kernels/decode_mlp/): when decode_w1 >= 0
+  // the call computes result = act(a @ w1^T + b1) @ b + bias, or with
+  // decode_activation "silu_gate" (silu(a @ w1^T) * (a @ w3^T)) @ b + bias;
+  // a is x [M, K], b is w2^T; w1, w3 [H, K] and b1 [H] are graph inputs.
+  int decode_w1 = -1, decode_w3 = -1, decode_b1 = -1;
+  std::string decode_activation;  // "", "relu", "gelu_tanh", "silu_gate"
+  bool is_decode_mlp() const { return decode_w1 >= 0; }
   static constexpr int kBiasGradOfA = 0, kBiasGradOfB = 1, kBiasGradOfResult = 2;
   bool reads_aux() const { return activation == "dgelu_tanh"; }
   std::vector<int> written() const;   // result, aux when written, bias_grad (those set)
@@ -89,6 +97,10 @@ struct PlannerOptions {
   // over the same rows computes (split_column_sums.cpp). CUDA only.
   bool column_partials = false;
   int64_t column_partials_max_cols = 8192;  // OPFUSE_COLUMN_PARTIALS_WIDE=1: 32768 (a cluster of blocks per row, sm_90)
+  // Plan a decode-shaped MLP block (GEMM -> epilogue -> GEMM, static
+  // shapes, M <= 16) as one decode MLP kernel (decode_mlp.cpp). CUDA sm_90
+  // only, opt-in (OPFUSE_DECODE_MLP=1); needs gemm_epilogues.
+  bool decode_mlp = false;
 };
 
 // Runs the graph passes and groups the realized nodes into kernels.

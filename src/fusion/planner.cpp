@@ -408,6 +408,7 @@ FusionPlan plan_fusion(const Graph& g, const PlannerOptions& opt) {
   for (const GraphPass& pass : graph_passes()) plan.graph = pass.run(plan.graph);
   if (opt.column_partials) plan.graph = split_column_sums(plan.graph, opt.column_partials_max_cols);
   Planner(plan, opt).run();
+  if (opt.decode_mlp && opt.gemm_epilogues) fuse_decode_mlp(plan, opt);
   return plan;
 }
 

@@ -18,6 +18,7 @@
 #include "ir/ops.h"
 #include "runtime/compile_cache.h"
 #include "runtime/compiled_graph.h"
+#include "runtime/decode_mlp_launcher.h"
 #include "runtime/gemm_launcher.h"
 #include "runtime/cublaslt_api.h"
 #include "python/run_options.h"
@@ -113,6 +114,7 @@ void bind_ops(nb::module_& m);
 void bind_attention_bwd(nb::module_& m);
 // The skinny GEMM's launch, build and reference: bindings_skinny.cpp.
 void bind_skinny_gemm(nb::module_& m);
+void bind_decode_mlp(nb::module_& m);
 // The launch path (PreparedRun, launch counters): bindings_launch.cpp.
 void bind_launch(nb::module_& m);
 
@@ -195,6 +197,8 @@ NB_MODULE(_C, m) {
              // Rows of 8193 to 32768 elements split too, their kernel a cluster of blocks per row (sm_90; opt-in while measured).
              const char* wide = std::getenv("OPFUSE_COLUMN_PARTIALS_WIDE");
              if (wide && std::string(wide) == "1") opt.planner.column_partials_max_cols = 32768;
+             // A decode-shaped MLP block as one kernel (sm_90; opt-in, OPFUSE_DECODE_MLP=1).
+             opt.planner.decode_mlp = opt.target == Target::CUDA && fuse && level >= 1 && decode_mlp::planning_enabled();
              if (bandwidth > 0) opt.planner.bandwidth_bytes_per_s = bandwidth;
              if (flops > 0) opt.planner.flops_per_s = flops;
              Graph g = parse_graph(text);
@@ -306,5 +310,6 @@ NB_MODULE(_C, m) {
   bind_ops(m);
   bind_attention_bwd(m);
   bind_skinny_gemm(m);
+  bind_decode_mlp(m);
   bind_launch(m);
 }

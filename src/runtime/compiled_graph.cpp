@@ -110,6 +110,9 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
       s.residual = buf(k.gemm.residual);
       s.aux = buf(k.gemm.aux);
       s.bias_grad = buf(k.gemm.bias_grad);
+      s.w1 = buf(k.gemm.decode_w1);
+      s.w3 = buf(k.gemm.decode_w3);
+      s.b1 = buf(k.gemm.decode_b1);
       s.dtype = pg.node(k.gemm.matmul).dtype;
       s.name = "gemm" + std::to_string(gemms_.size());
       if (k.gemm.epilogue_name() != "none") s.name += "_" + k.gemm.epilogue_name();

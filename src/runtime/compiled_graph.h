@@ -42,6 +42,7 @@ struct GemmStep {
   GemmCall call;          // the plan's description (node ids)
   int a = -1, b = -1;     // operand buffers; the matrix views are call.a/b.shape, maybe transposed
   int out = -1, bias = -1, residual = -1, aux = -1, bias_grad = -1;
+  int w1 = -1, w3 = -1, b1 = -1;  // a decode MLP call (call.is_decode_mlp()): the first layer's inputs
   DType dtype = DType::Float32;
   std::string name;       // e.g. "gemm0_bias_relu"
 };
@@ -217,6 +218,8 @@ class CompiledGraph {
                         const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
   void launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                    const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
+  void launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
+                         const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
 
   std::string signature(const std::vector<std::vector<int64_t>>& shapes, const std::vector<std::vector<int64_t>>& strides,
                         std::vector<StrideSignature>* per_kernel) const;

@@ -10,6 +10,7 @@
 #include "runtime/compiled_graph.h"
 #include "ir/ops.h"
 #include "runtime/gemm_launcher.h"
+#include "runtime/decode_mlp_launcher.h"
 #include "runtime/skinny_gemm_launcher.h"
 
 namespace opfuse {
@@ -35,6 +36,52 @@ bool not_paired(const std::string& why, const GemmArgs& g) {
 }
 
 }  // namespace
+
+// The whole MLP block in one decode MLP kernel; where it cannot run (a
+// misaligned pointer, no sm_90, a build failure), GemmUnsupported sends the
+// Python runtime to a plan without epilogues, as for a refused cuBLASLt call.
+void CompiledGraph::launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
+                                      const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+  auto dim = [&](int buffer, int d) { return evaluate(buffers_[static_cast<size_t>(buffer)].shape.at(static_cast<size_t>(d)), env); };
+  // A buffer's row stride, requiring unit-stride rows (the planner matched [rows, cols] matrices): a
+  // graph input's own strides, a written buffer's contiguous ones.
+  auto row_stride = [&](int buffer) {
+    const BufferSpec& b = buffers_[static_cast<size_t>(buffer)];
+    if (!b.is_input) return dim(buffer, 1);
+    const auto& st = input_strides.at(static_cast<size_t>(buffer));
+    if (st.size() != 2 || (dim(buffer, 1) > 1 && st[1] != 1))
+      throw GemmUnsupported("decode MLP: an operand's rows are not unit-stride");
+    return st[0];
+  };
+  auto vec_stride = [&](int buffer) { return buffer < 0 ? int64_t{1} : input_strides.at(static_cast<size_t>(buffer)).back(); };
+  decode_mlp::Args a;
+  a.dtype = s.dtype;
+  a.m = dim(s.a, 0);
+  a.k = dim(s.a, 1);
+  a.h = dim(s.w1, 0);
+  a.n = dim(s.b, 0);
+  a.x = ptrs[static_cast<size_t>(s.a)];
+  a.ldx = row_stride(s.a);
+  a.w1 = ptrs[static_cast<size_t>(s.w1)];
+  a.ldw1 = row_stride(s.w1);
+  if (s.w3 >= 0) {
+    a.w3 = ptrs[static_cast<size_t>(s.w3)];
+    a.ldw3 = row_stride(s.w3);
+  }
+  if (s.b1 >= 0) a.b1 = ptrs[static_cast<size_t>(s.b1)];
+  a.b1_stride = vec_stride(s.b1);
+  a.w2 = ptrs[static_cast<size_t>(s.b)];
+  a.ldw2 = row_stride(s.b);
+  if (s.bias >= 0) a.b2 = ptrs[static_cast<size_t>(s.bias)];
+  a.b2_stride = vec_stride(s.bias);
+  a.out = ptrs[static_cast<size_t>(s.out)];
+  a.ldo = a.n;
+  a.activation = s.call.decode_activation;
+  a.stream = o.stream;
+  std::string why;
+  if (!decode_mlp::try_run(a, &why)) throw GemmUnsupported("decode MLP: " + why);
+  if (o.gemm_kernels) ++*o.gemm_kernels;  // an opfuse kernel, not a library call
+}
 
 GemmArgs CompiledGraph::gemm_args(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                                   const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
@@ -115,6 +162,10 @@ GemmArgs CompiledGraph::gemm_args(const GemmStep& s, const SymbolEnv& env, const
 
 void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                                 const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+  if (s.call.is_decode_mlp()) {
+    launch_decode_mlp(s, env, ptrs, input_strides, o);
+    return;
+  }
   GemmArgs g = gemm_args(s, env, ptrs, input_strides, o);
   // An opfuse kernel, not a library call: counted as such (RunOptions::gemm_kernels).
   if (skinny::try_run(g)) {
@@ -220,7 +271,7 @@ void CompiledGraph::pair_gemms() {
     return std::find(output_buffers_.begin(), output_buffers_.end(), b) != output_buffers_.end();
   };
   auto plain = [&](const GemmStep& s) {
-    return s.bias < 0 && s.residual < 0 && s.aux < 0 && s.bias_grad < 0 && pg.node(s.call.matmul).rank() == 2 &&
+    return !s.call.is_decode_mlp() && s.bias < 0 && s.residual < 0 && s.aux < 0 && s.bias_grad < 0 && pg.node(s.call.matmul).rank() == 2 &&
            !is_output(s.out);
   };
   auto same_view = [](const GemmOperand& x, const GemmOperand& y) {

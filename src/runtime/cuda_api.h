@@ -68,6 +68,11 @@ struct CudaApi {
                                    const uint64_t* global_dim, const uint64_t* global_strides, const uint32_t* box_dim,
                                    const uint32_t* element_strides, int interleave, int swizzle, int l2_promotion,
                                    int oob_fill) = nullptr;
+  // Optional: the decode MLP kernel's persistent workspace (counters that
+  // must start at zero) and its co-residency check.
+  CUresult (*MemAlloc)(unsigned long long* dptr, size_t bytes) = nullptr;
+  CUresult (*MemsetD32Async)(unsigned long long dptr, unsigned value, size_t count, CUstream) = nullptr;
+  CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int* blocks, CUfunction, int block_size, size_t dynamic_smem) = nullptr;
 };
 
 const NvrtcApi& nvrtc();  // loads on first use; .loaded false with .error when absent

@@ -212,6 +212,7 @@ def counted(fn, *args):
 def test_compiled_graph_takes_the_skinny_path_when_enabled(m, monkeypatch):
     cuda_or_skip()
     monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
+    monkeypatch.setenv("OPFUSE_DECODE_MLP", "0")  # else the whole block is one decode MLP kernel on sm_90
     torch.manual_seed(3)
     k, h, n = 512, 1024, 256
     args = [torch.randn(m, k, device="cuda").bfloat16(), (torch.randn(h, k, device="cuda") * k ** -0.5).bfloat16(),
@@ -245,6 +246,7 @@ def test_odd_k_in_a_compiled_graph_stays_with_cublaslt():
 def test_cuda_graph_capture_with_the_skinny_path(monkeypatch):
     cuda_or_skip()
     monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
+    monkeypatch.setenv("OPFUSE_DECODE_MLP", "0")  # else the whole block is one decode MLP kernel on sm_90
     torch.manual_seed(4)
     args = [torch.randn(16, 256, device="cuda").bfloat16(), (torch.randn(512, 256, device="cuda") * 0.06).bfloat16(),
             torch.randn(512, device="cuda").bfloat16(), (torch.randn(128, 512, device="cuda") * 0.04).bfloat16(),

@@ -1,0 +1,129 @@
+// The decode MLP kernel (src/kernels/decode_mlp/decode_mlp.cu, embedded as
+// a string): a whole MLP block at M <= 16 in one persistent kernel,
+//   out = act(x @ w1^T + b1) @ w2^T + b2          (act: none, relu, gelu_tanh)
+//   out = (silu(x @ w1^T) * (x @ w3^T)) @ w2^T + b2  ("silu_gate", Llama)
+// with weights in nn.Linear's [rows, K] layout. Sm_90 only (bulk copies,
+// mbarriers with transaction counts).
+//
+// NVRTC compiles one instantiation per (dtype, gated, config, arch), cached
+// on disk (OPFUSE_CACHE_DIR/decode_mlp) and loaded once per CUDA context. A
+// persistent device workspace per context (h, the split tiles' partials,
+// counters that the kernel leaves at zero) is allocated on first use and
+// only grows; launches on one context must therefore not run concurrently
+// on two streams. The launch itself allocates nothing and never
+// synchronizes (CUDA-graph safe once loaded and allocated).
+//
+// Environment: OPFUSE_DECODE_MLP=1 lets CUDA graphs plan this kernel (the
+// planner's pass, src/fusion/decode_mlp.cpp); it is opt-in because it was
+// slower than the cuBLASLt chain on the H200 (docs/perf-notes.md).
+// OPFUSE_DECODE_MLP_CONFIG=<tag> forces a config, OPFUSE_DECODE_MLP_PREFETCH=<n>
+// an L2 prefetch depth (benchmarking).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ir/dtype.h"
+
+namespace opfuse::decode_mlp {
+
+inline constexpr int64_t kMaxM = 16;
+
+// Mirror of opfuse_decode::DecodeMlpParams (only append fields, in both places).
+struct DecodeMlpParams {
+  const void* x;
+  int64_t ldx;
+  const void* w1;
+  int64_t ldw1;
+  const void* w3;
+  int64_t ldw3;
+  const void* b1;
+  int64_t b1_stride;
+  const void* w2;
+  int64_t ldw2;
+  const void* b2;
+  int64_t b2_stride;
+  void* out;
+  int64_t ldo;
+  void* h;
+  int64_t ldh;
+  float* partials;
+  uint32_t* counters;
+  uint32_t* barrier;
+  int32_t m, k, hdim, n;
+  int32_t act;
+  int32_t prefetch;
+};
+static_assert(sizeof(DecodeMlpParams) == 176, "DecodeMlpParams layout is the kernel's launch ABI");
+
+// One problem, element strides; weights [rows, K] with K unit-stride.
+struct Args {
+  DType dtype = DType::BFloat16;
+  int64_t m = 0, k = 0, h = 0, n = 0;
+  const void* x = nullptr;  // [m, k]
+  int64_t ldx = 0;
+  const void* w1 = nullptr;  // [h, k]
+  int64_t ldw1 = 0;
+  const void* w3 = nullptr;  // [h, k], silu_gate only
+  int64_t ldw3 = 0;
+  const void* b1 = nullptr;  // [h] or null (not with silu_gate)
+  int64_t b1_stride = 1;
+  const void* w2 = nullptr;  // [n, h]
+  int64_t ldw2 = 0;
+  const void* b2 = nullptr;  // [n] or null
+  int64_t b2_stride = 1;
+  void* out = nullptr;  // [m, n]
+  int64_t ldo = 0;
+  std::string activation;  // "", "relu", "gelu_tanh", "silu_gate"
+  void* stream = nullptr;
+};
+
+// BN weight rows and KS values of k per ring stage, STAGES stages, KG
+// groups of consumer warps splitting each stage's k; `tensor`: each stage
+// arrives as tensor-map boxes instead of one bulk copy per row. Tag form
+// "b64k256s4g1", "t" appended for tensor (the g part may be left out: 1).
+struct Config {
+  int bn = 32, ks = 1024, stages = 2, kg = 4;  // the fastest measured (decode_mlp_launcher.cpp)
+  bool tensor = false;
+  std::string tag() const;
+  static Config parse(const std::string& tag);  // throws std::invalid_argument
+  bool operator==(const Config&) const = default;
+  int threads() const { return (bn / 16 * kg + 1) * 32; }
+};
+// Dynamic shared memory of a config (the kernel's Layout<>::kBytes).
+int smem_bytes(const Config& c);
+// Every config tested and benchmarked (the instantiations CI compiles).
+std::vector<Config> candidate_configs();
+
+std::string source(DType dtype, bool gated, const Config& c);
+inline constexpr const char* kEntryName = "opfuse_decode_mlp";
+
+struct Compiled {
+  std::string cubin;
+  std::string log;  // NVRTC / ptxas -v (empty on a cache hit)
+  bool cache_hit = false;
+};
+// Compiles for sm_<arch> (>= 90) with NVRTC (no GPU needed), through the
+// disk cache unless use_cache is false. Throws with NVRTC's log on failure.
+Compiled compile(DType dtype, bool gated, const Config& c, int arch, bool use_cache = true);
+
+// Empty when the kernel covers the problem (sizes, dtype, layouts,
+// alignment, activation), else why not. Does not look at the device.
+std::string unsupported_reason(const Args& a);
+// Whether CUDA graphs plan decode MLP calls: OPFUSE_DECODE_MLP=1 (also
+// without a GPU: plan tests). Where the device is not sm_90 the call then
+// refuses at run time and the partition falls back (GemmUnsupported).
+bool planning_enabled();
+
+// Enqueues the block on a.stream and returns true; or returns false with
+// *why (nothing enqueued) when the problem is unsupported, the device is not
+// sm_90, the instantiation cannot be built or loaded, the grid cannot be
+// co-resident, or the workspace would have to be allocated while the stream
+// is capturing. Throws only when a launch itself fails.
+bool try_run(const Args& a, std::string* why = nullptr);
+
+// Debug queries: launches so far (process-wide), the last failure reason.
+uint64_t launch_count();
+std::string last_error();
+
+}  // namespace opfuse::decode_mlp
