@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from opfuse import _C
+from opfuse.frontend.runtime import decode_mlp_workspace
 
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -33,12 +34,14 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1: torch.Tensor | 
         raise RuntimeError("decode MLP: shapes do not chain")
     _C.ensure_cuda_context(x.device.index)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    ws = decode_mlp_workspace(x.device.index, stream)
     ok, why = _C.decode_mlp(_ELEM[x.dtype], m, k, h, n, x.data_ptr(), x.stride(0), w1.data_ptr(), w1.stride(0),
                             w3.data_ptr() if w3 is not None else 0, w3.stride(0) if w3 is not None else 0,
                             b1.data_ptr() if b1 is not None else 0, b1.stride(0) if b1 is not None else 1,
                             w2.data_ptr(), w2.stride(0), b2.data_ptr() if b2 is not None else 0,
                             b2.stride(0) if b2 is not None else 1, out.data_ptr(), out.stride(0), activation,
-                            torch.cuda.current_stream(x.device).cuda_stream)
+                            stream, ws.data_ptr(), ws.numel())
     if not ok:
         raise RuntimeError("decode MLP: " + why)
     return out

@@ -216,6 +216,13 @@ NB_MODULE(_C, m) {
            })
       .def_prop_ro("num_kernels", [](const CompiledGraph& c) { return c.kernels().size(); })
       .def_prop_ro("num_library_calls", [](const CompiledGraph& c) { return c.gemms().size(); })
+      // Whether a GEMM step is the decode MLP kernel (it needs RunOptions::decode_workspace).
+      .def_prop_ro("uses_decode_mlp",
+                   [](const CompiledGraph& c) {
+                     for (const GemmStep& s : c.gemms())
+                       if (s.call.is_decode_mlp()) return true;
+                     return false;
+                   })
       .def("gemms",
            [](const CompiledGraph& c, const std::vector<int64_t>& syms) {
              std::map<std::string, int64_t> env;
@@ -277,11 +284,12 @@ NB_MODULE(_C, m) {
       .def("run",
            [](const CompiledGraph& c, int variant, const std::vector<int64_t>& syms, const std::vector<uintptr_t>& ptrs,
               const std::vector<std::vector<int64_t>>& strides, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
-              bool allow_tf32, nb::object cpu_gemm) {
+              bool allow_tf32, nb::object cpu_gemm, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
              std::vector<void*> p;
              p.reserve(ptrs.size());
              for (auto x : ptrs) p.push_back(reinterpret_cast<void*>(x));
-             RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
+             RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm, decode_workspace,
+                                                    decode_workspace_bytes);
              int gemm_kernels = 0;
              o.gemm_kernels = &gemm_kernels;
              {
@@ -292,7 +300,7 @@ NB_MODULE(_C, m) {
            },
            nb::arg("variant"), nb::arg("syms"), nb::arg("ptrs"), nb::arg("strides"), nb::arg("stream") = 0,
            nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0, nb::arg("allow_tf32") = false,
-           nb::arg("cpu_gemm") = nb::none());
+           nb::arg("cpu_gemm") = nb::none(), nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0);
   nb::exception<GemmUnsupported>(m, "GemmUnsupported");
   m.def("cublaslt_version", [] { return cublaslt_version(); });
   m.def("cublaslt_path", [] { return cublaslt().path; });

@@ -31,7 +31,8 @@ void bind_decode_mlp(nb::module_& m) {
       "decode_mlp",
       [](const std::string& dtype, int64_t m_, int64_t k, int64_t h, int64_t n, uintptr_t x, int64_t ldx, uintptr_t w1,
          int64_t ldw1, uintptr_t w3, int64_t ldw3, uintptr_t b1, int64_t b1_stride, uintptr_t w2, int64_t ldw2,
-         uintptr_t b2, int64_t b2_stride, uintptr_t out, int64_t ldo, const std::string& activation, uintptr_t stream) {
+         uintptr_t b2, int64_t b2_stride, uintptr_t out, int64_t ldo, const std::string& activation, uintptr_t stream, uintptr_t workspace,
+         size_t workspace_bytes) {
         decode_mlp::Args a;
         a.dtype = parse_elem(dtype);
         a.m = m_, a.k = k, a.h = h, a.n = n;
@@ -44,6 +45,8 @@ void bind_decode_mlp(nb::module_& m) {
         a.out = reinterpret_cast<void*>(out), a.ldo = ldo;
         a.activation = activation;
         a.stream = reinterpret_cast<void*>(stream);
+        a.workspace = reinterpret_cast<void*>(workspace);
+        a.workspace_bytes = workspace_bytes;
         std::string why;
         bool ok;
         {
@@ -55,7 +58,7 @@ void bind_decode_mlp(nb::module_& m) {
       nb::arg("dtype"), nb::arg("m"), nb::arg("k"), nb::arg("h"), nb::arg("n"), nb::arg("x"), nb::arg("ldx"),
       nb::arg("w1"), nb::arg("ldw1"), nb::arg("w3"), nb::arg("ldw3"), nb::arg("b1"), nb::arg("b1_stride"),
       nb::arg("w2"), nb::arg("ldw2"), nb::arg("b2"), nb::arg("b2_stride"), nb::arg("out"), nb::arg("ldo"),
-      nb::arg("activation"), nb::arg("stream"),
+      nb::arg("activation"), nb::arg("stream"), nb::arg("workspace"), nb::arg("workspace_bytes"),
       "Enqueues the whole MLP block with the decode MLP kernel: (True, '') or (False, why) with nothing enqueued.");
   m.def(
       "decode_mlp_compile",
@@ -75,6 +78,7 @@ void bind_decode_mlp(nb::module_& m) {
     return r;
   });
   m.def("decode_mlp_smem_bytes", [](const std::string& config) { return decode_mlp::smem_bytes(decode_mlp::Config::parse(config)); });
+  m.def("decode_mlp_workspace_bytes", [] { return decode_mlp::kWorkspaceBytes; });
   m.def("decode_mlp_launch_count", [] { return decode_mlp::launch_count(); });
   m.def("decode_mlp_last_error", [] { return decode_mlp::last_error(); });
   m.def(

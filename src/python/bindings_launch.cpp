@@ -353,9 +353,10 @@ void bind_launch(nb::module_& m) {
       .def(
           "run",
           [](const PreparedRunRef& r, nb::handle ptrs, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
-             bool allow_tf32, nb::object cpu_gemm) {
+             bool allow_tf32, nb::object cpu_gemm, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
             std::vector<void*> p = pointers_from(ptrs);
-            RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm);
+            RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm, decode_workspace,
+                                                   decode_workspace_bytes);
             int gemm_kernels = 0, gemm_merged = 0;
             o.gemm_kernels = &gemm_kernels;
             o.gemm_merged = &gemm_merged;
@@ -367,7 +368,8 @@ void bind_launch(nb::module_& m) {
             return nb::make_tuple(gemm_kernels, gemm_merged);
           },
           nb::arg("ptrs"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
-          nb::arg("allow_tf32") = false, nb::arg("cpu_gemm") = nb::none(),
+          nb::arg("allow_tf32") = false, nb::arg("cpu_gemm") = nb::none(), nb::arg("decode_workspace") = 0,
+          nb::arg("decode_workspace_bytes") = 0,
           "Any graph (GEMM steps too) on raw pointers; returns (GEMM steps run as opfuse kernels, GEMM steps run "
           "inside a paired step's batched call). Not counted.");
 

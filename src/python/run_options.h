@@ -1,5 +1,6 @@
 // RunOptions from the arguments the Python bindings take (CompiledGraph.run
-// and PreparedRun.run): raw stream and workspace addresses, TF32, and a
+// and PreparedRun.run): raw stream and workspace addresses (cuBLASLt's, the
+// decode MLP kernel's), TF32, and a
 // Python callable for the CPU's matmuls, called with the GIL held.
 #pragma once
 #include <nanobind/nanobind.h>
@@ -12,8 +13,11 @@
 namespace opfuse {
 
 inline RunOptions run_options_from_python(uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, bool allow_tf32,
-                                          nanobind::object cpu_gemm) {
+                                          nanobind::object cpu_gemm, uintptr_t decode_workspace = 0,
+                                          size_t decode_workspace_bytes = 0) {
   RunOptions o;
+  o.decode_workspace = reinterpret_cast<void*>(decode_workspace);
+  o.decode_workspace_bytes = decode_workspace_bytes;
   o.stream = reinterpret_cast<void*>(stream);
   o.workspace = reinterpret_cast<void*>(workspace);
   o.workspace_bytes = workspace_bytes;

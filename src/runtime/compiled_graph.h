@@ -54,6 +54,10 @@ struct RunOptions {
   void* stream = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // The decode MLP kernel's workspace (decode_mlp::Args::workspace): zeroed
+  // before its first use, one per stream.
+  void* decode_workspace = nullptr;
+  size_t decode_workspace_bytes = 0;
   bool allow_tf32 = false;
   std::function<void(int gemm)> cpu_gemm;
   // Out (CUDA): incremented for each GEMM step that ran as an opfuse kernel

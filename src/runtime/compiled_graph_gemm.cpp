@@ -78,6 +78,8 @@ void CompiledGraph::launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, c
   a.ldo = a.n;
   a.activation = s.call.decode_activation;
   a.stream = o.stream;
+  a.workspace = o.decode_workspace;
+  a.workspace_bytes = o.decode_workspace_bytes;
   std::string why;
   if (!decode_mlp::try_run(a, &why)) throw GemmUnsupported("decode MLP: " + why);
   if (o.gemm_kernels) ++*o.gemm_kernels;  // an opfuse kernel, not a library call

@@ -89,6 +89,7 @@ const CudaApi& cuda() {
     bind(h, api.EventDestroy, "cuEventDestroy_v2", &ignore);
     bind(h, api.StreamIsCapturing, "cuStreamIsCapturing", &ignore);
     bind(h, api.TensorMapEncodeTiled, "cuTensorMapEncodeTiled", &ignore);
+    bind(h, api.LaunchCooperativeKernel, "cuLaunchCooperativeKernel", &ignore);
     bind(h, api.MemAlloc, "cuMemAlloc_v2", &ignore);
     bind(h, api.MemsetD32Async, "cuMemsetD32Async", &ignore);
     bind(h, api.OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor", &ignore);

@@ -61,6 +61,10 @@ struct CudaApi {
   CUresult (*FuncSetAttribute)(CUfunction, int, int) = nullptr;
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                            void**, void**) = nullptr;
+  // Optional: a launch whose CTAs are all resident at once or not started
+  // (the decode MLP kernel's grid barrier).
+  CUresult (*LaunchCooperativeKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                      CUstream, void**) = nullptr;
   // Optional (CUDA 12+; null on older drivers): TMA tensor maps for the
   // Hopper attention kernel. Arguments as cuTensorMapEncodeTiled's, with the
   // enums as int and the CUtensorMap as 128 bytes at `tensor_map`.

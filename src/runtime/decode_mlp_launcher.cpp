@@ -62,14 +62,6 @@ struct LoadedFn {
   int blocks_per_sm = 0;
   std::string failed;  // why it could not be built or loaded here
 };
-// The per-context workspace: grows, never shrinks or frees (a kernel still
-// in flight may use the old block); zeroed once on the stream that first
-// needs it, before the kernel that uses it.
-struct Workspace {
-  unsigned long long base = 0;
-  size_t bytes = 0;
-};
-
 // Workspace layout (bytes): the grid barrier [0, 256): arrivals at 0, the
 // generation at 128 (own cache lines); then kMaxCounters tile counters, a
 // fixed region (the kernel leaves them at zero, and nothing else may ever
@@ -154,9 +146,17 @@ int smem_bytes(const Config& c) {
 // number of copies (~2-3e9 copies/s over the GPU, ~60 ns per copy per SM),
 // not the bytes: the default is the longest segment that fits two stages.
 std::vector<Config> candidate_configs() {
-  // b64k256s5g1t: tensor-map boxes (3 copies a stage instead of 80), written
-  // after the measurement above and not yet run on a GPU.
-  return {Config{}, Config{64, 256, 4, 1}, Config{64, 512, 2, 2}, Config{32, 512, 4, 2}, Config{64, 256, 5, 1, true}};
+  // Tensor-map boxes (2-3 copies a stage instead of 80), written after the
+  // measurement above: b64k256s5g1t; b64k256s5g2t, the same ring with 8
+  // consumer warps (two k groups); b128k256s3g1t, 128 weight rows a stage,
+  // so the activation slice is 12.5% of the weight bytes instead of 25%.
+  return {Config{},
+          Config{64, 256, 4, 1},
+          Config{64, 512, 2, 2},
+          Config{32, 512, 4, 2},
+          Config{64, 256, 5, 1, true},
+          Config{64, 256, 5, 2, true},
+          Config{128, 256, 3, 1, true}};
 }
 
 std::string source(DType dtype, bool gated, const Config& c) {
@@ -236,18 +236,17 @@ bool try_run(const Args& a, std::string* why) {
   if (std::string r = unsupported_reason(a); !r.empty()) return refuse(r);
   const CudaApi& c = cuda();
   if (!c.loaded) return refuse("no CUDA driver");
-  if (!c.MemAlloc || !c.MemsetD32Async) return refuse("the driver lacks cuMemAlloc_v2 or cuMemsetD32Async");
+  if (!a.workspace || reinterpret_cast<uintptr_t>(a.workspace) % 256 != 0)
+    return refuse("no workspace, or one not 256-byte aligned");
   CUcontext ctx = nullptr;
   if (c.CtxGetCurrent(&ctx) != 0 || !ctx) return refuse("no current CUDA context");
   const bool gated = a.activation == "silu_gate";
 
   static std::map<CUcontext, DevInfo> devices;
   static std::map<std::tuple<CUcontext, DType, bool, int, int, int, int, bool>, LoadedFn> functions;
-  static std::map<CUcontext, Workspace> workspaces;
   Config cfg;
   CUfunction fn = nullptr;
   int grid = 0;
-  Workspace ws;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     DevInfo& info = devices[ctx];
@@ -306,25 +305,16 @@ bool try_run(const Args& a, std::string* why) {
     const int64_t stages = (a.h + rows1 - 1) / rows1 * ((a.k + cfg.ks - 1) / cfg.ks) +
                            (a.n + cfg.bn - 1) / cfg.bn * ((a.h + cfg.ks - 1) / cfg.ks);
     grid = static_cast<int>(std::min<int64_t>(static_cast<int64_t>(info.sms) * lf.blocks_per_sm, stages));
-    WorkspaceLayout lay(a, cfg, grid);
-    Workspace& w = workspaces[ctx];
-    if (w.bytes < lay.total) {
-      int capturing = 0;
-      if (c.StreamIsCapturing && c.StreamIsCapturing(a.stream, &capturing) == 0 && capturing) {
-        g_error = "the decode MLP workspace must grow while the stream is capturing (run once before capture)";
-        if (why) *why = g_error;
-        return false;
-      }
-      Workspace fresh;
-      fresh.bytes = std::max(lay.total, 2 * w.bytes);
-      check_cuda(c.MemAlloc(&fresh.base, fresh.bytes), "cuMemAlloc(decode MLP workspace)");
-      check_cuda(c.MemsetD32Async(fresh.base, 0, fresh.bytes / 4, a.stream), "cuMemsetD32Async(decode MLP workspace)");
-      w = fresh;  // the old block stays allocated: a kernel in flight may still use it
+    if (WorkspaceLayout(a, cfg, grid).total > a.workspace_bytes) {
+      g_error = "the problem needs " + std::to_string(WorkspaceLayout(a, cfg, grid).total) + " bytes of workspace, " +
+                std::to_string(a.workspace_bytes) + " given";
+      if (why) *why = g_error;
+      return false;
     }
-    ws = w;
   }
 
   WorkspaceLayout lay(a, cfg, grid);
+  const auto base = reinterpret_cast<uintptr_t>(a.workspace);
   DecodeMlpParams p{};
   p.x = a.x;
   p.ldx = a.m > 1 ? a.ldx : 0;
@@ -340,11 +330,11 @@ bool try_run(const Args& a, std::string* why) {
   p.b2_stride = a.b2_stride;
   p.out = a.out;
   p.ldo = a.m > 1 ? a.ldo : 0;
-  p.h = reinterpret_cast<void*>(ws.base + lay.h);
+  p.h = reinterpret_cast<void*>(base + lay.h);
   p.ldh = lay.ldh;
-  p.partials = reinterpret_cast<float*>(ws.base + lay.partials);
-  p.counters = reinterpret_cast<uint32_t*>(ws.base + lay.counters);
-  p.barrier = reinterpret_cast<uint32_t*>(ws.base);
+  p.partials = reinterpret_cast<float*>(base + lay.partials);
+  p.counters = reinterpret_cast<uint32_t*>(base + lay.counters);
+  p.barrier = reinterpret_cast<uint32_t*>(base);
   p.m = static_cast<int32_t>(a.m);
   p.k = static_cast<int32_t>(a.k);
   p.hdim = static_cast<int32_t>(a.h);
@@ -369,9 +359,16 @@ bool try_run(const Args& a, std::string* why) {
     }
   }
   void* params[] = {&p, &maps};
-  check_cuda(c.LaunchKernel(fn, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(cfg.threads()), 1, 1,
-                            static_cast<unsigned>(smem_bytes(cfg)), a.stream, params, nullptr),
-             "cuLaunchKernel(decode MLP)");
+  // Cooperative: the grid starts only once every CTA fits, so two of these
+  // kernels on two streams cannot each hold part of the SMs and wait for the
+  // other at their grid barriers. OPFUSE_DECODE_MLP_COOPERATIVE=0: a plain launch.
+  const char* coop = std::getenv("OPFUSE_DECODE_MLP_COOPERATIVE");
+  const unsigned g = static_cast<unsigned>(grid), bt = static_cast<unsigned>(cfg.threads()),
+                 sm = static_cast<unsigned>(smem_bytes(cfg));
+  if (c.LaunchCooperativeKernel && !(coop && std::string(coop) == "0"))
+    check_cuda(c.LaunchCooperativeKernel(fn, g, 1, 1, bt, 1, 1, sm, a.stream, params), "cuLaunchCooperativeKernel(decode MLP)");
+  else
+    check_cuda(c.LaunchKernel(fn, g, 1, 1, bt, 1, 1, sm, a.stream, params, nullptr), "cuLaunchKernel(decode MLP)");
   g_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }

@@ -6,18 +6,21 @@
 // mbarriers with transaction counts).
 //
 // NVRTC compiles one instantiation per (dtype, gated, config, arch), cached
-// on disk (OPFUSE_CACHE_DIR/decode_mlp) and loaded once per CUDA context. A
-// persistent device workspace per context (h, the split tiles' partials,
-// counters that the kernel leaves at zero) is allocated on first use and
-// only grows; launches on one context must therefore not run concurrently
-// on two streams. The launch itself allocates nothing and never
-// synchronizes (CUDA-graph safe once loaded and allocated).
+// on disk (OPFUSE_CACHE_DIR/decode_mlp) and loaded once per CUDA context.
+// The device workspace (h, the split tiles' partials, tile counters and a
+// grid barrier that the kernel leaves at zero) is the caller's: the Python
+// runtime keeps one zeroed block of kWorkspaceBytes per (device, stream)
+// from PyTorch's caching allocator, so launches on two streams never share
+// counters, and launches sharing one run in stream order. The launch
+// itself allocates nothing and never synchronizes (CUDA-graph safe once
+// the instantiation is loaded).
 //
 // Environment: OPFUSE_DECODE_MLP=1 lets CUDA graphs plan this kernel (the
 // planner's pass, src/fusion/decode_mlp.cpp); it is opt-in because it was
 // slower than the cuBLASLt chain on the H200 (docs/perf-notes.md).
 // OPFUSE_DECODE_MLP_CONFIG=<tag> forces a config, OPFUSE_DECODE_MLP_PREFETCH=<n>
-// an L2 prefetch depth (benchmarking).
+// an L2 prefetch depth (benchmarking), OPFUSE_DECODE_MLP_COOPERATIVE=0 a
+// plain launch instead of a cooperative one.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -28,6 +31,11 @@
 namespace opfuse::decode_mlp {
 
 inline constexpr int64_t kMaxM = 16;
+// The workspace a caller provides (zeroed before its first launch, then
+// left zeroed by every launch): counters (256 KiB), the split tiles'
+// float32 partials (4.3 MB at 132 CTAs of 128 rows) and h (32 bytes per
+// hidden unit). A problem whose layout needs more is refused.
+inline constexpr size_t kWorkspaceBytes = size_t(16) << 20;
 
 // Mirror of opfuse_decode::DecodeMlpParams (only append fields, in both places).
 struct DecodeMlpParams {
@@ -76,6 +84,10 @@ struct Args {
   int64_t ldo = 0;
   std::string activation;  // "", "relu", "gelu_tanh", "silu_gate"
   void* stream = nullptr;
+  // Zeroed before its first use, never used by two streams at once
+  // (kWorkspaceBytes; 256-byte aligned).
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
 };
 
 // BN weight rows and KS values of k per ring stage, STAGES stages, KG
@@ -118,8 +130,8 @@ bool planning_enabled();
 // Enqueues the block on a.stream and returns true; or returns false with
 // *why (nothing enqueued) when the problem is unsupported, the device is not
 // sm_90, the instantiation cannot be built or loaded, the grid cannot be
-// co-resident, or the workspace would have to be allocated while the stream
-// is capturing. Throws only when a launch itself fails.
+// co-resident, or the workspace is missing or too small. Throws only when
+// a launch itself fails.
 bool try_run(const Args& a, std::string* why = nullptr);
 
 // Debug queries: launches so far (process-wide), the last failure reason.

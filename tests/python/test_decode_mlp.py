@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import opfuse
 from opfuse import _C, decode_mlp
-from opfuse.frontend import backend
+from opfuse.frontend import backend, runtime
 
 from test_gemm import check_against_reference, compiled, run_counted
 
@@ -246,6 +246,53 @@ def test_problems_of_other_shapes_share_the_workspace():
         assert torch.equal(run_kernel("mlp", small), first_small)
         assert torch.equal(run_kernel("llama", large), first_large)
     check_against_reference(first_large, eager("llama", large), reference64("llama", large))
+
+
+@gpu
+def test_two_streams_have_their_own_workspace():
+    # One zeroed workspace per (device, stream) from PyTorch's allocator: the
+    # blocks launched on two streams with no order between them share no
+    # counters, partials or h, and give the serial results bit for bit.
+    # (Each launch is cooperative: a grid starts only once all its CTAs fit,
+    # so two grids of one CTA per SM cannot each hold half the GPU and wait
+    # for the other at their barriers.)
+    needs_sm90()
+    a = make_args("mlp", 16, 1032, 2056, 520, torch.bfloat16, "cuda", seed=11)
+    b = make_args("llama", 16, 1032, 2056, 520, torch.bfloat16, "cuda", seed=12)
+    want_a, want_b = run_kernel("mlp", a), run_kernel("llama", b)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for s in (s1, s2):
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(10):
+        with torch.cuda.stream(s1):
+            outs.append((run_kernel("mlp", a), want_a))
+        with torch.cuda.stream(s2):
+            outs.append((run_kernel("llama", b), want_b))
+    torch.cuda.synchronize()
+    for got, want in outs:
+        assert torch.equal(got, want)
+    dev = torch.cuda.current_device()
+    w1, w2 = (runtime.decode_mlp_workspace(dev, s.cuda_stream) for s in (s1, s2))
+    assert w1.data_ptr() != w2.data_ptr() and w1.numel() == _C.decode_mlp_workspace_bytes()
+
+
+@gpu
+def test_missing_or_small_workspace_is_refused():
+    needs_sm90()
+    x, w1, b1, w2, b2 = make_args("mlp", 16, 1032, 2056, 520, torch.bfloat16, "cuda")
+    out = torch.empty(16, 520, dtype=torch.bfloat16, device="cuda")
+    ws = torch.zeros(4096, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    call = lambda ptr, size: _C.decode_mlp("bf16", 16, 1032, 2056, 520, x.data_ptr(), x.stride(0), w1.data_ptr(),
+                                           w1.stride(0), 0, 0, b1.data_ptr(), 1, w2.data_ptr(), w2.stride(0),
+                                           b2.data_ptr(), 1, out.data_ptr(), out.stride(0), "relu", stream, ptr, size)
+    before = decode_mlp.launch_count()
+    ok, why = call(0, 0)
+    assert not ok and "workspace" in why
+    ok, why = call(ws.data_ptr(), ws.numel())
+    assert not ok and "bytes of workspace" in why
+    assert decode_mlp.launch_count() == before
 
 
 @gpu

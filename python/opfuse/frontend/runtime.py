@@ -61,6 +61,23 @@ def _workspace(device: int, stream: int) -> torch.Tensor:
     return ws
 
 
+_decode_workspaces: dict = {}
+
+
+def decode_mlp_workspace(device: int, stream: int) -> torch.Tensor:
+    """The decode MLP kernel's workspace for (device index, stream): zeroed
+    once on that stream from PyTorch's allocator and kept for the process (the
+    kernel leaves its counters at zero). One per stream, so launches on two
+    streams never share counters; inside CUDA graph capture it comes from the
+    graph's pool and its zeroing is captured before the kernel."""
+    key = (device, stream)
+    ws = _decode_workspaces.get(key)
+    if ws is None:
+        ws = _decode_workspaces[key] = torch.zeros(_C.decode_mlp_workspace_bytes(), dtype=torch.uint8,
+                                                   device=torch.device("cuda", device))
+    return ws
+
+
 def _empty_strided(device: torch.device):
     """(size, stride, dtype) -> a new tensor on `device`'s type, from PyTorch's
     allocator (CUDA: the current device's caching allocator, which the launch
@@ -180,6 +197,7 @@ class FusedPartition(_C.Launcher):
         self._empty = _empty_strided(device)
         # GEMM result buffers allocated as one block (index into the written buffers), CUDA pairs.
         self.paired = [(a - self.n_inputs, b - self.n_inputs) for a, b in compiled.paired_buffers()]
+        self.decode_mlp = cuda and compiled.uses_decode_mlp  # needs decode_mlp_workspace()
         self.slow_calls = 0  # calls that missed every recent layout check (tests, inspection)
 
     def _prepare(self, tensors, key=None) -> _Layout:
@@ -340,8 +358,11 @@ class FusedPartition(_C.Launcher):
         ptrs = [t.data_ptr() for t in tensors]
         ptrs += [b.data_ptr() for b in bufs]
         if self.cuda:
+            dws = decode_mlp_workspace(lay.device, stream) if self.decode_mlp else None
             gemm_kernels, merged = lay.prepared.run(ptrs, stream, _workspace(lay.device, stream).data_ptr(),
-                                                    WORKSPACE_BYTES, torch.backends.cuda.matmul.allow_tf32)
+                                                    WORKSPACE_BYTES, torch.backends.cuda.matmul.allow_tf32,
+                                                    decode_workspace=dws.data_ptr() if dws is not None else 0,
+                                                    decode_workspace_bytes=dws.numel() if dws is not None else 0)
         else:
             everything = [*tensors, *bufs]
             gemms = lay.gemms
