@@ -118,14 +118,15 @@ TensorMap encode_2d(DType dt, const void* ptr, int64_t cols, int64_t rows, int64
 
 std::string Config::tag() const {
   return "b" + std::to_string(bn) + "k" + std::to_string(ks) + "s" + std::to_string(stages) + "g" + std::to_string(kg) +
-         (tensor ? "t" : "");
+         (tensor ? "t" : "") + (no_mma ? "n" : "");
 }
 
 Config Config::parse(const std::string& tag) {
-  static const std::regex re(R"(b(\d+)k(\d+)s(\d+)(?:g(\d+))?(t?))");
+  static const std::regex re(R"(b(\d+)k(\d+)s(\d+)(?:g(\d+))?(t?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re)) throw std::invalid_argument("bad decode MLP config '" + tag + "' (want e.g. b64k256s4g1)");
-  Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), m[4].matched ? std::stoi(m[4]) : 1, m[5].length() > 0};
+  Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), m[4].matched ? std::stoi(m[4]) : 1, m[5].length() > 0,
+           m[6].length() > 0};
   bool ok = c.bn % 32 == 0 && c.bn >= 32 && c.bn <= 256 && c.ks % 32 == 0 && c.ks >= 32 && c.ks <= 2048 &&
             c.stages >= 2 && c.stages <= 8 && c.kg >= 1 && (c.ks / 32) % c.kg == 0 && c.bn / 16 * c.kg <= 16 &&
             (!c.tensor || (c.ks <= 256 && (c.ks / 64) % c.kg == 0)) && smem_bytes(c) <= 227 * 1024;
@@ -156,11 +157,13 @@ std::vector<Config> candidate_configs() {
           Config{32, 512, 4, 2},
           Config{64, 256, 5, 1, true},
           Config{64, 256, 5, 2, true},
-          Config{128, 256, 3, 1, true}};
+          Config{128, 256, 3, 1, true},
+          Config{64, 256, 5, 4, true}};
 }
 
 std::string source(DType dtype, bool gated, const Config& c) {
-  std::string s(decode_mlp_cu);
+  // A diagnostic build ("n"): the consumers wait for each stage and release it without reading it.
+  std::string s = c.no_mma ? std::string("#define OPFUSE_DECODE_NO_MMA 1\n") + decode_mlp_cu : std::string(decode_mlp_cu);
   s += "\nOPFUSE_DECODE_MLP_ENTRY(" + std::string(kEntryName) + ", " + elem_name(dtype) + ", " + (gated ? "true" : "false") +
        ", " + std::to_string(c.bn) + ", " + std::to_string(c.ks) + ", " + std::to_string(c.stages) + ", " +
        std::to_string(c.kg) + ", " + (c.tensor ? "true" : "false") + ")\n";
@@ -243,7 +246,7 @@ bool try_run(const Args& a, std::string* why) {
   const bool gated = a.activation == "silu_gate";
 
   static std::map<CUcontext, DevInfo> devices;
-  static std::map<std::tuple<CUcontext, DType, bool, int, int, int, int, bool>, LoadedFn> functions;
+  static std::map<std::tuple<CUcontext, DType, bool, std::string>, LoadedFn> functions;
   Config cfg;
   CUfunction fn = nullptr;
   int grid = 0;
@@ -263,7 +266,7 @@ bool try_run(const Args& a, std::string* why) {
     }
     const char* forced = std::getenv("OPFUSE_DECODE_MLP_CONFIG");
     cfg = forced && *forced ? Config::parse(forced) : Config{};
-    LoadedFn& lf = functions[{ctx, a.dtype, gated, cfg.bn, cfg.ks, cfg.stages, cfg.kg, cfg.tensor}];
+    LoadedFn& lf = functions[{ctx, a.dtype, gated, cfg.tag()}];
     if (!lf.failed.empty()) {
       g_error = lf.failed;
       if (why) *why = lf.failed;

@@ -93,10 +93,13 @@ struct Args {
 // BN weight rows and KS values of k per ring stage, STAGES stages, KG
 // groups of consumer warps splitting each stage's k; `tensor`: each stage
 // arrives as tensor-map boxes instead of one bulk copy per row. Tag form
-// "b64k256s4g1", "t" appended for tensor (the g part may be left out: 1).
+// "b64k256s4g1", "t" appended for tensor (the g part may be left out: 1),
+// then "n" for no_mma: a diagnostic build whose consumers release each stage
+// unread (wrong results; it times the copies, barriers and tile ends alone).
 struct Config {
   int bn = 32, ks = 1024, stages = 2, kg = 4;  // the fastest measured (decode_mlp_launcher.cpp)
   bool tensor = false;
+  bool no_mma = false;
   std::string tag() const;
   static Config parse(const std::string& tag);  // throws std::invalid_argument
   bool operator==(const Config&) const = default;

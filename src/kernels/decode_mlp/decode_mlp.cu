@@ -648,6 +648,9 @@ struct Kernel {
         const int kl = ph[q].klen - ch * KS < KS ? ph[q].klen - ch * KS : KS;
         const int slot = i % STAGES;
         mbar_wait(full_bar(slot), static_cast<u32>((i / STAGES) & 1));
+#ifdef OPFUSE_DECODE_NO_MMA
+        if (false)  // diagnostic build (config tag "...n"): the stage is released unread
+#endif
         if (TM) compute_tm(acc, slot);  // the boxes are whole: k past K arrived as zeros
         else if (kl == KS) compute<false>(acc, slot, kl);
         else compute<true>(acc, slot, kl);
