@@ -97,7 +97,7 @@ struct Args {
 // then "n" for no_mma: a diagnostic build whose consumers release each stage
 // unread (wrong results; it times the copies, barriers and tile ends alone).
 struct Config {
-  int bn = 32, ks = 1024, stages = 2, kg = 4;  // the fastest measured (decode_mlp_launcher.cpp)
+  int bn = 32, ks = 1024, stages = 2, kg = 4;  // the fields' defaults; the launcher's default is default_config()
   bool tensor = false;
   bool no_mma = false;
   std::string tag() const;
@@ -105,6 +105,9 @@ struct Config {
   bool operator==(const Config&) const = default;
   int threads() const { return (bn / 16 * kg + 1) * 32; }
 };
+// The config launches use unless OPFUSE_DECODE_MLP_CONFIG names one
+// (decode_mlp_launcher.cpp says why).
+Config default_config();
 // Dynamic shared memory of a config (the kernel's Layout<>::kBytes).
 int smem_bytes(const Config& c);
 // Every config tested and benchmarked (the instantiations CI compiles).

@@ -25,7 +25,7 @@
 //
 // Design:
 // - Work unit = one stage: BN weight rows x KS values of k (BN * KS * 2
-//   bytes, 64 KB at the default b32k1024s2g4) plus the matching [M, KS] slice of the
+//   bytes, 32 KB at the default b64k256s5g2t) plus the matching [M, KS] slice of the
 //   activation (x in phase 1, h in phase 2). Phase p has tiles_p * kc_p
 //   stages (tile = BN rows; GATED: BN / 2 rows of w1 and the same rows of
 //   w3, so the gate product is formed on chip; kc = K / KS chunks). Each CTA
