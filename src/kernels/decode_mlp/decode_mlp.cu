@@ -534,26 +534,43 @@ struct Kernel {
     }
   }
 
-  // The epilogue of one output value of a finished tile, from the tile buffer.
+  // Elements of a [16, BN] tile a consumer thread takes at a tile end
+  // (thread i takes i, i + CT, ...).
+  static constexpr int kPer = (16 * BN + CT - 1) / CT;
+
+  // The epilogue of a finished tile, from the tile buffer. Each thread first
+  // loads the biases of all its elements, then stores: the compiler may not
+  // move a bias load above an earlier element's h or out store (both 16-bit
+  // pointers), and one L2 round trip per element stalled the consumers at
+  // every tile end while the ring drained (docs/perf-notes.md, gemm-4).
   __device__ __forceinline__ void finish_tile(int q, int t) const {
     const float* tb = tile_buf();
     const int rows = ph[q].rows, vr = valid_rows(q, t);
-    for (int i = threadIdx.x; i < 16 * rows; i += CT) {
-      const int m = i / rows, j = i - m * rows;
-      if (m >= p.m || j >= vr) continue;
+    const u16* bias = q == 0 ? (GATED ? nullptr : static_cast<const u16*>(p.b1)) : static_cast<const u16*>(p.b2);
+    const i64 bias_stride = q == 0 ? p.b1_stride : p.b2_stride;
+    float b[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int i = static_cast<int>(threadIdx.x) + u * CT, m = i / rows, j = i - m * rows;
+      b[u] = bias && i < 16 * rows && m < p.m && j < vr ? to_float(E{}, bias[(t * rows + j) * bias_stride]) : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int i = static_cast<int>(threadIdx.x) + u * CT, m = i / rows, j = i - m * rows;
+      if (i >= 16 * rows || m >= p.m || j >= vr) continue;
       float v = tb[m * L::kTilePitch + j];
       const int col = t * rows + j;
       if (q == 0) {
         if (GATED) {
           v = silu(v) * tb[m * L::kTilePitch + rows + j];
         } else {
-          if (p.b1) v += to_float(E{}, static_cast<const u16*>(p.b1)[col * p.b1_stride]);
+          if (bias) v += b[u];
           if (p.act == 1) v = v < 0.0f ? 0.0f : v;  // NaN stays NaN, as torch.relu
           else if (p.act == 2) v = gelu_tanh(v);
         }
         static_cast<u16*>(p.h)[m * p.ldh + col] = from_float(E{}, v);
       } else {
-        if (p.b2) v += to_float(E{}, static_cast<const u16*>(p.b2)[col * p.b2_stride]);
+        if (bias) v += b[u];
         static_cast<u16*>(p.out)[m * p.ldo + col] = from_float(E{}, v);
       }
     }
@@ -618,11 +635,27 @@ struct Kernel {
       consumers_sync(CT);
       if (!*flag()) return;
       // The last CTA of the tile adds every slot in CTA order (deterministic).
-      for (int i = threadIdx.x; i < 16 * BN; i += CT) {
-        float v = 0.0f;
-        for (int c = first; c <= last; ++c)
-          if (takes_part(c)) v += ld_cg(slot_of(c) + i);
-        tb[(i / BN) * L::kTilePitch + i % BN] = v;
+      // A thread loads one slot's values of all its elements at once, so a
+      // slot costs one L2 round trip, not one per element (gemm-4).
+      float v[kPer];
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) v[u] = 0.0f;
+      for (int c = first; c <= last; ++c) {
+        if (!takes_part(c)) continue;
+        const float* src = slot_of(c);
+        float x[kPer];
+#pragma unroll
+        for (int u = 0; u < kPer; ++u) {
+          const int i = static_cast<int>(threadIdx.x) + u * CT;
+          x[u] = i < 16 * BN ? ld_cg(src + i) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < kPer; ++u) v[u] += x[u];
+      }
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int i = static_cast<int>(threadIdx.x) + u * CT;
+        if (i < 16 * BN) tb[(i / BN) * L::kTilePitch + i % BN] = v[u];
       }
       consumers_sync(CT);
     }
