@@ -266,16 +266,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
   auto load_kv = [&]() {
     const char* k_thr = (const char*)p.k + 2 * (batch * p.k_batch_stride + head_kv * p.k_head_stride + ld_ch * 8);
     const char* v_thr = (const char*)p.v + 2 * (batch * p.v_batch_stride + head_kv * p.v_head_stride + ld_ch * 8);
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / kRowsPerPass; ++i) {
-      const int row = n0 + ld_row + i * kRowsPerPass;
-      const bool valid = row < Sk;
-      const int r = valid ? row : 0;
-      if (ld_lane) {
-        cp_async_16(sK + ld_soff + i * kRowsPerPass * kSB, k_thr + 2 * r * p.k_row_stride, valid);
-        cp_async_16(sV + ld_soff + i * kRowsPerPass * kSB, v_thr + 2 * r * p.v_row_stride, valid);
-      }
-    }
+    cp_async_row_pair<BLOCK_N, kRowsPerPass, kSB>(sK + ld_soff, sV + ld_soff, k_thr, p.k_row_stride, v_thr,
+                                                  p.v_row_stride, n0 + ld_row, Sk, ld_lane);
   };
   auto load_q = [&](int h, int m_block, int stage) {
     const u32 sQ = sStage0 + stage * Tile::kStageBytes;
@@ -287,16 +279,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
     const char* q_thr = (const char*)p.q + 2 * (b * p.q_batch_stride + h * p.q_head_stride + ld_ch * 8);
     const char* g_thr = (const char*)p.dout + 2 * (b * p.do_batch_stride + h * p.do_head_stride + ld_ch * 8);
     const int m0 = m_block * BLOCK_M;
-#pragma unroll
-    for (int i = 0; i < BLOCK_M / kRowsPerPass; ++i) {
-      const int row = m0 + ld_row + i * kRowsPerPass;
-      const bool valid = row < Sq;
-      const int r = valid ? row : 0;
-      if (ld_lane) {
-        cp_async_16(sQ + ld_soff + i * kRowsPerPass * kSB, q_thr + 2 * r * p.q_row_stride, valid);
-        cp_async_16(sdO + ld_soff + i * kRowsPerPass * kSB, g_thr + 2 * r * p.do_row_stride, valid);
-      }
-    }
+    cp_async_row_pair<BLOCK_M, kRowsPerPass, kSB>(sQ + ld_soff, sdO + ld_soff, q_thr, p.q_row_stride, g_thr,
+                                                  p.do_row_stride, m0 + ld_row, Sq, ld_lane);
     // LSE2 and Delta: BLOCK_M floats each from the padded workspaces (no bounds).
     const i64 ws = ((i64)b * p.heads_q + h) * p.seqlen_q_pad + m0;
     if (tid < BLOCK_M / 4) {
@@ -657,16 +641,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
   auto load_qdo = [&]() {
     const char* q_thr = (const char*)p.q + 2 * (batch * p.q_batch_stride + head * p.q_head_stride + ld_ch * 8);
     const char* g_thr = (const char*)p.dout + 2 * (batch * p.do_batch_stride + head * p.do_head_stride + ld_ch * 8);
-#pragma unroll
-    for (int i = 0; i < BLOCK_M / kRowsPerPass; ++i) {
-      const int row = m0 + ld_row + i * kRowsPerPass;
-      const bool valid = row < Sq;
-      const int r = valid ? row : 0;
-      if (ld_lane) {
-        cp_async_16(sQ + ld_soff + i * kRowsPerPass * kSB, q_thr + 2 * r * p.q_row_stride, valid);
-        cp_async_16(sdO + ld_soff + i * kRowsPerPass * kSB, g_thr + 2 * r * p.do_row_stride, valid);
-      }
-    }
+    cp_async_row_pair<BLOCK_M, kRowsPerPass, kSB>(sQ + ld_soff, sdO + ld_soff, q_thr, p.q_row_stride, g_thr,
+                                                  p.do_row_stride, m0 + ld_row, Sq, ld_lane);
   };
   auto load_kv = [&](int n_block, int stage) {
     const u32 sK = sKV + stage * 2 * Tile::kKVBytes + ld_soff;
@@ -674,16 +650,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
     const int b = opaque32(batch), hk = opaque32(head_kv);
     const char* k_thr = (const char*)p.k + 2 * (b * p.k_batch_stride + hk * p.k_head_stride + ld_ch * 8);
     const char* v_thr = (const char*)p.v + 2 * (b * p.v_batch_stride + hk * p.v_head_stride + ld_ch * 8);
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / kRowsPerPass; ++i) {
-      const int row = n_block * BLOCK_N + ld_row + i * kRowsPerPass;
-      const bool valid = row < Sk;
-      const int r = valid ? row : 0;
-      if (ld_lane) {
-        cp_async_16(sK + i * kRowsPerPass * kSB, k_thr + 2 * r * p.k_row_stride, valid);
-        cp_async_16(sV + i * kRowsPerPass * kSB, v_thr + 2 * r * p.v_row_stride, valid);
-      }
-    }
+    cp_async_row_pair<BLOCK_N, kRowsPerPass, kSB>(sK, sV, k_thr, p.k_row_stride, v_thr, p.v_row_stride,
+                                                  n_block * BLOCK_N + ld_row, Sk, ld_lane);
   };
 
   const int row_a = frag_row_a(lane), col_a = frag_col_a(lane);
