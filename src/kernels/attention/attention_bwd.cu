@@ -124,6 +124,37 @@ __device__ __forceinline__ const char* elem_ptr(const void* base, i64 b, i64 bs,
   return (const char*)base + 2 * (b * bs + h * hs + r * rs);
 }
 
+// Two products of one warp's 16 rows at once, from scratch: x = X Bx^T and
+// y = Y By^T over HEAD_DIM (S and dP in both kernels: K Q^T and V dO^T for
+// dK dV, Q K^T and dO V^T for dQ). a_* address this lane's ldmatrix rows of
+// X and Y, b_* its rows of Bx and By (NT * 8 of them, SB bytes apart by 16).
+// Interleaving the two keeps each A fragment in registers across all of
+// the columns.
+template <typename Ops, int HEAD_DIM, int NT, int SB>
+__device__ __forceinline__ void mma_pair_from_zero(float (&x)[NT][4], float (&y)[NT][4], u32 a_x, u32 a_y, u32 b_x,
+                                                   u32 b_y) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[nt][e] = y[nt][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+    u32 ax[4], ay[4];
+    ldmatrix_x4(ax, a_x + ks * 32);
+    ldmatrix_x4(ay, a_y + ks * 32);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      u32 bx[4], by[4];
+      ldmatrix_x4(bx, b_x + np * 16 * SB + ks * 32);
+      Ops::mma(x[2 * np], ax, bx[0], bx[1]);
+      Ops::mma(x[2 * np + 1], ax, bx[2], bx[3]);
+      ldmatrix_x4(by, b_y + np * 16 * SB + ks * 32);
+      Ops::mma(y[2 * np], ay, by[0], by[1]);
+      Ops::mma(y[2 * np + 1], ay, by[2], by[3]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // 1. Preprocess: Delta, LSE in log2 units, zeroed dQ accumulator
 // ---------------------------------------------------------------------------
@@ -350,26 +381,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
 
     // S^T = K Q^T and dP^T = V dO^T for 16 keys x kQC queries
     float acc_s[kQC / 8][4], acc_dp[kQC / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kQC / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      u32 ak[4], av[4];
-      ldmatrix_x4(ak, sK + kv_a_lane + ks * 32);
-      ldmatrix_x4(av, sV + kv_a_lane + ks * 32);
-#pragma unroll
-      for (int np = 0; np < kQC / 16; ++np) {
-        u32 bq[4], bd[4];
-        ldmatrix_x4(bq, sQ + qd_b_lane + np * 16 * kSB + ks * 32);
-        Ops::mma(acc_s[2 * np], ak, bq[0], bq[1]);
-        Ops::mma(acc_s[2 * np + 1], ak, bq[2], bq[3]);
-        ldmatrix_x4(bd, sdO + qd_b_lane + np * 16 * kSB + ks * 32);
-        Ops::mma(acc_dp[2 * np], av, bd[0], bd[1]);
-        Ops::mma(acc_dp[2 * np + 1], av, bd[2], bd[3]);
-      }
-    }
+    mma_pair_from_zero<Ops, HEAD_DIM, kQC / 8, kSB>(acc_s, acc_dp, sK + kv_a_lane, sV + kv_a_lane, sQ + qd_b_lane,
+                                                   sdO + qd_b_lane);
 
     // P^T = exp2(S^T * scale * log2 e - LSE2) (0 past the diagonal), dS^T = P^T (dP^T - Delta)
     const int key_l = kg * 16 + (lane >> 2);  // local key of e = 0, 1; +8 for e = 2, 3
@@ -694,26 +707,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
     const u32 sV = sK + Tile::kKVBytes;
 
     float acc_s[kNT][4], acc_dp[kNT][4];
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      u32 aq[4], ag[4];
-      ldmatrix_x4(aq, sQ + a_lane + ks * 32);
-      ldmatrix_x4(ag, sdO + a_lane + ks * 32);
-#pragma unroll
-      for (int np = 0; np < kNT / 2; ++np) {
-        u32 bk[4], bv[4];
-        ldmatrix_x4(bk, sK + b_lane + np * 16 * kSB + ks * 32);
-        Ops::mma(acc_s[2 * np], aq, bk[0], bk[1]);
-        Ops::mma(acc_s[2 * np + 1], aq, bk[2], bk[3]);
-        ldmatrix_x4(bv, sV + b_lane + np * 16 * kSB + ks * 32);
-        Ops::mma(acc_dp[2 * np], ag, bv[0], bv[1]);
-        Ops::mma(acc_dp[2 * np + 1], ag, bv[2], bv[3]);
-      }
-    }
+    mma_pair_from_zero<Ops, HEAD_DIM, kNT, kSB>(acc_s, acc_dp, sQ + a_lane, sdO + a_lane, sK + b_lane, sV + b_lane);
 
     const int col0 = n_block * BLOCK_N + 2 * (lane & 3);
     constexpr int kMaskMode = Mask::kMode;
