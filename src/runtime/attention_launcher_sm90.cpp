@@ -92,13 +92,13 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
          (pingpong ? "p" : "") + (overlap ? "o" : "") + (skip ? "k" : "") + (pairs ? "l" : "") +
-         (persistent ? "" : "n");
+         (desc ? "d" : "") + (persistent ? "" : "n");
 }
 
 bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
 
 AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
-  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(n?))");
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
     throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
@@ -110,7 +110,8 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.overlap = m[5].length() > 0;
   t.skip = m[6].length() > 0;
   t.pairs = m[7].length() > 0;
-  t.persistent = m[8].length() == 0;
+  t.desc = m[8].length() > 0;
+  t.persistent = m[9].length() == 0;
   return t;
 }
 

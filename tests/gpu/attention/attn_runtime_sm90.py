@@ -41,11 +41,12 @@ class Sm90Config:
     overlap: bool = False  # OPTS kOptOverlap: the next tile's first S goes out before this tile's epilogue
     skip: bool = False  # OPTS kOptSkip: a consumer skips the key blocks none of its rows see
     pairs: bool = False  # OPTS kOptPairs: causal tiles handed out in pairs (x, num_m - 1 - x) of one head
+    desc: bool = False  # OPTS kOptDesc: wgmma descriptors as the first one plus constant offsets
 
     @property
     def opts(self) -> int:
         """The kernel's OPTS template argument."""
-        return (1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0)
+        return (1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0) | (8 if self.desc else 0)
 
     @property
     def block_m(self) -> int:
@@ -57,16 +58,16 @@ class Sm90Config:
 
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
-                f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}"
+                f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}{'d' if self.desc else ''}"
                 f"{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(n?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(8),
-                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(9),
+                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)))
 
     def grid(self, seqlen_q: int, heads_q: int, batch: int, num_sms: int):
         tiles = -(-seqlen_q // self.block_m) * heads_q * batch
@@ -87,10 +88,15 @@ DEFAULT_SM90 = {
     (128, False): Sm90Config(128, 2, 2, True),
     (128, True): Sm90Config(128, 2, 2, True, pairs=True),
 }
+# Branch attn-fwd-4: "d" (descriptors by offset) on the defaults, and 176-key
+# blocks at D = 128 (FlashAttention-3's non-causal tile width; one Q buffer).
 VARIANT_SM90 = {
-    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True)],
+    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True),
+         Sm90Config(128, 3, 4, True, desc=True), Sm90Config(128, 3, 4, True, pairs=True, desc=True)],
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
-          Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True)],
+          Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True),
+          Sm90Config(128, 2, 2, True, desc=True), Sm90Config(128, 2, 2, True, pairs=True, desc=True),
+          Sm90Config(176, 2, 2, True, desc=True)],
 }
 
 
