@@ -81,31 +81,33 @@ class Sm90Config:
 # docs/attention.md, "Hopper"). Causal: the pairs schedule (tag "l"), which
 # beat that order in the same H200 run (commit 9af5955) at D = 128 by 15% /
 # 7% / 3% (S = 2048 / 8192 / 16384) and at D = 64 by 5% at S = 2048 (+1% /
-# -0.4% at S = 8192 / 16384, a tie).
+# -0.4% at S = 8192 / 16384, a tie). Non-causal: descriptors by offset (tag
+# "d"), 1.0-1.8% faster than the plain tile in all four non-causal cases of
+# the H200 run at 487e149 (inside the two rounds' spreads; causal lost
+# 0.2-1% with it, so causal keeps "pl").
 DEFAULT_SM90 = {
-    (64, False): Sm90Config(128, 3, 4, True),
+    (64, False): Sm90Config(128, 3, 4, True, desc=True),
     (64, True): Sm90Config(128, 3, 4, True, pairs=True),
-    (128, False): Sm90Config(128, 2, 2, True),
+    (128, False): Sm90Config(128, 2, 2, True, desc=True),
     (128, True): Sm90Config(128, 2, 2, True, pairs=True),
 }
-# Branch attn-fwd-4: "d" (descriptors by offset) on the defaults, and 176-key
-# blocks at D = 128 (FlashAttention-3's non-causal tile width; one Q buffer).
+# The previous non-causal defaults, the overlap options, and (branch
+# attn-fwd-4) 176-key blocks at D = 128: FlashAttention-3's non-causal tile
+# width, one Q buffer; 6% slower at S = 2048, a tie at 8192 (487e149).
 VARIANT_SM90 = {
-    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True),
-         Sm90Config(128, 3, 4, True, desc=True), Sm90Config(128, 3, 4, True, pairs=True, desc=True)],
+    64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True)],
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
           Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True),
-          Sm90Config(128, 2, 2, True, desc=True), Sm90Config(128, 2, 2, True, pairs=True, desc=True),
           Sm90Config(176, 2, 2, True, desc=True)],
 }
 
 
 def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
-    """With an attn_mask, the tile without the pairs schedule: pairs on top of
-    a mask spilled 16-28 bytes (D = 128, causal, key padding) where the
-    plain tile spills none (C++: attn_sm90_default_tile)."""
+    """With an attn_mask, the plain tile: pairs on top of a mask spilled
+    16-28 bytes (D = 128, causal, key padding) where the plain tile spills
+    none; "d" was not measured with a mask (C++: attn_sm90_default_tile)."""
     cfg = DEFAULT_SM90[(head_dim, bool(causal))]
-    return dataclasses.replace(cfg, pairs=False) if masked else cfg
+    return dataclasses.replace(cfg, pairs=False, desc=False) if masked else cfg
 
 
 def configs_sm90(head_dim: int):
