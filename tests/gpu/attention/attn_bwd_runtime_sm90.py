@@ -40,8 +40,10 @@ def source() -> str:
 DQ_SUFFIX = {0: "", 1: "q", 2: "w"}
 # OPTS of the kernel (a bit set, BwdSm90Tile): 1 early dK, 2 deferred dQ (no
 # per-block barrier of the two consumers), 4 staggered consumers (with 2), 8
-# red.global.add.v4 for dQ (mode 0). Tag suffix "_" + their letters, e.g. wgb64s2w_kd.
-OPT_LETTERS = {1: "k", 2: "d", 4: "t", 8: "v"}
+# red.global.add.v4 for dQ (mode 0), 16 the next block's S^T issued before
+# the dQ epilogue (not with 2), 32 wgmma descriptors as base + constant offset.
+# Tag suffix "_" + their letters, e.g. wgb64s2w_kd, wgb64s2w_ou.
+OPT_LETTERS = {1: "k", 2: "d", 4: "t", 8: "v", 16: "o", 32: "u"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +59,7 @@ class BwdSm90Config:
 
     @staticmethod
     def parse(tag: str) -> "BwdSm90Config":
-        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdtv]+))?", tag)
+        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdtvou]+))?", tag)
         if not m:
             raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2w, wgb64s2w_kd)")
         mode = {v: k for k, v in DQ_SUFFIX.items()}[m.group(3)]
@@ -93,9 +95,12 @@ BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
 DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[2][128]}
 # Schedule options at D = 128 (OPT_LETTERS; docs/attention.md, "Hopper
 # backward"), with dQ modes 0 and 2, for the A/B runs.
-VARIANTS = {64: [BwdSm90Config(128, 2, 0)],
+# Branch attn-bwd-4: "o" (the next block's S^T under the dQ epilogue; at D = 64
+# it spills 20 bytes, so D = 128 only) and "u" (cheap wgmma descriptors).
+VARIANTS = {64: [BwdSm90Config(128, 2, 0), BwdSm90Config.parse("wgb128s3_u")],
             128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128]] +
-                 [BwdSm90Config.parse(t) for t in ("wgb64s2_kdt", "wgb64s2_kdtv", "wgb64s2w_kdt")]}
+                 [BwdSm90Config.parse(t) for t in ("wgb64s2_kdt", "wgb64s2_kdtv", "wgb64s2w_kdt", "wgb64s2w_o",
+                                                   "wgb64s2w_u", "wgb64s2w_ou")]}
 
 
 def default(d: int) -> BwdSm90Config:
