@@ -49,9 +49,9 @@ bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
 
 std::string AttnBwdSm90Tile::tag() const {
   static const char* const kSuffix[] = {"", "q", "w"};
-  static const char kOptLetters[] = "kdtvou";  // OPTS bits 1, 2, 4, 8, 16, 32
+  static const char kOptLetters[] = "kdtvoub";  // OPTS bits 1, 2, 4, 8, 16, 32, 64
   std::string letters;
-  for (int b = 0; b < 6; ++b)
+  for (int b = 0; b < 7; ++b)
     if (opts & (1 << b)) letters += kOptLetters[b];
   return "wgb" + std::to_string(block_m) + "s" + std::to_string(stages) + kSuffix[dq_mode] +
          (letters.empty() ? "" : "_" + letters);

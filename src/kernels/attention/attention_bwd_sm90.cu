@@ -165,7 +165,14 @@ enum { kDqRed = 0, kDqBulk = 1, kDqWriter = 2 };
 //   make_desc from the full address at every HGMMA (about 12 integer and
 //   uniform-register instructions per HGMMA in the SASS at d68063d, 32 HGMMA
 //   a block: about half of a consumer warp's ~790 instructions a block).
-enum { kOptEarlyDK = 1, kOptDeferDQ = 2, kOptStagger = 4, kOptRedV4 = 8, kOptOverlapS = 16, kOptCheapDesc = 32 };
+// - kOptDqSwizzle ("b", dQ mode 2): the two rows of a staging pair lie 512 bytes
+//   apart, i.e. on the same banks, and a 64-bit store is served a half-warp (4
+//   rows) at a time, so every dQ st.shared.v2 took 4 wavefronts instead of 2
+//   (ncu at edc04eb: 2x excess on all 16 per thread and block). With "b" a
+//   thread of an odd row stores its column chunks in the order j ^ 2, which puts
+//   the 4 rows of a half-warp on 4 different groups of 8 banks.
+enum { kOptEarlyDK = 1, kOptDeferDQ = 2, kOptStagger = 4, kOptRedV4 = 8, kOptOverlapS = 16, kOptCheapDesc = 32,
+       kOptDqSwizzle = 64 };
 
 template <int HEAD_DIM, int BLOCK_M, int STAGES, int DQ_MODE = kDqRed, int OPTS = 0>
 struct BwdSm90Tile {
@@ -185,6 +192,7 @@ struct BwdSm90Tile {
   static constexpr bool kRedV4 = (OPTS & kOptRedV4) != 0;
   static constexpr bool kOverlapS = (OPTS & kOptOverlapS) != 0;
   static constexpr bool kCheapDesc = (OPTS & kOptCheapDesc) != 0;
+  static constexpr bool kDqSwizzle = (OPTS & kOptDqSwizzle) != 0;
   // Both consumers read each dS^T buffer: two, so that one barrier per block
   // suffices. Deferred dQ: consumer w stores dS^T(i) while the other may still
   // read dS^T(i - 3) (its dQ(i - 3), finished in its iteration i - 2); w knows
@@ -248,8 +256,9 @@ struct BwdSm90Tile {
   static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
   static_assert(DQ_MODE >= kDqRed && DQ_MODE <= kDqWriter, "DQ_MODE 0, 1 or 2");
   static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
-  static_assert(OPTS >= 0 && OPTS < 64,
-                "OPTS: bits kOptEarlyDK, kOptDeferDQ, kOptStagger, kOptRedV4, kOptOverlapS, kOptCheapDesc");
+  static_assert(OPTS >= 0 && OPTS < 128,
+                "OPTS: bits kOptEarlyDK, kOptDeferDQ, kOptStagger, kOptRedV4, kOptOverlapS, kOptCheapDesc, kOptDqSwizzle");
+  static_assert(!kDqSwizzle || (DQ_MODE == kDqWriter && kDqN % 32 == 0), "dQ staging order: mode 2, 4+ chunks");
   static_assert(!kOverlapS || !kDeferDQ, "the early S^T replaces the deferred dQ's schedule (not combined)");
   static_assert(!kRedV4 || DQ_MODE == kDqRed, "v4 reductions: dQ mode 0");
   static_assert(!kDeferDQ || (BLOCK_M == 64 && DQ_MODE != kDqBulk), "deferred dQ: BLOCK_M = 64, dQ mode 0 or 2");
@@ -436,13 +445,31 @@ __global__ void __launch_bounds__(384, 1)
       if constexpr (Tile::kDqWriterThread) {
         // Into the block's staging tile once the writer has read the previous one.
         mbar_wait(bar_dq_empty, (b & 1) ^ 1);
+        if constexpr (Tile::kDqSwizzle) {
+          // "b": an odd row stores chunk j ^ 2 in step j, i.e. at 32 (j ^ 2) =
+          // 32 j + 64 (j & 2 ? -1 : 1) bytes: two bases per row and immediate
+          // offsets; its values come through a select of two registers.
+          const bool odd = (lane >> 2) & 1;  // the parity of dq_row0 + r0 + 8 h
 #pragma unroll
-        for (int j = 0; j < Tile::kDqN / 8; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const int row = dq_row0 + r0 + 8 * h;
+            const u32 row_addr = sDQ + (row >> 1) * Tile::kDqPairBytes + (row & 1) * HEAD_DIM * 4 + (dq_col0 + c0) * 4;
+            const u32 base_j02 = row_addr + (odd ? 64u : 0u), base_j13 = row_addr - (odd ? 64u : 0u);
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            st_shared_f32x2(sDQ + ((dq_row0 + r0 + 8 * h) >> 1) * Tile::kDqPairBytes +
-                                ((dq_row0 + r0 + 8 * h) & 1) * HEAD_DIM * 4 + (dq_col0 + 8 * j + c0) * 4,
-                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+            for (int j = 0; j < Tile::kDqN / 8; ++j)
+              st_shared_f32x2(((j & 2) ? base_j13 : base_j02) + 32 * j,
+                              odd ? acc_dq[4 * (j ^ 2) + 2 * h] : acc_dq[4 * j + 2 * h],
+                              odd ? acc_dq[4 * (j ^ 2) + 2 * h + 1] : acc_dq[4 * j + 2 * h + 1]);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              st_shared_f32x2(sDQ + ((dq_row0 + r0 + 8 * h) >> 1) * Tile::kDqPairBytes +
+                                  ((dq_row0 + r0 + 8 * h) & 1) * HEAD_DIM * 4 + (dq_col0 + 8 * j + c0) * 4,
+                              acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+        }
         fence_proxy_async_smem();
         syncwarp();
         if (lane == 0) mbar_arrive(bar_dq_full);

@@ -41,9 +41,10 @@ DQ_SUFFIX = {0: "", 1: "q", 2: "w"}
 # OPTS of the kernel (a bit set, BwdSm90Tile): 1 early dK, 2 deferred dQ (no
 # per-block barrier of the two consumers), 4 staggered consumers (with 2), 8
 # red.global.add.v4 for dQ (mode 0), 16 the next block's S^T issued before
-# the dQ epilogue (not with 2), 32 wgmma descriptors as base + constant offset.
+# the dQ epilogue (not with 2), 32 wgmma descriptors as base + constant offset,
+# 64 (mode 2) dQ staging stores without bank conflicts.
 # Tag suffix "_" + their letters, e.g. wgb64s2w_kd, wgb64s2w_ou.
-OPT_LETTERS = {1: "k", 2: "d", 4: "t", 8: "v", 16: "o", 32: "u"}
+OPT_LETTERS = {1: "k", 2: "d", 4: "t", 8: "v", 16: "o", 32: "u", 64: "b"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ class BwdSm90Config:
 
     @staticmethod
     def parse(tag: str) -> "BwdSm90Config":
-        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdtvou]+))?", tag)
+        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdtvoub]+))?", tag)
         if not m:
             raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2w, wgb64s2w_kd)")
         mode = {v: k for k, v in DQ_SUFFIX.items()}[m.group(3)]
@@ -100,7 +101,8 @@ DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[2][128]}
 VARIANTS = {64: [BwdSm90Config(128, 2, 0), BwdSm90Config.parse("wgb128s3_u")],
             128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128]] +
                  [BwdSm90Config.parse(t) for t in ("wgb64s2_kdt", "wgb64s2_kdtv", "wgb64s2w_kdt", "wgb64s2w_o",
-                                                   "wgb64s2w_u", "wgb64s2w_ou")]}
+                                                   "wgb64s2w_u", "wgb64s2w_ou", "wgb64s2w_b",
+                                                   "wgb64s2w_ub")]}
 
 
 def default(d: int) -> BwdSm90Config:
