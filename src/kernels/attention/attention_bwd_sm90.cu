@@ -160,11 +160,14 @@ enum { kDqRed = 0, kDqBulk = 1, kDqWriter = 2 };
 //   to the producer at the same point (dQ reads only dS^T and K). At the last
 //   block a dropped S^T reads whatever the next stage holds (a wgmma under a
 //   branch made ptxas serialise them: see the deferred dQ's note below).
+//   Measured 1-2% slower (H200 at edc04eb): ncu showed the consumers waiting
+//   on the tensor pipe only ~12% of their time, so the drain it removes is
+//   short, and the loop body must start with the early S^T complete.
 // - kOptCheapDesc ("u"): wgmma descriptors as one base per tile plus the
 //   compile-time offset of each k-step in the address field, instead of
-//   make_desc from the full address at every HGMMA (about 12 integer and
-//   uniform-register instructions per HGMMA in the SASS at d68063d, 32 HGMMA
-//   a block: about half of a consumer warp's ~790 instructions a block).
+//   make_desc from the full address at every HGMMA (12-15 integer and
+//   uniform-register instructions per HGMMA in the SASS at d68063d): 704 to
+//   566 instructions per consumer warp and block in the loop (ncu at edc04eb).
 // - kOptDqSwizzle ("b", dQ mode 2): the two rows of a staging pair lie 512 bytes
 //   apart, i.e. on the same banks, and a 64-bit store is served a half-warp (4
 //   rows) at a time, so every dQ st.shared.v2 took 4 wavefronts instead of 2
