@@ -161,8 +161,9 @@ enum { kDqRed = 0, kDqBulk = 1, kDqWriter = 2 };
 //   block a dropped S^T reads whatever the next stage holds (a wgmma under a
 //   branch made ptxas serialise them: see the deferred dQ's note below).
 //   Measured 1-2% slower (H200 at edc04eb): ncu showed the consumers waiting
-//   on the tensor pipe only ~12% of their time, so the drain it removes is
-//   short, and the loop body must start with the early S^T complete.
+//   on wgmma only ~20% of their time (the wait 12%, HGMMA issue 9%), so the
+//   drain it removes is short, and the loop body must start with the early S^T
+//   complete.
 // - kOptCheapDesc ("u"): wgmma descriptors as one base per tile plus the
 //   compile-time offset of each k-step in the address field, instead of
 //   make_desc from the full address at every HGMMA (12-15 integer and
