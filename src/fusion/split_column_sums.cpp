@@ -18,6 +18,7 @@
 // the planner allows (OPFUSE_COLUMN_PARTIALS_WIDE=1): the row kernel then
 // splits each row over a cluster of blocks on sm_90, 8 columns a thread.
 #include <algorithm>
+#include <cstdlib>
 
 #include "fusion/passes.h"
 #include "ir/ops.h"
@@ -47,8 +48,17 @@ bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
 // over 8192 elements take a cluster of up to 8 blocks each: 64 parts (512
 // blocks, two waves of 2 x 132), so the partials stay a few percent of the
 // traffic (64 x 32768 floats x 2, against 1 GB of dy and x at 8192 rows).
+// OPFUSE_COLUMN_PARTS=n (at most rows / 8) sets the parts of rows up to 8192
+// elements, to measure the partials' traffic (1024 x 4096 x 2 floats written
+// and read again at 32768x4096, 8% of the floor) against the blocks in
+// flight. Lane groups need a multiple of their rows a block, unless a block
+// writes one part (OPFUSE_ROW_BLOCK_PARTIALS=1).
 int64_t parts_for(int64_t rows, int64_t cols) {
   if (cols > 8192) return 64;
+  if (const char* e = std::getenv("OPFUSE_COLUMN_PARTS"); e && *e) {
+    int64_t n = std::atoll(e);
+    if (n >= 1 && n * 8 <= rows) return n;
+  }
   int64_t most = cols <= 1024 ? 8192 : 1024;
   int64_t p = 256;
   while (p < most && p * 2 * 8 <= rows) p *= 2;
