@@ -85,10 +85,13 @@ int row_pipeline() { return env_int("OPFUSE_ROW_PIPELINE", 0); }
 // Lane groups with column partials write one partial row a block (the sum of
 // its groups' partials, through shared memory, at the end) instead of one a
 // group: at 262144x256 the 8192 parts' 16.8 MB of partials, written and read
-// again, are 8% of the floor's bytes. The grid is then the parts, so it goes
-// with OPFUSE_COLUMN_PARTS (e.g. 512: 4 blocks an SM, one wave).
-// OPFUSE_ROW_BLOCK_PARTIALS=1 turns it on.
-int block_partials() { return env_int("OPFUSE_ROW_BLOCK_PARTIALS", 0); }
+// again, were 8% of the floor's bytes. The grid is then the parts. On by
+// default for rows of at most 256 elements, which the planner gives 528
+// parts (split_column_sums.cpp, parts_for): H200, 262144x256 bf16, 154.0 ->
+// 134.5 us (lnbwd3_session.py at dcddfb0). Also wherever the parts are not a
+// multiple of a block's groups. OPFUSE_ROW_BLOCK_PARTIALS=0/1 forces it.
+int block_partials() { return env_int("OPFUSE_ROW_BLOCK_PARTIALS", -1); }
+constexpr int64_t kBlockPartialsCols = 256;  // the same bound as parts_for's 528 parts
 // Register savings for the partials kernels of the norm backwards, each
 // with its own knob (0/1 forces it) and OPFUSE_ROW_LEAN=1/0 forcing the
 // three together, with more blocks an SM where all of them apply on sm_90
@@ -509,11 +512,13 @@ void CudaEmitter::store_block_partials(int rows_per_block) {
       line("__syncthreads();");
       sum = "opf_bp[g_ * " + std::to_string(span) + " + c_]";
     }
+    line("#pragma unroll 1");
     line("for (int c_ = threadIdx.x; c_ < (int)cols; c_ += " + TH + ") {  // (lane groups: rows of at most 1024)");
     line("  const int lane_ = (int)((c_ / " + V + ") % " + L + ");");
     line("  const int e_ = (int)((c_ / " + V + ") / " + L + ") * " + V + " + (int)(c_ % " + V + ");");
     line("  (void)lane_; (void)e_;");
     line("  float s_ = 0.0f;");
+    line("  #pragma unroll 4");
     line("  for (int g_ = 0; g_ < " + R + "; ++g_) s_ += " + sum + ";");
     line("  " + store(partial_buffers_[k], "slot_ * cols + (int64_t)c_", "s_"));
     line("}");
@@ -768,7 +773,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       if (g.items > 0) g.items = static_cast<int>(ceil_div(nv, g.threads));
     }
     partial_items_ = static_cast<int>(ceil_div(nv, g.grouped ? g.lanes : g.threads));
-    block_partials_ = g.grouped && block_partials() > 0;
+    int bp = block_partials();
+    block_partials_ = g.grouped && (bp > 0 || (bp < 0 && ncols <= kBlockPartialsCols) || k_->parts % g.rows_per_block != 0);
     if (!block_partials_ && k_->parts % g.rows_per_block != 0)
       throw std::runtime_error("opfuse: column partials' parts must be a multiple of the rows a block takes");
   }

@@ -53,12 +53,23 @@ bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
 // and read again at 32768x4096, 8% of the floor) against the blocks in
 // flight. Lane groups need a multiple of their rows a block, unless a block
 // writes one part (OPFUSE_ROW_BLOCK_PARTIALS=1).
+// Fewer parts where measured faster (H200, bf16, scripts/lnbwd3_session.py
+// at dcddfb0, whole backward): rows of 2049 to 4096 elements (a 512-thread
+// block per row, two an SM) take 256 parts, one wave of blocks each
+// stepping through 128 rows at 32768x4096 (335.3 -> 289.4 us; 1024 parts
+// were 3.9 waves and 64 MB of partials written and read); rows of at most
+// 256 elements take 528 (4 lane-group blocks an SM x 132 SMs, one wave),
+// each block writing one part (the emitter's block partials, on for those
+// rows: see block_partials in cuda_row_emitter.cpp): 262144x256 154.0 ->
+// 134.5 us (8192 parts were 16.8 MB of partials).
 int64_t parts_for(int64_t rows, int64_t cols) {
   if (cols > 8192) return 64;
   if (const char* e = std::getenv("OPFUSE_COLUMN_PARTS"); e && *e) {
     int64_t n = std::atoll(e);
     if (n >= 1 && n * 8 <= rows) return n;
   }
+  if (cols > 2048 && cols <= 4096) return 256;  // (rows >= kMinRows = 2048: 8 rows a part)
+  if (cols <= 256 && rows >= 528 * 8) return 528;
   int64_t most = cols <= 1024 ? 8192 : 1024;
   int64_t p = 256;
   while (p < most && p * 2 * 8 <= rows) p *= 2;
