@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import math
 import os
-import re
 import signal
 import socket
 import statistics
@@ -130,19 +128,6 @@ def count_params(cfg, attn):
 
 
 # -- one rank ------------------------------------------------------------------
-
-class BucketLog(logging.Handler):
-    """Catches Dynamo's DDPOptimizer line 'created N buckets'."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.buckets = []
-
-    def emit(self, record):
-        m = re.search(r"created (\d+) buckets", record.getMessage())
-        if m:
-            self.buckets.append(int(m.group(1)))
-
 
 def run_variant(name, cfg, args, device, data, world, bucket_log):
     import torch
@@ -257,10 +242,9 @@ def worker(args):
     tokens = torch.randint(cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
     data = (tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device))
 
-    bucket_log = BucketLog()
-    ddp_log = logging.getLogger("torch._dynamo.backends.distributed")
-    ddp_log.addHandler(bucket_log)
-    ddp_log.setLevel(logging.INFO)
+    from opfuse.testing import DDPBucketLog
+
+    bucket_log = DDPBucketLog.attach()
 
     result = dict(config=dict(cfg, attn=args.attn, dtype=args.dtype, warmup=args.warmup, steps=args.steps,
                               world=world, device=args.device,

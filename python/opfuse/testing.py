@@ -2,6 +2,9 @@
 graph through opfuse's CPU kernels and through the float64 oracle."""
 from __future__ import annotations
 
+import logging
+import re
+
 import numpy as np
 import torch
 
@@ -79,3 +82,26 @@ def contiguous_strides(shapes):
             acc *= d
         out.append(st)
     return out
+
+
+class DDPBucketLog(logging.Handler):
+    """Catches Dynamo's DDPOptimizer line 'created N buckets' (the DDP test's
+    worker and bench/ddp_gpt2.py count how a model was split)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.buckets = []
+
+    def emit(self, record):
+        m = re.search(r"created (\d+) buckets", record.getMessage())
+        if m:
+            self.buckets.append(int(m.group(1)))
+
+    @classmethod
+    def attach(cls) -> "DDPBucketLog":
+        """A new log, listening to DDPOptimizer's logger at INFO."""
+        log = cls()
+        ddp_log = logging.getLogger("torch._dynamo.backends.distributed")
+        ddp_log.addHandler(log)
+        ddp_log.setLevel(logging.INFO)
+        return log

@@ -47,6 +47,14 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   if (!(mb && std::atoi(mb) > 0) && cluster_row_loop_ && vec_ > 1) min_blocks = "2";
   // 1024-thread loop blocks for rows overflowing L2: two an SM (32 registers).
   if (!(mb && std::atoi(mb) > 0) && k_->row && loop_overflow_ && vec_ > 1) min_blocks = "2";
+  // A register pipeline (OPFUSE_ROW_PIPELINE) holds the next row's vectors
+  // too: with the raw cache ptxas left 80 registers at 32768x4096 (one
+  // 512-thread block an SM) where 62 fit without spills; ask for two. (Not
+  // with a float cache: float32 rows of 4096 spilled 52 bytes at 64; nor lane
+  // groups, whose partials of 1000-element rows need far more.)
+  if (!(mb && std::atoi(mb) > 0) && k_->row && pipeline_ && !raw_slots_.empty() && !grouped_rows_ && !cluster_row_loop_ &&
+      vec_ > 1 && threads == 512)
+    min_blocks = "2";
   // Lean partials kernels (OPFUSE_ROW_LEAN): see lean_blocks_.
   if (!(mb && std::atoi(mb) > 0) && k_->row && lean_blocks_ > 0 && vec_ > 1) min_blocks = std::to_string(lean_blocks_);
   // Rows staged in shared memory: as many blocks an SM as its shared memory
@@ -120,6 +128,25 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
     std::vector<Expr> idx = s.index;
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
     int raw_slot = -1;
+    std::string pipe;  // the pipeline register this load comes from (see pipeline_)
+    if (prefetch_ && pipeline_ && dtype_size(k_->buffers[static_cast<size_t>(s.buffer)].dtype) * vec_ == 16) {
+      bool row_varying = false;
+      std::vector<Expr> next = idx;
+      for (auto& e : next)
+        e = substitute(e, [&](const ExprNode& v) -> Expr {
+          if (!kept_vars_.count(v.name)) return nullptr;
+          row_varying = true;
+          return var("pf" + v.name);
+        });
+      if (row_varying) {
+        pipe = "nx" + std::to_string(pipe_arrays_.size());
+        pipe_arrays_.emplace_back(pipe, pipe_items_);
+        std::string src = "*reinterpret_cast<const opf_vec<16>*>(b" + std::to_string(s.buffer) + " + ";
+        line("if (pl_first_) " + pipe + "[it_] = " + src + offset(s.buffer, idx) + ");");
+        pipe_lines_.push_back(pipe + "[it_] = " + src + offset(s.buffer, next) + ");");
+        pipe += "[it_]";
+      }
+    }
     if (caching_) {
       const std::map<int, int>& writes = cache_.write[static_cast<size_t>(stage_index_)];
       auto w = writes.find(s.dst);
@@ -129,14 +156,16 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
       // Loaded straight into the raw cache vector; its lanes are read from there.
       std::string arr = "rr" + std::to_string(raw_slot) + "[it_]";
       lane_of_[key] = arr;
-      line(arr + " = *reinterpret_cast<const opf_vec<16>*>(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ");");
+      if (!pipe.empty()) line(arr + " = " + pipe + ";");
+      else line(arr + " = *reinterpret_cast<const opf_vec<16>*>(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ");");
     } else {
       std::string arr = "lv" + std::to_string(lane_of_.size());
       lane_of_[key] = arr;
       line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
-      line("opf_vload<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " + arr + ");");
+      if (!pipe.empty()) line("opf_vunpack<" + std::to_string(vec_) + ">(" + pipe + ", " + arr + ");");
+      else line("opf_vload<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " + arr + ");");
     }
-    if (prefetch_) {
+    if (prefetch_ && !pipeline_) {
       bool row_varying = false;
       std::vector<Expr> next = idx;
       for (auto& e : next)

@@ -74,12 +74,21 @@ class CudaEmitter : public CEmitter {
   int partial_items_ = 0;               // vectors per thread the partials cover
   bool lean_retry_ = false;              // generating again without the lean default (see row_lean)
   int lean_blocks_ = 0;                 // blocks an SM asked for by OPFUSE_ROW_LEAN (0: the default bound)
+  bool block_partials_ = false;         // lane groups write one partial row a block (OPFUSE_ROW_BLOCK_PARTIALS)
   bool partials_smem_ = false;          // partials in shared memory (OPFUSE_ROW_PARTIALS_SMEM), per-row values in registers
   // L2 prefetch of the row a thread takes next (OPFUSE_ROW_PREFETCH): set
   // while the first unrolled stage loop is printed; its vector loads of
   // row-varying buffers also prefetch the same columns of row pfx<kept>.
   bool prefetch_ = false;
   std::vector<std::string> prefetch_lines_;  // collected by vector_loads, printed after the stage loop
+  // Register pipeline of a kernel that loops over rows (OPFUSE_ROW_PIPELINE):
+  // the first stage's row-varying 16-byte loads come from nx<k>[it_],
+  // loaded in the previous iteration (or in this one, the first); the next
+  // row's loads into them are printed after the stage loop (pipe_lines_).
+  bool pipeline_ = false;
+  std::vector<std::pair<std::string, int>> pipe_arrays_;  // nx<k> and its items, declared before the row loop
+  std::vector<std::string> pipe_lines_;
+  int pipe_items_ = 0;                                    // items of the stage loop being printed
   std::set<std::string> kept_vars_;     // x<axis> of the kept (row) axes
   int loop_stages_printed_ = 0;         // loop (not unrolled) stages so far: odd ones may run backwards
   // Rows staged in shared memory (vector twins of loop-stage rows): the
@@ -98,6 +107,7 @@ class CudaEmitter : public CEmitter {
   void stage_prologue(int threads_per_row, const std::vector<size_t>& kept);
   void partial(const KStmt& s) override;
   void store_partials(int threads_per_row, const std::string& slot);
+  void store_block_partials(int rows_per_block);
 
   std::map<std::string, std::string> lane_of_;  // access (buffer@offset) -> lane array
   std::string last_var_;                        // the innermost loop variable

@@ -73,6 +73,25 @@ int prefetch_ahead(int threads) {
 // default it goes with the 1024-thread loop blocks of rows that overflow L2
 // (see choose_geometry).
 int reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", -1); }
+// A register pipeline in kernels that loop over rows (column partials): the
+// first stage's 16-byte loads of the row-varying tensors of row r + 1 are
+// issued into registers right after row r's first stage loop, so they are
+// in flight through row r's block reductions, later stages and stores (the
+// L2 prefetch only asks for the lines; its loads start after the
+// reductions). Costs a second set of those vectors' registers (8 at
+// 32768x4096: dy and x, one 16-byte vector each), so it goes with the raw
+// cache. OPFUSE_ROW_PIPELINE=1 turns it on (replaces the L2 prefetch).
+int row_pipeline() { return env_int("OPFUSE_ROW_PIPELINE", 0); }
+// Lane groups with column partials write one partial row a block (the sum of
+// its groups' partials, through shared memory, at the end) instead of one a
+// group: at 262144x256 the 8192 parts' 16.8 MB of partials, written and read
+// again, were 8% of the floor's bytes. The grid is then the parts. On by
+// default for rows of at most 256 elements, which the planner gives 528
+// parts (split_column_sums.cpp, parts_for): H200, 262144x256 bf16, 154.0 ->
+// 134.5 us (lnbwd3_session.py at dcddfb0). Also wherever the parts are not a
+// multiple of a block's groups. OPFUSE_ROW_BLOCK_PARTIALS=0/1 forces it.
+int block_partials() { return env_int("OPFUSE_ROW_BLOCK_PARTIALS", -1); }
+constexpr int64_t kBlockPartialsCols = 256;  // the same bound as parts_for's 528 parts
 // Register savings for the partials kernels of the norm backwards, each
 // with its own knob (0/1 forces it) and OPFUSE_ROW_LEAN=1/0 forcing the
 // three together, with more blocks an SM where all of them apply on sm_90
@@ -346,6 +365,8 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     bool pf = prefetch_;
     prefetch_ = pf && unrolled;
     prefetch_lines_.clear();
+    pipe_lines_.clear();
+    pipe_items_ = items;
     vector_loads(loop, "c_");
     prefetch_ = pf;
     line("#pragma unroll");
@@ -381,6 +402,23 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
            std::to_string(launch_.threads) + " + threadIdx.x) * 4, pp" + bs + " + q_ * 4);");
     }
     line("}");
+  }
+  if (!pipe_lines_.empty()) {
+    // The next row's loads into the pipeline registers, after the loop that
+    // used this row's: they stay in flight through this row's reductions,
+    // its later stages and its stores (see row_pipeline).
+    line("if (pf_ok_) {");
+    line("  #pragma unroll");
+    line("  for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
+    line("    const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
+    std::string lds;
+    for (auto& p : pipe_lines_) lds += " " + p;
+    line("    if (c_ < cols) {" + lds + " }");
+    line("  }");
+    line("}");
+    line("pl_first_ = false;");
+    pipe_lines_.clear();
+    prefetch_ = false;
   }
   if (!prefetch_lines_.empty()) {
     // The next row's prefetches go after the loop that loaded this row's:
@@ -439,6 +477,52 @@ void CudaEmitter::store_partials(int threads_per_row, const std::string& slot) {
   line("if (c_ + j_ < cols) {" + stores + " }");
   indent_ -= 2;
   line("}");
+  --indent_;
+  line("}");
+}
+
+// After the rows (OPFUSE_ROW_BLOCK_PARTIALS): the block's lane groups add
+// their partials column by column (in a fixed order, group 0 first) and the
+// block writes part blockIdx.x. Lane tid_ of a group holds, at element
+// e = it_ * V + j_, column (it_ * lanes + tid_) * V + j_: from the shared
+// partials (partials_smem_) directly, else through a shared row per group.
+void CudaEmitter::store_block_partials(int rows_per_block) {
+  if (partial_buffers_.empty()) return;
+  std::string V = std::to_string(vec_), L = std::to_string(lanes_), R = std::to_string(rows_per_block);
+  std::string TH = std::to_string(launch_.threads);
+  int n = partial_items_ * vec_;
+  int64_t span = static_cast<int64_t>(partial_items_) * lanes_ * vec_;  // columns a group's lanes cover
+  line("{");
+  ++indent_;
+  line("const int64_t slot_ = blockIdx.x;");
+  if (!partials_smem_) line("__shared__ __align__(16) float opf_bp[" + std::to_string(rows_per_block * span) + "];");
+  for (size_t k = 0; k < partial_buffers_.size(); ++k) {
+    std::string bs = std::to_string(partial_buffers_[k]);
+    std::string sum;
+    line("__syncthreads();");
+    if (partials_smem_) {
+      sum = "opf_pps[((" + std::to_string(static_cast<int64_t>(k) * (n / 4)) + " + e_ / 4) * " + TH + " + g_ * " + L +
+            " + lane_) * 4 + e_ % 4]";
+    } else {
+      line("#pragma unroll");
+      line("for (int it_ = 0; it_ < " + std::to_string(partial_items_) + "; ++it_)");
+      line("  for (int j_ = 0; j_ < " + V + "; ++j_)");
+      line("    opf_bp[(threadIdx.x / " + L + ") * " + std::to_string(span) + " + (it_ * " + L + " + tid_) * " + V +
+           " + j_] = pp" + bs + "[it_ * " + V + " + j_];");
+      line("__syncthreads();");
+      sum = "opf_bp[g_ * " + std::to_string(span) + " + c_]";
+    }
+    line("#pragma unroll 1");
+    line("for (int c_ = threadIdx.x; c_ < (int)cols; c_ += " + TH + ") {  // (lane groups: rows of at most 1024)");
+    line("  const int lane_ = (int)((c_ / " + V + ") % " + L + ");");
+    line("  const int e_ = (int)((c_ / " + V + ") / " + L + ") * " + V + " + (int)(c_ % " + V + ");");
+    line("  (void)lane_; (void)e_;");
+    line("  float s_ = 0.0f;");
+    line("  #pragma unroll 4");
+    line("  for (int g_ = 0; g_ < " + R + "; ++g_) s_ += " + sum + ";");
+    line("  " + store(partial_buffers_[k], "slot_ * cols + (int64_t)c_", "s_"));
+    line("}");
+  }
   --indent_;
   line("}");
 }
@@ -657,6 +741,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     cache_ = RowCachePlan{};
   }
   partial_items_ = 0;
+  block_partials_ = false;
   int partial_cluster = 1;
   if (partials && !g.grouped && ncols > 8192) {
     // Rows over 8192 elements (split_column_sums with
@@ -688,7 +773,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       if (g.items > 0) g.items = static_cast<int>(ceil_div(nv, g.threads));
     }
     partial_items_ = static_cast<int>(ceil_div(nv, g.grouped ? g.lanes : g.threads));
-    if (k_->parts % g.rows_per_block != 0)
+    int bp = block_partials();
+    block_partials_ = g.grouped && (bp > 0 || (bp < 0 && ncols <= kBlockPartialsCols) || k_->parts % g.rows_per_block != 0);
+    if (!block_partials_ && k_->parts % g.rows_per_block != 0)
       throw std::runtime_error("opfuse: column partials' parts must be a multiple of the rows a block takes");
   }
   caching_ = g.items > 0 && cache_.slots() > 0;
@@ -721,7 +808,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   cluster_reductions_ = 0;
   pair_reductions_ = 0;
   launch_.threads = g.threads;
-  launch_.rows_per_block = g.rows_per_block;
+  // (For the grid: parts / rows_per_block blocks; a block writing one part takes "one row".)
+  launch_.rows_per_block = block_partials_ ? 1 : g.rows_per_block;
   launch_.cluster = cluster_;
   launch_.items = caching_ ? g.items : 0;
   launch_.parts = partials ? k_->parts * cluster_ : 0;
@@ -747,8 +835,22 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     else if (partials) next_row = grouped_rows_ ? "row_ + (int64_t)gridDim.x * " + rpb : "row_ + (int64_t)gridDim.x";
     else next_row = "row_ + " + std::to_string(static_cast<int64_t>(prefetch_ahead(g.threads)) * g.rows_per_block);
   }
+  pipeline_ = false;
+  pipe_arrays_.clear();
+  if (row_pipeline() > 0 && vec > 1 && !columns_ && partials && (cluster_ == 1 || cluster_row_loop_)) {
+    std::string rpb = std::to_string(g.rows_per_block);
+    pipeline_ = true;
+    if (cluster_row_loop_) next_row = "row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ")";
+    else next_row = grouped_rows_ ? "row_ + (int64_t)gridDim.x * " + rpb : "row_ + (int64_t)gridDim.x";
+  }
   prefetch_ = !next_row.empty();
-  if (prefetch_) {
+  if (pipeline_ && grouped_rows_) {
+    // The next iteration exists when the block's next row base is a row; a
+    // group past the end then redoes the last row (as the loop does), so
+    // its registers hold that row.
+    line("const bool pf_ok_ = rbase_ + (int64_t)gridDim.x * " + std::to_string(g.rows_per_block) + " < rows;");
+    decompose("(" + next_row + " < rows ? " + next_row + " : rows - 1)", split.kept, "pfx");
+  } else if (prefetch_) {
     line("const bool pf_ok_ = " + next_row + " < rows;");
     decompose("pf_ok_ ? " + next_row + " : row_", split.kept, "pfx");
   }
@@ -826,6 +928,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   line("const int64_t rows = " + size_c(split.rows) + ";");
   line("const int64_t cols = " + size_c(split.cols) + ";");
   auto partial_declarations = [&]() {
+    // The pipeline registers (row_pipeline) live across the row loop.
+    for (auto& [nx, items] : pipe_arrays_) line("opf_vec<16> " + nx + "[" + std::to_string(items) + "];");
+    if (!pipe_arrays_.empty()) line("bool pl_first_ = true;");
     if (partials_smem_) {
       // Each thread zeroes its own slots (no one else reads them before the end).
       int64_t n = static_cast<int64_t>(partial_buffers_.size()) * partial_items_ * vec;
@@ -920,7 +1025,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
          std::to_string(g.items * vec) + "];");
   out_ << body;
   line("}");
-  if (partials)
+  if (partials && block_partials_)
+    store_block_partials(g.rows_per_block);
+  else if (partials)
     store_partials(threads_per_row, grouped_rows_ ? "(int64_t)blockIdx.x * " + std::to_string(g.rows_per_block) + " + threadIdx.x / " +
                                                         std::to_string(lanes_)
                                     : cluster_row_loop_ ? "(int64_t)(blockIdx.x / " + std::to_string(cluster_) + ")"

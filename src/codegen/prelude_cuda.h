@@ -198,6 +198,14 @@ template <int V, class T> static __device__ __forceinline__ void opf_vload(const
 #pragma unroll
   for (int j = 0; j < V; ++j) out[j] = l.e[j];
 }
+// The V lanes of a 16-byte vector already in registers (a row pipeline's
+// load of the previous iteration, OPFUSE_ROW_PIPELINE).
+template <int V, class T> static __device__ __forceinline__ void opf_vunpack(const opf_vec<16>& v, T* out) {
+  opf_lanes<T, V> l;
+  l.v = v;
+#pragma unroll
+  for (int j = 0; j < V; ++j) out[j] = l.e[j];
+}
 // An L2 prefetch of the line holding p (generic address, no register
 // result): row kernels ask for the row they take next while they reduce this
 // one, so more of HBM's latency is covered than their registers allow.

@@ -18,6 +18,7 @@
 // the planner allows (OPFUSE_COLUMN_PARTIALS_WIDE=1): the row kernel then
 // splits each row over a cluster of blocks on sm_90, 8 columns a thread.
 #include <algorithm>
+#include <cstdlib>
 
 #include "fusion/passes.h"
 #include "ir/ops.h"
@@ -47,8 +48,28 @@ bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
 // over 8192 elements take a cluster of up to 8 blocks each: 64 parts (512
 // blocks, two waves of 2 x 132), so the partials stay a few percent of the
 // traffic (64 x 32768 floats x 2, against 1 GB of dy and x at 8192 rows).
+// OPFUSE_COLUMN_PARTS=n (at most rows / 8) sets the parts of rows up to 8192
+// elements, to measure the partials' traffic (1024 x 4096 x 2 floats written
+// and read again at 32768x4096, 8% of the floor) against the blocks in
+// flight. Lane groups need a multiple of their rows a block, unless a block
+// writes one part (OPFUSE_ROW_BLOCK_PARTIALS=1).
+// Fewer parts where measured faster (H200, bf16, scripts/lnbwd3_session.py
+// at dcddfb0, whole backward): rows of 2049 to 4096 elements (a 512-thread
+// block per row, two an SM) take 256 parts, one wave of blocks each
+// stepping through 128 rows at 32768x4096 (335.3 -> 289.4 us; 1024 parts
+// were 3.9 waves and 64 MB of partials written and read); rows of at most
+// 256 elements take 528 (4 lane-group blocks an SM x 132 SMs, one wave),
+// each block writing one part (the emitter's block partials, on for those
+// rows: see block_partials in cuda_row_emitter.cpp): 262144x256 154.0 ->
+// 134.5 us (8192 parts were 16.8 MB of partials).
 int64_t parts_for(int64_t rows, int64_t cols) {
   if (cols > 8192) return 64;
+  if (const char* e = std::getenv("OPFUSE_COLUMN_PARTS"); e && *e) {
+    int64_t n = std::atoll(e);
+    if (n >= 1 && n * 8 <= rows) return n;
+  }
+  if (cols > 2048 && cols <= 4096) return 256;  // (rows >= kMinRows = 2048: 8 rows a part)
+  if (cols <= 256 && rows >= 528 * 8) return 528;
   int64_t most = cols <= 1024 ? 8192 : 1024;
   int64_t p = 256;
   while (p < most && p * 2 * 8 <= rows) p *= 2;

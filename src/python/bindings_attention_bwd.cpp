@@ -14,6 +14,7 @@
 
 #include "kernels/attention/attention_backward_reference.h"
 #include "runtime/attention_bwd_launcher.h"
+#include "runtime/attention_bwd_launcher_sm90.h"
 
 namespace nb = nanobind;
 namespace at = opfuse::attention;
@@ -104,6 +105,16 @@ void bind_attention_bwd(nb::module_& m) {
       },
       nb::arg("head_dim"), nb::arg("arch"), nb::arg("smem_limit") = 0, nb::arg("masked") = false,
       "(dK/dV tile, deterministic dQ tile) the launcher uses, as tags such as '64x128w8b1'.");
+  m.def(
+      "attention_backward_sm90_tiles",
+      [](int head_dim) {
+        std::vector<std::string> tags{at::attn_bwd_sm90_default_tile(head_dim).tag()};
+        for (const at::AttnBwdSm90Tile& t : at::attn_bwd_sm90_candidate_tiles(head_dim)) tags.push_back(t.tag());
+        return tags;
+      },
+      nb::arg("head_dim"),
+      "The Hopper backward's tile (honouring OPFUSE_ATTN_BWD_SM90_DQ), then its candidate tiles, as tags such as "
+      "'wgb64s2w_ub'.");
   m.def(
       "attention_backward_compile",
       [](const std::string& elem, int head_dim, bool causal, int arch, bool use_cache, const std::string& mask) {

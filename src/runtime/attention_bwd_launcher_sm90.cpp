@@ -49,9 +49,9 @@ bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
 
 std::string AttnBwdSm90Tile::tag() const {
   static const char* const kSuffix[] = {"", "q", "w"};
-  static const char kOptLetters[] = "kdtv";  // OPTS bits 1, 2, 4, 8
+  static const char kOptLetters[] = "kdtvoub";  // OPTS bits 1, 2, 4, 8, 16, 32, 64
   std::string letters;
-  for (int b = 0; b < 4; ++b)
+  for (int b = 0; b < 7; ++b)
     if (opts & (1 << b)) letters += kOptLetters[b];
   return "wgb" + std::to_string(block_m) + "s" + std::to_string(stages) + kSuffix[dq_mode] +
          (letters.empty() ? "" : "_" + letters);
@@ -73,10 +73,16 @@ AttnBwdSm90Tile tile_of_dq_mode(int head_dim, int mode) {
   const int block_m = head_dim == 64 ? 128 : 64;
   return {block_m, mode == 0 && head_dim == 64 ? 3 : 2, mode};
 }
-// attn_bwd_runtime_sm90.DEFAULT: D = 64 dQ mode 0 (wgb128s3), D = 128 mode 2,
-// the dQ writers (wgb64s2w: 470 vs 390 TFLOP/s for mode 0 at S = 4096 on the
-// H200 at 1edd8e0; docs/attention.md, "Hopper backward").
-AttnBwdSm90Tile default_tile(int head_dim) { return tile_of_dq_mode(head_dim, head_dim == 128 ? 2 : 0); }
+// attn_bwd_runtime_sm90.DEFAULT: D = 64 dQ mode 0 with cheap wgmma descriptors
+// (wgb128s3_u, OPTS 32), D = 128 mode 2, the dQ writers, with cheap descriptors
+// and conflict-free dQ staging (wgb64s2w_ub, OPTS 32 + 64: 491 / 434 vs 473 / 422
+// TFLOP/s for wgb64s2w at S = 4096, full / causal, on the H200 at fad5c51;
+// docs/attention.md, "Hopper backward").
+AttnBwdSm90Tile default_tile(int head_dim) {
+  AttnBwdSm90Tile t = tile_of_dq_mode(head_dim, head_dim == 128 ? 2 : 0);
+  t.opts = head_dim == 128 ? 32 + 64 : 32;
+  return t;
+}
 }  // namespace
 
 AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
@@ -93,8 +99,9 @@ AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
   // The default, then the plain tile of each dQ mode (attn_bwd_runtime_sm90.configs
   // also carries the option variants being measured).
-  if (head_dim == 64) return {default_tile(64), {128, 2, 0}};
-  return {default_tile(head_dim), tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1)};
+  if (head_dim == 64) return {default_tile(64), tile_of_dq_mode(64, 0), {128, 2, 0}};
+  return {default_tile(head_dim), tile_of_dq_mode(head_dim, 0), tile_of_dq_mode(head_dim, 1),
+          tile_of_dq_mode(head_dim, 2)};
 }
 
 int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {

@@ -20,8 +20,10 @@ namespace opfuse::attention {
 // 1 staged per warp + bulk reductions from the consumer lanes, 2 staged per
 // block + bulk reductions from producer warps) and the kernel's schedule
 // options (OPTS bits: 1 early dK, 2 deferred dQ, 4 staggered consumers, 8
-// red.global.add.v4). Tag form "wgb64s2" (mode 0), "wgb64s2q" (1), "wgb64s2w"
-// (2), options as "_" + letters k, d, t, v ("wgb64s2_kdt").
+// red.global.add.v4, 16 next S^T under the dQ epilogue, 32 cheap wgmma
+// descriptors, 64 conflict-free dQ staging stores). Tag form "wgb64s2" (mode
+// 0), "wgb64s2q" (1), "wgb64s2w" (2), options as "_" + letters k, d, t, v, o,
+// u, b ("wgb64s2_kdt").
 struct AttnBwdSm90Tile {
   int block_m = 64, stages = 2, dq_mode = 0, opts = 0;
   std::string tag() const;

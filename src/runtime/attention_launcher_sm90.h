@@ -18,17 +18,19 @@ namespace opfuse::attention {
 // `stages`-deep K/V ring, ping-pong (consumers take turns issuing their
 // matrix products), and (host only) a persistent grid of min(tiles, SMs) CTAs
 // rather than one CTA per tile. Tag form "wg128x128s2p" (BLOCK_M x BLOCK_N,
-// s stages, p ping-pong, o overlap, k skip, l pairs; a trailing "n": not persistent).
+// s stages, p ping-pong, o overlap, k skip, l pairs, d descriptors by offset;
+// a trailing "n": not persistent).
 // Kernel options (the OPTS template argument; tag letters after "p"):
 // overlap ("o"): the next tile's first S = Q K^T goes out before this tile's
 // epilogue; skip ("k"): a consumer issues no product for the key blocks none
 // of its rows see; pairs ("l"): causal tiles handed out in pairs of query
-// blocks (x, last - x) of one head (equal work per pair, few heads in L2).
+// blocks (x, last - x) of one head (equal work per pair, few heads in L2);
+// desc ("d"): each wgmma's descriptors as the product's first plus a constant.
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
   bool pingpong = true, persistent = true;
-  bool overlap = false, skip = false, pairs = false;
-  int opts() const { return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0); }
+  bool overlap = false, skip = false, pairs = false, desc = false;
+  int opts() const { return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0); }
   int block_m() const { return 64 * consumers; }
   int threads() const { return 128 * (consumers + 1); }
   std::string tag() const;

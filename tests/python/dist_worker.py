@@ -26,9 +26,7 @@ import time
 _T0 = time.perf_counter()
 
 import copy
-import logging
 import os
-import re
 import sys
 import traceback
 from datetime import timedelta
@@ -164,19 +162,6 @@ def train_fsdp(base, data, compile_it, mesh, whole=False):
     return _loop(fwd, params_of, opt, data)
 
 
-class _BucketLog(logging.Handler):
-    """Catches DDPOptimizer's 'created N buckets' line."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.buckets = []
-
-    def emit(self, record):
-        m = re.search(r"created (\d+) buckets", record.getMessage())
-        if m:
-            self.buckets.append(int(m.group(1)))
-
-
 def run_mode(mode, rank, world, bucket_log, device):
     """Eager, then opfuse, for one mode; returns what the test compares."""
     import opfuse
@@ -223,10 +208,9 @@ def main(argv):
         import opfuse  # noqa: F401  (registers the backend)
 
         result["import_s"] = time.perf_counter() - _T0
-        bucket_log = _BucketLog()
-        ddp_log = logging.getLogger("torch._dynamo.backends.distributed")
-        ddp_log.addHandler(bucket_log)
-        ddp_log.setLevel(logging.INFO)
+        from opfuse.testing import DDPBucketLog
+
+        bucket_log = DDPBucketLog.attach()
         if device_type == "cuda":
             # opfuse runs a CUDA partition only on the current device (else it
             # falls back to eager), so each rank makes its GPU current first.

@@ -68,6 +68,24 @@ def test_backward_tiles_match_the_harness():
         assert br.dkdv_smem(d, kv, True) == br.dkdv_smem(d, kv) + 2 * kv.block_m * 4
 
 
+def test_backward_sm90_tiles_match_the_harness(monkeypatch):
+    # The Hopper backward: the C++ launcher's default tile (OPTS letters
+    # included) is the harness's DEFAULT, which the GPU runs measured, and each
+    # OPFUSE_ATTN_BWD_SM90_DQ mode gives the same plain tile in both.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "gpu" / "attention"))
+    import attn_bwd_runtime_sm90 as b90
+
+    monkeypatch.delenv("OPFUSE_ATTN_BWD_SM90_DQ", raising=False)
+    for d in (64, 128):
+        tags = _C.attention_backward_sm90_tiles(d)
+        assert tags[0] == tags[1] == b90.DEFAULT[d].tag(), (d, tags)
+        assert set(tags[1:]) <= {c.tag() for c in b90.configs(d)}, (d, tags)
+    for mode, tiles in b90.BY_DQ_MODE.items():
+        monkeypatch.setenv("OPFUSE_ATTN_BWD_SM90_DQ", str(mode))
+        for d, cfg in tiles.items():
+            assert _C.attention_backward_sm90_tiles(d)[0] == cfg.tag() == b90.default(d).tag(), (mode, d)
+
+
 def _bwd_args(**over):
     B, Hq, Hkv, Sq, Sk, D = 1, 4, 2, 10, 12, 64
     a = dict(elem="bf16", ptrs=[0] * 12, sizes=[B, Hq, Hkv, Sq, Sk, D],

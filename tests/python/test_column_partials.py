@@ -85,6 +85,10 @@ def test_cuda_plan_computes_weight_and_bias_gradients_beside_dx(lead, cols):
     assert len(ks) == 3, cg.plan_text()
     assert ks[0].split("stores=")[1].count("column_partials") == 2 and "reads=(%0:input,%1:input" in ks[0], ks[0]
     parts = min(8192 if cols <= 1024 else 1024, max(256, 1 << (rows // 8).bit_length() - 1))
+    if 2048 < cols <= 4096:
+        parts = 256  # one wave of two 512-thread blocks an SM (parts_for)
+    elif cols <= 256 and rows >= 528 * 8:
+        parts = 528  # one wave of four lane-group blocks an SM, each writing one part
     for k in ks[1:]:
         assert f"row [{parts}, {cols}] reduce=[0]" in k, k
 

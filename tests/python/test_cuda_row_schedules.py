@@ -292,7 +292,9 @@ def test_wide_column_partials_in_clusters(shape, dtype, monkeypatch):
 KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_PREFETCH_AHEAD": "264"},
          {"OPFUSE_ROW_REVERSE_LOOPS": "1"}, {"OPFUSE_ROW_PARTIAL_VALUES": "8", "OPFUSE_ROW_MIN_BLOCKS": "2"},
          {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"},
-         {"OPFUSE_ROW_LEAN": "1"}, {"OPFUSE_ROW_PAIR_REDUCE": "1"}]
+         {"OPFUSE_ROW_LEAN": "1"}, {"OPFUSE_ROW_PAIR_REDUCE": "1"},
+         {"OPFUSE_ROW_PIPELINE": "1", "OPFUSE_ROW_CACHE_RAW": "1"}, {"OPFUSE_COLUMN_PARTS": "256"},
+         {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "256"}]
 
 
 def _knob_id(knobs):
@@ -341,6 +343,55 @@ def test_lean_row_backward_strided_rows(monkeypatch):
         b = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         _layer_norm_grads_within_eager(xv, w, b, dy)
+
+
+# OPFUSE_ROW_PIPELINE=1: the next row's dy and x loaded into registers while
+# this row reduces (kernels with column partials loop over rows). A block per
+# row (4096, float32's 16-byte vectors of 4), lane groups whose last groups
+# redo the last row (4099 rows at 256), the scalar twin (1031: not
+# pipelined), 3-D float16, fewer parts (OPFUSE_COLUMN_PARTS), the raw cache
+# and the lean kernels beside it, on sm_90 the wide clusters (8193 scalar,
+# 20000: a cluster of 5 stepping through rows), one partial row a block for
+# lane groups (OPFUSE_ROW_BLOCK_PARTIALS: shared partials at 256, register
+# partials at 1000, the scalar twin at 255; parts not a multiple of the
+# groups), and strided rows.
+PIPELINE = [((2050, 4096), torch.bfloat16, {}), ((4099, 256), torch.bfloat16, {}),
+            ((2048, 1031), torch.bfloat16, {}), ((3, 700, 1000), torch.float16, {}),
+            ((2111, 4096), torch.float32, {}), ((2050, 4096), torch.bfloat16, {"OPFUSE_ROW_CACHE_RAW": "1"}),
+            ((4099, 4096), torch.bfloat16, {"OPFUSE_ROW_CACHE_RAW": "1", "OPFUSE_COLUMN_PARTS": "256"}),
+            ((4099, 256), torch.bfloat16, {"OPFUSE_COLUMN_PARTS": "256"}),
+            ((2050, 4096), torch.bfloat16, {"OPFUSE_ROW_LEAN": "1"}),
+            ((2111, 20000), torch.bfloat16, {"OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_CACHE_RAW": "1"}),
+            ((2049, 8193), torch.float32, {"OPFUSE_COLUMN_PARTIALS_WIDE": "1"}),
+            ((4099, 256), torch.bfloat16, {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "300"}),
+            ((4099, 1000), torch.float16, {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "64"}),
+            ((4099, 255), torch.float32, {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "100"})]
+
+
+@pytest.mark.parametrize("shape,dtype,knobs", PIPELINE,
+                         ids=[f"{'x'.join(map(str, s))}-{str(d)[6:]}-{_knob_id(k) or 'plain'}" for s, d, k in PIPELINE])
+def test_row_pipeline_matches_float64(shape, dtype, knobs, monkeypatch):
+    if "OPFUSE_COLUMN_PARTIALS_WIDE" in knobs and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters need sm_90")
+    monkeypatch.setenv("OPFUSE_ROW_PIPELINE", "1")
+    for n, v in knobs.items():
+        monkeypatch.setenv(n, v)
+    _grads_against_float64(layer_norm, shape, dtype, 3)
+    _grads_against_float64(rms_norm, shape, dtype, 2)
+
+
+def test_row_pipeline_strided_rows(monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_PIPELINE", "1")
+    monkeypatch.setenv("OPFUSE_ROW_CACHE_RAW", "1")
+    rows, cols = 2304, 4096
+    wide = torch.randn(rows, cols + 8, device="cuda", dtype=torch.bfloat16)
+    for xv in (wide[:, 3:cols + 3].detach().requires_grad_(), wide[:, 8:].detach().requires_grad_()):
+        w = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        _layer_norm_grads_within_eager(xv, w, b, dy)
+
+
 # Rows staged in shared memory (cuda_row_emitter.cpp, stage_rows): a block
 # per row (20000, 32768 bf16), on sm_90 clusters of 2 to 8 blocks (32776:
 # slices of 16392 and 16384; 40000, 70000, 262144; float32 from 20000);

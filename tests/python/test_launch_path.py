@@ -472,13 +472,35 @@ def test_launch_bench_reports_every_layer_per_kernel(capsys):
     for r in recs:
         records.validate_record(r)
     got = {(r["case"], r["impl"]): r for r in recs}
-    assert set(got) == {(f"{g}-host", layer) for g in launch.graphs(torch.device("cpu")) for layer in launch.LAYERS}
+    steps = {"loop", "layout check", "alloc + free", "data_ptr", "finish", "run"}
+    assert set(got) == ({(f"{g}-host", layer) for g in launch.graphs(torch.device("cpu")) for layer in launch.LAYERS}
+                        | {("chain-4K-steps-host", step) for step in steps})
     assert got[("chain-4K-host", "partition")]["kernels"] == 1
     multi = got[("multi-64x64-host", "partition")]
     assert multi["kernels"] >= 2
     assert multi["host_us_per_kernel"] == pytest.approx(multi["host_us"] / multi["kernels"])
     assert all(r["host_us"] > 0 and r["host_us_min"] <= r["host_us"] for r in recs)
     assert "us/kernel" in capsys.readouterr().out
+
+
+def test_launch_steps_are_the_partition_calls_own(device):
+    """The launch bench's step-by-step rows call what the partition's call
+    does: the layout check accepts the inputs, "finish" returns the chain's
+    value and "run" writes it into the preallocated output."""
+    from opfuse.bench import launch, launch_parts
+
+    dev = torch.device(device)
+    fn, args = launch.graphs(dev)["chain-4K"]
+    torch._dynamo.reset()
+    compiled_fn = torch.compile(fn, backend="opfuse")
+    compiled_fn(*args)
+    part, part_args = launch.find_partition(compiled_fn, args)
+    steps = launch_parts.part_calls(part, part_args, dev)
+    assert steps["layout check"]() is True
+    torch.testing.assert_close(steps["finish"](), fn(*args))
+    out = steps["run"]()[0]
+    torch.testing.assert_close(out, fn(*args))
+    assert steps["alloc + free"]().shape == out.shape
 
 
 # -- the driver's floor under the launch path ---------------------------------
@@ -512,6 +534,7 @@ def test_launch_bench_reports_the_driver_floor_on_cuda():
     for r in recs:
         records.validate_record(r)
     got = {(r["case"], r["impl"]): r for r in recs}
+    assert {step for case, step in got if case == "chain-4K-steps-host"} >= {"device", "stream", "alloc + free"}
     floor = got[("driver-floor-host", "cuLaunchKernel (empty kernel)")]
     assert 0 < floor["host_us_min"] <= floor["host_us"]
     assert floor["host_us_min"] <= 1.5 * got[("chain-4K-host", "run")]["host_us"]

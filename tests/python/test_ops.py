@@ -662,7 +662,7 @@ def test_attention_masked_instantiations_compile():
 
 @needs_nvrtc
 def test_attention_sm90_option_tags_compile():
-    # The OPTS letters of a Hopper tile tag (o overlap, k skip, l pairs) reach
+    # The OPTS letters of a Hopper tile tag (o overlap, k skip, l pairs, d descriptors) reach
     # the name expression as the template argument after the Mask, the same
     # as tests/gpu/attention/attn_runtime_sm90.name_expression_sm90 writes it.
     expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pl", False, "keypad")
@@ -670,8 +670,14 @@ def test_attention_sm90_option_tags_compile():
     expr, _, cubin, log, _ = _C.attention_sm90_compile("f16", 64, False, "wg192x128s4pl", False)
     assert expr.endswith("true, opfuse_attn::MaskNone, 4>") and cubin[:4] == b"\x7fELF"
     assert "Performance Loss" not in log
+    # d (descriptors by offset, bit 8): the non-causal default since branch attn-fwd-4.
+    expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 128, False, "wg128x128s2pd", False)
+    assert expr.endswith("false, 128, 2, 2, true, opfuse_attn::MaskNone, 8>") and cubin[:4] == b"\x7fELF"
+    assert "Performance Loss" not in log
     with pytest.raises(ValueError, match="tag"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2lp", False)
+    with pytest.raises(ValueError, match="tag"):
+        _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pdl", False)
 
 
 @needs_nvrtc

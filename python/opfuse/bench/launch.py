@@ -45,6 +45,7 @@ import time
 import torch
 
 from .cases import seed_chain as chain
+from .launch_parts import measure_parts
 from .records import RunInfo, make_record
 
 BATCHES, CALLS = 41, 200  # median over 41 batches of 200 calls
@@ -172,13 +173,14 @@ def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[d
     print("\n== launch (host us: median over batches of the mean per call; min = fastest batch) ==")
     print(f"{'graph':12s} {'kernels':>7s} {'layer':14s} {'us/call':>9s} {'us/kernel':>10s} {'min us/call':>12s}")
     records = []
+    batches, calls = (9, 50) if quick else (BATCHES, CALLS)
     if device.type == "cuda":
-        batches, calls = (9, 50) if quick else (BATCHES, CALLS)
         med, best = measure_driver_floor(device, batches, calls)
         print(f"{'driver floor':12s} {1:7d} {'cuLaunchKernel':14s} {med:9.2f} {med:10.2f} {best:12.2f}")
         records.append(make_record(info, suite="launch", case="driver-floor-host", impl="cuLaunchKernel (empty kernel)",
                                    metric="ms", value=med / 1e3, floor=None, host_us=med, host_us_min=best,
                                    host_us_per_kernel=med, kernels=1))
+    steps = measure_parts(chain, graphs(device)["chain-4K"][1], device, _host_us, batches, calls)
     for graph, r in measured.items():
         k = r["kernels"]
         for layer in LAYERS:
@@ -190,4 +192,9 @@ def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[d
             records.append(make_record(info, suite="launch", case=f"{graph}-host", impl=layer, metric="ms",
                                        value=med / 1e3, floor=None, host_us=med, host_us_min=best,
                                        host_us_per_kernel=per_kernel, kernels=k))
+    print("chain-4K partition call, step by step (launch_parts.py; every row includes the 'loop' row's cost):")
+    for step, (med, best) in steps.items():
+        print(f"{'  ' + step:34s} {med:9.2f} {'':10s} {best:12.2f}")
+        records.append(make_record(info, suite="launch", case="chain-4K-steps-host", impl=step, metric="ms",
+                                   value=med / 1e3, floor=None, host_us=med, host_us_min=best, kernels=1))
     return records

@@ -190,73 +190,45 @@ def _run_softmax_backward(op: str, grad: Tensor, y: Tensor, dim: int) -> Tensor:
     return k(grad, y)[0]
 
 
-@torch.library.custom_op("opfuse::softmax", mutates_args=())
-def _softmax_op(x: Tensor, dim: int) -> Tensor:
-    if _disabled():
-        return torch.softmax(x, dim)
-    return _run_softmax("softmax", x, dim)
+def _define_softmax_ops(op: str, eager, eager_backward) -> None:
+    """Registers opfuse::<op> and opfuse::<op>_backward (op: softmax or
+    log_softmax) as custom ops with fake implementations and autograd; with
+    opfuse disabled they run `eager` / `eager_backward` (PyTorch's)."""
+
+    @torch.library.custom_op(f"opfuse::{op}", mutates_args=())
+    def forward(x: Tensor, dim: int) -> Tensor:
+        if _disabled():
+            return eager(x, dim)
+        return _run_softmax(op, x, dim)
+
+    @forward.register_fake
+    def _(x, dim):
+        _norm_dim(dim, x.dim())
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @torch.library.custom_op(f"opfuse::{op}_backward", mutates_args=())
+    def backward(grad: Tensor, y: Tensor, dim: int) -> Tensor:
+        if _disabled():
+            return eager_backward(grad, y, dim, y.dtype)
+        return _run_softmax_backward(op, grad, y, dim)
+
+    @backward.register_fake
+    def _(grad, y, dim):
+        return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+    def setup(ctx, inputs, output):
+        ctx.dim = inputs[1]
+        ctx.save_for_backward(output)
+
+    def grad_of(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return backward(grad, y, ctx.dim), None
+
+    forward.register_autograd(grad_of, setup_context=setup)
 
 
-@_softmax_op.register_fake
-def _(x, dim):
-    _norm_dim(dim, x.dim())
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("opfuse::softmax_backward", mutates_args=())
-def _softmax_backward_op(grad: Tensor, y: Tensor, dim: int) -> Tensor:
-    if _disabled():
-        return torch._softmax_backward_data(grad, y, dim, y.dtype)
-    return _run_softmax_backward("softmax", grad, y, dim)
-
-
-@_softmax_backward_op.register_fake
-def _(grad, y, dim):
-    return torch.empty_like(y, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("opfuse::log_softmax", mutates_args=())
-def _log_softmax_op(x: Tensor, dim: int) -> Tensor:
-    if _disabled():
-        return torch.log_softmax(x, dim)
-    return _run_softmax("log_softmax", x, dim)
-
-
-@_log_softmax_op.register_fake
-def _(x, dim):
-    _norm_dim(dim, x.dim())
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("opfuse::log_softmax_backward", mutates_args=())
-def _log_softmax_backward_op(grad: Tensor, y: Tensor, dim: int) -> Tensor:
-    if _disabled():
-        return torch._log_softmax_backward_data(grad, y, dim, y.dtype)
-    return _run_softmax_backward("log_softmax", grad, y, dim)
-
-
-@_log_softmax_backward_op.register_fake
-def _(grad, y, dim):
-    return torch.empty_like(y, memory_format=torch.contiguous_format)
-
-
-def _softmax_setup(ctx, inputs, output):
-    ctx.dim = inputs[1]
-    ctx.save_for_backward(output)
-
-
-def _softmax_bw(ctx, grad):
-    (y,) = ctx.saved_tensors
-    return torch.ops.opfuse.softmax_backward(grad, y, ctx.dim), None
-
-
-def _log_softmax_bw(ctx, grad):
-    (y,) = ctx.saved_tensors
-    return torch.ops.opfuse.log_softmax_backward(grad, y, ctx.dim), None
-
-
-_softmax_op.register_autograd(_softmax_bw, setup_context=_softmax_setup)
-_log_softmax_op.register_autograd(_log_softmax_bw, setup_context=_softmax_setup)
+_define_softmax_ops("softmax", torch.softmax, torch._softmax_backward_data)
+_define_softmax_ops("log_softmax", torch.log_softmax, torch._log_softmax_backward_data)
 
 
 def softmax(x: Tensor, dim: int) -> Tensor:

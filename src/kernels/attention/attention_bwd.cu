@@ -124,6 +124,37 @@ __device__ __forceinline__ const char* elem_ptr(const void* base, i64 b, i64 bs,
   return (const char*)base + 2 * (b * bs + h * hs + r * rs);
 }
 
+// Two products of one warp's 16 rows at once, from scratch: x = X Bx^T and
+// y = Y By^T over HEAD_DIM (S and dP in both kernels: K Q^T and V dO^T for
+// dK dV, Q K^T and dO V^T for dQ). a_* address this lane's ldmatrix rows of
+// X and Y, b_* its rows of Bx and By (NT * 8 of them, SB bytes apart by 16).
+// Interleaving the two keeps each A fragment in registers across all of
+// the columns.
+template <typename Ops, int HEAD_DIM, int NT, int SB>
+__device__ __forceinline__ void mma_pair_from_zero(float (&x)[NT][4], float (&y)[NT][4], u32 a_x, u32 a_y, u32 b_x,
+                                                   u32 b_y) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[nt][e] = y[nt][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+    u32 ax[4], ay[4];
+    ldmatrix_x4(ax, a_x + ks * 32);
+    ldmatrix_x4(ay, a_y + ks * 32);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      u32 bx[4], by[4];
+      ldmatrix_x4(bx, b_x + np * 16 * SB + ks * 32);
+      Ops::mma(x[2 * np], ax, bx[0], bx[1]);
+      Ops::mma(x[2 * np + 1], ax, bx[2], bx[3]);
+      ldmatrix_x4(by, b_y + np * 16 * SB + ks * 32);
+      Ops::mma(y[2 * np], ay, by[0], by[1]);
+      Ops::mma(y[2 * np + 1], ay, by[2], by[3]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // 1. Preprocess: Delta, LSE in log2 units, zeroed dQ accumulator
 // ---------------------------------------------------------------------------
@@ -266,16 +297,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
   auto load_kv = [&]() {
     const char* k_thr = (const char*)p.k + 2 * (batch * p.k_batch_stride + head_kv * p.k_head_stride + ld_ch * 8);
     const char* v_thr = (const char*)p.v + 2 * (batch * p.v_batch_stride + head_kv * p.v_head_stride + ld_ch * 8);
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / kRowsPerPass; ++i) {
-      const int row = n0 + ld_row + i * kRowsPerPass;
-      const bool valid = row < Sk;
-      const int r = valid ? row : 0;
-      if (ld_lane) {
-        cp_async_16(sK + ld_soff + i * kRowsPerPass * kSB, k_thr + 2 * r * p.k_row_stride, valid);
-        cp_async_16(sV + ld_soff + i * kRowsPerPass * kSB, v_thr + 2 * r * p.v_row_stride, valid);
-      }
-    }
+    cp_async_row_pair<BLOCK_N, kRowsPerPass, kSB>(sK + ld_soff, sV + ld_soff, k_thr, p.k_row_stride, v_thr,
+                                                  p.v_row_stride, n0 + ld_row, Sk, ld_lane);
   };
   auto load_q = [&](int h, int m_block, int stage) {
     const u32 sQ = sStage0 + stage * Tile::kStageBytes;
@@ -287,16 +310,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
     const char* q_thr = (const char*)p.q + 2 * (b * p.q_batch_stride + h * p.q_head_stride + ld_ch * 8);
     const char* g_thr = (const char*)p.dout + 2 * (b * p.do_batch_stride + h * p.do_head_stride + ld_ch * 8);
     const int m0 = m_block * BLOCK_M;
-#pragma unroll
-    for (int i = 0; i < BLOCK_M / kRowsPerPass; ++i) {
-      const int row = m0 + ld_row + i * kRowsPerPass;
-      const bool valid = row < Sq;
-      const int r = valid ? row : 0;
-      if (ld_lane) {
-        cp_async_16(sQ + ld_soff + i * kRowsPerPass * kSB, q_thr + 2 * r * p.q_row_stride, valid);
-        cp_async_16(sdO + ld_soff + i * kRowsPerPass * kSB, g_thr + 2 * r * p.do_row_stride, valid);
-      }
-    }
+    cp_async_row_pair<BLOCK_M, kRowsPerPass, kSB>(sQ + ld_soff, sdO + ld_soff, q_thr, p.q_row_stride, g_thr,
+                                                  p.do_row_stride, m0 + ld_row, Sq, ld_lane);
     // LSE2 and Delta: BLOCK_M floats each from the padded workspaces (no bounds).
     const i64 ws = ((i64)b * p.heads_q + h) * p.seqlen_q_pad + m0;
     if (tid < BLOCK_M / 4) {
@@ -366,26 +381,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
 
     // S^T = K Q^T and dP^T = V dO^T for 16 keys x kQC queries
     float acc_s[kQC / 8][4], acc_dp[kQC / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kQC / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      u32 ak[4], av[4];
-      ldmatrix_x4(ak, sK + kv_a_lane + ks * 32);
-      ldmatrix_x4(av, sV + kv_a_lane + ks * 32);
-#pragma unroll
-      for (int np = 0; np < kQC / 16; ++np) {
-        u32 bq[4], bd[4];
-        ldmatrix_x4(bq, sQ + qd_b_lane + np * 16 * kSB + ks * 32);
-        Ops::mma(acc_s[2 * np], ak, bq[0], bq[1]);
-        Ops::mma(acc_s[2 * np + 1], ak, bq[2], bq[3]);
-        ldmatrix_x4(bd, sdO + qd_b_lane + np * 16 * kSB + ks * 32);
-        Ops::mma(acc_dp[2 * np], av, bd[0], bd[1]);
-        Ops::mma(acc_dp[2 * np + 1], av, bd[2], bd[3]);
-      }
-    }
+    mma_pair_from_zero<Ops, HEAD_DIM, kQC / 8, kSB>(acc_s, acc_dp, sK + kv_a_lane, sV + kv_a_lane, sQ + qd_b_lane,
+                                                   sdO + qd_b_lane);
 
     // P^T = exp2(S^T * scale * log2 e - LSE2) (0 past the diagonal), dS^T = P^T (dP^T - Delta)
     const int key_l = kg * 16 + (lane >> 2);  // local key of e = 0, 1; +8 for e = 2, 3
@@ -657,16 +654,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
   auto load_qdo = [&]() {
     const char* q_thr = (const char*)p.q + 2 * (batch * p.q_batch_stride + head * p.q_head_stride + ld_ch * 8);
     const char* g_thr = (const char*)p.dout + 2 * (batch * p.do_batch_stride + head * p.do_head_stride + ld_ch * 8);
-#pragma unroll
-    for (int i = 0; i < BLOCK_M / kRowsPerPass; ++i) {
-      const int row = m0 + ld_row + i * kRowsPerPass;
-      const bool valid = row < Sq;
-      const int r = valid ? row : 0;
-      if (ld_lane) {
-        cp_async_16(sQ + ld_soff + i * kRowsPerPass * kSB, q_thr + 2 * r * p.q_row_stride, valid);
-        cp_async_16(sdO + ld_soff + i * kRowsPerPass * kSB, g_thr + 2 * r * p.do_row_stride, valid);
-      }
-    }
+    cp_async_row_pair<BLOCK_M, kRowsPerPass, kSB>(sQ + ld_soff, sdO + ld_soff, q_thr, p.q_row_stride, g_thr,
+                                                  p.do_row_stride, m0 + ld_row, Sq, ld_lane);
   };
   auto load_kv = [&](int n_block, int stage) {
     const u32 sK = sKV + stage * 2 * Tile::kKVBytes + ld_soff;
@@ -674,16 +663,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
     const int b = opaque32(batch), hk = opaque32(head_kv);
     const char* k_thr = (const char*)p.k + 2 * (b * p.k_batch_stride + hk * p.k_head_stride + ld_ch * 8);
     const char* v_thr = (const char*)p.v + 2 * (b * p.v_batch_stride + hk * p.v_head_stride + ld_ch * 8);
-#pragma unroll
-    for (int i = 0; i < BLOCK_N / kRowsPerPass; ++i) {
-      const int row = n_block * BLOCK_N + ld_row + i * kRowsPerPass;
-      const bool valid = row < Sk;
-      const int r = valid ? row : 0;
-      if (ld_lane) {
-        cp_async_16(sK + i * kRowsPerPass * kSB, k_thr + 2 * r * p.k_row_stride, valid);
-        cp_async_16(sV + i * kRowsPerPass * kSB, v_thr + 2 * r * p.v_row_stride, valid);
-      }
-    }
+    cp_async_row_pair<BLOCK_N, kRowsPerPass, kSB>(sK, sV, k_thr, p.k_row_stride, v_thr, p.v_row_stride,
+                                                  n_block * BLOCK_N + ld_row, Sk, ld_lane);
   };
 
   const int row_a = frag_row_a(lane), col_a = frag_col_a(lane);
@@ -726,26 +707,7 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
     const u32 sV = sK + Tile::kKVBytes;
 
     float acc_s[kNT][4], acc_dp[kNT][4];
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
-      u32 aq[4], ag[4];
-      ldmatrix_x4(aq, sQ + a_lane + ks * 32);
-      ldmatrix_x4(ag, sdO + a_lane + ks * 32);
-#pragma unroll
-      for (int np = 0; np < kNT / 2; ++np) {
-        u32 bk[4], bv[4];
-        ldmatrix_x4(bk, sK + b_lane + np * 16 * kSB + ks * 32);
-        Ops::mma(acc_s[2 * np], aq, bk[0], bk[1]);
-        Ops::mma(acc_s[2 * np + 1], aq, bk[2], bk[3]);
-        ldmatrix_x4(bv, sV + b_lane + np * 16 * kSB + ks * 32);
-        Ops::mma(acc_dp[2 * np], ag, bv[0], bv[1]);
-        Ops::mma(acc_dp[2 * np + 1], ag, bv[2], bv[3]);
-      }
-    }
+    mma_pair_from_zero<Ops, HEAD_DIM, kNT, kSB>(acc_s, acc_dp, sQ + a_lane, sdO + a_lane, sK + b_lane, sV + b_lane);
 
     const int col0 = n_block * BLOCK_N + 2 * (lane & 3);
     constexpr int kMaskMode = Mask::kMode;

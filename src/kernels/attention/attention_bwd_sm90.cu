@@ -102,6 +102,14 @@ __device__ __forceinline__ void wgmma_ss_tt<f16, 128>(float (&d)[64], u64 da, u6
       : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// make_desc(tile + off, ...) from make_desc(tile, ...): the start-address field
+// (bits 0-13, address / 16) takes off / 16. Shared addresses stay below 2^18
+// (228 KB), so the field never carries into the leading byte offset above it,
+// and a compile-time off becomes one add on the low word (OPTS "u").
+__device__ __forceinline__ u64 desc_plus(u64 base, u32 off) {
+  return ((base >> 32) << 32) | (u64)((u32)base + (off >> 4));
+}
+
 // ---------------------------------------------------------------------------
 // Tile geometry (the launchers mirror kSmemBytes: docs/attention.md)
 // ---------------------------------------------------------------------------
@@ -142,7 +150,33 @@ enum { kDqRed = 0, kDqBulk = 1, kDqWriter = 2 };
 //   pairs (shfl) so that each adds 4 adjacent floats with one
 //   red.global.add.v4.f32: half the RED instructions (ncu at 1172345: the REDs
 //   wait on the LSU queue).
-enum { kOptEarlyDK = 1, kOptDeferDQ = 2, kOptStagger = 4, kOptRedV4 = 8 };
+// - kOptOverlapS ("o", without "d"): the next block's S^T = K Q^T is issued
+//   before this block's dQ epilogue (as soon as dV and dK are complete, while
+//   dQ still runs), so that the tensor cores have work while the consumers
+//   store dQ, fence, arrive and reach the next block. Without it both consumers
+//   (kept in step by the per-block barrier) drain the tensor pipe at every block
+//   boundary: the wait for dQ, the dQ stores, the loop top and the first S^T
+//   HGMMA's latency all pass with no product in flight. The stage is released
+//   to the producer at the same point (dQ reads only dS^T and K). At the last
+//   block a dropped S^T reads whatever the next stage holds (a wgmma under a
+//   branch made ptxas serialise them: see the deferred dQ's note below).
+//   Measured 1-2% slower (H200 at edc04eb): ncu showed the consumers waiting
+//   on wgmma only ~20% of their time (the wait 12%, HGMMA issue 9%), so the
+//   drain it removes is short, and the loop body must start with the early S^T
+//   complete.
+// - kOptCheapDesc ("u"): wgmma descriptors as one base per tile plus the
+//   compile-time offset of each k-step in the address field, instead of
+//   make_desc from the full address at every HGMMA (12-15 integer and
+//   uniform-register instructions per HGMMA in the SASS at d68063d): 704 to
+//   566 instructions per consumer warp and block in the loop (ncu at edc04eb).
+// - kOptDqSwizzle ("b", dQ mode 2): the two rows of a staging pair lie 512 bytes
+//   apart, i.e. on the same banks, and a 64-bit store is served a half-warp (4
+//   rows) at a time, so every dQ st.shared.v2 took 4 wavefronts instead of 2
+//   (ncu at edc04eb: 2x excess on all 16 per thread and block). With "b" a
+//   thread of an odd row stores its column chunks in the order j ^ 2, which puts
+//   the 4 rows of a half-warp on 4 different groups of 8 banks.
+enum { kOptEarlyDK = 1, kOptDeferDQ = 2, kOptStagger = 4, kOptRedV4 = 8, kOptOverlapS = 16, kOptCheapDesc = 32,
+       kOptDqSwizzle = 64 };
 
 template <int HEAD_DIM, int BLOCK_M, int STAGES, int DQ_MODE = kDqRed, int OPTS = 0>
 struct BwdSm90Tile {
@@ -160,6 +194,9 @@ struct BwdSm90Tile {
   static constexpr bool kDeferDQ = (OPTS & kOptDeferDQ) != 0;
   static constexpr bool kStagger = (OPTS & kOptStagger) != 0;
   static constexpr bool kRedV4 = (OPTS & kOptRedV4) != 0;
+  static constexpr bool kOverlapS = (OPTS & kOptOverlapS) != 0;
+  static constexpr bool kCheapDesc = (OPTS & kOptCheapDesc) != 0;
+  static constexpr bool kDqSwizzle = (OPTS & kOptDqSwizzle) != 0;
   // Both consumers read each dS^T buffer: two, so that one barrier per block
   // suffices. Deferred dQ: consumer w stores dS^T(i) while the other may still
   // read dS^T(i - 3) (its dQ(i - 3), finished in its iteration i - 2); w knows
@@ -223,7 +260,10 @@ struct BwdSm90Tile {
   static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 stages");
   static_assert(DQ_MODE >= kDqRed && DQ_MODE <= kDqWriter, "DQ_MODE 0, 1 or 2");
   static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
-  static_assert(OPTS >= 0 && OPTS < 16, "OPTS: bits kOptEarlyDK, kOptDeferDQ, kOptStagger, kOptRedV4");
+  static_assert(OPTS >= 0 && OPTS < 128,
+                "OPTS: bits kOptEarlyDK, kOptDeferDQ, kOptStagger, kOptRedV4, kOptOverlapS, kOptCheapDesc, kOptDqSwizzle");
+  static_assert(!kDqSwizzle || (DQ_MODE == kDqWriter && kDqN % 32 == 0), "dQ staging order: mode 2, 4+ chunks");
+  static_assert(!kOverlapS || !kDeferDQ, "the early S^T replaces the deferred dQ's schedule (not combined)");
   static_assert(!kRedV4 || DQ_MODE == kDqRed, "v4 reductions: dQ mode 0");
   static_assert(!kDeferDQ || (BLOCK_M == 64 && DQ_MODE != kDqBulk), "deferred dQ: BLOCK_M = 64, dQ mode 0 or 2");
   static_assert(!kStagger || kDeferDQ, "the stagger needs the deferred dQ (else the barrier re-aligns the consumers)");
@@ -386,10 +426,17 @@ __global__ void __launch_bounds__(384, 1)
       constexpr int kDqRows = Tile::kDqSplitRows ? 1 : 0;   // consumer w's 64 query rows (split by rows)
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        wgmma_ss_tt<Elem, Tile::kDqN>(
-            acc_dq, make_desc(sdS_b + kDqRows * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024),
-            make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024), kk > 0);
+      for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        u64 da, db;
+        if constexpr (Tile::kCheapDesc) {
+          da = desc_plus(make_desc(sdS_b + kDqRows * wg * BLOCK_N * 128, BLOCK_N * 128, 1024), kk * 16 * 128);
+          db = desc_plus(make_desc(sK + kDqChunk * wg * BLOCK_N * 128, BLOCK_N * 128, 1024), kk * 16 * 128);
+        } else {
+          da = make_desc(sdS_b + kDqRows * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
+          db = make_desc(sK + kDqChunk * wg * BLOCK_N * 128 + kk * 16 * 128, BLOCK_N * 128, 1024);
+        }
+        wgmma_ss_tt<Elem, Tile::kDqN>(acc_dq, da, db, kk > 0);
+      }
       wgmma_commit();
     };
     // Block b's dQ (b counts the loop's (query head, query block) pairs),
@@ -402,13 +449,31 @@ __global__ void __launch_bounds__(384, 1)
       if constexpr (Tile::kDqWriterThread) {
         // Into the block's staging tile once the writer has read the previous one.
         mbar_wait(bar_dq_empty, (b & 1) ^ 1);
+        if constexpr (Tile::kDqSwizzle) {
+          // "b": an odd row stores chunk j ^ 2 in step j, i.e. at 32 (j ^ 2) =
+          // 32 j + 64 (j & 2 ? -1 : 1) bytes: two bases per row and immediate
+          // offsets; its values come through a select of two registers.
+          const bool odd = (lane >> 2) & 1;  // the parity of dq_row0 + r0 + 8 h
 #pragma unroll
-        for (int j = 0; j < Tile::kDqN / 8; ++j)
+          for (int h = 0; h < 2; ++h) {
+            const int row = dq_row0 + r0 + 8 * h;
+            const u32 row_addr = sDQ + (row >> 1) * Tile::kDqPairBytes + (row & 1) * HEAD_DIM * 4 + (dq_col0 + c0) * 4;
+            const u32 base_j02 = row_addr + (odd ? 64u : 0u), base_j13 = row_addr - (odd ? 64u : 0u);
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            st_shared_f32x2(sDQ + ((dq_row0 + r0 + 8 * h) >> 1) * Tile::kDqPairBytes +
-                                ((dq_row0 + r0 + 8 * h) & 1) * HEAD_DIM * 4 + (dq_col0 + 8 * j + c0) * 4,
-                            acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+            for (int j = 0; j < Tile::kDqN / 8; ++j)
+              st_shared_f32x2(((j & 2) ? base_j13 : base_j02) + 32 * j,
+                              odd ? acc_dq[4 * (j ^ 2) + 2 * h] : acc_dq[4 * j + 2 * h],
+                              odd ? acc_dq[4 * (j ^ 2) + 2 * h + 1] : acc_dq[4 * j + 2 * h + 1]);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < Tile::kDqN / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              st_shared_f32x2(sDQ + ((dq_row0 + r0 + 8 * h) >> 1) * Tile::kDqPairBytes +
+                                  ((dq_row0 + r0 + 8 * h) & 1) * HEAD_DIM * 4 + (dq_col0 + 8 * j + c0) * 4,
+                              acc_dq[4 * j + 2 * h], acc_dq[4 * j + 2 * h + 1]);
+        }
         fence_proxy_async_smem();
         syncwarp();
         if (lane == 0) mbar_arrive(bar_dq_full);
@@ -465,6 +530,32 @@ __global__ void __launch_bounds__(384, 1)
 
     if (Tile::kDeferDQ && n_iters > 0) named_bar_arrive(defer_bar(wg, -1), 128 * Tile::kConsumers);
 
+    // S^T = K Q^T of one block into acc (OPTS "o": issued a block ahead).
+    auto issue_s = [&](float (&acc)[kNS], u32 sQ_b, int wg) {
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < HEAD_DIM / 16; ++ks) {
+        u64 da, db;
+        if constexpr (Tile::kCheapDesc) {
+          da = desc_plus(make_desc(sK + wg * 64 * 128, 16, 1024), (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32);
+          db = desc_plus(make_desc(sQ_b, 16, 1024), (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32);
+        } else {
+          da = make_desc(sK + (ks / 4) * BLOCK_N * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
+          db = make_desc(sQ_b + (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32, 16, 1024);
+        }
+        wgmma_ss<Elem, BLOCK_M>(acc, da, db, ks > 0);
+      }
+      wgmma_commit();
+    };
+    // OPTS "o": S^T of block it lives across the loop's back edge (issued in
+    // iteration it - 1, or here for block 0: with no block, it reads whatever
+    // shared memory holds and is dropped).
+    float acc_s_ahead[Tile::kOverlapS ? kNS : 1];
+    if constexpr (Tile::kOverlapS) {
+      if (n_iters > 0) mbar_wait(bar_full, 0);
+      issue_s(acc_s_ahead, sQ0, wg);
+    }
+
 #pragma unroll 1
     for (int it = 0; it < n_iters; ++it) {
       const int head = head_kv * G + it / per_head;
@@ -474,7 +565,7 @@ __global__ void __launch_bounds__(384, 1)
       const u32 sQ = sQ0 + s * Tile::kQBytes, sdO = sdO0 + s * Tile::kQBytes;
       const u32 sL = sL0 + s * Tile::kStatBytes, sD = sD0 + s * Tile::kStatBytes;
       const u32 sdS = sdS0 + (Tile::kDSBufs == 2 ? it & 1 : it % Tile::kDSBufs) * Tile::kDSBytes;
-      mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);
+      if constexpr (!Tile::kOverlapS) mbar_wait(bar_full + 8 * s, (it / STAGES) & 1);  // else waited before S^T
       // Thread coordinates recomputed from an opaque %tid.x every block
       // instead of being kept live across the loop (ptxas spilled them).
       const int t_o = tid_opaque();
@@ -485,19 +576,37 @@ __global__ void __launch_bounds__(384, 1)
       // as B of dV / dK (the reduction runs over query rows), K as B of dQ.
       // M-major: dS^T as A of dQ.
       auto kmaj_a = [&](u32 tile, int ks) {
+        if constexpr (Tile::kCheapDesc)
+          return desc_plus(make_desc(tile + wg * 64 * 128, 16, 1024), (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32);
         return make_desc(tile + (ks / 4) * BLOCK_N * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
       };
-      auto kmaj_b = [&](u32 tile, int ks) { return make_desc(tile + (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32, 16, 1024); };
-      auto nmaj_q = [&](u32 tile, int kk) { return make_desc(tile + kk * 16 * 128, BLOCK_M * 128, 1024); };
+      auto kmaj_b = [&](u32 tile, int ks) {
+        if constexpr (Tile::kCheapDesc) return desc_plus(make_desc(tile, 16, 1024), (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32);
+        return make_desc(tile + (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32, 16, 1024);
+      };
+      auto nmaj_q = [&](u32 tile, int kk) {
+        if constexpr (Tile::kCheapDesc) return desc_plus(make_desc(tile, BLOCK_M * 128, 1024), kk * 16 * 128);
+        return make_desc(tile + kk * 16 * 128, BLOCK_M * 128, 1024);
+      };
 
       // Stagger: consumer 1 waits for consumer 0's S^T and dP^T of the first block.
       if (Tile::kStagger && it == 0 && wg == 1) named_bar_sync(kStaggerBar, 128 * Tile::kConsumers);
 
-      float acc_s[kNS], acc_dp[kNS];
+      float acc_s_here[Tile::kOverlapS ? 1 : kNS], acc_dp[kNS];
+      float(&acc_s)[kNS] = *[&]() {
+        if constexpr (Tile::kOverlapS) return &acc_s_ahead;
+        else return &acc_s_here;
+      }();
+      // OPTS "o": S^T came across the back edge; ptxas serialises every wgmma
+      // of the kernel (C7514) unless the loop body starts with it complete (as
+      // the forward's overlap does), so it is waited for before dP^T goes out.
+      if constexpr (Tile::kOverlapS) wgmma_wait<0>();
       wgmma_fence();
+      if constexpr (!Tile::kOverlapS) {
 #pragma unroll
-      for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma_ss<Elem, BLOCK_M>(acc_s, kmaj_a(sK, ks), kmaj_b(sQ, ks), ks > 0);
-      wgmma_commit();
+        for (int ks = 0; ks < HEAD_DIM / 16; ++ks) wgmma_ss<Elem, BLOCK_M>(acc_s, kmaj_a(sK, ks), kmaj_b(sQ, ks), ks > 0);
+        wgmma_commit();
+      }
 #pragma unroll
       for (int ks = 0; ks < HEAD_DIM / 16; ++ks)
         wgmma_ss<Elem, BLOCK_M>(acc_dp, kmaj_a(sV, ks), kmaj_b(sdO, ks), ks > 0);
@@ -623,13 +732,26 @@ __global__ void __launch_bounds__(384, 1)
         named_bar_sync(1, 128 * Tile::kConsumers);
         float acc_dq[kNQ];
         issue_dq(acc_dq, sdS, wg);
-        wgmma_wait<0>();
-        fence_regs(acc_dq);
-        fence_regs(acc_dk);
-        fence_regs(acc_dv);
-        // This warp no longer reads the stage (Q, dO, LSE2, Delta).
-        syncwarp();
-        if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+        if constexpr (Tile::kOverlapS) {
+          wgmma_wait<1>();  // dV and dK are done (dQ reads only dS^T and K)
+          fence_regs(acc_dk);
+          fence_regs(acc_dv);
+          syncwarp();  // this warp no longer reads the stage (Q, dO, LSE2, Delta)
+          if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+          const int s_n = (it + 1) % STAGES;
+          if (it + 1 < n_iters) mbar_wait(bar_full + 8 * s_n, ((it + 1) / STAGES) & 1);
+          issue_s(acc_s, sQ0 + s_n * Tile::kQBytes, wg);
+          wgmma_wait<1>();  // dQ is done; the next S^T runs under the dQ epilogue
+          fence_regs(acc_dq);
+        } else {
+          wgmma_wait<0>();
+          fence_regs(acc_dq);
+          fence_regs(acc_dk);
+          fence_regs(acc_dv);
+          // This warp no longer reads the stage (Q, dO, LSE2, Delta).
+          syncwarp();
+          if (lane == 0) mbar_arrive(bar_empty + 8 * s);
+        }
         emit_dq(acc_dq, it, head, m0, t_o);
       }
     }
@@ -646,6 +768,11 @@ __global__ void __launch_bounds__(384, 1)
         const int b = n_iters - 1;
         emit_dq(acc_dq, b, head_kv * G + b / per_head, (m_first + b % per_head) * BLOCK_M, t_o);
       }
+    }
+    // The dropped S^T after the last block (OPTS "o") still writes acc_s_ahead.
+    if constexpr (Tile::kOverlapS) {
+      wgmma_wait<0>();
+      fence_regs(acc_s_ahead);
     }
     // The staging rows must stay valid until the copy engine has read them.
     if constexpr (DQ_MODE == kDqBulk) bulk_wait_all();

@@ -79,6 +79,29 @@ struct AttnFwdParams {
 };
 static_assert(sizeof(AttnFwdParams) == 224, "AttnFwdParams layout is a launch ABI");
 
+// S = Q K^T with BLOCK_N = 176 keys (D = 128 non-causal variant): the
+// m64n176k16 operand list (88 accumulators), here rather than in
+// attention_sm90_ptx.cu because only this kernel uses it. P V keeps N = D.
+template <>
+__device__ __forceinline__ void wgmma_ss<bf16, 176>(float (&d)[88], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_ss<f16, 176>(float (&d)[88], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n176k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
 // ---------------------------------------------------------------------------
 // Tile geometry (the launchers mirror kSmemBytes: docs/attention.md, "Hopper")
 // ---------------------------------------------------------------------------
@@ -109,7 +132,10 @@ struct Sm90Tile {
                                                                      : ((65536 / 128 - kProducerRegs) / NUM_CONSUMERS) / 8 * 8;
 
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "the sm_90 kernel covers head dims 64 and 128");
-  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "BLOCK_N must be 64 or 128");
+  // 176 (11 k steps of P V): fewer, longer key blocks for D = 128 (one Q
+  // buffer then: 2 x 176 x 128 x 2 x 2 + 2 x 32 KB is past the limit).
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128 || BLOCK_N == 176, "BLOCK_N must be 64, 128 or 176");
+  static_assert(BLOCK_N != 176 || HEAD_DIM == 128, "BLOCK_N = 176 only at D = 128");
   static_assert(NUM_CONSUMERS >= 1 && NUM_CONSUMERS <= 3, "1 to 3 consumer warpgroups");
   static_assert(STAGES >= 2 && STAGES <= 8, "2 to 8 K/V stages");
   static_assert(kSmemBytes <= kLimit, "tile does not fit in shared memory");
@@ -213,6 +239,20 @@ __device__ __forceinline__ int cta_tile(const AttnFwdParams& p, int num_m, int k
 constexpr int kOptOverlap = 1;
 constexpr int kOptSkip = 2;
 constexpr int kOptPairs = 4;
+// kOptDesc (tag letter "d"): the matrix descriptors of one product are its
+// first one plus constant offsets in the start-address field (desc_plus), so
+// each wgmma after the first needs one add instead of the mask / shift / or
+// chain of make_desc (about 12 instructions between two HGMMAs in the SASS
+// of the default tile).
+constexpr int kOptDesc = 8;
+
+// Descriptor `d` with its start address moved by `bytes` (a multiple of 16).
+// Exact: every shared-memory address of the CTA is below 2^18 (the 14-bit
+// field holds address >> 4), so the sum cannot carry into the next field.
+__device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
+  const u32 lo = (u32)d + (bytes >> 4);
+  return ((d >> 32) << 32) | lo;
+}
 
 // ---------------------------------------------------------------------------
 // The kernel
@@ -255,6 +295,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   const int Sk = p.seqlen_k;
   const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
   constexpr bool kPairs = (OPTS & kOptPairs) != 0;
+  constexpr bool kDescAdd = (OPTS & kOptDesc) != 0;
 
   if (tid == 0) {
     for (int b = 0; b < 2; ++b) {
@@ -411,10 +452,18 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       // Descriptors. Q rows of this consumer: chunk c of the Q tile at
       // sQ + c * BLOCK_M * 128, rows wg * 64 .. + 63 (8 KB, 1024-aligned).
       auto q_desc = [&](u32 sQb, int ks) {
+        if constexpr (kDescAdd)
+          return desc_plus(make_desc(sQb + wg * 64 * 128, 16, 1024), (ks / 4) * BLOCK_M * 128 + (ks % 4) * 32);
         return make_desc(sQb + (ks / 4) * BLOCK_M * 128 + wg * 64 * 128 + (ks % 4) * 32, 16, 1024);
       };
-      auto k_desc = [&](u32 sK, int ks) { return make_desc(sK + (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32, 16, 1024); };
-      auto v_desc = [&](u32 sV, int kk) { return make_desc(sV + kk * 16 * 128, BLOCK_N * 128, 1024); };
+      auto k_desc = [&](u32 sK, int ks) {
+        if constexpr (kDescAdd) return desc_plus(make_desc(sK, 16, 1024), (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32);
+        return make_desc(sK + (ks / 4) * BLOCK_N * 128 + (ks % 4) * 32, 16, 1024);
+      };
+      auto v_desc = [&](u32 sV, int kk) {
+        if constexpr (kDescAdd) return desc_plus(make_desc(sV, BLOCK_N * 128, 1024), kk * 16 * 128);
+        return make_desc(sV + kk * 16 * 128, BLOCK_N * 128, 1024);
+      };
       auto issue_s_from = [&](u32 sQb, u32 sK) {
 #pragma unroll
         for (int ks = 0; ks < HEAD_DIM / 16; ++ks)

@@ -61,6 +61,25 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// ROWS rows (from row0, every PASS_ROWS-th: this thread's rows of a tile
+// loaded in passes) of two [rows, D] 16-bit tensors with the same row bound,
+// one 16-byte chunk each, copied asynchronously into two shared tiles of
+// SB-byte rows. Rows at or past `bound` are zero-filled (and read row 0,
+// which is mapped). `a` and `b` point at this thread's chunk of row 0.
+template <int ROWS, int PASS_ROWS, int SB>
+__device__ __forceinline__ void cp_async_row_pair(u32 sa, u32 sb, const char* a, i64 a_row_stride, const char* b,
+                                                  i64 b_row_stride, int row0, int bound, bool lane_loads) {
+#pragma unroll
+  for (int i = 0; i < ROWS / PASS_ROWS; ++i) {
+    const int row = row0 + i * PASS_ROWS;
+    const bool valid = row < bound;
+    const int r = valid ? row : 0;
+    if (lane_loads) {
+      cp_async_16(sa + i * PASS_ROWS * SB, a + 2 * r * a_row_stride, valid);
+      cp_async_16(sb + i * PASS_ROWS * SB, b + 2 * r * b_row_stride, valid);
+    }
+  }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

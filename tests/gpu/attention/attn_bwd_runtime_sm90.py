@@ -40,8 +40,11 @@ def source() -> str:
 DQ_SUFFIX = {0: "", 1: "q", 2: "w"}
 # OPTS of the kernel (a bit set, BwdSm90Tile): 1 early dK, 2 deferred dQ (no
 # per-block barrier of the two consumers), 4 staggered consumers (with 2), 8
-# red.global.add.v4 for dQ (mode 0). Tag suffix "_" + their letters, e.g. wgb64s2w_kd.
-OPT_LETTERS = {1: "k", 2: "d", 4: "t", 8: "v"}
+# red.global.add.v4 for dQ (mode 0), 16 the next block's S^T issued before
+# the dQ epilogue (not with 2), 32 wgmma descriptors as base + constant offset,
+# 64 (mode 2) dQ staging stores without bank conflicts.
+# Tag suffix "_" + their letters, e.g. wgb64s2w_kd, wgb64s2w_ou.
+OPT_LETTERS = {1: "k", 2: "d", 4: "t", 8: "v", 16: "o", 32: "u", 64: "b"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +60,7 @@ class BwdSm90Config:
 
     @staticmethod
     def parse(tag: str) -> "BwdSm90Config":
-        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdtv]+))?", tag)
+        m = re.fullmatch(r"wgb(\d+)s(\d+)([qw]?)(?:_([kdtvoub]+))?", tag)
         if not m:
             raise ValueError(f"bad sm90 backward tag {tag!r} (want e.g. wgb64s2, wgb64s2q, wgb64s2w, wgb64s2w_kd)")
         mode = {v: k for k, v in DQ_SUFFIX.items()}[m.group(3)]
@@ -83,19 +86,23 @@ class BwdSm90Config:
 BY_DQ_MODE = {0: {64: BwdSm90Config(128, 3, 0), 128: BwdSm90Config(64, 2, 0)},
               1: {128: BwdSm90Config(64, 2, 1)},
               2: {128: BwdSm90Config(64, 2, 2)}}
-# Defaults: D = 64 mode 0 (measured best at 1172345; mode 1 equal within 1%).
-# D = 128 mode 2, the dQ writers in the producer warpgroup: in the same H200
-# run at 1edd8e0 (S = 4096, full / causal, bwd TFLOP/s) 470 / 429 against
-# 390 / 347 for plain mode 0 (wgb64s2, the default until 5bd677a), 423 / 374
-# for mode 0 with early dK, deferred dQ and staggered consumers (wgb64s2_kdt)
-# and 459 / 414 for mode 2 with them. (Its first writer, one thread issuing
-# 64 reductions per block, was 23% slower than mode 0 at 5bd677a.)
-DEFAULT = {64: BY_DQ_MODE[0][64], 128: BY_DQ_MODE[2][128]}
-# Schedule options at D = 128 (OPT_LETTERS; docs/attention.md, "Hopper
-# backward"), with dQ modes 0 and 2, for the A/B runs.
-VARIANTS = {64: [BwdSm90Config(128, 2, 0)],
-            128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128]] +
-                 [BwdSm90Config.parse(t) for t in ("wgb64s2_kdt", "wgb64s2_kdtv", "wgb64s2w_kdt")]}
+# Defaults: D = 64 mode 0 (measured best at 1172345; mode 1 equal within 1%)
+# with cheap wgmma descriptors ("u"). D = 128 mode 2, the dQ writers in the
+# producer warpgroup (470 / 429 bwd TFLOP/s at S = 4096, full / causal, against
+# 390 / 347 for plain mode 0 at 1edd8e0), with "u" and conflict-free dQ staging
+# stores ("b"): 491 / 434 against 473 / 422 for plain wgb64s2w in the same H200
+# run at fad5c51 (u alone 477 / 436, b alone 491 / 423; D = 64: wgb128s3_u
+# 378 / 340 against 371 / 339, and 379 / 340 against 371 / 339 at edc04eb).
+DEFAULT = {64: BwdSm90Config.parse("wgb128s3_u"), 128: BwdSm90Config.parse("wgb64s2w_ub")}
+# Variants (OPT_LETTERS; docs/attention.md, "Hopper backward"): the plain tiles
+# of the dQ modes (the former defaults wgb128s3 and wgb64s2w among them), the
+# schedule options of branch attn-bwd-3, and of attn-bwd-4 "o" (the next
+# block's S^T under the dQ epilogue: 1-2% slower at edc04eb; at D = 64 it
+# spills 20 bytes, so D = 128 only) and "b" alone.
+VARIANTS = {64: [BY_DQ_MODE[0][64], BwdSm90Config(128, 2, 0)],
+            128: [BY_DQ_MODE[0][128], BY_DQ_MODE[1][128], BY_DQ_MODE[2][128]] +
+                 [BwdSm90Config.parse(t) for t in ("wgb64s2_kdt", "wgb64s2_kdtv", "wgb64s2w_kdt", "wgb64s2w_o",
+                                                   "wgb64s2w_b")]}
 
 
 def default(d: int) -> BwdSm90Config:

@@ -41,11 +41,12 @@ class Sm90Config:
     overlap: bool = False  # OPTS kOptOverlap: the next tile's first S goes out before this tile's epilogue
     skip: bool = False  # OPTS kOptSkip: a consumer skips the key blocks none of its rows see
     pairs: bool = False  # OPTS kOptPairs: causal tiles handed out in pairs (x, num_m - 1 - x) of one head
+    desc: bool = False  # OPTS kOptDesc: wgmma descriptors as the first one plus constant offsets
 
     @property
     def opts(self) -> int:
         """The kernel's OPTS template argument."""
-        return (1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0)
+        return (1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0) | (8 if self.desc else 0)
 
     @property
     def block_m(self) -> int:
@@ -57,16 +58,16 @@ class Sm90Config:
 
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
-                f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}"
+                f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}{'d' if self.desc else ''}"
                 f"{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(n?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(8),
-                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(9),
+                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)))
 
     def grid(self, seqlen_q: int, heads_q: int, batch: int, num_sms: int):
         tiles = -(-seqlen_q // self.block_m) * heads_q * batch
@@ -80,26 +81,33 @@ class Sm90Config:
 # docs/attention.md, "Hopper"). Causal: the pairs schedule (tag "l"), which
 # beat that order in the same H200 run (commit 9af5955) at D = 128 by 15% /
 # 7% / 3% (S = 2048 / 8192 / 16384) and at D = 64 by 5% at S = 2048 (+1% /
-# -0.4% at S = 8192 / 16384, a tie).
+# -0.4% at S = 8192 / 16384, a tie). Non-causal: descriptors by offset (tag
+# "d"), 1.0-1.8% faster than the plain tile in all four non-causal cases of
+# the H200 run at 487e149 (inside the two rounds' spreads; causal lost
+# 0.2-1% with it, so causal keeps "pl").
 DEFAULT_SM90 = {
-    (64, False): Sm90Config(128, 3, 4, True),
+    (64, False): Sm90Config(128, 3, 4, True, desc=True),
     (64, True): Sm90Config(128, 3, 4, True, pairs=True),
-    (128, False): Sm90Config(128, 2, 2, True),
+    (128, False): Sm90Config(128, 2, 2, True, desc=True),
     (128, True): Sm90Config(128, 2, 2, True, pairs=True),
 }
+# The previous non-causal defaults, the overlap options, and (branch
+# attn-fwd-4) 176-key blocks at D = 128: FlashAttention-3's non-causal tile
+# width, one Q buffer; 6% slower at S = 2048, a tie at 8192 (487e149).
 VARIANT_SM90 = {
     64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True)],
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
-          Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True)],
+          Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True),
+          Sm90Config(176, 2, 2, True, desc=True)],
 }
 
 
 def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
-    """With an attn_mask, the tile without the pairs schedule: pairs on top of
-    a mask spilled 16-28 bytes (D = 128, causal, key padding) where the
-    plain tile spills none (C++: attn_sm90_default_tile)."""
+    """With an attn_mask, the plain tile: pairs on top of a mask spilled
+    16-28 bytes (D = 128, causal, key padding) where the plain tile spills
+    none; "d" was not measured with a mask (C++: attn_sm90_default_tile)."""
     cfg = DEFAULT_SM90[(head_dim, bool(causal))]
-    return dataclasses.replace(cfg, pairs=False) if masked else cfg
+    return dataclasses.replace(cfg, pairs=False, desc=False) if masked else cfg
 
 
 def configs_sm90(head_dim: int):

@@ -40,6 +40,8 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true", help="also time the backward alone on the variant tiles")
     ap.add_argument("--sm90-variants", action="store_true",
                     help="sm_90: also time the Hopper backward's variant configurations and its early-dV A/B")
+    ap.add_argument("--fb-tags", default="",
+                    help="sm_90: comma-separated Hopper backward tags also timed as forward+backward (opfuse[TAG])")
     ap.add_argument("--skip", default="", help="comma-separated implementations not to time (e.g. opfuse:bwd-mma,late-dv)")
     a = ap.parse_args(argv)
 
@@ -82,9 +84,9 @@ def main(argv=None):
                 o, lse = fwd(q, k, v, causal=causal)
                 grads = tuple(torch.empty_like(t) for t in (q, k, v))
 
-                def ours_fb(det=False):
+                def ours_fb(det=False, tiles=None):
                     o2, lse2 = fwd(q, k, v, causal=causal)
-                    bwd(dout, q, k, v, o2, lse2, causal=causal, deterministic=det, out=grads)
+                    bwd(dout, q, k, v, o2, lse2, causal=causal, deterministic=det, out=grads, tiles=tiles)
 
                 impls = {"opfuse": (lambda: ours_fb(False), 3.5),
                          "opfuse:bwd": (lambda: bwd(dout, q, k, v, o, lse, causal=causal, deterministic=False,
@@ -95,6 +97,13 @@ def main(argv=None):
                                                            out=grads, tiles=br.choose_tiles(D)), 2.5)
                 if not a.no_det:
                     impls["opfuse-det"] = (lambda: ours_fb(True), 3.5)
+                if bwd.arch.startswith("sm_90") and D in bwd.sm90.HEAD_DIMS:
+                    # Forward+backward with another Hopper backward tile (the issue's
+                    # table line, for a variant before it becomes the default).
+                    for t in (x for x in a.fb_tags.split(",") if x):
+                        cfg = bwd.sm90.BwdSm90Config.parse(t)
+                        if cfg.block_m == (128 if D == 64 else 64):
+                            impls[f"opfuse[{t}]"] = (lambda cfg=cfg: ours_fb(False, cfg), 3.5)
                 if late is not None and D == 128:
                     impls["opfuse:bwd[late-dv]"] = (lambda: late(dout, q, k, v, o, lse, causal=causal,
                                                                  deterministic=False, out=grads), 2.5)
@@ -150,7 +159,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
 
     names = ["opfuse", "opfuse-det", "opfuse:bwd", "opfuse:bwd-mma", "sdpa-flash", "sdpa-cudnn"]
-    names += sorted({n for r in rows for n in r if n.startswith("opfuse:bwd[")})
+    names += sorted({n for r in rows for n in r if n.startswith("opfuse:bwd[") or n.startswith("opfuse[")})
     print("\nTFLOP/s fwd+bwd (opfuse:bwd = backward alone), bf16, hidden 2048, 16k tokens")
     print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>11}" for n in names) + "  ours/flash ours/cudnn")
     for r in rows:

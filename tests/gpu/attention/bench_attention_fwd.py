@@ -78,6 +78,18 @@ def ab_impl(fwd, kernel_file, D, causal, q, k, v, out, lse):
     return lambda: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse)
 
 
+def variant_tiles(sm, tags, D, causal):
+    """The Hopper tiles to time for (D, causal): every variant, or those of --tags that name this D (and mask)."""
+    if not tags:
+        return sm.configs_sm90(D)
+    out = []
+    for t in filter(None, tags.split(",")):
+        d, tag, *which = t.split(":")
+        if int(d) == D and (not which or which[0] == ("causal" if causal else "full")):
+            out.append(sm.Sm90Config.parse(tag))
+    return out
+
+
 def gemm_ceiling() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -95,6 +107,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; the best median is kept")
     ap.add_argument("--skip", default="", help="comma-separated implementations not to time (e.g. opfuse-mma,sdpa-flash)")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="which masks to run")
+    ap.add_argument("--tags", default=None,
+                    help="with --variants sm90: time only these Hopper tiles, comma-separated D:tag[:full|causal] "
+                         "(e.g. 128:wg128x176s2pd:full)")
     ap.add_argument("--ab-kernel", default=None,
                     help="another attention_fwd_sm90.cu: its default tile is timed as opfuse@ab, interleaved")
     a = ap.parse_args(argv)
@@ -140,7 +155,7 @@ def main(argv=None):
                 if fwd.last_config != cfg0:
                     impls["opfuse-mma"] = (lambda cfg=cfg0: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
                 if a.variants and fwd.sm90.sm90_unsupported_reason(fwd.arch, D, S) == "":
-                    for cfg in fwd.sm90.configs_sm90(D):
+                    for cfg in variant_tiles(fwd.sm90, a.tags, D, causal):
                         if cfg != fwd.last_config:
                             impls[f"opfuse[{cfg.tag()}]"] = (
                                 lambda cfg=cfg: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))

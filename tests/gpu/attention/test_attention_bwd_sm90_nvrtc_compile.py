@@ -76,8 +76,10 @@ def test_sass_uses_hgmma_tma_and_no_local_memory(compiled, tmp_path):
         # S^T, dP^T: D / 16 steps each; dV, dK: BLOCK_M / 16 each; dQ: 128 / 16.
         m = re.search(r", (\d+), (?:true|false), (\d+), \d+, (\d)(?:, (\d+))?>", e)
         d, bm, mode, opts = int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4) or 0)
-        # The deferred dQ (opts & 2) issues dQ in the loop and once more after it.
-        assert f.count("HGMMA.64x") == 2 * (d // 16) + 2 * (bm // 16) + 8 * (2 if opts & 2 else 1), e
+        # The deferred dQ (opts & 2) issues dQ in the loop and once more after it;
+        # the early S^T (opts & 16) issues S^T in the loop and once before it.
+        assert f.count("HGMMA.64x") == (2 + (1 if opts & 16 else 0)) * (d // 16) + 2 * (bm // 16) + \
+            8 * (2 if opts & 2 else 1), e
         assert "tnspA.tnspB" in f and "UTMALDG.4D" in f and "UBLKCP" in f, e
         assert " HMMA" not in f and "LDL" not in f and "STL" not in f, e
         assert "USETMAXREG" in f, e

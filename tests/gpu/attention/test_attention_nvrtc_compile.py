@@ -174,6 +174,26 @@ def test_sm90_every_instantiation_compiles_without_spills(compiled_sm90):
     assert not problems, "\n".join(problems)
 
 
+def test_sm90_tags_round_trip_and_option_bits():
+    # No compiler needed: tag <-> config, the OPTS bits in the name expression,
+    # and the shared memory the launch asks for (176-key blocks: one Q buffer).
+    for d in sm90.HEAD_DIMS_SM90:
+        for cfg in sm90.configs_sm90(d):
+            assert sm90.Sm90Config.parse(cfg.tag()) == cfg, cfg
+    cfg = sm90.Sm90Config.parse("wg128x128s2pd")
+    assert cfg.desc and not cfg.pairs and cfg.opts == 8
+    assert sm90.name_expression_sm90("bf16", 128, False, cfg).endswith(", true, opfuse_attn::MaskNone, 8>")
+    assert sm90.Sm90Config.parse("wg128x128s2pld").opts == 12
+    with pytest.raises(ValueError):
+        sm90.Sm90Config.parse("wg128x128s2pdl")
+    wide = sm90.Sm90Config.parse("wg128x176s2pd")
+    assert sm90.q_buffers_sm90(128, wide) == 1 and sm90.smem_bytes_sm90(128, wide) == 214112
+    # Masked calls keep the plain tile (neither pairs nor descriptors by offset).
+    for d in sm90.HEAD_DIMS_SM90:
+        for causal in (False, True):
+            assert sm90.default_config_sm90(d, causal, masked=True).opts == 0
+
+
 def _ptx_entries(ptx: str):
     """{entry name: its PTX text}."""
     parts = re.split(r"^\.(?:visible|weak) \.entry (\S+?)\(", ptx, flags=re.M)
