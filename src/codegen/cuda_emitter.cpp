@@ -158,12 +158,16 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
   }
 }
 
+// OPFUSE_VSTORE_WORDS=1: 16-bit vector stores through opf_vstore_w (whole
+// words, one 128-bit store; see the prelude), 0: opf_vstore.
 void CudaEmitter::vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0) {
+  const char* w = std::getenv("OPFUSE_VSTORE_WORDS");
+  std::string fn = w && std::atoi(w) > 0 ? "opf_vstore_w<" : "opf_vstore<";
   for (const KStmt& s : stmts) {
     if (s.kind != KStmt::Store || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;
     std::vector<Expr> idx = s.index;
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
-    line("opf_vstore<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " +
+    line(fn + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " +
          lane_of_.at(access_key(s)) + ");");
   }
 }

@@ -256,6 +256,8 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
       std::string idx = cluster_row_loop_ ? std::to_string(2 * cluster_reductions_++) + " + par_" : std::to_string(cluster_reductions_++);
       std::string slot = "reinterpret_cast<" + value_type(a.type) + "*>(&opf_cslot[" + idx + "])";
       line(n + " = opf_cluster_reduce<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", " + slot + ");");
+      last_cluster_reduce_end_ = static_cast<int64_t>(out_.tellp());
+      last_cluster_reduce_indent_ = indent_;
     } else {
       line(n + " = opf_block_reduce<" + op + ">(" + n + ", " + smem_ + ");");
     }
@@ -719,6 +721,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
   launch_.smem = stage_bytes_;
   cluster_reductions_ = 0;
+  last_cluster_reduce_end_ = -1;
   pair_reductions_ = 0;
   launch_.threads = g.threads;
   launch_.rows_per_block = g.rows_per_block;
@@ -798,6 +801,13 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   prefetch_ = false;
   std::string body = out_.str();
+  // OPFUSE_ROW_CLUSTER_EARLY_ARRIVE=1: a row split over a cluster (one row,
+  // no loop over rows) arrives at its exit barrier right after its last
+  // cluster reduction and waits for it only at the end (opf_cluster_arrive).
+  bool early_arrive = env_int("OPFUSE_ROW_CLUSTER_EARLY_ARRIVE", 0) > 0 && cluster_ > 1 && !columns_ && !cluster_row_loop_ &&
+                      last_cluster_reduce_end_ >= 0;
+  if (early_arrive)
+    body.insert(static_cast<size_t>(last_cluster_reduce_end_), std::string(static_cast<size_t>(last_cluster_reduce_indent_) * 2, ' ') + "opf_cluster_arrive();\n");
   out_.str("");
   out_ << saved;
   indent_ = base_indent;
@@ -925,7 +935,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
                                                         std::to_string(lanes_)
                                     : cluster_row_loop_ ? "(int64_t)(blockIdx.x / " + std::to_string(cluster_) + ")"
                                                         : "(int64_t)blockIdx.x");
-  if (cluster_ > 1) line("opf_cluster_sync();");
+  if (cluster_ > 1) line(early_arrive ? "opf_cluster_wait();" : "opf_cluster_sync();");
   --indent_;
   line("}");
 }
