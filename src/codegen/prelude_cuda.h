@@ -352,7 +352,7 @@ static __device__ __forceinline__ void opf_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 // The two halves of opf_cluster_sync, for a kernel's last cluster barrier
-// (OPFUSE_ROW_CLUSTER_EARLY_ARRIVE): a block arrives once it has read its
+// (default; OPFUSE_ROW_CLUSTER_EARLY_ARRIVE=0 turns it off): a block arrives once it has read its
 // peers' memory for the last time and waits only before it exits, so it
 // does not wait there for the slowest peer's output stage.
 static __device__ __forceinline__ void opf_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }

@@ -255,8 +255,9 @@ def _vector_ptx(ptx):
 def test_vstore_words_keeps_128_bit_stores(shape, monkeypatch):
     """NVVM split opf_vstore's 16-byte stores into 4-byte st.global.v2.u16 in
     the unrolled output loops of log_softmax 8192x32768 and the cluster-staged
-    rows of 4096x262144; OPFUSE_VSTORE_WORDS=1 (opf_vstore_w) keeps every
-    vector store of 16-bit values one st.global.v4.b32."""
+    rows of 4096x262144; opf_vstore_w (the default; OPFUSE_VSTORE_WORDS=0 is
+    the old opf_vstore) keeps every vector store of 16-bit values one
+    st.global.v4.b32."""
     nvrtc_or_skip()
     rows, cols = shape
     monkeypatch.setenv("OPFUSE_VSTORE_WORDS", "1")
@@ -272,7 +273,7 @@ def test_vstore_words_keeps_128_bit_stores(shape, monkeypatch):
 
 
 def test_cluster_early_arrive(monkeypatch):
-    """OPFUSE_ROW_CLUSTER_EARLY_ARRIVE=1: a row split over a cluster arrives at
+    """By default (OPFUSE_ROW_CLUSTER_EARLY_ARRIVE=1) a row split over a cluster arrives at
     its exit barrier right after its last cluster reduction and waits at the
     end; as many arrives as waits (one per reduction and the exit)."""
     nvrtc_or_skip()
@@ -287,3 +288,23 @@ def test_cluster_early_arrive(monkeypatch):
         assert v.rstrip().endswith("opf_cluster_wait();\n}") and "opf_cluster_sync();" not in v
         ptx = _vector_ptx(compile_for(ir, shapes, 90)[0])
         assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == reductions + 1
+
+
+@pytest.mark.parametrize("shape", [(8192, 32768), (4096, 262144), (32768, 4096)])
+def test_store_round_once(shape, monkeypatch):
+    """OPFUSE_ROW_STORE_ROUND_ONCE=1: a row output cast to bf16 is converted
+    once at the store (the cast's operand), not rounded to a bf16 float first
+    and converted again; the staged, cluster and register-cached rows alike."""
+    nvrtc_or_skip()
+    rows, cols = shape
+    shapes = [[rows, cols]]
+    for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+        cg = _C.CompiledGraph(row_ir(op, "bf16", rows, cols), target="cuda")
+        monkeypatch.delenv("OPFUSE_ROW_STORE_ROUND_ONCE", raising=False)
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert re.search(r"lv\d+\[j_\] = opf_float_to_bf16\(v\d+\);", v)
+        monkeypatch.setenv("OPFUSE_ROW_STORE_ROUND_ONCE", "1")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert re.search(r"lv\d+\[j_\] = opf_float_to_bf16\(\(float\)\(v\d+\)\);", v), (op, v[-1500:])
+        _, log = compile_for(row_ir(op, "bf16", rows, cols), shapes, 90)
+        assert all(int(n) == 0 for n in re.findall(r"(\d+) bytes spill stores", log))
