@@ -292,18 +292,19 @@ def test_cluster_early_arrive(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(8192, 32768), (4096, 262144), (32768, 4096)])
 def test_store_round_once(shape, monkeypatch):
-    """OPFUSE_ROW_STORE_ROUND_ONCE=1: a row output cast to bf16 is converted
-    once at the store (the cast's operand), not rounded to a bf16 float first
-    and converted again; the staged, cluster and register-cached rows alike."""
+    """By default a row output cast to bf16 is converted once at the store
+    (the cast's operand), not rounded to a bf16 float first and converted
+    again (OPFUSE_ROW_STORE_ROUND_ONCE=0, as before); the staged, cluster and
+    register-cached rows alike."""
     nvrtc_or_skip()
     rows, cols = shape
     shapes = [[rows, cols]]
     for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         cg = _C.CompiledGraph(row_ir(op, "bf16", rows, cols), target="cuda")
-        monkeypatch.delenv("OPFUSE_ROW_STORE_ROUND_ONCE", raising=False)
+        monkeypatch.setenv("OPFUSE_ROW_STORE_ROUND_ONCE", "0")
         v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
         assert re.search(r"lv\d+\[j_\] = opf_float_to_bf16\(v\d+\);", v)
-        monkeypatch.setenv("OPFUSE_ROW_STORE_ROUND_ONCE", "1")
+        monkeypatch.delenv("OPFUSE_ROW_STORE_ROUND_ONCE")
         v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
         assert re.search(r"lv\d+\[j_\] = opf_float_to_bf16\(\(float\)\(v\d+\)\);", v), (op, v[-1500:])
         _, log = compile_for(row_ir(op, "bf16", rows, cols), shapes, 90)
