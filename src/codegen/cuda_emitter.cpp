@@ -187,12 +187,19 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
   }
 }
 
+// 16-bit vector stores go through opf_vstore_w (whole words, one 128-bit
+// store; see the prelude). On the H200 (bf16, row_variants.py at f134b5a)
+// log_softmax 8192x32768 3.49 -> 3.94 TB/s and the cluster-staged
+// 4096x262144 rows +0-10%; kernels whose stores NVVM kept whole get the same
+// SASS. OPFUSE_VSTORE_WORDS=0: opf_vstore, as before.
 void CudaEmitter::vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0) {
+  const char* w = std::getenv("OPFUSE_VSTORE_WORDS");
+  std::string fn = w && *w && std::atoi(w) <= 0 ? "opf_vstore<" : "opf_vstore_w<";
   for (const KStmt& s : stmts) {
     if (s.kind != KStmt::Store || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;
     std::vector<Expr> idx = s.index;
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
-    line("opf_vstore<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " +
+    line(fn + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " +
          lane_of_.at(access_key(s)) + ");");
   }
 }
@@ -232,6 +239,23 @@ void CudaEmitter::plain_statement(const KStmt& s, const KStage& stage) {
       line("const " + value_type(s.type) + " " + value(s.dst) + " = " + e + ";");
     } else {
       std::string v = value(s.args[0]);
+      // A store of a cast to this 16-bit type (every bf16 row output) rounded
+      // twice, opf_round_bf16 then opf_float_to_bf16 (a cvt, a shift back and
+      // a second cvt an element; ptxas cannot drop them); rounding is
+      // idempotent, so the cast's operand converted once gives the same
+      // bits. Row kernels only, where the operand is printed in this loop
+      // (not skipped for the cache). H200 (bf16, row_variants.py at 1f89c5c):
+      // faster in all 12 cells measured, softmax 4096x262144 3.05 -> 3.22
+      // TB/s, 32768x4096 3.74 -> 3.91, layer_norm 8192x32768 3.47 -> 3.56.
+      // OPFUSE_ROW_STORE_ROUND_ONCE=0: both roundings, as before.
+      const char* once = std::getenv("OPFUSE_ROW_STORE_ROUND_ONCE");
+      if (!(once && *once && std::atoi(once) <= 0) && k_->row && (t == DType::Float16 || t == DType::BFloat16)) {
+        size_t si = static_cast<size_t>(stage_index_);
+        for (const KStmt& d : stage.loop)
+          if (d.dst == s.args[0] && d.kind == KStmt::Cast && d.node.dtype == t &&
+              (!caching_ || (!cache_.skip[si].count(d.dst) && !cache_.read[si].count(d.dst))))
+            v = "(float)(" + value(d.args[0]) + ")";
+      }
       if (t == DType::Float16) line(arr + "[j_] = opf_float_to_half(" + v + ");");
       else if (t == DType::BFloat16) line(arr + "[j_] = opf_float_to_bf16(" + v + ");");
       else line(arr + "[j_] = (" + storage_type(t) + ")(" + v + ");");

@@ -65,6 +65,8 @@ class CudaEmitter : public CEmitter {
   int lanes_ = 32;
   int cluster_ = 1;
   int cluster_reductions_ = 0;    // slots used so far
+  int64_t last_cluster_reduce_end_ = -1;  // where the row body's last cluster reduction ends in out_ (see row_kernel)
+  int last_cluster_reduce_indent_ = 0;
   int pair_reductions_ = 0;       // opf_block_sum2 calls printed (their shared buffer and parity are declared)
   bool cluster_row_loop_ = false;
   bool loop_overflow_ = false;     // loop stages in 1024-thread blocks, later stages backwards (rows overflowing L2)  // a cluster steps through rows (column partials): slots alternate by row (par_)

@@ -225,6 +225,32 @@ template <int V, class T> static __device__ __forceinline__ void opf_vstore(T* _
   for (int j = 0; j < V; ++j) l.e[j] = in[j];
   *reinterpret_cast<opf_vec<sizeof(T) * V>*>(p) = l.v;
 }
+// The same store with 16-bit lanes packed into 32-bit words by hand and the
+// 16-byte store written as one st.global.v4.b32. NVVM takes opf_vstore's
+// union apart and, in unrolled row loops, stores the pieces as 4-byte
+// st.global.v2.u16 (log_softmax 8192x32768's output loop and every
+// cluster-staged row at 4096x262144: four store instructions, each writing
+// part of 16 sectors, where one would do); packed words alone still came
+// out as four st.global.u32, hence the asm. The buffers are global memory
+// (generic addresses of global memory are their global addresses).
+template <class T> static __device__ __forceinline__ uint32_t opf_bits16(T x) {
+  union { T t; uint16_t u; } c;
+  c.t = x;
+  return c.u;
+}
+template <int V, class T> static __device__ __forceinline__ void opf_vstore_w(T* __restrict__ p, const T* in) {
+  if constexpr (sizeof(T) == 2 && V % 2 == 0) {
+    opf_vec<2 * V> v;
+#pragma unroll
+    for (int k = 0; k < V / 2; ++k) v.w[k] = opf_bits16(in[2 * k]) | (opf_bits16(in[2 * k + 1]) << 16);
+    if constexpr (V == 8)
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.w[0]), "r"(v.w[1]), "r"(v.w[2]), "r"(v.w[3]) : "memory");
+    else
+      *reinterpret_cast<opf_vec<2 * V>*>(p) = v;
+  } else {
+    opf_vstore<V>(p, in);
+  }
+}
 
 // The row cache of 16-bit loads kept as the raw 128-bit vector
 // (OPFUSE_ROW_CACHE_RAW): 4 registers for 8 values instead of 8 floats, so
@@ -333,6 +359,12 @@ static __device__ __forceinline__ unsigned opf_cluster_rank() {
 static __device__ __forceinline__ void opf_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// The two halves of opf_cluster_sync, for a kernel's last cluster barrier
+// (default; OPFUSE_ROW_CLUSTER_EARLY_ARRIVE=0 turns it off): a block arrives once it has read its
+// peers' memory for the last time and waits only before it exits, so it
+// does not wait there for the slowest peer's output stage.
+static __device__ __forceinline__ void opf_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void opf_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 template <class T> static __device__ __forceinline__ T opf_cluster_load(const T* local, unsigned rank) {
   unsigned a = (unsigned)__cvta_generic_to_shared(local), remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));

@@ -241,3 +241,71 @@ def test_staged_rows_compile_without_spills(arch, dtype, cols, monkeypatch):
         _, log = compile_for(row_ir(op, dtype, 64, cols), [[64, cols]], arch)
         spills = re.findall(r"(\d+) bytes spill stores", log)
         assert spills and all(int(s) == 0 for s in spills), log[-2000:]
+
+
+def _vector_ptx(ptx):
+    """The PTX of the vector twin (the entry whose name ends in _v8 or _v4)."""
+    m = re.search(r"\.entry (opfuse_\w+_v[48])\(", ptx)
+    start = m.start()
+    end = ptx.find("\n}", start)
+    return ptx[start:end]
+
+
+@pytest.mark.parametrize("shape", [(8192, 32768), (4096, 262144), (64, 70000)])
+def test_vstore_words_keeps_128_bit_stores(shape, monkeypatch):
+    """NVVM split opf_vstore's 16-byte stores into 4-byte st.global.v2.u16 in
+    the unrolled output loops of log_softmax 8192x32768 and the cluster-staged
+    rows of 4096x262144; opf_vstore_w (the default; OPFUSE_VSTORE_WORDS=0 is
+    the old opf_vstore) keeps every vector store of 16-bit values one
+    st.global.v4.b32."""
+    nvrtc_or_skip()
+    rows, cols = shape
+    monkeypatch.setenv("OPFUSE_VSTORE_WORDS", "1")
+    for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+        ir = row_ir(op, "bf16", rows, cols)
+        shapes = [[rows, cols]]
+        cg = _C.CompiledGraph(ir, target="cuda")
+        assert "opf_vstore_w<8>(" in _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        ptx, _ = compile_for(ir, shapes, 90)
+        v = _vector_ptx(ptx)
+        assert "st.global.v4.b32" in v, (op, v[-3000:])
+        assert not re.search(r"st\.global(\.v2)?\.(u16|u32|b16|b32)\s", v), (op, re.findall(r"st\.global\S*", v))
+
+
+def test_cluster_early_arrive(monkeypatch):
+    """By default (OPFUSE_ROW_CLUSTER_EARLY_ARRIVE=1) a row split over a cluster arrives at
+    its exit barrier right after its last cluster reduction and waits at the
+    end; as many arrives as waits (one per reduction and the exit)."""
+    nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_ROW_CLUSTER_EARLY_ARRIVE", "1")
+    shapes = [[4096, 262144]]
+    for op, reductions in (("softmax", 2), ("layer_norm", 2), ("rms_norm", 1)):
+        ir = row_ir(op, "bf16", 4096, 262144)
+        cg = _C.CompiledGraph(ir, target="cuda")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        last = v.rindex("opf_cluster_reduce<")
+        assert v.index("opf_cluster_arrive();") > last and v.count("opf_cluster_arrive();") == 1
+        assert v.rstrip().endswith("opf_cluster_wait();\n}") and "opf_cluster_sync();" not in v
+        ptx = _vector_ptx(compile_for(ir, shapes, 90)[0])
+        assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == reductions + 1
+
+
+@pytest.mark.parametrize("shape", [(8192, 32768), (4096, 262144), (32768, 4096)])
+def test_store_round_once(shape, monkeypatch):
+    """By default a row output cast to bf16 is converted once at the store
+    (the cast's operand), not rounded to a bf16 float first and converted
+    again (OPFUSE_ROW_STORE_ROUND_ONCE=0, as before); the staged, cluster and
+    register-cached rows alike."""
+    nvrtc_or_skip()
+    rows, cols = shape
+    shapes = [[rows, cols]]
+    for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+        cg = _C.CompiledGraph(row_ir(op, "bf16", rows, cols), target="cuda")
+        monkeypatch.setenv("OPFUSE_ROW_STORE_ROUND_ONCE", "0")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert re.search(r"lv\d+\[j_\] = opf_float_to_bf16\(v\d+\);", v)
+        monkeypatch.delenv("OPFUSE_ROW_STORE_ROUND_ONCE")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert re.search(r"lv\d+\[j_\] = opf_float_to_bf16\(\(float\)\(v\d+\)\);", v), (op, v[-1500:])
+        _, log = compile_for(row_ir(op, "bf16", rows, cols), shapes, 90)
+        assert all(int(n) == 0 for n in re.findall(r"(\d+) bytes spill stores", log))
