@@ -29,16 +29,7 @@ def _compile_all(arch: str):
     inst = ar.all_instantiations(include_variants=True) + ar.masked_instantiations(arch)
     exprs = [ar.name_expression(*i) for i in inst]
     cubin, log, lowered = nv.compile(ar.kernel_source(), "attention_fwd.cu", ar.compile_options(arch), exprs)
-    # Split ptxas -v output per entry function.
-    per_fn = {}
-    cur = None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            per_fn[cur] = ""
-        if cur:
-            per_fn[cur] += line + "\n"
+    per_fn = ar.split_ptxas_log(log)
     res = {e: ar.parse_ptxas(per_fn.get(lowered[e], "")) for e in exprs}
     return res, len(cubin), log
 
@@ -137,14 +128,7 @@ def compiled_sm90():
     inst = sm90.all_instantiations_sm90()
     exprs = [sm90.name_expression_sm90(*i) for i in inst]
     ptx, cubin, log, lowered = sm90.compile_ptx_and_cubin_sm90(nv, exprs)
-    per_fn, cur = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            per_fn[cur] = ""
-        if cur:
-            per_fn[cur] += line + "\n"
+    per_fn = ar.split_ptxas_log(log)
     return dict(inst=inst, exprs=exprs, ptx=ptx, cubin=cubin, log=log, lowered=lowered, per_fn=per_fn)
 
 
@@ -268,14 +252,7 @@ def compiled_sm90_masked():
     inst = sm90.masked_instantiations_sm90()
     exprs = [sm90.name_expression_sm90(*i) for i in inst]
     ptx, cubin, log, lowered = sm90.compile_ptx_and_cubin_sm90(nv, exprs)
-    per_fn, cur = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            per_fn[cur] = ""
-        if cur:
-            per_fn[cur] += line + "\n"
+    per_fn = ar.split_ptxas_log(log)
     return dict(inst=inst, exprs=exprs, log=log, lowered=lowered, per_fn=per_fn)
 
 
