@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kernels/attention/attention_backward_reference.h"
+#include "python/bindings_attention.h"
 #include "runtime/attention_bwd_launcher.h"
 #include "runtime/attention_bwd_launcher_sm90.h"
 
@@ -22,13 +23,7 @@ namespace ka = opfuse::kernels::attention;
 
 namespace {
 
-using Ptrs = std::vector<uintptr_t>;
-using Sizes = std::vector<int64_t>;
-using Strides = std::vector<std::vector<int64_t>>;
-
-void need(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(what);
-}
+using namespace opfuse::attention_bindings;  // Ptrs, Sizes, Strides, need, set_mask
 
 // ptrs: q, k, v, o, dout, dq, dk, dv, lse, delta, lse_log2, dq_accum (0 = none);
 // sizes: B, Hq, Hkv, Sq, Sk, D; strides: q, k, v, o, dout, dq, dk, dv (dims 0..2), lse (b, h).
@@ -72,12 +67,7 @@ void bind_attention_bwd(nb::module_& m) {
          const std::vector<int64_t>& mask_strides) {
         at::AttnBackwardArgs a = backward_args(elem, ptrs, sizes, strides, causal, scale, deterministic);
         a.device = device;
-        a.mask = at::parse_attn_mask(mask_kind);
-        if (a.mask != at::AttnMaskKind::None) {
-          need(mask_strides.size() == 4, "mask strides: 4 entries over [B, Hq, Sq, Sk]");
-          a.mask_ptr = reinterpret_cast<const void*>(mask);
-          for (size_t d = 0; d < 4; ++d) a.mask_strides[d] = mask_strides[d];
-        }
+        set_mask(a, mask_kind, mask, mask_strides);
         nb::gil_scoped_release release;
         at::attn_backward_cuda(a, reinterpret_cast<opfuse::CUstream>(stream));
       },

@@ -14,6 +14,7 @@
 
 #include "kernels/attention/attention_cpu.h"
 #include "kernels/attention/attention_reference.h"
+#include "python/bindings_attention.h"
 #include "runtime/attention_launcher.h"
 #include "runtime/attention_launcher_sm90.h"
 
@@ -23,13 +24,7 @@ namespace ka = opfuse::kernels::attention;
 
 namespace {
 
-using Ptrs = std::vector<uintptr_t>;
-using Sizes = std::vector<int64_t>;
-using Strides = std::vector<std::vector<int64_t>>;
-
-void need(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(what);
-}
+using namespace opfuse::attention_bindings;  // Ptrs, Sizes, Strides, need, set_mask
 
 // ptrs: q, k, v, o, lse (0 = none); sizes: B, Hq, Hkv, Sq, Sk, D;
 // strides: q, k, v, o (dims 0..2 each), lse (b, h).
@@ -58,16 +53,6 @@ at::AttnForwardArgs cuda_args(const std::string& elem, const Ptrs& ptrs, const S
   a.softmax_scale = scale;
   a.tile = tile;
   return a;
-}
-
-// attn_mask: kind name (attention_launcher.h), data pointer, 4 element strides over [B, Hq, Sq, Sk].
-template <typename Args>
-void set_mask(Args& a, const std::string& kind, uintptr_t ptr, const std::vector<int64_t>& strides) {
-  a.mask = at::parse_attn_mask(kind);
-  if (a.mask == at::AttnMaskKind::None) return;
-  need(strides.size() == 4, "mask strides: 4 entries over [B, Hq, Sq, Sk]");
-  a.mask_ptr = reinterpret_cast<const void*>(ptr);
-  for (size_t d = 0; d < 4; ++d) a.mask_strides[d] = strides[d];
 }
 
 ka::AttentionShape shape_of(const Sizes& sizes) {

@@ -23,35 +23,25 @@ namespace {
 constexpr int kAttrMaxDynamicSharedBytes = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 constexpr int kDevAttrMaxSmemPerBlockOptin = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
-std::vector<std::string> compile_options(int arch) { return nvrtc_named_options("sm_" + std::to_string(arch)); }
-
 // The shared PTX helpers, then the kernel.
 const std::string& source() {
   static const std::string s = std::string(attention_ptx_cu) + "\n" + attention_fwd_cu;
   return s;
 }
 
+// Cache entry layout: "opfuse-attn-cubin\n<lowered name>\n" followed by the cubin.
+constexpr const char kMagic[] = "opfuse-attn-cubin\n";
+
 // One NVRTC program for one name expression: (lowered name, cubin, log).
-AttnCompiled nvrtc_compile_expression(const std::string& expr, int arch) {
-  NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_fwd.cu", {expr}, "sm_" + std::to_string(arch), expr);
+AttnCompiled compile_uncached(const std::string& source, const char* file, const std::string& expr,
+                              const std::string& gpu_arch) {
+  NvrtcNamed r = nvrtc_compile_named(source.c_str(), file, {expr}, gpu_arch, expr);
   AttnCompiled out;
   out.expression = expr;
   out.lowered = r.lowered.at(0);
   out.cubin = std::move(r.cubin);
   out.log = std::move(r.log);
   return out;
-}
-
-// Cache entry layout: "opfuse-attn-cubin\n<lowered name>\n" followed by the cubin.
-constexpr const char kMagic[] = "opfuse-attn-cubin\n";
-
-std::string pack(const AttnCompiled& c) { return pack_named_cubin(kMagic, {c.lowered}, c.cubin); }
-
-bool unpack(const std::string& bytes, AttnCompiled* c) {
-  std::vector<std::string> lowered;
-  if (!unpack_named_cubin(bytes, kMagic, 1, &lowered, &c->cubin)) return false;
-  c->lowered = lowered[0];
-  return true;
 }
 
 struct LoadedFn {
@@ -225,20 +215,25 @@ AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile&
                           AttnMaskKind mask) {
   if (!attn_head_dim_supported(head_dim))
     throw std::invalid_argument("attention kernel head dim must be 64, 96, 128 or 256, not " + std::to_string(head_dim));
-  const std::string expr = attn_name_expression(e, head_dim, causal, t, mask);
-  if (!use_cache) return nvrtc_compile_expression(expr, arch);
+  return attn_compile_named(source(), "attention_fwd.cu", attn_name_expression(e, head_dim, causal, t, mask),
+                            "sm_" + std::to_string(arch), kMagic, use_cache);
+}
+
+AttnCompiled attn_compile_named(const std::string& source, const char* file, const std::string& expr,
+                                const std::string& gpu_arch, const char* magic, bool use_cache) {
+  if (!use_cache) return compile_uncached(source, file, expr, gpu_arch);
   const NvrtcApi& n = nvrtc();
   if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
   std::string opts;
-  for (auto& o : compile_options(arch)) opts += o + " ";
-  const std::string key = content_hash(source() + "\n" + expr + "\n" + opts + "\nnvrtc " +
+  for (auto& o : nvrtc_named_options(gpu_arch)) opts += o + " ";
+  const std::string key = content_hash(source + "\n" + expr + "\n" + opts + "\nnvrtc " +
                                        std::to_string(n.major) + "." + std::to_string(n.minor));
   AttnCompiled fresh;
   bool built = false;
   auto build = [&](const std::string& out) {
-    fresh = nvrtc_compile_expression(expr, arch);
+    fresh = compile_uncached(source, file, expr, gpu_arch);
     built = true;
-    write_file_atomic(out, pack(fresh));
+    write_file_atomic(out, pack_named_cubin(magic, {fresh.lowered}, fresh.cubin));
   };
   CacheLookup found = cache_get_or_build("attention", key, ".cubin", build);
   if (built) {
@@ -248,7 +243,9 @@ AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile&
   bool ok = false;
   AttnCompiled c;
   c.expression = expr;
-  if (std::string bytes = read_file(found.path, &ok); ok && unpack(bytes, &c)) {
+  std::vector<std::string> lowered;
+  if (std::string bytes = read_file(found.path, &ok); ok && unpack_named_cubin(bytes, magic, 1, &lowered, &c.cubin)) {
+    c.lowered = lowered[0];
     c.cache_hit = true;
     return c;
   }
@@ -257,6 +254,20 @@ AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile&
   found = cache_get_or_build("attention", key, ".cubin", build);
   fresh.cache_hit = false;
   return fresh;
+}
+
+CUfunction attn_load_function(const std::function<AttnCompiled(bool use_cache)>& compile, CUmodule* module,
+                              const std::string& what) {
+  const CudaApi& c = cuda();
+  AttnCompiled comp = compile(true);
+  if (c.ModuleLoadData(module, comp.cubin.data()) != 0) {
+    // A cubin the driver refuses (e.g. a stale cache entry): compile afresh once.
+    comp = compile(false);
+    check_cuda(c.ModuleLoadData(module, comp.cubin.data()), ("cuModuleLoadData(" + what + ")").c_str());
+  }
+  CUfunction fn = nullptr;
+  check_cuda(c.ModuleGetFunction(&fn, *module, comp.lowered.c_str()), ("cuModuleGetFunction(" + what + ")").c_str());
+  return fn;
 }
 
 std::string attn_unsupported_reason(const AttnForwardArgs& a) {
@@ -356,13 +367,9 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
   const std::string expr = attn_name_expression(a.elem, D, a.causal, tile, a.mask);
   LoadedFn& lf = functions[{ctx, expr}];
   if (!lf.fn) {
-    AttnCompiled comp = attn_compile(a.elem, D, a.causal, tile, info.arch, true, a.mask);
-    if (c.ModuleLoadData(&lf.module, comp.cubin.data()) != 0) {
-      // A cubin the driver refuses (e.g. a stale cache entry): compile afresh once.
-      comp = attn_compile(a.elem, D, a.causal, tile, info.arch, /*use_cache=*/false, a.mask);
-      check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(attention)");
-    }
-    check_cuda(c.ModuleGetFunction(&lf.fn, lf.module, comp.lowered.c_str()), "cuModuleGetFunction(attention)");
+    lf.fn = attn_load_function(
+        [&](bool use_cache) { return attn_compile(a.elem, D, a.causal, tile, info.arch, use_cache, a.mask); },
+        &lf.module, "attention");
     if (smem > 48 * 1024)
       check_cuda(c.FuncSetAttribute(lf.fn, kAttrMaxDynamicSharedBytes, smem), "cuFuncSetAttribute(max dynamic smem)");
   }

@@ -8,10 +8,11 @@
 //
 // The launch ABI (AttnFwdParams, grid, block, shared memory) is documented in
 // docs/attention.md and at the top of attention_fwd.cu; AttnFwdParams below
-// mirrors the kernel's struct byte for byte.
+// mirrors the kernels' struct (attention_ptx.cu) byte for byte.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,22 @@ struct AttnCompiled {
 // the disk cache unless use_cache is false. Throws with NVRTC's log on failure.
 AttnCompiled attn_compile(AttnElem e, int head_dim, bool causal, const AttnTile& t, int arch, bool use_cache = true,
                           AttnMaskKind mask = AttnMaskKind::None);
+
+// What attn_compile and attn_sm90_compile share: one name expression of
+// `source` (the shared helpers, then the kernel; named `file` in messages)
+// compiled for `gpu_arch` with nvrtc_named_options, through the disk cache
+// unless use_cache is false: ".cubin" entries of kind "attention" that start
+// with `magic`, keyed by the source, the expression, the options and NVRTC's
+// version. An entry that does not unpack (another layout, damaged) is
+// evicted and rebuilt.
+AttnCompiled attn_compile_named(const std::string& source, const char* file, const std::string& expr,
+                                const std::string& gpu_arch, const char* magic, bool use_cache);
+
+// Loads compile(true)'s cubin into the current context as *module and
+// returns its function; a cubin the driver refuses (e.g. a stale cache
+// entry) is compiled afresh once with compile(false). `what` names failures.
+CUfunction attn_load_function(const std::function<AttnCompiled(bool use_cache)>& compile, CUmodule* module,
+                              const std::string& what);
 
 struct AttnForwardArgs {
   AttnElem elem = AttnElem::BF16;

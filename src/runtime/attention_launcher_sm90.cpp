@@ -9,10 +9,6 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "runtime/compile_cache.h"
-#include "runtime/hash.h"
-#include "runtime/nvrtc_named.h"
-
 #include "attention_fwd_sm90_cu.inc"  // static const char attention_fwd_sm90_cu[]
 #include "attention_ptx_cu.inc"        // static const char attention_ptx_cu[]
 #include "attention_sm90_ptx_cu.inc"   // static const char attention_sm90_ptx_cu[]
@@ -26,9 +22,6 @@ constexpr int kDevAttrMultiprocessorCount = 16;  // CU_DEVICE_ATTRIBUTE_MULTIPRO
 constexpr int kTmaBf16 = 9, kTmaF16 = 6;
 constexpr int kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2, kTmaOobZero = 0;
 
-// wgmma and setmaxnreg exist only on the arch-specific target.
-std::vector<std::string> compile_options() { return nvrtc_named_options("sm_90a"); }
-
 // The shared PTX helpers (all kernels', then Hopper's), then the kernel.
 const std::string& source() {
   static const std::string s =
@@ -36,25 +29,8 @@ const std::string& source() {
   return s;
 }
 
-AttnCompiled compile_expression(const std::string& expr) {
-  NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_fwd_sm90.cu", {expr}, "sm_90a", expr);
-  AttnCompiled out;
-  out.expression = expr;
-  out.lowered = r.lowered.at(0);
-  out.cubin = std::move(r.cubin);
-  out.log = std::move(r.log);
-  return out;
-}
-
 // Cache entry: "opfuse-attn-sm90-cubin\n<lowered name>\n" then the cubin.
 constexpr const char kMagic[] = "opfuse-attn-sm90-cubin\n";
-
-bool unpack(const std::string& bytes, AttnCompiled* c) {
-  std::vector<std::string> lowered;
-  if (!unpack_named_cubin(bytes, kMagic, 1, &lowered, &c->cubin)) return false;
-  c->lowered = lowered[0];
-  return true;
-}
 
 // A 4-D map over a [B, H, S, D] tensor with element strides (b, h, s, 1):
 // dims (D, S, H, B), box (64, rows, 1, 1), 128-byte swizzle, zero fill
@@ -185,33 +161,9 @@ AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const Attn
                                AttnMaskKind mask) {
   if (!attn_sm90_head_dim_supported(head_dim))
     throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
-  const std::string expr = attn_sm90_name_expression(e, head_dim, causal, t, mask);
-  if (!use_cache) return compile_expression(expr);
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  std::string opts;
-  for (auto& o : compile_options()) opts += o + " ";
-  const std::string key = content_hash(source() + "\n" + expr + "\n" + opts + "\nnvrtc " +
-                                       std::to_string(n.major) + "." + std::to_string(n.minor));
-  AttnCompiled fresh;
-  bool built = false;
-  auto build = [&](const std::string& out) {
-    fresh = compile_expression(expr);
-    built = true;
-    write_file_atomic(out, pack_named_cubin(kMagic, {fresh.lowered}, fresh.cubin));
-  };
-  CacheLookup found = cache_get_or_build("attention", key, ".cubin", build);
-  if (built) return fresh;
-  bool ok = false;
-  AttnCompiled c;
-  c.expression = expr;
-  if (std::string bytes = read_file(found.path, &ok); ok && unpack(bytes, &c)) {
-    c.cache_hit = true;
-    return c;
-  }
-  cache_evict(found.path);  // another layout or a damaged entry: rebuild
-  cache_get_or_build("attention", key, ".cubin", build);
-  return fresh;
+  // wgmma and setmaxnreg exist only on the arch-specific target.
+  return attn_compile_named(source(), "attention_fwd_sm90.cu", attn_sm90_name_expression(e, head_dim, causal, t, mask),
+                            "sm_90a", kMagic, use_cache);
 }
 
 void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, CUcontext ctx, CUstream stream) {
@@ -232,12 +184,9 @@ void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, 
     std::lock_guard<std::mutex> lock(mu);
     Loaded& lf = functions[{ctx, expr}];
     if (!lf.fn) {
-      AttnCompiled comp = attn_sm90_compile(a.elem, D, a.causal, tile, true, a.mask);
-      if (c.ModuleLoadData(&lf.module, comp.cubin.data()) != 0) {
-        comp = attn_sm90_compile(a.elem, D, a.causal, tile, /*use_cache=*/false, a.mask);
-        check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(attention sm90)");
-      }
-      check_cuda(c.ModuleGetFunction(&lf.fn, lf.module, comp.lowered.c_str()), "cuModuleGetFunction(attention sm90)");
+      lf.fn = attn_load_function(
+          [&](bool use_cache) { return attn_sm90_compile(a.elem, D, a.causal, tile, use_cache, a.mask); }, &lf.module,
+          "attention sm90");
       check_cuda(c.FuncSetAttribute(lf.fn, kAttrMaxDynamicSharedBytes, smem), "cuFuncSetAttribute(max dynamic smem)");
     }
     fn = lf.fn;

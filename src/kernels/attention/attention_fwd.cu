@@ -55,59 +55,10 @@
 
 namespace opfuse_attn {
 
-// u32, i64, the element tags bf16 / f16, ElemOps and the PTX helpers
-// (cp.async, ldmatrix, ex2, shuffles) come from attention_ptx.cu, which the
-// launchers prepend.
+// u32, i64, the element tags bf16 / f16, ElemOps, the PTX helpers
+// (cp.async, ldmatrix, ex2, shuffles) and the kernel argument AttnFwdParams
+// come from attention_ptx.cu, which the launchers prepend.
 
-
-// Kernel argument. The layout is part of the launch ABI (mirrored by the
-// Python harness with ctypes and by the C++ runtime): only append fields.
-struct AttnFwdParams {
-  const void* q;  // [B, Hq, Sq, D]
-  const void* k;  // [B, Hkv, Sk, D]
-  const void* v;  // [B, Hkv, Sk, D]
-  void* o;        // [B, Hq, Sq, D], same dtype as q
-  float* lse;     // [B, Hq, Sq] float32, or null to skip
-  // strides in elements; the last dim of q, k, v, o is contiguous
-  i64 q_batch_stride, q_head_stride, q_row_stride;
-  i64 k_batch_stride, k_head_stride, k_row_stride;
-  i64 v_batch_stride, v_head_stride, v_row_stride;
-  i64 o_batch_stride, o_head_stride, o_row_stride;
-  i64 lse_batch_stride, lse_head_stride;
-  int batch, heads_q, heads_kv, q_per_kv;  // q_per_kv = heads_q / heads_kv
-  int seqlen_q, seqlen_k;
-  float softmax_scale;  // > 0
-  float scale_log2;     // softmax_scale * log2(e)
-  // attn_mask (null unless the Mask template argument says there is one):
-  // element strides over the broadcast [B, Hq, Sq, Sk] (0 on broadcast dims);
-  // the key stride must be 1 (the launchers make it so).
-  const void* mask;
-  i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
-};
-static_assert(sizeof(AttnFwdParams) == 224, "AttnFwdParams layout is a launch ABI");
-
-// ---------------------------------------------------------------------------
-// PTX helpers
-// ---------------------------------------------------------------------------
-
-
-
-
-
-
-
-// Returns x unchanged, but the compiler cannot see through it (so it cannot
-// hoist what is computed from it out of a loop).
-
-
-
-
-// 16-byte async copy global -> shared; when !valid the destination is
-// zero-filled and nothing is read (src must still be a mapped address).
-
-
-
-// Per-element-type pieces: packing two floats into the A operand and the mma.
 // ---------------------------------------------------------------------------
 // Tile geometry (shared by the kernel and, through the formulas in
 // docs/attention.md, the launchers)

@@ -45,7 +45,7 @@
 // Launch: grid (ceil(Sq / BLOCK_M), Hq, B), block (NUM_CONSUMERS + 1) * 128
 // threads, dynamic shared memory Sm90Tile<...>::kSmemBytes (raise
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES first), four arguments:
-// AttnFwdParams by value (the struct of attention_fwd.cu) and the tensor maps
+// AttnFwdParams by value (the struct of attention_ptx.cu) and the tensor maps
 // of Q, K and V (CUtensorMap, 128 bytes each, by value). Each tensor map is
 // 4-D over (D, S, H, B) with the tensor's byte strides, bf16 / f16, box
 // (64, rows, 1, 1) with rows = BLOCK_M for Q and BLOCK_N for K and V,
@@ -53,31 +53,8 @@
 
 namespace opfuse_attn {
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef long long i64;
-
-
-// Kernel argument shared with attention_fwd.cu (same layout; only append).
-struct AttnFwdParams {
-  const void* q;  // [B, Hq, Sq, D]
-  const void* k;  // [B, Hkv, Sk, D]
-  const void* v;  // [B, Hkv, Sk, D]
-  void* o;        // [B, Hq, Sq, D], same dtype as q
-  float* lse;     // [B, Hq, Sq] float32, or null to skip
-  i64 q_batch_stride, q_head_stride, q_row_stride;
-  i64 k_batch_stride, k_head_stride, k_row_stride;
-  i64 v_batch_stride, v_head_stride, v_row_stride;
-  i64 o_batch_stride, o_head_stride, o_row_stride;
-  i64 lse_batch_stride, lse_head_stride;
-  int batch, heads_q, heads_kv, q_per_kv;
-  int seqlen_q, seqlen_k;
-  float softmax_scale;
-  float scale_log2;
-  const void* mask;  // attn_mask (the Mask template argument), strides over [B, Hq, Sq, Sk]
-  i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
-};
-static_assert(sizeof(AttnFwdParams) == 224, "AttnFwdParams layout is a launch ABI");
+// u32, i64, the element tags and AttnFwdParams come from attention_ptx.cu,
+// u64 and the TMA / mbarrier / wgmma helpers from attention_sm90_ptx.cu.
 
 // S = Q K^T with BLOCK_N = 176 keys (D = 128 non-causal variant): the
 // m64n176k16 operand list (88 accumulators), here rather than in

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import pathlib
@@ -158,64 +156,25 @@ def compile_problem(nvrtc: ar.Nvrtc, arch: str, elem: str, d: int, causal: bool,
     src = src if src is not None else source()
     exprs = expressions(elem, d, causal, kv, q, mask)
     opts = ar.compile_options(arch)
-    key = hashlib.sha256("\0".join([src, *exprs.values(), " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()
-                         ).hexdigest()[:32]
-    cdir = ar.cache_dir()
-    cubin_path, meta_path = cdir / f"bwd-{key}.cubin", cdir / f"bwd-{key}.json"
-    if use_cache and cubin_path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        return dict(cubin=cubin_path.read_bytes(), cached=True, **meta)
-    cubin, log, lowered = nvrtc.compile(src, SOURCE_NAME, opts, list(exprs.values()))
-    per_fn = split_ptxas_log(log)
-    meta = dict(lowered={r: lowered[e] for r, e in exprs.items()}, log=log,
-                resources={r: ar.parse_ptxas(per_fn.get(lowered[e], "")) for r, e in exprs.items()},
-                expressions=exprs, arch=arch)
-    if use_cache:
-        try:
-            cdir.mkdir(parents=True, exist_ok=True)
-            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(cubin)
-            tmp.replace(cubin_path)
-            meta_path.write_text(json.dumps(meta))
-        except OSError:
-            pass
-    return dict(cubin=cubin, cached=False, **meta)
+
+    def build():
+        cubin, log, lowered = nvrtc.compile(src, SOURCE_NAME, opts, list(exprs.values()))
+        per_fn = ar.split_ptxas_log(log)
+        return cubin, dict(lowered={r: lowered[e] for r, e in exprs.items()}, log=log,
+                           resources={r: ar.parse_ptxas(per_fn.get(lowered[e], "")) for r, e in exprs.items()},
+                           expressions=exprs, arch=arch)
+
+    return ar.cached_cubin([src, *exprs.values(), " ".join(opts), f"nvrtc{nvrtc.version}"], use_cache, build,
+                           prefix="bwd-")
 
 
 def compile_ptx(nvrtc: ar.Nvrtc, arch: str, expressions, src: str | None = None) -> str:
     """The PTX NVRTC generates for some kernels (for checks of the instructions used)."""
-    L = nvrtc.lib
-    L.nvrtcGetPTXSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-    L.nvrtcGetPTX.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    prog = ctypes.c_void_p()
-    nvrtc._check(L.nvrtcCreateProgram(ctypes.byref(prog), (src or source()).encode(), SOURCE_NAME.encode(), 0, None,
-                                      None), "nvrtcCreateProgram")
-    try:
-        for e in expressions:
-            nvrtc._check(L.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression")
-        opts = [o.encode() for o in ar.compile_options(arch)]
-        nvrtc._check(L.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)),
-                     "nvrtcCompileProgram")
-        size = ctypes.c_size_t()
-        nvrtc._check(L.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
-        buf = ctypes.create_string_buffer(size.value)
-        nvrtc._check(L.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
-        return buf.value.decode()
-    finally:
-        L.nvrtcDestroyProgram(ctypes.byref(prog))
+    return nvrtc.compile_with_ptx(src or source(), SOURCE_NAME, ar.compile_options(arch), expressions)[0]
 
 
-def split_ptxas_log(log: str) -> dict:
-    """ptxas -v output per entry function (mangled name -> its lines)."""
-    per_fn, cur = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            per_fn[cur] = ""
-        if cur:
-            per_fn[cur] += line + "\n"
-    return per_fn
+# attn_bwd_runtime_sm90 calls it through this module.
+split_ptxas_log = ar.split_ptxas_log
 
 
 # ---------------------------------------------------------------------------

@@ -303,6 +303,8 @@ class Nvrtc:
         L.nvrtcGetProgramLog.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         L.nvrtcGetCUBINSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
         L.nvrtcGetCUBIN.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        L.nvrtcGetPTXSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        L.nvrtcGetPTX.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         L.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
         L.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         major, minor = ctypes.c_int(), ctypes.c_int()
@@ -316,6 +318,13 @@ class Nvrtc:
 
     def compile(self, source: str, name: str, options, name_expressions):
         """Returns (cubin bytes, log text, {expression: lowered name})."""
+        return self._compile(source, name, options, name_expressions, want_ptx=False)[1:]
+
+    def compile_with_ptx(self, source: str, name: str, options, name_expressions):
+        """Returns (PTX text, cubin bytes, log text, {expression: lowered name}) (for checks of the instructions)."""
+        return self._compile(source, name, options, name_expressions, want_ptx=True)
+
+    def _compile(self, source, name, options, name_expressions, want_ptx):
         L = self.lib
         prog = ctypes.c_void_p()
         self._check(L.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
@@ -337,10 +346,16 @@ class Nvrtc:
                 p = ctypes.c_char_p()
                 self._check(L.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(p)), "nvrtcGetLoweredName")
                 lowered[e] = p.value.decode()
+            ptx = None
+            if want_ptx:
+                self._check(L.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+                text = ctypes.create_string_buffer(size.value)
+                self._check(L.nvrtcGetPTX(prog, text), "nvrtcGetPTX")
+                ptx = text.value.decode(errors="replace")
             self._check(L.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
             cubin = ctypes.create_string_buffer(size.value)
             self._check(L.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-            return cubin.raw, log, lowered
+            return ptx, cubin.raw, log, lowered
         finally:
             L.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -355,6 +370,20 @@ _PTXAS_RE = {
     "spill_stores": re.compile(r"(\d+) bytes spill stores"),
     "spill_loads": re.compile(r"(\d+) bytes spill loads"),
 }
+
+
+def split_ptxas_log(log: str) -> dict:
+    """ptxas -v output per entry function (mangled name -> its lines), for
+    programs holding several kernels."""
+    per_fn, cur = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = m.group(1)
+            per_fn[cur] = ""
+        if cur:
+            per_fn[cur] += line + "\n"
+    return per_fn
 
 
 def parse_ptxas(log: str):
@@ -372,21 +401,17 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(d)
 
 
-def compile_kernel(nvrtc: Nvrtc, arch: str, elem: str, head_dim: int, causal: bool, cfg: FwdConfig,
-                   source: str | None = None, use_cache: bool = True, mask=None):
-    """Compiles one instantiation. Returns dict(cubin, lowered, log, resources, cached)."""
-    if source is None:
-        source = kernel_source()
-    expr = name_expression(elem, head_dim, causal, cfg, mask)
-    opts = compile_options(arch)
-    key = hashlib.sha256("\0".join([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()).hexdigest()[:32]
+def cached_cubin(key_parts, use_cache: bool, build, prefix: str = ""):
+    """The disk cache of the harnesses' NVRTC programs: the cubin and its metadata
+    under sha256(key_parts) in cache_dir() (file names prefix + key). `build()`
+    returns (cubin, meta dict) on a miss. Returns dict(cubin, cached, **meta)."""
+    key = hashlib.sha256("\0".join(key_parts).encode()).hexdigest()[:32]
     cdir = cache_dir()
-    cubin_path, meta_path = cdir / f"{key}.cubin", cdir / f"{key}.json"
+    cubin_path, meta_path = cdir / f"{prefix}{key}.cubin", cdir / f"{prefix}{key}.json"
     if use_cache and cubin_path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())
         return dict(cubin=cubin_path.read_bytes(), cached=True, **meta)
-    cubin, log, lowered = nvrtc.compile(source, "attention_fwd.cu", opts, [expr])
-    meta = dict(lowered=lowered[expr], log=log, resources=parse_ptxas(log), expression=expr, arch=arch)
+    cubin, meta = build()
     if use_cache:
         try:
             cdir.mkdir(parents=True, exist_ok=True)
@@ -397,6 +422,21 @@ def compile_kernel(nvrtc: Nvrtc, arch: str, elem: str, head_dim: int, causal: bo
         except OSError:
             pass
     return dict(cubin=cubin, cached=False, **meta)
+
+
+def compile_kernel(nvrtc: Nvrtc, arch: str, elem: str, head_dim: int, causal: bool, cfg: FwdConfig,
+                   source: str | None = None, use_cache: bool = True, mask=None):
+    """Compiles one instantiation. Returns dict(cubin, lowered, log, resources, cached)."""
+    if source is None:
+        source = kernel_source()
+    expr = name_expression(elem, head_dim, causal, cfg, mask)
+    opts = compile_options(arch)
+
+    def build():
+        cubin, log, lowered = nvrtc.compile(source, "attention_fwd.cu", opts, [expr])
+        return cubin, dict(lowered=lowered[expr], log=log, resources=parse_ptxas(log), expression=expr, arch=arch)
+
+    return cached_cubin([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"], use_cache, build)
 
 
 # ---------------------------------------------------------------------------

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
-import json
 import os
 import pathlib
 import re
@@ -211,24 +209,13 @@ def compile_kernel_sm90(nvrtc: ar.Nvrtc, elem: str, head_dim: int, causal: bool,
         source = sm90_source()
     expr = name_expression_sm90(elem, head_dim, causal, cfg, mask)
     opts = compile_options_sm90()
-    key = hashlib.sha256("\0".join([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()).hexdigest()[:32]
-    cdir = ar.cache_dir()
-    cubin_path, meta_path = cdir / f"{key}.cubin", cdir / f"{key}.json"
-    if use_cache and cubin_path.exists() and meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        return dict(cubin=cubin_path.read_bytes(), cached=True, **meta)
-    cubin, log, lowered = nvrtc.compile(source, "attention_fwd_sm90.cu", opts, [expr])
-    meta = dict(lowered=lowered[expr], log=log, resources=ar.parse_ptxas(log), expression=expr, arch=ARCH_SM90)
-    if use_cache:
-        try:
-            cdir.mkdir(parents=True, exist_ok=True)
-            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(cubin)
-            tmp.replace(cubin_path)
-            meta_path.write_text(json.dumps(meta))
-        except OSError:
-            pass
-    return dict(cubin=cubin, cached=False, **meta)
+
+    def build():
+        cubin, log, lowered = nvrtc.compile(source, "attention_fwd_sm90.cu", opts, [expr])
+        return cubin, dict(lowered=lowered[expr], log=log, resources=ar.parse_ptxas(log), expression=expr,
+                           arch=ARCH_SM90)
+
+    return ar.cached_cubin([source, expr, " ".join(opts), f"nvrtc{nvrtc.version}"], use_cache, build)
 
 
 # ---------------------------------------------------------------------------
@@ -282,36 +269,5 @@ def launch_sm90(driver: ar.CudaDriver, fn, grid, cfg: Sm90Config, smem: int, str
 
 def compile_ptx_and_cubin_sm90(nvrtc: ar.Nvrtc, exprs, source: str | None = None):
     """One NVRTC program for `exprs` (CI): returns (ptx text, cubin bytes, log, {expr: lowered})."""
-    L = nvrtc.lib
-    L.nvrtcGetPTXSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
-    L.nvrtcGetPTX.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-    if source is None:
-        source = sm90_source()
-    prog = ctypes.c_void_p()
-    nvrtc._check(L.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"attention_fwd_sm90.cu", 0, None, None),
-                 "nvrtcCreateProgram")
-    try:
-        for e in exprs:
-            nvrtc._check(L.nvrtcAddNameExpression(prog, e.encode()), "nvrtcAddNameExpression")
-        opts = [o.encode() for o in compile_options_sm90()]
-        rc = L.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        size = ctypes.c_size_t()
-        L.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        buf = ctypes.create_string_buffer(size.value)
-        L.nvrtcGetProgramLog(prog, buf)
-        log = buf.value.decode(errors="replace")
-        nvrtc._check(rc, "nvrtcCompileProgram", log)
-        lowered = {}
-        for e in exprs:
-            p = ctypes.c_char_p()
-            nvrtc._check(L.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(p)), "nvrtcGetLoweredName")
-            lowered[e] = p.value.decode()
-        nvrtc._check(L.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
-        ptx = ctypes.create_string_buffer(size.value)
-        nvrtc._check(L.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
-        nvrtc._check(L.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-        cubin = ctypes.create_string_buffer(size.value)
-        nvrtc._check(L.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return ptx.value.decode(errors="replace"), cubin.raw, log, lowered
-    finally:
-        L.nvrtcDestroyProgram(ctypes.byref(prog))
+    return nvrtc.compile_with_ptx(source if source is not None else sm90_source(), "attention_fwd_sm90.cu",
+                                  compile_options_sm90(), exprs)

@@ -59,6 +59,38 @@ def bench_ms(fn) -> float:
         return times[len(times) // 2]
 
 
+def time_rounds(fns: dict, rounds: int, case: str, skip=()) -> dict:
+    """{name: [ms per round]}: `rounds` rounds over all of `fns` (name ->
+    callable), interleaved, so that clock and thermal drift hit every one
+    alike (keep the best). A RuntimeError (backend unavailable) is printed and
+    that round of that implementation left out (one that failed every round
+    maps to an empty list: callers taking min() of it fail, as before this
+    helper existed)."""
+    times = {}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if name in skip:
+                continue
+            try:
+                times.setdefault(name, []).append(bench_ms(fn))
+            except RuntimeError as e:
+                print(f"  {case} {name}: {e}", flush=True)
+    return times
+
+
+def print_ratio_table(title: str, rows, names, width: int):
+    """The summary: one row per (D, causal, S), TFLOP/s per implementation in
+    `names`, and opfuse over SDPA's flash and cuDNN backends."""
+    print("\n" + title)
+    print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>{width}}" for n in names) + "  ours/flash ours/cudnn")
+    for r in rows:
+        ours, fl, cu = r.get("opfuse"), r.get("sdpa-flash"), r.get("sdpa-cudnn")
+        ratio = lambda x, y: f"{x / y:10.2f}" if x and y else f"{'-':>10}"  # noqa: E731
+        print(f"{r['D']:>3} {str(r['causal']):>6} {r['S']:>6} " +
+              " ".join(f"{r[n]:{width}.0f}" if n in r else f"{'-':>{width}}" for n in names) +
+              f" {ratio(ours, fl)} {ratio(ours, cu)}")
+
+
 def ab_impl(fwd, kernel_file, D, causal, q, k, v, out, lse):
     """The default Hopper tile compiled from another version of the kernel
     file: a config of a subclass (equal fields, unequal config) keys its own
@@ -183,18 +215,8 @@ def main(argv=None):
                     diff = float("nan")
                     print(f"  sdpa-flash unavailable: {e}", flush=True)
                 row = dict(case=case, D=D, causal=causal, S=S, maxdiff=diff, cfg=cfg_default.tag())
-                # Rounds over all implementations, interleaved, best median
-                # kept: clock and thermal drift then hits every one alike.
-                times = {}
-                skip = set(filter(None, a.skip.split(",")))
-                for _ in range(a.rounds):
-                    for name, fn in impls.items():
-                        if name in skip:
-                            continue
-                        try:
-                            times.setdefault(name, []).append(bench_ms(fn))
-                        except RuntimeError as e:
-                            print(f"  {case} {name}: {e}", flush=True)
+                # Rounds over all implementations, interleaved, best median kept.
+                times = time_rounds(impls, a.rounds, case, skip=set(filter(None, a.skip.split(","))))
                 for name, ts in times.items():
                     ms = min(ts)
                     tf = flops / ms / 1e9
@@ -218,14 +240,7 @@ def main(argv=None):
         for n in r:
             if (n.startswith("opfuse") or n.startswith("sdpa")) and ":" not in n and n not in names:
                 names.append(n)
-    print("\nTFLOP/s, bf16, hidden 2048, 16k tokens (B = 16384/S, H = 2048/D)")
-    print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>22}" for n in names) + "  ours/flash ours/cudnn")
-    for r in rows:
-        ours, fl, cu = r.get("opfuse"), r.get("sdpa-flash"), r.get("sdpa-cudnn")
-        ratio = lambda x, y: f"{x / y:10.2f}" if x and y else f"{'-':>10}"  # noqa: E731
-        print(f"{r['D']:>3} {str(r['causal']):>6} {r['S']:>6} " +
-              " ".join(f"{r[n]:22.0f}" if n in r else f"{'-':>22}" for n in names) +
-              f" {ratio(ours, fl)} {ratio(ours, cu)}")
+    print_ratio_table("TFLOP/s, bf16, hidden 2048, 16k tokens (B = 16384/S, H = 2048/D)", rows, names, 22)
 
 
 if __name__ == "__main__":

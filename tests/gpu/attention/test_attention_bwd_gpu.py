@@ -13,7 +13,6 @@ element fails.
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 
@@ -24,32 +23,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 import attn_bwd_runtime as br  # noqa: E402
-import attn_runtime as ar  # noqa: E402
+from attn_inputs import DTYPES, SEQ_PAIRS, case_seed, randn  # noqa: E402
 from attn_reference import visible_mask  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
-SEQ_PAIRS = [(113, 203), (128, 217), (1023, 1024), (1, 239), (512, 256), (2048, 2048)]
-
-
-@pytest.fixture(scope="module")
-def fwd():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return ar.AttentionForward()
-
-
-@pytest.fixture(scope="module")
-def bwd():
-    return br.AttentionBackward()
-
-
-def _seed(*key) -> int:
-    return zlib.crc32(repr(key).encode()) % 2**31
-
-
-def randn(*shape, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+# The `fwd` and `bwd` fixtures (the harnesses) come from conftest.py.
+# test_attention_bwd_sm90_gpu imports DTYPES, _seed and randn from here.
+_seed = case_seed
 
 
 def attention_autograd(q, k, v, dout, causal, scale, compute_dtype):
@@ -104,7 +83,7 @@ def check_grads(fwd, bwd, q, k, v, causal, scale=None, deterministic=False, dout
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("dt", ["bf16", "f16"])
 def test_grid(fwd, bwd, dt, D, causal, Sq, Sk):
-    seed = _seed("bwd", dt, D, causal, Sq, Sk)
+    seed = case_seed("bwd", dt, D, causal, Sq, Sk)
     q = randn(2, 4, Sq, D, dtype=DTYPES[dt], seed=seed)
     k = randn(2, 4, Sk, D, dtype=DTYPES[dt], seed=seed + 1)
     v = randn(2, 4, Sk, D, dtype=DTYPES[dt], seed=seed + 2)
@@ -115,7 +94,7 @@ def test_grid(fwd, bwd, dt, D, causal, Sq, Sk):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 def test_deterministic_grid(fwd, bwd, D, causal, Sq, Sk):
-    seed = _seed("det", D, causal, Sq, Sk)
+    seed = case_seed("det", D, causal, Sq, Sk)
     q = randn(2, 4, Sq, D, dtype=torch.bfloat16, seed=seed)
     k = randn(2, 2, Sk, D, dtype=torch.bfloat16, seed=seed + 1)
     v = randn(2, 2, Sk, D, dtype=torch.bfloat16, seed=seed + 2)
@@ -127,7 +106,7 @@ def test_deterministic_grid(fwd, bwd, D, causal, Sq, Sk):
 @pytest.mark.parametrize("D,dt", [(128, "bf16"), (64, "f16")])
 @pytest.mark.parametrize("Hq,Hkv", [(8, 2), (8, 1)])
 def test_gqa_mqa(fwd, bwd, Hq, Hkv, D, dt, causal, Sq, Sk):
-    seed = _seed("gqa-bwd", Hq, Hkv, D, dt, causal, Sq, Sk)
+    seed = case_seed("gqa-bwd", Hq, Hkv, D, dt, causal, Sq, Sk)
     q = randn(2, Hq, Sq, D, dtype=DTYPES[dt], seed=seed)
     k = randn(2, Hkv, Sk, D, dtype=DTYPES[dt], seed=seed + 1)
     v = randn(2, Hkv, Sk, D, dtype=DTYPES[dt], seed=seed + 2)

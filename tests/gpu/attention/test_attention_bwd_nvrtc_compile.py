@@ -40,7 +40,7 @@ def _compile_all(arch: str):
     nv = ar.Nvrtc()
     exprs = _expressions(arch)
     cubin, log, lowered = nv.compile(br.source(), br.SOURCE_NAME, ar.compile_options(arch), exprs)
-    per_fn = br.split_ptxas_log(log)
+    per_fn = ar.split_ptxas_log(log)
     return {e: ar.parse_ptxas(per_fn.get(lowered[e], "")) for e in exprs}, len(cubin)
 
 

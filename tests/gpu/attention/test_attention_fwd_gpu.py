@@ -8,8 +8,6 @@ with NaN before each launch, so an unwritten element fails.
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,17 +17,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 import attn_runtime as ar  # noqa: E402
+from attn_inputs import DTYPES, SEQ_PAIRS, case_seed, randn  # noqa: E402
 from attn_reference import attention_fp32, attention_sdpa_math_lowp  # noqa: E402
 
-DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
-SEQ_PAIRS = [(113, 203), (128, 217), (1023, 1024), (1, 239), (512, 256), (2048, 2048)]
-
-
-@pytest.fixture(scope="module")
-def fwd():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return ar.AttentionForward()
+# The `fwd` fixture (the harness) comes from conftest.py.
 
 
 def describe(out, ref, lse=None, ref_lse=None, block_m=None):
@@ -87,22 +78,13 @@ def run_and_check(fwd, q, k, v, causal, scale=None, config=None):
     return out, lse
 
 
-def _seed(*key) -> int:
-    return zlib.crc32(repr(key).encode()) % 2**31
-
-
-def randn(*shape, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
-
-
 @pytest.mark.parametrize("Sq,Sk", SEQ_PAIRS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("dt", ["bf16", "f16"])
 def test_grid(fwd, dt, D, causal, Sq, Sk):
     B, H = 2, 4
-    seed = _seed(dt, D, causal, Sq, Sk)
+    seed = case_seed(dt, D, causal, Sq, Sk)
     q = randn(B, H, Sq, D, dtype=DTYPES[dt], seed=seed)
     k = randn(B, H, Sk, D, dtype=DTYPES[dt], seed=seed + 1)
     v = randn(B, H, Sk, D, dtype=DTYPES[dt], seed=seed + 2)
@@ -114,7 +96,7 @@ def test_grid(fwd, dt, D, causal, Sq, Sk):
 @pytest.mark.parametrize("D,dt", [(128, "bf16"), (64, "f16")])
 @pytest.mark.parametrize("Hq,Hkv", [(8, 2), (8, 1)])
 def test_gqa_mqa(fwd, Hq, Hkv, D, dt, causal, Sq, Sk):
-    seed = _seed("gqa", Hq, Hkv, D, dt, causal, Sq, Sk)
+    seed = case_seed("gqa", Hq, Hkv, D, dt, causal, Sq, Sk)
     q = randn(2, Hq, Sq, D, dtype=DTYPES[dt], seed=seed)
     k = randn(2, Hkv, Sk, D, dtype=DTYPES[dt], seed=seed + 1)
     v = randn(2, Hkv, Sk, D, dtype=DTYPES[dt], seed=seed + 2)
@@ -156,7 +138,7 @@ def _variant_params():
 def test_variant_tiles(fwd, D, cfg, causal, Sq, Sk):
     if fwd.smem_limit and ar.smem_bytes(D, cfg) > fwd.smem_limit:
         pytest.skip("tile does not fit this device")
-    seed = _seed("var", D, cfg, causal, Sq, Sk)
+    seed = case_seed("var", D, cfg, causal, Sq, Sk)
     q = randn(2, 4, Sq, D, dtype=torch.bfloat16, seed=seed)
     k = randn(2, 2, Sk, D, dtype=torch.bfloat16, seed=seed + 1)
     v = randn(2, 2, Sk, D, dtype=torch.bfloat16, seed=seed + 2)
@@ -224,7 +206,7 @@ def _sm90_variant_params():
 @pytest.mark.parametrize("D,cfg", _sm90_variant_params())
 def test_sm90_variants(fwd, D, cfg, causal, Sq, Sk):
     _needs_sm90(fwd)
-    seed = _seed("sm90", D, cfg, causal, Sq, Sk)
+    seed = case_seed("sm90", D, cfg, causal, Sq, Sk)
     q = randn(2, 4, Sq, D, dtype=torch.float16, seed=seed)
     k = randn(2, 2, Sk, D, dtype=torch.float16, seed=seed + 1)
     v = randn(2, 2, Sk, D, dtype=torch.float16, seed=seed + 2)
@@ -269,7 +251,7 @@ def test_sm90_persistent_grid_matches_one_cta_per_tile(fwd, D, cfg, causal, shap
     import dataclasses
 
     B, Hq, Hkv, Sq, Sk = shape
-    seed = _seed("persist", D, causal, shape)
+    seed = case_seed("persist", D, causal, shape)
     q = randn(B, Hq, Sq, D, dtype=torch.bfloat16, seed=seed)
     k = randn(B, Hkv, Sk, D, dtype=torch.bfloat16, seed=seed + 1)
     v = randn(B, Hkv, Sk, D, dtype=torch.bfloat16, seed=seed + 2)

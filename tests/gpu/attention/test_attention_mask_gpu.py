@@ -18,7 +18,6 @@ with a storage offset and padded rows, and key padding (boolean
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 
@@ -28,40 +27,18 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-import attn_bwd_runtime as br  # noqa: E402
 import attn_runtime as ar  # noqa: E402
+from attn_inputs import case_seed, cuda_generator, randn  # noqa: E402
 from attn_reference import add_attn_mask, attention_fp32, attention_lowp_ops, visible_mask  # noqa: E402
 
 SEQ_PAIRS = [(113, 203), (128, 217), (1023, 1024), (1, 239), (512, 256)]
 KINDS = ["add_sqsk", "add_b1_f32", "add_bh", "bool_b1", "view_f32", "keypad"]
-
-
-@pytest.fixture(scope="module")
-def fwd():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return ar.AttentionForward()
-
-
-@pytest.fixture(scope="module")
-def bwd():
-    return br.AttentionBackward()
-
-
-def _seed(*key) -> int:
-    return zlib.crc32(repr(key).encode()) % 2**31
-
-
-def _gen(seed):
-    return torch.Generator(device="cuda").manual_seed(seed)
-
-
-def randn(*shape, dtype, seed):
-    return torch.randn(*shape, generator=_gen(seed), device="cuda", dtype=torch.float32).to(dtype)
+# The `fwd` and `bwd` fixtures (the harnesses) come from conftest.py.
 
 
 def make_mask(kind, B, Hq, Sq, Sk, dtype, seed):
     """An attn_mask of the given kind (see the module docstring)."""
-    g = _gen(seed)
+    g = cuda_generator(seed)
     if kind == "add_sqsk":
         m = 2 * torch.randn(Sq, Sk, generator=g, device="cuda")
         m = m.masked_fill(torch.rand(Sq, Sk, generator=g, device="cuda") < 0.1, -math.inf)
@@ -136,7 +113,7 @@ def _qkv(B, Hq, Hkv, Sq, Sk, D, dtype, seed):
 def test_forward_grid(fwd, D, kernel, kind, causal, Sq, Sk):
     # D = 128: the default (the Hopper kernel on sm_90) and the mma.sync kernel
     # explicitly; D = 64: the mma.sync kernel everywhere by default.
-    seed = _seed("mfwd", D, kind, causal, Sq, Sk)
+    seed = case_seed("mfwd", D, kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 4, Sq, Sk, D, torch.bfloat16, seed)
     mask = make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3)
     assert ar.kernel_mask(mask, 2, 4, Sq, Sk, q.dtype)[0] == expected_kind(kind, q.dtype, Sq)
@@ -153,7 +130,7 @@ def test_forward_grid(fwd, D, kernel, kind, causal, Sq, Sk):
 @pytest.mark.parametrize("kind", ["add_b1_f32", "keypad"])
 @pytest.mark.parametrize("D", [96, 256])
 def test_forward_other_head_dims(fwd, D, kind, causal, Sq, Sk):
-    seed = _seed("mfwd-d", D, kind, causal, Sq, Sk)
+    seed = case_seed("mfwd-d", D, kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 4, Sq, Sk, D, torch.bfloat16, seed)
     check_forward(fwd, q, k, v, make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3), causal)
 
@@ -162,7 +139,7 @@ def test_forward_other_head_dims(fwd, D, kind, causal, Sq, Sk):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", ["add_sqsk", "keypad"])
 def test_forward_f16(fwd, kind, causal, Sq, Sk):
-    seed = _seed("mfwd-f16", kind, causal, Sq, Sk)
+    seed = case_seed("mfwd-f16", kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 4, Sq, Sk, 64, torch.float16, seed)
     check_forward(fwd, q, k, v, make_mask(kind, 2, 4, Sq, Sk, torch.float16, seed + 3), causal)
 
@@ -172,7 +149,7 @@ def test_forward_f16(fwd, kind, causal, Sq, Sk):
 @pytest.mark.parametrize("kind", ["add_bh", "keypad"])
 @pytest.mark.parametrize("Hq,Hkv", [(8, 2), (8, 1)])
 def test_forward_gqa(fwd, Hq, Hkv, kind, causal, Sq, Sk):
-    seed = _seed("mfwd-gqa", Hq, Hkv, kind, causal, Sq, Sk)
+    seed = case_seed("mfwd-gqa", Hq, Hkv, kind, causal, Sq, Sk)
     q, k, v = _qkv(3, Hq, Hkv, Sq, Sk, 128, torch.bfloat16, seed)
     check_forward(fwd, q, k, v, make_mask(kind, 3, Hq, Sq, Sk, torch.bfloat16, seed + 3), causal)
 
@@ -220,7 +197,7 @@ def test_forward_masked_rerun_is_bitwise_equal(fwd):
 def test_forward_hopper_masked(fwd, kind, causal, Sq, Sk):
     if not fwd.arch.startswith("sm_90"):
         pytest.skip("needs an sm_90 device")
-    seed = _seed("mfwd-sm90", kind, causal, Sq, Sk)
+    seed = case_seed("mfwd-sm90", kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 2, Sq, Sk, 128, torch.bfloat16, seed)
     cfg = fwd.sm90.default_config_sm90(128, causal, masked=True)
     check_forward(fwd, q, k, v, make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3), causal, config=cfg)
@@ -274,7 +251,7 @@ def check_backward(fwd, bwd, q, k, v, mask, causal, deterministic=False, seed=0)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("D", [64, 128])
 def test_backward_grid(fwd, bwd, D, kind, causal, Sq, Sk):
-    seed = _seed("mbwd", D, kind, causal, Sq, Sk)
+    seed = case_seed("mbwd", D, kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 2, Sq, Sk, D, torch.bfloat16, seed)
     mask = make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3)
     _, dk, dv = check_backward(fwd, bwd, q, k, v, mask, causal, seed=seed)
@@ -287,7 +264,7 @@ def test_backward_grid(fwd, bwd, D, kind, causal, Sq, Sk):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", ["add_bh", "bool_b1", "keypad"])
 def test_backward_deterministic(fwd, bwd, kind, causal, Sq, Sk):
-    seed = _seed("mbwd-det", kind, causal, Sq, Sk)
+    seed = case_seed("mbwd-det", kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 2, Sq, Sk, 128, torch.bfloat16, seed)
     mask = make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3)
     a = check_backward(fwd, bwd, q, k, v, mask, causal, deterministic=True, seed=seed)
@@ -300,7 +277,7 @@ def test_backward_deterministic(fwd, bwd, kind, causal, Sq, Sk):
 @pytest.mark.parametrize("kind", ["add_b1_f32", "keypad"])
 @pytest.mark.parametrize("D", [96, 256])
 def test_backward_other_head_dims(fwd, bwd, D, kind, causal, Sq, Sk):
-    seed = _seed("mbwd-d", D, kind, causal, Sq, Sk)
+    seed = case_seed("mbwd-d", D, kind, causal, Sq, Sk)
     q, k, v = _qkv(2, 4, 4, Sq, Sk, D, torch.bfloat16, seed)
     check_backward(fwd, bwd, q, k, v, make_mask(kind, 2, 4, Sq, Sk, torch.bfloat16, seed + 3), causal, seed=seed)
 
@@ -308,6 +285,6 @@ def test_backward_other_head_dims(fwd, bwd, D, kind, causal, Sq, Sk):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kind", ["add_sqsk", "keypad"])
 def test_backward_f16(fwd, bwd, kind, causal):
-    seed = _seed("mbwd-f16", kind, causal)
+    seed = case_seed("mbwd-f16", kind, causal)
     q, k, v = _qkv(2, 4, 4, 300, 211, 64, torch.float16, seed)
     check_backward(fwd, bwd, q, k, v, make_mask(kind, 2, 4, 300, 211, torch.float16, seed + 3), causal, seed=seed)

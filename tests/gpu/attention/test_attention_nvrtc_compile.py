@@ -29,16 +29,7 @@ def _compile_all(arch: str):
     inst = ar.all_instantiations(include_variants=True) + ar.masked_instantiations(arch)
     exprs = [ar.name_expression(*i) for i in inst]
     cubin, log, lowered = nv.compile(ar.kernel_source(), "attention_fwd.cu", ar.compile_options(arch), exprs)
-    # Split ptxas -v output per entry function.
-    per_fn = {}
-    cur = None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            per_fn[cur] = ""
-        if cur:
-            per_fn[cur] += line + "\n"
+    per_fn = ar.split_ptxas_log(log)
     res = {e: ar.parse_ptxas(per_fn.get(lowered[e], "")) for e in exprs}
     return res, len(cubin), log
 
@@ -130,22 +121,18 @@ import subprocess  # noqa: E402
 import attn_runtime_sm90 as sm90  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def compiled_sm90():
-    """One NVRTC program with every sm_90a instantiation (about 2 minutes on one core)."""
+def _compile_sm90(inst):
+    """One NVRTC program with the sm_90a instantiations `inst` (tuples of name_expression_sm90's arguments)."""
     nv = _nvrtc_or_skip()
-    inst = sm90.all_instantiations_sm90()
     exprs = [sm90.name_expression_sm90(*i) for i in inst]
     ptx, cubin, log, lowered = sm90.compile_ptx_and_cubin_sm90(nv, exprs)
-    per_fn, cur = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            per_fn[cur] = ""
-        if cur:
-            per_fn[cur] += line + "\n"
-    return dict(inst=inst, exprs=exprs, ptx=ptx, cubin=cubin, log=log, lowered=lowered, per_fn=per_fn)
+    return dict(inst=inst, exprs=exprs, ptx=ptx, cubin=cubin, log=log, lowered=lowered, per_fn=ar.split_ptxas_log(log))
+
+
+@pytest.fixture(scope="module")
+def compiled_sm90():
+    """Every sm_90a instantiation (about 2 minutes on one core)."""
+    return _compile_sm90(sm90.all_instantiations_sm90())
 
 
 def test_sm90_every_instantiation_compiles_without_spills(compiled_sm90):
@@ -264,19 +251,7 @@ SM90_MASK_MAX_SPILL = {128: 64}
 
 @pytest.fixture(scope="module")
 def compiled_sm90_masked():
-    nv = _nvrtc_or_skip()
-    inst = sm90.masked_instantiations_sm90()
-    exprs = [sm90.name_expression_sm90(*i) for i in inst]
-    ptx, cubin, log, lowered = sm90.compile_ptx_and_cubin_sm90(nv, exprs)
-    per_fn, cur = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            cur = m.group(1)
-            per_fn[cur] = ""
-        if cur:
-            per_fn[cur] += line + "\n"
-    return dict(inst=inst, exprs=exprs, log=log, lowered=lowered, per_fn=per_fn)
+    return _compile_sm90(sm90.masked_instantiations_sm90())
 
 
 def test_sm90_masked_instantiations_compile(compiled_sm90_masked):
