@@ -11,8 +11,6 @@ OPFUSE_ATTN_BWD_SM90=0.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import re
 import ctypes
@@ -170,33 +168,22 @@ def unsupported_reason(arch: str, d: int, seqlen_q: int, seqlen_k: int, determin
 
 def compile_problem(nvrtc: ar.Nvrtc, elem: str, d: int, causal: bool, cfg: BwdSm90Config, src: str | None = None,
                     use_cache: bool = True):
-    """One NVRTC program with the three kernels. Returns dict(cubin, lowered {role: name}, log, resources, cached)."""
-    import attn_bwd_runtime as br
+    """One NVRTC program with the three kernels (cached as the other harnesses' programs, file names
+    bwd90-<key>). Returns dict(cubin, lowered {role: name}, log, resources, cached)."""
 
     src = src if src is not None else source()
     exprs = expressions(elem, d, causal, cfg)
     opts = ar.compile_options(fs.ARCH_SM90)
-    key = hashlib.sha256("\0".join([src, *exprs.values(), " ".join(opts), f"nvrtc{nvrtc.version}"]).encode()
-                         ).hexdigest()[:32]
-    cdir = ar.cache_dir()
-    cubin_path, meta_path = cdir / f"bwd90-{key}.cubin", cdir / f"bwd90-{key}.json"
-    if use_cache and cubin_path.exists() and meta_path.exists():
-        return dict(cubin=cubin_path.read_bytes(), cached=True, **json.loads(meta_path.read_text()))
-    cubin, log, lowered = nvrtc.compile(src, SOURCE_NAME, opts, list(exprs.values()))
-    per_fn = br.split_ptxas_log(log)
-    meta = dict(lowered={r: lowered[e] for r, e in exprs.items()}, log=log,
-                resources={r: ar.parse_ptxas(per_fn.get(lowered[e], "")) for r, e in exprs.items()},
-                expressions=exprs, arch=fs.ARCH_SM90)
-    if use_cache:
-        try:
-            cdir.mkdir(parents=True, exist_ok=True)
-            tmp = cubin_path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(cubin)
-            tmp.replace(cubin_path)
-            meta_path.write_text(json.dumps(meta))
-        except OSError:
-            pass
-    return dict(cubin=cubin, cached=False, **meta)
+
+    def build():
+        cubin, log, lowered = nvrtc.compile(src, SOURCE_NAME, opts, list(exprs.values()))
+        per_fn = ar.split_ptxas_log(log)
+        return cubin, dict(lowered={r: lowered[e] for r, e in exprs.items()}, log=log,
+                           resources={r: ar.parse_ptxas(per_fn.get(lowered[e], "")) for r, e in exprs.items()},
+                           expressions=exprs, arch=fs.ARCH_SM90)
+
+    return ar.cached_cubin([src, *exprs.values(), " ".join(opts), f"nvrtc{nvrtc.version}"], use_cache, build,
+                           prefix="bwd90-")
 
 
 def launch(driver: ar.CudaDriver, fns: dict, cfg: BwdSm90Config, d: int, elem: str, p, q, k, v, dout, stream):

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import attn_bwd_runtime as br  # noqa: E402
 import attn_runtime as ar  # noqa: E402
-from bench_attention_fwd import bench_ms, commit_id  # noqa: E402
+from bench_attention_fwd import commit_id, print_ratio_table, time_rounds  # noqa: E402
 
 
 def main(argv=None):
@@ -137,13 +137,7 @@ def main(argv=None):
                     diff = float("nan")
                     print(f"  sdpa-flash unavailable: {e}", flush=True)
                 row = dict(case=case, D=D, causal=causal, S=S, maxdiff=diff)
-                times = {}
-                for _ in range(a.rounds):
-                    for name, (fn, _) in impls.items():
-                        try:
-                            times.setdefault(name, []).append(bench_ms(fn))
-                        except RuntimeError as e:
-                            print(f"  {case} {name}: {e}", flush=True)
+                times = time_rounds({name: fn for name, (fn, _) in impls.items()}, a.rounds, case)
                 for name, ts in times.items():
                     ms = min(ts)
                     tf = impls[name][1] * f_fwd / ms / 1e9
@@ -160,14 +154,7 @@ def main(argv=None):
 
     names = ["opfuse", "opfuse-det", "opfuse:bwd", "opfuse:bwd-mma", "sdpa-flash", "sdpa-cudnn"]
     names += sorted({n for r in rows for n in r if n.startswith("opfuse:bwd[") or n.startswith("opfuse[")})
-    print("\nTFLOP/s fwd+bwd (opfuse:bwd = backward alone), bf16, hidden 2048, 16k tokens")
-    print(f"{'D':>3} {'causal':>6} {'S':>6} " + " ".join(f"{n:>11}" for n in names) + "  ours/flash ours/cudnn")
-    for r in rows:
-        ours, fl, cu = r.get("opfuse"), r.get("sdpa-flash"), r.get("sdpa-cudnn")
-        ratio = lambda x, y: f"{x / y:10.2f}" if x and y else f"{'-':>10}"  # noqa: E731
-        print(f"{r['D']:>3} {str(r['causal']):>6} {r['S']:>6} " +
-              " ".join(f"{r[n]:11.0f}" if n in r else f"{'-':>11}" for n in names) +
-              f" {ratio(ours, fl)} {ratio(ours, cu)}")
+    print_ratio_table("TFLOP/s fwd+bwd (opfuse:bwd = backward alone), bf16, hidden 2048, 16k tokens", rows, names, 11)
 
 
 if __name__ == "__main__":
