@@ -22,22 +22,12 @@ if torch.cuda.get_device_capability() != (9, 0):
 
 import attn_bwd_runtime as br  # noqa: E402
 import attn_bwd_runtime_sm90 as b90  # noqa: E402
-import attn_runtime as ar  # noqa: E402
 from test_attention_bwd_gpu import DTYPES, _seed, check_grads, randn  # noqa: E402
 
 SEQ_PAIRS = [(113, 203), (128, 217), (1023, 1024), (1, 239), (512, 256), (4096, 4096)]
 
 
-@pytest.fixture(scope="module")
-def fwd():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    return ar.AttentionForward()
-
-
-@pytest.fixture(scope="module")
-def bwd():
-    return br.AttentionBackward()
+# fwd and bwd: the folder's fixtures (conftest.py).
 
 
 def _qkv(B, Hq, Hkv, Sq, Sk, D, dtype, seed):
