@@ -8,9 +8,8 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "runtime/compile_cache.h"
 #include "runtime/cuda_api.h"
-#include "runtime/hash.h"
+#include "runtime/nvrtc_cached.h"
 
 #include "decode_mlp_cu.inc"  // static const char decode_mlp_cu[]
 
@@ -42,16 +41,6 @@ int act_code(const std::string& a) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-Compiled nvrtc_build(const std::string& src, int arch) {
-  NvrtcOutput o = nvrtc_compile(src, "decode_mlp.cu", arch, false, false);
-  if (o.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for the decode MLP");
-  Compiled out;
-  out.cubin = std::move(o.cubin);
-  out.log = std::move(o.log);
-  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
-  return out;
-}
 
 struct DevInfo {
   int arch = 0, sms = 0;
@@ -183,31 +172,7 @@ std::string source(DType dtype, bool gated, const Config& c) {
 Compiled compile(DType dtype, bool gated, const Config& c, int arch, bool use_cache) {
   if (arch < 90) throw std::invalid_argument("decode MLP: needs sm_90 or newer (bulk copies, mbarrier transactions)");
   const std::string src = source(dtype, gated, c);
-  if (!use_cache) return nvrtc_build(src, arch);
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  std::string opts;
-  for (auto& o : nvrtc_options(arch, false)) opts += o + " ";
-  const std::string key = content_hash(src + "\n" + opts + "\nnvrtc " + std::to_string(n.major) + "." + std::to_string(n.minor));
-  Compiled fresh;
-  bool built = false;
-  auto build = [&](const std::string& out) {
-    fresh = nvrtc_build(src, arch);
-    built = true;
-    write_file_atomic(out, fresh.cubin);
-  };
-  CacheLookup found = cache_get_or_build("decode_mlp", key, ".cubin", build);
-  if (built) return fresh;
-  bool ok = false;
-  Compiled hit;
-  hit.cubin = read_file(found.path, &ok);
-  if (ok && !hit.cubin.empty()) {
-    hit.cache_hit = true;
-    return hit;
-  }
-  cache_evict(found.path);
-  found = cache_get_or_build("decode_mlp", key, ".cubin", build);
-  return fresh;
+  return nvrtc_cubin_cached(src, "decode_mlp.cu", arch, "decode_mlp", "decode MLP", use_cache);
 }
 
 std::string unsupported_reason(const Args& a) {

@@ -22,6 +22,7 @@
 // an L2 prefetch depth (benchmarking), OPFUSE_DECODE_MLP_COOPERATIVE=0 a
 // plain launch instead of a cooperative one.
 #pragma once
+#include "runtime/nvrtc_cached.h"
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -116,11 +117,7 @@ std::vector<Config> candidate_configs();
 std::string source(DType dtype, bool gated, const Config& c);
 inline constexpr const char* kEntryName = "opfuse_decode_mlp";
 
-struct Compiled {
-  std::string cubin;
-  std::string log;  // NVRTC / ptxas -v (empty on a cache hit)
-  bool cache_hit = false;
-};
+using Compiled = CachedCubin;  // cubin, NVRTC log, cache_hit
 // Compiles for sm_<arch> (>= 90) with NVRTC (no GPU needed), through the
 // disk cache unless use_cache is false. Throws with NVRTC's log on failure.
 Compiled compile(DType dtype, bool gated, const Config& c, int arch, bool use_cache = true);

@@ -8,9 +8,8 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "runtime/compile_cache.h"
 #include "runtime/cuda_api.h"
-#include "runtime/hash.h"
+#include "runtime/nvrtc_cached.h"
 
 #include "skinny_gemm_cu.inc"  // static const char skinny_gemm_cu[]
 
@@ -39,16 +38,6 @@ int act_code(const std::string& a) {
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-Compiled nvrtc_build(const std::string& src, int arch) {
-  NvrtcOutput o = nvrtc_compile(src, "skinny_gemm.cu", arch, false, false);
-  if (o.cubin.empty()) throw std::runtime_error("NVRTC produced no cubin for the skinny GEMM");
-  Compiled out;
-  out.cubin = std::move(o.cubin);
-  out.log = std::move(o.log);
-  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
-  return out;
-}
 
 struct DevInfo {
   int arch = 0, sms = 0;
@@ -122,31 +111,7 @@ std::string source(DType dtype, const SkinnyConfig& c) {
 Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache) {
   if (c.cluster > 1 && arch < 90) throw std::invalid_argument("skinny GEMM: clusters need sm_90 or newer");
   const std::string src = source(dtype, c);
-  if (!use_cache) return nvrtc_build(src, arch);
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  std::string opts;
-  for (auto& o : nvrtc_options(arch, false)) opts += o + " ";
-  const std::string key = content_hash(src + "\n" + opts + "\nnvrtc " + std::to_string(n.major) + "." + std::to_string(n.minor));
-  Compiled fresh;
-  bool built = false;
-  auto build = [&](const std::string& out) {
-    fresh = nvrtc_build(src, arch);
-    built = true;
-    write_file_atomic(out, fresh.cubin);
-  };
-  CacheLookup found = cache_get_or_build("skinny_gemm", key, ".cubin", build);
-  if (built) return fresh;
-  bool ok = false;
-  Compiled hit;
-  hit.cubin = read_file(found.path, &ok);
-  if (ok && !hit.cubin.empty()) {
-    hit.cache_hit = true;
-    return hit;
-  }
-  cache_evict(found.path);
-  found = cache_get_or_build("skinny_gemm", key, ".cubin", build);
-  return fresh;
+  return nvrtc_cubin_cached(src, "skinny_gemm.cu", arch, "skinny_gemm", "skinny GEMM", use_cache);
 }
 
 std::string unsupported_reason(const GemmArgs& g) {

@@ -12,6 +12,7 @@
 // on (it is off by default: slower than cuBLASLt on most measured shapes);
 // OPFUSE_SKINNY_CONFIG=<tag> forces a tile config (benchmarking).
 #pragma once
+#include "runtime/nvrtc_cached.h"
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -62,11 +63,7 @@ std::vector<SkinnyConfig> candidate_configs(int arch);
 std::string source(DType dtype, const SkinnyConfig& c);
 inline constexpr const char* kEntryName = "opfuse_skinny_gemm";
 
-struct Compiled {
-  std::string cubin;
-  std::string log;  // NVRTC / ptxas -v (empty on a cache hit)
-  bool cache_hit = false;
-};
+using Compiled = CachedCubin;  // cubin, NVRTC log, cache_hit
 // Compiles for sm_<arch> with NVRTC (no GPU needed), through the disk cache
 // unless use_cache is false. Throws with NVRTC's log on failure.
 Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache = true);
