@@ -20,42 +20,12 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 
 import opfuse
 from opfuse import decode_mlp as dm
+from opfuse.bench.cases import llama_mlp, mlp_block
 
-
-def time_us(fn, iters):
-    """Median over 5 trials of the mean time of `iters` back-to-back calls (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    trials = []
-    for _ in range(5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        stop.record()
-        stop.synchronize()
-        trials.append(start.elapsed_time(stop) * 1000 / iters)
-    return sorted(trials)[2]
-
-
-def copy_bandwidth_gb_s():
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src), 20)
-    del src, dst
-    return 2 * (1 << 30) / us / 1e3
-
-
-def mlp_block(x, w1, b1, w2, b2):
-    return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
-
-
-def llama_mlp(x, w1, w3, w2):
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+from bench_skinny_gemm import copy_bandwidth_gb_s, time_us  # scripts/, this file's folder
 
 
 def params(kind, m, k, h, dev):

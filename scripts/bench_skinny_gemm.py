@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import opfuse
+from opfuse.bench.cases import llama_mlp, mlp_block
 from opfuse import _C
 from opfuse import skinny_gemm as sg
 
@@ -43,14 +44,6 @@ def copy_bandwidth_gb_s():
     dst = torch.empty_like(src)
     us = time_us(lambda: dst.copy_(src), 20)
     return 2 * src.numel() / us / 1e3
-
-
-def mlp_block(x, w1, b1, w2, b2):
-    return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)
-
-
-def llama_mlp(x, w1, w3, w2):
-    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 def main():
