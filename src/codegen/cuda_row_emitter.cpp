@@ -405,19 +405,24 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     }
     line("}");
   }
-  if (!pipe_lines_.empty()) {
-    // The next row's loads into the pipeline registers, after the loop that
-    // used this row's: they stay in flight through this row's reductions,
-    // its later stages and its stores (see row_pipeline).
+  // The next row's accesses (`lines`, each per column c_), over this thread's
+  // items of the row, when there is a next row (pf_ok_).
+  auto next_row_loop = [&](const std::vector<std::string>& lines) {
     line("if (pf_ok_) {");
     line("  #pragma unroll");
     line("  for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
     line("    const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
-    std::string lds;
-    for (auto& p : pipe_lines_) lds += " " + p;
-    line("    if (c_ < cols) {" + lds + " }");
+    std::string body;
+    for (auto& l : lines) body += " " + l;
+    line("    if (c_ < cols) {" + body + " }");
     line("  }");
     line("}");
+  };
+  if (!pipe_lines_.empty()) {
+    // The next row's loads into the pipeline registers, after the loop that
+    // used this row's: they stay in flight through this row's reductions,
+    // its later stages and its stores (see row_pipeline).
+    next_row_loop(pipe_lines_);
     line("pl_first_ = false;");
     pipe_lines_.clear();
     prefetch_ = false;
@@ -427,15 +432,7 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     // while this row's reductions wait on barriers its loaded vectors are
     // dead (no registers added; beside the loads they took 4 more at
     // 32768x4096, past 64) and HBM gets the next row's requests.
-    line("if (pf_ok_) {");
-    line("  #pragma unroll");
-    line("  for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
-    line("    const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
-    std::string pfs;
-    for (auto& p : prefetch_lines_) pfs += " " + p;
-    line("    if (c_ < cols) {" + pfs + " }");
-    line("  }");
-    line("}");
+    next_row_loop(prefetch_lines_);
     prefetch_lines_.clear();
     prefetch_ = false;  // only the first stage that loads the row
   }
