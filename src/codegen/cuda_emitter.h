@@ -32,6 +32,9 @@ struct CudaLaunch {
   int vec_threads = 0, vec_rows_per_block = 0, vec_cluster = 1;  // row kernels: geometry of the vector twin
   int64_t parts = 0;       // row kernels with column partials: grid x rows_per_block = parts
   int smem = 0, vec_smem = 0;  // row kernels: dynamic shared memory bytes (rows staged there), scalar and vector twin
+  // The vector twin loops over rows with a staged ring (OPFUSE_ROW_STAGE_RING):
+  // its grid is as many row groups (clusters) as the device holds at once.
+  bool vec_ring = false;
   Expr numel, rows, cols;  // launch geometry in terms of size symbols
   std::string name, vec_name;  // scalar and vector entry points
 };
@@ -107,6 +110,13 @@ class CudaEmitter : public CEmitter {
   int stage_min_blocks_ = 1;
   bool stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster);
   void stage_prologue(int threads_per_row, const std::vector<size_t>& kept);
+  // The staged ring (OPFUSE_ROW_STAGE_RING): two slots per staged buffer,
+  // persistent row groups that copy the next row while reducing this one.
+  bool stage_ring_ = false;
+  int64_t stage_slot_bytes_ = 0;  // bytes between a staged buffer's two slots
+  void stage_copy_loop(int threads_per_row, const std::string& row_prefix, const std::string& slot);
+  void stage_ring_next(int threads_per_row, const std::vector<size_t>& kept);
+  int64_t slot_elements(int b) const;
   void partial(const KStmt& s) override;
   void store_partials(int threads_per_row, const std::string& slot);
   void store_block_partials(int rows_per_block);

@@ -574,17 +574,23 @@ bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cl
     staged_[b] = Staged{"sr" + std::to_string(b), off, load.at(b)};
     off += chunk * dtype_size(k_->buffers[static_cast<size_t>(b)].dtype);  // a multiple of 16
   }
-  stage_bytes_ = static_cast<int>(off);
-  int max_threads = env_int("OPFUSE_ROW_SMEM_THREADS", 512);
+  // The ring (an experiment, off by default; sm_90): two slots, so one
+  // 64 KB slice a block takes one block an SM, and 1024 threads
+  // (OPFUSE_ROW_STAGE_RING_THREADS) keep the SM's issue slots as busy as
+  // three 512-thread blocks did.
+  stage_ring_ = arch_ >= 90 && env_int("OPFUSE_ROW_STAGE_RING", 0) > 0;
+  stage_slot_bytes_ = off;
+  stage_bytes_ = static_cast<int>(stage_ring_ ? 2 * off : off);
+  int max_threads = stage_ring_ ? env_int("OPFUSE_ROW_STAGE_RING_THREADS", 1024) : env_int("OPFUSE_ROW_SMEM_THREADS", 512);
   if (max_threads < 128 || max_threads > 1024 || (max_threads & (max_threads - 1)) != 0) max_threads = 512;
-  *threads = std::min(max_threads, std::max(128, pow2_at_least(ceil_div(chunk, 8 * vec_))));
+  *threads = std::min(max_threads, std::max(128, pow2_at_least(ceil_div(chunk, (stage_ring_ ? 4 : 8) * vec_))));
   *cluster = c;
   // Shared memory an SM (KB): sm_80/87 164, sm_90/100 228, others 100;
   // each block also takes ~1 KB of static and 1 KB of reserved memory.
   int64_t sm_kb = arch_ == 80 || arch_ == 87 ? 164 : arch_ == 90 || arch_ == 100 || arch_ == 103 ? 228 : 100;
   // At most 1536 threads an SM (40 registers a thread): at 32 (four 512-thread
   // blocks) ptxas spilled in float32 rms_norm.
-  int64_t blocks = (sm_kb * 1024) / (off + 2048);
+  int64_t blocks = (sm_kb * 1024) / (stage_bytes_ + 2048);
   stage_min_blocks_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1536 / *threads)));
   return true;
 }
@@ -620,6 +626,59 @@ void CudaEmitter::stage_prologue(int threads_per_row, const std::vector<size_t>&
   }
   line("}");
   line("opf_cp_async_wait_all();");
+}
+
+// Elements of buffer b between its two ring slots (every staged buffer's
+// slot 0 comes first, then every slot 1).
+int64_t CudaEmitter::slot_elements(int b) const {
+  int64_t size = dtype_size(k_->buffers[static_cast<size_t>(b)].dtype);
+  if (stage_slot_bytes_ % size != 0) throw std::logic_error("opfuse: a staged ring slot is not a whole number of elements");
+  return stage_slot_bytes_ / size;
+}
+
+// The staged ring's copy of one row into one slot (0 or 1): the row's kept
+// variables carry `row_prefix` (decompose's prefix: "x" is the row being
+// reduced), `slot` is the slot's offset in elements. Each thread copies the
+// columns it later reads, as stage_prologue's copy does.
+void CudaEmitter::stage_copy_loop(int threads_per_row, const std::string& row_prefix, const std::string& slot) {
+  std::string V = std::to_string(vec_), step = std::to_string(threads_per_row * vec_);
+  line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
+  for (const auto& [b, st] : staged_) {
+    std::vector<Expr> idx = st.load.index;
+    for (auto& e : idx)
+      e = substitute(e, [&](const ExprNode& v) -> Expr {
+        if (v.name == last_var_) return var("c_");
+        if (kept_vars_.count(v.name)) return var(row_prefix + v.name.substr(1));
+        return nullptr;
+      });
+    line("  opf_cp_async16(" + st.name + "_ring_ + " + slot + " * " + std::to_string(slot_elements(b)) + " + (c_ - cbegin_), b" +
+         std::to_string(b) + " + " + offset(b, idx) + ");");
+  }
+  line("}");
+}
+
+// The top of a ring iteration: the copies of the group's next row go into
+// the other slot (an empty group after the last row), then the thread
+// waits for its copies of this row only, and the staged names point at
+// this row's slot.
+void CudaEmitter::stage_ring_next(int threads_per_row, const std::vector<size_t>& kept) {
+  line("{");
+  ++indent_;
+  line("const int64_t nr_ = row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ");");
+  line("if (nr_ < rows) {");
+  ++indent_;
+  decompose("nr_", kept, "nrx");
+  stage_copy_loop(threads_per_row, "nrx", "(par_ ^ 1)");
+  --indent_;
+  line("}");
+  --indent_;
+  line("}");
+  line("opf_cp_async_commit();");
+  line("opf_cp_async_wait_prior();");
+  for (const auto& [b, st] : staged_) {
+    std::string t = storage_type(k_->buffers[static_cast<size_t>(b)].dtype);
+    line(t + "* const " + st.name + " = " + st.name + "_ring_ + par_ * " + std::to_string(slot_elements(b)) + ";");
+  }
 }
 
 void CudaEmitter::row_kernel(const std::string& name, int vec) {
@@ -726,6 +785,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   RowGeometry g = choose_geometry(known, ncols, vec, cache_.slots(), cluster_ok, reread, static_cast<int>(reread_bufs));
   staged_.clear();
   stage_bytes_ = 0;
+  stage_ring_ = false;
   if (vec > 1 && known && g.items == 0 && !g.grouped && !partials && !bufs.empty() &&
       stage_rows(ncols, bufs, cluster_ok, &g.threads, &g.cluster))
     g.l2_overflow = false;
@@ -804,7 +864,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   grouped_rows_ = g.grouped;
   lanes_ = g.lanes;
   cluster_ = caching_ || columns_ || partial_cluster > 1 || stage_bytes_ > 0 ? g.cluster : 1;
-  cluster_row_loop_ = partial_cluster > 1;
+  cluster_row_loop_ = partial_cluster > 1 || (stage_ring_ && stage_bytes_ > 0 && cluster_ > 1);
+  launch_.vec_ring = stage_ring_ && stage_bytes_ > 0;
   loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
   launch_.smem = stage_bytes_;
   cluster_reductions_ = 0;
@@ -867,7 +928,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   bool long_rows = known && ncols > 32768;
   // (Rows staged in shared memory re-read it, not HBM: three passes.)
   int online = (long_rows && !caching_ && !columns_ && cluster_ == 1 && stage_bytes_ == 0) ? online_softmax_stage() : -1;
-  if (stage_bytes_ > 0) stage_prologue(threads_per_row, split.kept);
+  if (stage_bytes_ > 0 && stage_ring_) stage_ring_next(threads_per_row, split.kept);
+  else if (stage_bytes_ > 0) stage_prologue(threads_per_row, split.kept);
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);
@@ -935,9 +997,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   if (stage_bytes_ > 0) {
     line("extern __shared__ __align__(16) unsigned char opf_dsmem[];");
+    // (The ring's two slots of a buffer are stage_slot_bytes_ apart: every buffer's slot 0, then every slot 1.)
     for (const auto& [b, st] : staged_)
-      line(storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "* const " + st.name + " = reinterpret_cast<" +
-           storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "*>(opf_dsmem + " + std::to_string(st.offset) + ");");
+      line(storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "* const " + st.name + (stage_ring_ ? "_ring_" : "") +
+           " = reinterpret_cast<" + storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "*>(opf_dsmem + " +
+           std::to_string(st.offset) + ");");
   }
   line("const int64_t rows = " + size_c(split.rows) + ";");
   line("const int64_t cols = " + size_c(split.cols) + ";");
@@ -999,6 +1063,25 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     line("if (row_ >= rows) row_ = rows - 1;");
     line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     line("{");
+  } else if (stage_ring_ && stage_bytes_ > 0) {
+    // Persistent row groups (a block, or a cluster of blocks each with its
+    // slice): group g takes rows g, g + G, ... (G = gridDim.x / cluster, as
+    // many as the device holds at once: CompiledGraph's ring grid). The
+    // first row's copies go out before the loop; each iteration sends the
+    // next row's into the other slot before reducing this one.
+    std::string S = std::to_string(stage_chunk_), C = std::to_string(cluster_);
+    line("const int tid_ = threadIdx.x;");
+    line("const int64_t cbase_ = 0, cbegin_ = " + (cluster_ > 1 ? "(int64_t)opf_cluster_rank() * " + S : std::string("0")) + ";");
+    line("const int64_t cend_ = cbegin_ + " + S + " < cols ? cbegin_ + " + S + " : cols;");
+    line("if ((int64_t)blockIdx.x / " + C + " < rows) {");
+    ++indent_;
+    decompose("(int64_t)blockIdx.x / " + C, split.kept, "frx");
+    stage_copy_loop(threads_per_row, "frx", "0");
+    --indent_;
+    line("}");
+    line("opf_cp_async_commit();");
+    line("int par_ = 0;");
+    line("for (int64_t row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
   } else if (cluster_row_loop_) {
     std::string C = std::to_string(cluster_);
     std::string slice = std::to_string(static_cast<int64_t>(partial_items_) * g.threads * vec);

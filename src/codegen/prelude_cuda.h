@@ -219,6 +219,11 @@ static __device__ __forceinline__ void opf_cp_async16(void* smem, const void* gm
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
 }
 static __device__ __forceinline__ void opf_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// A staged-row ring (OPFUSE_ROW_STAGE_RING): a thread's copies of one row
+// close a group; waiting for all but the newest group leaves the next row's
+// copies in flight while this row is reduced.
+static __device__ __forceinline__ void opf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+static __device__ __forceinline__ void opf_cp_async_wait_prior() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 template <int V, class T> static __device__ __forceinline__ void opf_vstore(T* __restrict__ p, const T* in) {
   opf_lanes<T, V> l;
 #pragma unroll

@@ -457,6 +457,7 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
       check_cuda(c.FuncSetAttribute(fv, kAttrMaxDynamicSharedBytes, l.vec_smem), "cuFuncSetAttribute(max dynamic shared memory)");
     v.cu_scalar.push_back(f);
     v.cu_vector.push_back(fv);
+    v.ring_groups.push_back(fv && l.vec_ring ? resident_groups(fv, l.vec_threads, l.vec_smem, l.vec_cluster) : 0);
   }
 }
 
@@ -527,7 +528,13 @@ void CompiledGraph::prepare_cuda_kernel(const Variant& v, size_t i, const std::v
       return static_cast<unsigned>(std::min<int64_t>((rows + rpb - 1) / rpb, 1 << 30));
     };
     st->grid = blocks(cl.rows_per_block, cl.cluster, &st->too_many_rows);
-    if (st->vec_possible) st->vec_grid = blocks(cl.vec_rows_per_block, cl.vec_cluster, &st->vec_too_many_rows);
+    if (st->vec_possible && cl.vec_ring) {
+      // The staged ring: persistent row groups, each stepping through rows g, g + G, ...
+      int64_t groups = std::min<int64_t>(std::max<int64_t>(rows, 1), std::max(1, v.ring_groups.at(i)));
+      st->vec_grid = static_cast<unsigned>(groups * cl.vec_cluster);
+    } else if (st->vec_possible) {
+      st->vec_grid = blocks(cl.vec_rows_per_block, cl.vec_cluster, &st->vec_too_many_rows);
+    }
   }
 }
 

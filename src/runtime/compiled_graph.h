@@ -182,6 +182,7 @@ class CompiledGraph {
     CUmodule module = nullptr;
     std::vector<CudaLaunch> launches;
     std::vector<CUfunction> cu_scalar, cu_vector;
+    std::vector<int> ring_groups;  // per kernel: row groups the vector twin's ring grid holds (0: no ring)
   };
   struct Launch {
     std::vector<int> buffers;       // global buffer index per kernel buffer

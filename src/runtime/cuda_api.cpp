@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -93,6 +94,7 @@ const CudaApi& cuda() {
     bind(h, api.MemAlloc, "cuMemAlloc_v2", &ignore);
     bind(h, api.MemsetD32Async, "cuMemsetD32Async", &ignore);
     bind(h, api.OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor", &ignore);
+    bind(h, api.OccupancyMaxActiveClusters, "cuOccupancyMaxActiveClusters", &ignore);
     if (ok && api.Init(0) == 0) api.loaded = true;
     else if (ok) api.error = "cuInit failed (no usable GPU or driver)";
   });
@@ -132,6 +134,32 @@ int current_device_arch() {
   check_cuda(c.DeviceGetAttribute(&major, 75, dev), "cuDeviceGetAttribute(major)");  // COMPUTE_CAPABILITY_MAJOR
   check_cuda(c.DeviceGetAttribute(&minor, 76, dev), "cuDeviceGetAttribute(minor)");
   return major * 10 + minor;
+}
+
+int resident_groups(CUfunction f, int threads, int dynamic_smem, int cluster) {
+  const CudaApi& c = cuda();
+  if (cluster > 1 && c.OccupancyMaxActiveClusters) {
+    // The driver knows how clusters pack into the GPCs (on the H200 not
+    // every GPC takes a whole number of 8-SM clusters: 45 clusters of three
+    // 64 KB blocks an SM were resident, not 132 * 3 / 8 = 49).
+    CuLaunchConfig config;
+    config.grid_x = static_cast<unsigned>(cluster);
+    config.block_x = static_cast<unsigned>(threads);
+    config.shared_bytes = static_cast<unsigned>(dynamic_smem);
+    int n = 0;
+    if (c.OccupancyMaxActiveClusters(&n, f, &config) == 0 && n > 0) return n;
+  }
+  CUdevice dev = 0;
+  int sms = 0, per_sm = 0;
+  check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+  check_cuda(c.DeviceGetAttribute(&sms, 16, dev), "cuDeviceGetAttribute(multiprocessor count)");  // MULTIPROCESSOR_COUNT
+  if (!c.OccupancyMaxActiveBlocksPerMultiprocessor ||
+      c.OccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, f, threads, static_cast<size_t>(dynamic_smem)) != 0 || per_sm < 1)
+    per_sm = 1;
+  // Without the cluster query: whole clusters of SMs, a GPC's leftover SMs
+  // not counted (an underestimate costs a little parallelism; an
+  // overestimate would leave a group waiting for a whole group's rows).
+  return std::max(1, sms / std::max(1, cluster) * per_sm - (cluster > 1 ? per_sm : 0));
 }
 
 std::vector<std::string> nvrtc_options(int arch, bool arch_specific) {

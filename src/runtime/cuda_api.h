@@ -77,7 +77,26 @@ struct CudaApi {
   CUresult (*MemAlloc)(unsigned long long* dptr, size_t bytes) = nullptr;
   CUresult (*MemsetD32Async)(unsigned long long dptr, unsigned value, size_t count, CUstream) = nullptr;
   CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int* blocks, CUfunction, int block_size, size_t dynamic_smem) = nullptr;
+  // Optional (CUDA 12+): clusters of a kernel resident at once (the staged
+  // ring's grid); `config` as CuLaunchConfig below.
+  CUresult (*OccupancyMaxActiveClusters)(int* clusters, CUfunction, const void* config) = nullptr;
 };
+
+// cuda.h's CUlaunchConfig (CUDA 12+), for OccupancyMaxActiveClusters: the
+// kernel's own __cluster_dims__ stand, so no attributes are passed.
+struct CuLaunchConfig {
+  unsigned grid_x = 1, grid_y = 1, grid_z = 1;
+  unsigned block_x = 1, block_y = 1, block_z = 1;
+  unsigned shared_bytes = 0;
+  CUstream stream = nullptr;
+  void* attrs = nullptr;
+  unsigned num_attrs = 0;
+};
+
+// How many row groups of a persistent kernel the current context's device
+// holds at once: clusters of `cluster` blocks (cluster > 1, when the driver
+// can say) or blocks; at least 1.
+int resident_groups(CUfunction f, int threads, int dynamic_smem, int cluster);
 
 const NvrtcApi& nvrtc();  // loads on first use; .loaded false with .error when absent
 const CudaApi& cuda();

@@ -243,6 +243,50 @@ def test_staged_rows_compile_without_spills(arch, dtype, cols, monkeypatch):
         assert spills and all(int(s) == 0 for s in spills), log[-2000:]
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("cols", [20000, 32768, 70000, 262144])
+def test_staged_ring_compiles_without_spills(arch, dtype, cols, monkeypatch):
+    """OPFUSE_ROW_STAGE_RING=1 (two slots a staged buffer, persistent row
+    groups, 1024 threads): every row op compiles with no spills."""
+    nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "1")
+    for op in ["softmax", "log_softmax", "layer_norm", "rms_norm"]:
+        _, log = compile_for(row_ir(op, dtype, 64, cols), [[64, cols]], arch)
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and all(int(s) == 0 for s in spills), log[-2000:]
+
+
+def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
+    """The ring on sm_90: the first row's copies before the row loop, the
+    next row's into the other slot at the top of each iteration, a wait for
+    all but the newest copy group, the stages reading this row's slot, the
+    cluster reductions' slots alternating by row parity; one 1024-thread
+    block an SM. A block per row at 32768 (no cluster), a cluster of 8 at
+    262144. sm_80 has no ring (the knob changes nothing there)."""
+    for rows, cols, cluster in ((8192, 32768, 1), (4096, 262144, 8)):
+        shapes = [[rows, cols]]
+        cg = _C.CompiledGraph(row_ir("softmax", "bf16", rows, cols), target="cuda")
+        off = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+        off80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
+        monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "1")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == off80
+        monkeypatch.delenv("OPFUSE_ROW_STAGE_RING")
+        assert v != _vector_kernel(off)
+        chunk = cols // cluster
+        assert "__launch_bounds__(1024, 1)" in v
+        assert ("__cluster_dims__(8, 1, 1)" in v) == (cluster == 8)
+        loop = v.index(f"for (int64_t row_ = blockIdx.x / {cluster}; row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1)")
+        assert v.index(f"opf_cp_async16(sr0_ring_ + 0 * {chunk} +") < loop
+        assert v.index(f"opf_cp_async16(sr0_ring_ + (par_ ^ 1) * {chunk} +") > loop
+        nxt = v.index("opf_cp_async_wait_prior();")
+        assert v.index(f"opf_bf16* const sr0 = sr0_ring_ + par_ * {chunk};") > nxt
+        assert v.count("opf_vload<8>(sr0 +") == 3 and "opf_vload<8>(b0" not in v and "opf_cp_async_wait_all" not in v
+        if cluster > 1:
+            assert "&opf_cslot[0 + par_]" in v and "&opf_cslot[2 + par_]" in v and "opf_cluster_arrive" not in v
+
+
 def _vector_ptx(ptx):
     """The PTX of the vector twin (the entry whose name ends in _v8 or _v4)."""
     m = re.search(r"\.entry (opfuse_\w+_v[48])\(", ptx)

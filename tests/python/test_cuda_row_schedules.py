@@ -450,3 +450,41 @@ def test_staging_knobs_keep_results(knobs, monkeypatch):
             check(fn, x, x[0], x[1], torch.bfloat16)
     if "OPFUSE_ROW_SMEM_TENSORS" in knobs:
         _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (300, 40000), torch.bfloat16, 2)
+
+
+# The staged ring (OPFUSE_ROW_STAGE_RING=1): persistent row groups that copy
+# their next row into a second slot while reducing this one. Row counts past
+# the groups the device holds (about 132 blocks at 20000 and 32768, about 16
+# clusters of 8 at 262144), so every group takes several rows and both slots
+# and both parities of the cluster slots are used; 32776 (slices of 16392 and
+# 16384) and 70000 take clusters of 2; 3 rows leave most groups idle.
+RING = [(301, 20000), (300, 32768), (7, 32776), (37, 70000), (41, 262144), (3, 262144)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
+@pytest.mark.parametrize("rows,cols", RING)
+def test_staged_ring_matches_float64(rows, cols, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "1")
+    torch.manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    for fn in OPS.values():
+        check(fn, x, w, b, torch.bfloat16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
+def test_staged_ring_row_views(monkeypatch):
+    """Rows at a stride of cols + 16, 8 elements into their storage (the
+    ring's vector twin), and rows that differ in scale (a row's statistics
+    must not leak into the next row a group takes)."""
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "1")
+    torch.manual_seed(3)
+    for cols in (32768, 262144):
+        rows = 200 if cols == 32768 else 40
+        base = torch.randn(rows * (cols + 16) + 8, device="cuda", dtype=torch.bfloat16)
+        x = base[8:8 + rows * (cols + 16)].view(rows, cols + 16)[:, :cols]
+        x = x * torch.logspace(-3, 3, rows, device="cuda", dtype=torch.bfloat16)[:, None]
+        w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+        for fn in OPS.values():
+            check(fn, x, w, w, torch.bfloat16)
