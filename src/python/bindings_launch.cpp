@@ -16,15 +16,18 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "runtime/compiled_graph.h"
+#include "runtime/gemm_launcher.h"
 #include "runtime/launch_floor.h"
 #include "python/run_options.h"
 
@@ -37,6 +40,9 @@ namespace {
 // opfuse.stats() (the Python side counts everything else); atomic, so no
 // lock per call.
 std::atomic<int64_t> g_kernel_launches{0};
+// GEMM steps run as library calls by the same paths (cuBLASLt on the GPU,
+// PyTorch's matmul on the CPU).
+std::atomic<int64_t> g_library_calls{0};
 
 // What a finished call returns (PreparedRun.set_result).
 enum ResultKind : int { kOne = 0, kTuple = 1, kList = 2, kBuffers = 3 };
@@ -51,6 +57,26 @@ struct PreparedRunRef {
   // it is viewed as (None: as it is).
   std::vector<std::pair<size_t, nb::object>> outs;
   int direct = -1;  // kOne of a written buffer as it is: its index among the written ones
+  // Graphs with library calls (set_library): GEMM result pairs allocated as
+  // one block, and on the CPU the callable running GEMM step g as
+  // cpu_gemm(g, inputs + written buffers).
+  struct Pair {
+    size_t first, second;  // indices among the written buffers
+    nb::tuple block;       // the block's (sizes, strides, dtype) for `empty`
+    nb::tuple views[2];    // (sizes, strides, storage offset) of each result in it
+  };
+  std::vector<Pair> pairs;
+  nb::object cpu_gemm;
+};
+
+// What a CUDA run of a graph with library calls takes from PyTorch: the
+// workspaces of the current (device, stream) and the TF32 setting.
+struct LibraryArgs {
+  uintptr_t workspace = 0;
+  size_t workspace_bytes = 0;
+  uintptr_t decode_workspace = 0;
+  size_t decode_workspace_bytes = 0;
+  bool allow_tf32 = false;
 };
 
 size_t sequence_size(PyObject* o) {
@@ -98,18 +124,42 @@ std::vector<void*> pointers_from(nb::handle seq) {
   return p;
 }
 
-// The run on tensors: allocates the written buffers, launches on every
-// tensor's pointer, counts; returns the written buffers (kBuffers, or
-// `finish` false) or what set_result asked for.
-nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n_in, uintptr_t stream, bool finish) {
-  if (!r.graph->gemms().empty()) throw std::logic_error("PreparedRun.call: the graph has library calls; use run()");
+// block.as_strided(sizes, strides, offset): a GEMM result inside its pair's block.
+nb::object view_in_block(const nb::object& block, const nb::tuple& view) {
+  static PyObject* method = nullptr;
+  if (!method) method = nb::getattr(nb::module_::import_("torch").attr("Tensor"), "as_strided").release().ptr();
+  PyObject* a[4] = {block.ptr(), view[0].ptr(), view[1].ptr(), view[2].ptr()};
+  nb::object v = nb::steal(PyObject_Vectorcall(method, a, 4, nullptr));
+  if (!v.is_valid()) throw nb::python_error();
+  return v;
+}
+
+nb::object allocate(const PreparedRunRef& r, const nb::tuple& spec) {
+  nb::object t = nb::steal(PyObject_Call(r.empty.ptr(), spec.ptr(), nullptr));
+  if (!t.is_valid()) throw nb::python_error();
+  return t;
+}
+
+// The run on tensors: allocates the written buffers (a pair of GEMM
+// results as one block), launches on every tensor's pointer (`in_ptrs`:
+// the inputs' where the caller has them already), counts; returns the
+// written buffers (kBuffers, or `finish` false) or what set_result asked
+// for. A graph with library calls takes `lib` on CUDA (workspaces, TF32)
+// and set_library's cpu_gemm on the CPU.
+nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n_in, void* const* in_ptrs,
+                          uintptr_t stream, bool finish, const LibraryArgs* lib) {
   if (r.empty.is_none()) throw std::logic_error("PreparedRun.call: built without an allocator");
+  const size_t n_gemms = r.graph->gemms().size();
+  const bool cuda = r.graph->target() == Target::CUDA;
+  if (n_gemms && (cuda ? lib == nullptr : r.cpu_gemm.is_none()))
+    throw std::logic_error(cuda ? "PreparedRun.call: a graph with library calls needs cuBLASLt's workspace"
+                                : "PreparedRun.call: a graph with library calls needs set_library's cpu_gemm");
   size_t n_out = r.out_args.size();
   if (n_in + n_out != r.graph->buffers().size())
     throw std::invalid_argument("PreparedRun.call: " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
                                 " outputs for " + std::to_string(r.graph->buffers().size()) + " buffers");
   std::vector<void*> p(n_in + n_out);
-  for (size_t i = 0; i < n_in; ++i) p[i] = data_ptr_of(in[i]);
+  for (size_t i = 0; i < n_in; ++i) p[i] = in_ptrs ? in_ptrs[i] : data_ptr_of(in[i]);
   // Written buffers in a stack array for the usual few (no allocation of our own per call).
   nb::object local[8];
   std::vector<nb::object> heap;
@@ -118,18 +168,55 @@ nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n
     heap.resize(n_out);
     bufs = heap.data();
   }
+  for (const PreparedRunRef::Pair& pair : r.pairs) {
+    // Both results of one batched GEMM call in one block, the second at
+    // the next 256-byte boundary (CompiledGraph::paired_buffers).
+    nb::object block = allocate(r, pair.block);
+    bufs[pair.first] = view_in_block(block, pair.views[0]);
+    bufs[pair.second] = view_in_block(block, pair.views[1]);
+  }
   for (size_t j = 0; j < n_out; ++j) {
-    bufs[j] = nb::steal(PyObject_Call(r.empty.ptr(), r.out_args[j].ptr(), nullptr));
-    if (!bufs[j].is_valid()) throw nb::python_error();
+    if (!bufs[j].is_valid()) bufs[j] = allocate(r, r.out_args[j]);
     p[n_in + j] = data_ptr_of(bufs[j].ptr());
   }
   RunOptions o;
   o.stream = reinterpret_cast<void*>(stream);
+  int gemm_kernels = 0, gemm_merged = 0;
+  nb::object everything;  // the CPU GEMM callback's buffers: inputs, then written ones
+  if (n_gemms) {
+    o.gemm_kernels = &gemm_kernels;
+    o.gemm_merged = &gemm_merged;
+    if (cuda) {
+      o.workspace = reinterpret_cast<void*>(lib->workspace);
+      o.workspace_bytes = lib->workspace_bytes;
+      o.decode_workspace = reinterpret_cast<void*>(lib->decode_workspace);
+      o.decode_workspace_bytes = lib->decode_workspace_bytes;
+      o.allow_tf32 = lib->allow_tf32;
+    } else {
+      everything = nb::steal(PyList_New(static_cast<Py_ssize_t>(n_in + n_out)));
+      if (!everything.is_valid()) throw nb::python_error();
+      for (size_t i = 0; i < n_in + n_out; ++i)
+        PyList_SET_ITEM(everything.ptr(), static_cast<Py_ssize_t>(i), Py_NewRef(i < n_in ? in[i] : bufs[i - n_in].ptr()));
+      o.cpu_gemm = [fn = r.cpu_gemm.ptr(), all = everything.ptr()](int g) {
+        nb::gil_scoped_acquire acquire;
+        nb::object index = nb::int_(g);
+        PyObject* a[2] = {index.ptr(), all};
+        PyObject* done = PyObject_Vectorcall(fn, a, 2, nullptr);
+        if (!done) throw nb::python_error();
+        Py_DECREF(done);
+      };
+    }
+  }
   {
     nb::gil_scoped_release release;
     r.graph->run_prepared(r.run, p, o);
   }
-  g_kernel_launches.fetch_add(static_cast<int64_t>(r.graph->kernels().size()), std::memory_order_relaxed);
+  // GEMM steps run as opfuse's skinny GEMM kernel are kernel launches, not
+  // library calls; those run inside a paired step's batched call are neither.
+  g_kernel_launches.fetch_add(static_cast<int64_t>(r.graph->kernels().size()) + gemm_kernels,
+                              std::memory_order_relaxed);
+  if (n_gemms)
+    g_library_calls.fetch_add(static_cast<int64_t>(n_gemms) - gemm_kernels - gemm_merged, std::memory_order_relaxed);
   if (r.direct >= 0 && finish) return std::move(bufs[r.direct]);
   if (!finish || r.kind == kBuffers) {
     nb::list l;
@@ -173,14 +260,63 @@ struct Launcher {
     nb::object prepared;  // the PreparedRun
     const PreparedRunRef* run = nullptr;
     size_t n_inputs = 0;  // a call with another count of tensors is not this layout's (the check is not asked)
+    // cuBLASLt's layouts depend on each input's address modulo 16: where
+    // set, the residues the layout was prepared with (checked on the
+    // pointers the launch reads anyway).
+    std::vector<uint8_t> align;
   };
   bool cuda = false;
   bool all_tensors = true;  // the call's arguments are the tensors, in order
   std::vector<Py_ssize_t> positions;  // else: which arguments are
   nb::object get_device, raw_stream;  // CUDA: () -> current device, (device) -> current stream handle
+  // CUDA graphs with library calls: (device, stream) -> (cuBLASLt's
+  // workspace, the decode MLP's or None), asked once per (device, stream)
+  // (the tensors are kept for the process on both sides); () -> PyTorch's
+  // TF32 setting for cuBLAS, asked every call.
+  nb::object workspaces, allow_tf32;
+  struct Workspaces {
+    long device;
+    uintptr_t stream;
+    nb::object keep;  // the (workspace, decode workspace) tuple
+    LibraryArgs args;
+  };
+  std::vector<Workspaces> workspace_cache;  // most recent first, kWorkspaces at most
+  static constexpr size_t kWorkspaces = 16;
   std::vector<Entry> recent;
   uint64_t version = 0;  // bumped by every change to `recent`
 };
+
+// Workspace pointers for (device, stream), from the cache or, the first
+// time, from the Python callable; and the TF32 setting of this call.
+LibraryArgs library_args(Launcher& L, long device, uintptr_t stream) {
+  LibraryArgs a;
+  bool found = false;
+  for (const Launcher::Workspaces& w : L.workspace_cache)
+    if (w.device == device && w.stream == stream) {
+      a = w.args;
+      found = true;
+      break;
+    }
+  if (!found) {
+    nb::object both = L.workspaces(device, stream);
+    nb::object ws = both[0], dws = both[1];
+    a.workspace = reinterpret_cast<uintptr_t>(data_ptr_of(ws.ptr()));
+    a.workspace_bytes = nb::cast<size_t>(ws.attr("nbytes"));
+    if (!dws.is_none()) {
+      a.decode_workspace = reinterpret_cast<uintptr_t>(data_ptr_of(dws.ptr()));
+      a.decode_workspace_bytes = nb::cast<size_t>(dws.attr("nbytes"));
+    }
+    L.workspace_cache.insert(L.workspace_cache.begin(), Launcher::Workspaces{device, stream, both, a});
+    if (L.workspace_cache.size() > Launcher::kWorkspaces) L.workspace_cache.pop_back();
+  }
+  PyObject* tf32 = PyObject_CallNoArgs(L.allow_tf32.ptr());
+  if (!tf32) throw nb::python_error();
+  int yes = PyObject_IsTrue(tf32);
+  Py_DECREF(tf32);
+  if (yes < 0) throw nb::python_error();
+  a.allow_tf32 = yes != 0;
+  return a;
+}
 
 PyObject* call_named(PyObject* self, const char* name, PyObject* args, PyObject* kwargs) {
   PyObject* f = PyObject_GetAttrString(self, name);
@@ -190,8 +326,10 @@ PyObject* call_named(PyObject* self, const char* name, PyObject* args, PyObject*
   return r;
 }
 
-// The hot path (tp_call of Launcher and its subclasses).
-PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexcept {
+// The hot path (tp_call of Launcher and its subclasses), and Launcher.launch:
+// `forced` a PreparedRun to run without asking any check (the layout _miss
+// has just prepared), else null.
+PyObject* launch_call(PyObject* self, PyObject* args, PyObject* kwargs, PyObject* forced) noexcept {
   try {
     if (!nb::inst_ready(self)) {
       PyErr_SetString(PyExc_TypeError, "opfuse Launcher: __init__ was not called");
@@ -218,9 +356,22 @@ PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexce
       }
       tensors = dst;
     }
+    // The inputs' pointers, read once where a check of alignment needs them
+    // (and then handed to the run).
+    void* ptrs_local[16];
+    std::vector<void*> ptrs_heap;
+    void** in_ptrs = nullptr;
     const uint64_t version = L.version;
-    const Launcher::Entry* hit = nullptr;
+    nb::object keep;  // the layout stays alive while the GIL is released
+    const PreparedRunRef* run = nullptr;
+    if (forced) {
+      keep = nb::borrow(forced);
+      run = nb::cast<const PreparedRunRef*>(keep);
+      if (run->graph->buffers().size() - run->out_args.size() != n)
+        throw std::invalid_argument("Launcher.launch: the layout has another count of inputs");
+    }
     for (const Launcher::Entry& e : L.recent) {
+      if (forced) break;
       if (e.n_inputs != n) continue;
       PyObject* ok = PyObject_Vectorcall(e.check.ptr(), tensors, n, nullptr);
       if (!ok) return nullptr;
@@ -228,28 +379,48 @@ PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexce
       Py_DECREF(ok);
       if (yes < 0) return nullptr;
       if (L.version != version) break;  // the check ran code that changed the list: `e` may be gone
+      if (yes && !e.align.empty()) {
+        if (!in_ptrs) {
+          in_ptrs = ptrs_local;
+          if (n > 16) {
+            ptrs_heap.resize(n);
+            in_ptrs = ptrs_heap.data();
+          }
+          for (size_t i = 0; i < n; ++i) in_ptrs[i] = data_ptr_of(tensors[i]);
+          if (L.version != version) break;  // a subclass's data_ptr ran code that changed the list
+        }
+        for (size_t i = 0; i < n && yes; ++i) yes = reinterpret_cast<uintptr_t>(in_ptrs[i]) % 16 == e.align[i];
+      }
       if (yes) {
-        hit = &e;
+        keep = e.prepared;
+        run = e.run;
         break;
       }
     }
-    if (!hit) return call_named(self, "_miss", args, nullptr);
-    nb::object keep = hit->prepared;  // the layout stays alive while the GIL is released
-    const PreparedRunRef& run = *hit->run;
+    if (!run) return call_named(self, "_miss", args, nullptr);
     uintptr_t stream = 0;
+    LibraryArgs lib;
     if (L.cuda) {
       // Read at every call, so the caller's device, stream and CUDA graph capture are respected.
       nb::object dev = nb::steal(PyObject_CallNoArgs(L.get_device.ptr()));
       if (!dev.is_valid()) return nullptr;
       long d = PyLong_AsLong(dev.ptr());
       if (d == -1 && PyErr_Occurred()) return nullptr;
-      if (d != run.run.device) return call_named(self, "_other_device", args, nullptr);
+      if (d != run->run.device) return call_named(self, "_other_device", args, nullptr);
       PyObject* dev_arg = dev.ptr();
       nb::object s = nb::steal(PyObject_Vectorcall(L.raw_stream.ptr(), &dev_arg, 1, nullptr));
       if (!s.is_valid()) return nullptr;
       stream = reinterpret_cast<uintptr_t>(as_pointer(s.ptr()));
+      if (!run->graph->gemms().empty()) lib = library_args(L, d, stream);
     }
-    return run_on_tensors(run, tensors, n, stream, true).release().ptr();
+    try {
+      return run_on_tensors(*run, tensors, n, in_ptrs, stream, true, L.cuda ? &lib : nullptr).release().ptr();
+    } catch (const GemmUnsupported& e) {
+      // cuBLASLt refused a GEMM of this layout: the Python side forgets the
+      // layout and runs the call with fewer epilogues (or eagerly).
+      nb::object reason = nb::str(e.what());
+      return PyObject_CallMethod(self, "_gemm_refused", "OOO", keep.ptr(), reason.ptr(), args);
+    }
   } catch (nb::python_error& e) {
     e.restore();
     return nullptr;
@@ -262,6 +433,19 @@ PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexce
   }
 }
 
+// PreparedRun.call / finish: the run on a list or tuple of tensors.
+nb::object call_on(const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, bool finish, const LibraryArgs* lib) {
+  PyObject* in = tensors.ptr();
+  size_t n_in = sequence_size(in);
+  std::vector<PyObject*> items(n_in);
+  for (size_t i = 0; i < n_in; ++i) items[i] = sequence_item(in, i);
+  return run_on_tensors(r, items.data(), n_in, nullptr, stream, finish, lib);
+}
+
+PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexcept {
+  return launch_call(self, args, kwargs, nullptr);
+}
+
 PyType_Slot launcher_slots[] = {{Py_tp_call, reinterpret_cast<void*>(launcher_call)}, {0, nullptr}};
 
 }  // namespace
@@ -269,7 +453,12 @@ PyType_Slot launcher_slots[] = {{Py_tp_call, reinterpret_cast<void*>(launcher_ca
 void bind_launch(nb::module_& m) {
   m.def("launch_counts", [] { return g_kernel_launches.load(); },
         "Kernel launches made by PreparedRun.call and Launcher calls since the last reset_launch_counts().");
-  m.def("reset_launch_counts", [] { g_kernel_launches.store(0); });
+  m.def("library_call_counts", [] { return g_library_calls.load(); },
+        "GEMM steps run as library calls by PreparedRun.call and Launcher calls since the last reset_launch_counts().");
+  m.def("reset_launch_counts", [] {
+    g_kernel_launches.store(0);
+    g_library_calls.store(0);
+  });
   m.def("launch_floor_source", [] { return launch_floor_source(); },
         "CUDA C++ of the empty kernel time_empty_launches launches.");
   m.def(
@@ -328,27 +517,45 @@ void bind_launch(nb::module_& m) {
           nb::arg("ptrs"), nb::arg("stream") = 0,
           "Runs a graph without library calls on raw pointers (one per buffer); not counted.")
       .def(
-          "call",
-          [](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream) {
-            PyObject* in = tensors.ptr();
-            size_t n_in = sequence_size(in);
-            std::vector<PyObject*> items(n_in);
-            for (size_t i = 0; i < n_in; ++i) items[i] = sequence_item(in, i);
-            return run_on_tensors(r, items.data(), n_in, stream, false);
+          "set_library",
+          [](PreparedRunRef& r, const std::vector<std::tuple<size_t, size_t, nb::tuple, nb::tuple, nb::tuple>>& pairs,
+             nb::object cpu_gemm) {
+            size_t n_out = r.out_args.size();
+            r.pairs.clear();
+            for (const auto& [first, second, block, view0, view1] : pairs) {
+              if (first >= n_out || second >= n_out || first == second)
+                throw std::invalid_argument("set_library: a pair is two written buffers");
+              if (view0.size() != 3 || view1.size() != 3)
+                throw std::invalid_argument("set_library: a view is (sizes, strides, storage offset)");
+              r.pairs.push_back({first, second, block, {view0, view1}});
+            }
+            r.cpu_gemm = cpu_gemm;
           },
-          nb::arg("tensors"), nb::arg("stream") = 0,
+          nb::arg("pairs"), nb::arg("cpu_gemm") = nb::none(),
+          "For a graph with library calls: pairs of written buffers allocated as one block, as (first, second, the "
+          "block's (sizes, strides, dtype), each one's (sizes, strides, storage offset) in it); on the CPU, "
+          "cpu_gemm(g, inputs + written buffers) runs GEMM step g.")
+      .def(
+          "call",
+          [](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
+             bool allow_tf32, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
+            LibraryArgs lib{workspace, workspace_bytes, decode_workspace, decode_workspace_bytes, allow_tf32};
+            return call_on(r, tensors, stream, false, workspace ? &lib : nullptr);
+          },
+          nb::arg("tensors"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
+          nb::arg("allow_tf32") = false, nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0,
           "The partition's launch: allocates the written buffers, runs on the inputs' and their pointers, counts "
-          "the launches; returns the written buffers.")
+          "the launches and library calls; returns the written buffers. A CUDA graph with library calls needs "
+          "cuBLASLt's workspace (and the decode MLP's where it has one).")
       .def(
           "finish",
-          [](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream) {
-            PyObject* in = tensors.ptr();
-            size_t n_in = sequence_size(in);
-            std::vector<PyObject*> items(n_in);
-            for (size_t i = 0; i < n_in; ++i) items[i] = sequence_item(in, i);
-            return run_on_tensors(r, items.data(), n_in, stream, true);
+          [](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
+             bool allow_tf32, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
+            LibraryArgs lib{workspace, workspace_bytes, decode_workspace, decode_workspace_bytes, allow_tf32};
+            return call_on(r, tensors, stream, true, workspace ? &lib : nullptr);
           },
-          nb::arg("tensors"), nb::arg("stream") = 0,
+          nb::arg("tensors"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
+          nb::arg("allow_tf32") = false, nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0,
           "call(), returning what set_result asked for (what a Launcher call returns).")
       .def(
           "run",
@@ -380,30 +587,58 @@ void bind_launch(nb::module_& m) {
       .def(
           "__init__",
           [](Launcher* self, bool cuda, std::optional<std::vector<Py_ssize_t>> positions, nb::object get_device,
-             nb::object raw_stream) {
+             nb::object raw_stream, nb::object workspaces, nb::object allow_tf32) {
             if (cuda && (get_device.is_none() || raw_stream.is_none()))
               throw std::invalid_argument("Launcher: CUDA needs get_device and raw_stream");
+            if (workspaces.is_none() != allow_tf32.is_none())
+              throw std::invalid_argument("Launcher: workspaces and allow_tf32 come together");
             Launcher* l = new (self) Launcher();
             l->cuda = cuda;
             l->all_tensors = !positions.has_value();
             if (positions) l->positions = *positions;
             l->get_device = get_device;
             l->raw_stream = raw_stream;
+            l->workspaces = workspaces;
+            l->allow_tf32 = allow_tf32;
           },
           nb::arg("cuda"), nb::arg("positions").none() = nb::none(), nb::arg("get_device") = nb::none(),
-          nb::arg("raw_stream") = nb::none())
+          nb::arg("raw_stream") = nb::none(), nb::arg("workspaces") = nb::none(), nb::arg("allow_tf32") = nb::none())
       .def(
           "push",
-          [](Launcher& l, nb::object check, nb::object prepared) {
+          [](Launcher& l, nb::object check, nb::object prepared, std::optional<std::vector<int>> align) {
             const PreparedRunRef* run = nb::cast<const PreparedRunRef*>(prepared);
-            if (!run->graph->gemms().empty()) throw std::invalid_argument("Launcher.push: the graph has library calls");
+            if (!run->graph->gemms().empty()) {
+              if (l.cuda ? l.workspaces.is_none() : run->cpu_gemm.is_none())
+                throw std::invalid_argument(l.cuda ? "Launcher.push: library calls need a Launcher with workspaces"
+                                                   : "Launcher.push: library calls need set_library's cpu_gemm");
+            }
             if (run->empty.is_none()) throw std::invalid_argument("Launcher.push: a PreparedRun without an allocator");
             size_t n_inputs = run->graph->buffers().size() - run->out_args.size();
-            l.recent.insert(l.recent.begin(), Launcher::Entry{check, prepared, run, n_inputs});
+            Launcher::Entry e{check, prepared, run, n_inputs, {}};
+            if (align) {
+              if (align->size() != n_inputs) throw std::invalid_argument("Launcher.push: one alignment per input");
+              for (int a : *align) {
+                if (a < 0 || a >= 16) throw std::invalid_argument("Launcher.push: an alignment is an address modulo 16");
+                e.align.push_back(static_cast<uint8_t>(a));
+              }
+            }
+            l.recent.insert(l.recent.begin(), std::move(e));
             if (l.recent.size() > Launcher::kRecent) l.recent.resize(Launcher::kRecent);
             ++l.version;
           },
-          nb::arg("check"), nb::arg("prepared"), "Makes (check, prepared) the most recent layout.")
+          nb::arg("check"), nb::arg("prepared"), nb::arg("align").none() = nb::none(),
+          "Makes (check, prepared) the most recent layout; `align`: each input's address modulo 16 that the "
+          "layout also requires.")
+      .def(
+          "launch",
+          [](nb::handle self, nb::handle prepared, nb::tuple args) {
+            PyObject* r = launch_call(self.ptr(), args.ptr(), nullptr, prepared.ptr());
+            if (!r) throw nb::python_error();
+            return nb::steal(r);
+          },
+          nb::arg("prepared"), nb::arg("args"),
+          "A call's run of `prepared` on `args` (the call's arguments) without asking any layout check: the "
+          "current device and stream, workspaces, allocation, launch, count, result.")
       .def(
           "forget",
           [](Launcher& l, nb::handle prepared) {
