@@ -66,7 +66,7 @@ struct PreparedRunRef {
     nb::tuple views[2];    // (sizes, strides, storage offset) of each result in it
   };
   std::vector<Pair> pairs;
-  nb::object cpu_gemm;
+  nb::object cpu_gemm = nb::none();
 };
 
 // What a CUDA run of a graph with library calls takes from PyTorch: the
@@ -419,6 +419,14 @@ PyObject* launch_call(PyObject* self, PyObject* args, PyObject* kwargs, PyObject
       // cuBLASLt refused a GEMM of this layout: the Python side forgets the
       // layout and runs the call with fewer epilogues (or eagerly).
       nb::object reason = nb::str(e.what());
+      return PyObject_CallMethod(self, "_gemm_refused", "OOO", keep.ptr(), reason.ptr(), args);
+    } catch (nb::python_error& e) {
+      // The same raised as _C.GemmUnsupported by Python code the run called
+      // (the CPU's GEMM callback), as Python's `except _C.GemmUnsupported` would catch it.
+      static PyObject* unsupported = 
+          nb::getattr(nb::module_::import_("opfuse._C"), "GemmUnsupported").release().ptr();
+      if (!e.matches(unsupported)) throw;
+      nb::object reason = nb::str(e.value());
       return PyObject_CallMethod(self, "_gemm_refused", "OOO", keep.ptr(), reason.ptr(), args);
     }
   } catch (nb::python_error& e) {

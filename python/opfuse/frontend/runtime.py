@@ -194,9 +194,10 @@ class FusedPartition(_C.Launcher):
         all_tensors = list(tensor_positions) == list(range(n_args))
         # Partitions with GEMM steps on the C++ launcher (gemm_cpp_launch): on
         # CUDA it asks for the workspaces once per (device, stream) and for
-        # PyTorch's TF32 setting every call.
+        # PyTorch's TF32 setting every call. Given either way, so that
+        # use_gemm_cpp can switch.
         self.gemm_cpp = bool(compiled.num_library_calls) and gemm_cpp_launch(cuda)
-        library = self.gemm_cpp and cuda
+        library = bool(compiled.num_library_calls) and cuda
         super().__init__(cuda, None if all_tensors else list(tensor_positions),
                          _current_device if cuda else None, _raw_stream if cuda else None,
                          functools.partial(library_workspaces, compiled.uses_decode_mlp) if library else None,
@@ -258,7 +259,7 @@ class FusedPartition(_C.Launcher):
             shape = self.compiled.output_shape(o, syms)
             outs.append((b, None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else tuple(shape)))
         prepared.set_result(0 if self.single else 1, outs)
-        if self.gemm_cpp:
+        if self.num_library_calls:
             prepared.set_library([_pair_block(first, second, out_specs) for first, second in self.paired],
                                  functools.partial(_cpu_gemm_step, gemms) if gemms is not None else None)
         return _Layout(key, prepared, gemms, out_specs, outs, device)
@@ -313,6 +314,14 @@ class FusedPartition(_C.Launcher):
             align = [t.data_ptr() % 16 for t in tensors] if self.gemm_alignment_key else None
             self.push(_layout_check(tensors, key, self.gemm_alignment_key, cpp_alignment=True), lay.prepared, align)
         return lay
+
+    def use_gemm_cpp(self, on: bool) -> None:
+        """Runs this partition's GEMM layouts from the C++ launcher (on) or
+        from Python's _miss (off) from the next call on (bench, tests)."""
+        if self.num_library_calls:
+            self.gemm_cpp = on
+            self.clear_recent()
+            self._recent = []
 
     def _forget(self, lay: _Layout) -> None:
         self._by_layout.pop(lay.key, None)
