@@ -113,10 +113,11 @@ def _gemm_outputs(part, tensors):
     return same[0]
 
 
-def test_paired_results_share_one_block_on_either_path():
+def test_paired_results_share_one_block_on_either_path(monkeypatch):
     """The C++ allocation of a GEMM pair (CUDA's batched call; forced here on
     the CPU, where its matmuls write into the views): both results in one
     block, the second at the next 256-byte boundary; the values right."""
+    monkeypatch.setenv("OPFUSE_GEMM_CPP_LAUNCH", "1")
     args = llama_args("cpu", m=3, k=8, h=13)  # 3 x 13 floats: 156 bytes, so the second starts at 256
     f, part, part_args = partition(llama, args)
     tensors = [part_args[i] for i in part.tensor_positions]
@@ -141,6 +142,7 @@ def test_gemm_unsupported_reaches_the_fallback(monkeypatch):
     """GemmUnsupported from a run (cuBLASLt's refusal on CUDA; raised here by
     the CPU's GEMM callback) forgets the layout and runs the call through
     _gemm_fallback, as Python's path did; later calls prepare it again."""
+    monkeypatch.setenv("OPFUSE_GEMM_CPP_LAUNCH", "1")
     args = mlp_args("cpu")
     f, part, part_args = partition(mlp, args)
     refused, fallbacks = [], []
