@@ -456,6 +456,21 @@ PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexce
 
 PyType_Slot launcher_slots[] = {{Py_tp_call, reinterpret_cast<void*>(launcher_call)}, {0, nullptr}};
 
+// PreparedRun.call and .finish: the run on a list or tuple of tensors,
+// returning the written buffers or (finish) what set_result asked for.
+template <class Class>
+void def_call(Class& c, const char* name, bool finish, const char* doc) {
+  c.def(
+      name,
+      [finish](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, uintptr_t workspace,
+               size_t workspace_bytes, bool allow_tf32, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
+        LibraryArgs lib{workspace, workspace_bytes, decode_workspace, decode_workspace_bytes, allow_tf32};
+        return call_on(r, tensors, stream, finish, workspace ? &lib : nullptr);
+      },
+      nb::arg("tensors"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
+      nb::arg("allow_tf32") = false, nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0, doc);
+}
+
 }  // namespace
 
 void bind_launch(nb::module_& m) {
@@ -479,7 +494,7 @@ void bind_launch(nb::module_& m) {
       "Host ns of `launches` back-to-back cuLaunchKernel calls of an empty kernel with the seed chain's argument "
       "size: the driver's floor under any launcher's per-kernel cost.");
 
-  nb::class_<PreparedRunRef>(m, "PreparedRun",
+  auto prepared_run = nb::class_<PreparedRunRef>(m, "PreparedRun",
                              "CompiledGraph.run split in two: built once per input layout (variant, size symbols, "
                              "strides; CUDA device or -1 for the current context's), then run per call with pointers.")
       .def(
@@ -544,28 +559,6 @@ void bind_launch(nb::module_& m) {
           "block's (sizes, strides, dtype), each one's (sizes, strides, storage offset) in it); on the CPU, "
           "cpu_gemm(g, inputs + written buffers) runs GEMM step g.")
       .def(
-          "call",
-          [](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
-             bool allow_tf32, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
-            LibraryArgs lib{workspace, workspace_bytes, decode_workspace, decode_workspace_bytes, allow_tf32};
-            return call_on(r, tensors, stream, false, workspace ? &lib : nullptr);
-          },
-          nb::arg("tensors"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
-          nb::arg("allow_tf32") = false, nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0,
-          "The partition's launch: allocates the written buffers, runs on the inputs' and their pointers, counts "
-          "the launches and library calls; returns the written buffers. A CUDA graph with library calls needs "
-          "cuBLASLt's workspace (and the decode MLP's where it has one).")
-      .def(
-          "finish",
-          [](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
-             bool allow_tf32, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
-            LibraryArgs lib{workspace, workspace_bytes, decode_workspace, decode_workspace_bytes, allow_tf32};
-            return call_on(r, tensors, stream, true, workspace ? &lib : nullptr);
-          },
-          nb::arg("tensors"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
-          nb::arg("allow_tf32") = false, nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0,
-          "call(), returning what set_result asked for (what a Launcher call returns).")
-      .def(
           "run",
           [](const PreparedRunRef& r, nb::handle ptrs, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
              bool allow_tf32, nb::object cpu_gemm, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
@@ -587,6 +580,11 @@ void bind_launch(nb::module_& m) {
           nb::arg("decode_workspace_bytes") = 0,
           "Any graph (GEMM steps too) on raw pointers; returns (GEMM steps run as opfuse kernels, GEMM steps run "
           "inside a paired step's batched call). Not counted.");
+  def_call(prepared_run, "call", false,
+           "The partition's launch: allocates the written buffers, runs on the inputs' and their pointers, counts "
+           "the launches and library calls; returns the written buffers. A CUDA graph with library calls needs "
+           "cuBLASLt's workspace (and the decode MLP's where it has one).");
+  def_call(prepared_run, "finish", true, "call(), returning what set_result asked for (what a Launcher call returns).");
 
   nb::class_<Launcher>(m, "Launcher", nb::type_slots(launcher_slots),
                        "The launch path's callable, subclassed in Python: a call tries the checks of the recent "

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ..frontend import runtime
 from ..stats import bump_launch
+from .launch_parts import layout_and_check
 
 
 def mlp(x, w1, b1, w2, b2):
@@ -81,14 +82,7 @@ def gemm_step_calls(part, part_args, device: torch.device) -> dict:
     GEMM partition `part` called with `part_args`."""
     if not part.num_library_calls:
         raise RuntimeError("the partition has no GEMM steps")
-    tensors = [part_args[i] for i in part.tensor_positions]
-    lay = part.layout_of(tensors)
-    if lay is None:
-        raise RuntimeError("the partition has no prepared layout for these inputs")
-    key = runtime._layout_key(tensors, part.gemm_alignment_key)
-    check = runtime._layout_check(tensors, key, part.gemm_alignment_key)
-    if not check(*tensors):
-        raise RuntimeError("the layout check refuses the inputs it was built from")
+    tensors, lay, check = layout_and_check(part, part_args)
     bufs = part._written_buffers(lay)
     everything = [*tensors, *bufs]
     ptrs = [t.data_ptr() for t in everything]
