@@ -4,9 +4,14 @@
 // call, with no Python frame: the checks of the recent layouts (PyTorch's
 // TensorGuards, called with the argument tuple's own items), the current
 // device and stream, the outputs from the allocator Python gave, every
-// tensor's data_ptr(), the launch, the count and the result. Anything else
-// (a layout no recent check accepts, another current device) goes to the
-// Python subclass's _miss / _other_device.
+// tensor's data_ptr(), the launch, the count and the result. Graphs with
+// library calls (GEMM steps) take the same path with what their run needs
+// besides: cuBLASLt's alignment checked on the inputs' pointers, GEMM pairs
+// allocated as one block, the workspaces (asked once per device and stream)
+// and the TF32 setting on CUDA, PyTorch's matmul as a callback on the CPU.
+// Anything else (a layout no recent check accepts, another current device,
+// a GEMM cuBLASLt refuses) goes to the Python subclass's _miss /
+// _other_device / _gemm_refused.
 //
 // No libtorch is linked (product.md), so tensors are read through their
 // Python methods; nanobind's ndarray would go through DLPack, whose
@@ -30,226 +35,13 @@
 #include "runtime/gemm_launcher.h"
 #include "runtime/launch_floor.h"
 #include "python/run_options.h"
+#include "python/tensor_run.h"
 
 namespace nb = nanobind;
 using namespace opfuse;
+using namespace opfuse::py;
 
 namespace {
-
-// Kernel launches made by PreparedRun.call and Launcher calls, added into
-// opfuse.stats() (the Python side counts everything else); atomic, so no
-// lock per call.
-std::atomic<int64_t> g_kernel_launches{0};
-// GEMM steps run as library calls by the same paths (cuBLASLt on the GPU,
-// PyTorch's matmul on the CPU).
-std::atomic<int64_t> g_library_calls{0};
-
-// What a finished call returns (PreparedRun.set_result).
-enum ResultKind : int { kOne = 0, kTuple = 1, kList = 2, kBuffers = 3 };
-
-struct PreparedRunRef {
-  const CompiledGraph* graph = nullptr;  // kept alive by nb::keep_alive
-  CompiledGraph::PreparedRun run;
-  nb::object empty;                      // (sizes, strides, dtype) -> tensor, for call()
-  std::vector<nb::tuple> out_args;       // its arguments, per written buffer
-  int kind = kBuffers;
-  // Per value returned: index into inputs + written buffers, and the shape
-  // it is viewed as (None: as it is).
-  std::vector<std::pair<size_t, nb::object>> outs;
-  int direct = -1;  // kOne of a written buffer as it is: its index among the written ones
-  // Graphs with library calls (set_library): GEMM result pairs allocated as
-  // one block, and on the CPU the callable running GEMM step g as
-  // cpu_gemm(g, inputs + written buffers).
-  struct Pair {
-    size_t first, second;  // indices among the written buffers
-    nb::tuple block;       // the block's (sizes, strides, dtype) for `empty`
-    nb::tuple views[2];    // (sizes, strides, storage offset) of each result in it
-  };
-  std::vector<Pair> pairs;
-  nb::object cpu_gemm = nb::none();
-};
-
-// What a CUDA run of a graph with library calls takes from PyTorch: the
-// workspaces of the current (device, stream) and the TF32 setting.
-struct LibraryArgs {
-  uintptr_t workspace = 0;
-  size_t workspace_bytes = 0;
-  uintptr_t decode_workspace = 0;
-  size_t decode_workspace_bytes = 0;
-  bool allow_tf32 = false;
-};
-
-size_t sequence_size(PyObject* o) {
-  if (PyList_Check(o)) return static_cast<size_t>(PyList_GET_SIZE(o));
-  if (PyTuple_Check(o)) return static_cast<size_t>(PyTuple_GET_SIZE(o));
-  throw nb::type_error("expected a list or tuple");
-}
-
-PyObject* sequence_item(PyObject* o, size_t i) {
-  return PyList_Check(o) ? PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)) : PyTuple_GET_ITEM(o, static_cast<Py_ssize_t>(i));
-}
-
-void* as_pointer(PyObject* v) {
-  void* p = PyLong_AsVoidPtr(v);
-  if (!p && PyErr_Occurred()) throw nb::python_error();
-  return p;
-}
-
-// A tensor's t.data_ptr(), called from here (no Python loop around it).
-// For a plain torch.Tensor (every output, most inputs) the method
-// descriptor is called directly, without the attribute lookup per call;
-// a subclass gets the lookup, so an override of data_ptr is respected.
-void* data_ptr_of(PyObject* tensor) {
-  static PyObject* name = PyUnicode_InternFromString("data_ptr");
-  static PyTypeObject* tensor_type = nullptr;
-  static PyObject* method = nullptr;
-  if (!tensor_type) {
-    nb::object t = nb::module_::import_("torch").attr("Tensor");
-    method = nb::getattr(t, "data_ptr").release().ptr();  // kept for the process, as the type is
-    tensor_type = reinterpret_cast<PyTypeObject*>(t.release().ptr());
-  }
-  PyObject* r = Py_TYPE(tensor) == tensor_type ? PyObject_Vectorcall(method, &tensor, 1, nullptr)
-                                               : PyObject_CallMethodNoArgs(tensor, name);
-  if (!r) throw nb::python_error();
-  void* p = PyLong_AsVoidPtr(r);
-  Py_DECREF(r);
-  if (!p && PyErr_Occurred()) throw nb::python_error();
-  return p;
-}
-
-std::vector<void*> pointers_from(nb::handle seq) {
-  size_t n = sequence_size(seq.ptr());
-  std::vector<void*> p(n);
-  for (size_t i = 0; i < n; ++i) p[i] = as_pointer(sequence_item(seq.ptr(), i));
-  return p;
-}
-
-// block.as_strided(sizes, strides, offset): a GEMM result inside its pair's block.
-nb::object view_in_block(const nb::object& block, const nb::tuple& view) {
-  static PyObject* method = nullptr;
-  if (!method) method = nb::getattr(nb::module_::import_("torch").attr("Tensor"), "as_strided").release().ptr();
-  PyObject* a[4] = {block.ptr(), view[0].ptr(), view[1].ptr(), view[2].ptr()};
-  nb::object v = nb::steal(PyObject_Vectorcall(method, a, 4, nullptr));
-  if (!v.is_valid()) throw nb::python_error();
-  return v;
-}
-
-nb::object allocate(const PreparedRunRef& r, const nb::tuple& spec) {
-  nb::object t = nb::steal(PyObject_Call(r.empty.ptr(), spec.ptr(), nullptr));
-  if (!t.is_valid()) throw nb::python_error();
-  return t;
-}
-
-// The run on tensors: allocates the written buffers (a pair of GEMM
-// results as one block), launches on every tensor's pointer (`in_ptrs`:
-// the inputs' where the caller has them already), counts; returns the
-// written buffers (kBuffers, or `finish` false) or what set_result asked
-// for. A graph with library calls takes `lib` on CUDA (workspaces, TF32)
-// and set_library's cpu_gemm on the CPU.
-nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n_in, void* const* in_ptrs,
-                          uintptr_t stream, bool finish, const LibraryArgs* lib) {
-  if (r.empty.is_none()) throw std::logic_error("PreparedRun.call: built without an allocator");
-  const size_t n_gemms = r.graph->gemms().size();
-  const bool cuda = r.graph->target() == Target::CUDA;
-  if (n_gemms && (cuda ? lib == nullptr : r.cpu_gemm.is_none()))
-    throw std::logic_error(cuda ? "PreparedRun.call: a graph with library calls needs cuBLASLt's workspace"
-                                : "PreparedRun.call: a graph with library calls needs set_library's cpu_gemm");
-  size_t n_out = r.out_args.size();
-  if (n_in + n_out != r.graph->buffers().size())
-    throw std::invalid_argument("PreparedRun.call: " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
-                                " outputs for " + std::to_string(r.graph->buffers().size()) + " buffers");
-  std::vector<void*> p(n_in + n_out);
-  for (size_t i = 0; i < n_in; ++i) p[i] = in_ptrs ? in_ptrs[i] : data_ptr_of(in[i]);
-  // Written buffers in a stack array for the usual few (no allocation of our own per call).
-  nb::object local[8];
-  std::vector<nb::object> heap;
-  nb::object* bufs = local;
-  if (n_out > 8) {
-    heap.resize(n_out);
-    bufs = heap.data();
-  }
-  for (const PreparedRunRef::Pair& pair : r.pairs) {
-    // Both results of one batched GEMM call in one block, the second at
-    // the next 256-byte boundary (CompiledGraph::paired_buffers).
-    nb::object block = allocate(r, pair.block);
-    bufs[pair.first] = view_in_block(block, pair.views[0]);
-    bufs[pair.second] = view_in_block(block, pair.views[1]);
-  }
-  for (size_t j = 0; j < n_out; ++j) {
-    if (!bufs[j].is_valid()) bufs[j] = allocate(r, r.out_args[j]);
-    p[n_in + j] = data_ptr_of(bufs[j].ptr());
-  }
-  RunOptions o;
-  o.stream = reinterpret_cast<void*>(stream);
-  int gemm_kernels = 0, gemm_merged = 0;
-  nb::object everything;  // the CPU GEMM callback's buffers: inputs, then written ones
-  if (n_gemms) {
-    o.gemm_kernels = &gemm_kernels;
-    o.gemm_merged = &gemm_merged;
-    if (cuda) {
-      o.workspace = reinterpret_cast<void*>(lib->workspace);
-      o.workspace_bytes = lib->workspace_bytes;
-      o.decode_workspace = reinterpret_cast<void*>(lib->decode_workspace);
-      o.decode_workspace_bytes = lib->decode_workspace_bytes;
-      o.allow_tf32 = lib->allow_tf32;
-    } else {
-      everything = nb::steal(PyList_New(static_cast<Py_ssize_t>(n_in + n_out)));
-      if (!everything.is_valid()) throw nb::python_error();
-      for (size_t i = 0; i < n_in + n_out; ++i)
-        PyList_SET_ITEM(everything.ptr(), static_cast<Py_ssize_t>(i), Py_NewRef(i < n_in ? in[i] : bufs[i - n_in].ptr()));
-      o.cpu_gemm = [fn = r.cpu_gemm.ptr(), all = everything.ptr()](int g) {
-        nb::gil_scoped_acquire acquire;
-        nb::object index = nb::int_(g);
-        PyObject* a[2] = {index.ptr(), all};
-        PyObject* done = PyObject_Vectorcall(fn, a, 2, nullptr);
-        if (!done) throw nb::python_error();
-        Py_DECREF(done);
-      };
-    }
-  }
-  {
-    nb::gil_scoped_release release;
-    r.graph->run_prepared(r.run, p, o);
-  }
-  // GEMM steps run as opfuse's skinny GEMM kernel are kernel launches, not
-  // library calls; those run inside a paired step's batched call are neither.
-  g_kernel_launches.fetch_add(static_cast<int64_t>(r.graph->kernels().size()) + gemm_kernels,
-                              std::memory_order_relaxed);
-  if (n_gemms)
-    g_library_calls.fetch_add(static_cast<int64_t>(n_gemms) - gemm_kernels - gemm_merged, std::memory_order_relaxed);
-  if (r.direct >= 0 && finish) return std::move(bufs[r.direct]);
-  if (!finish || r.kind == kBuffers) {
-    nb::list l;
-    for (size_t j = 0; j < n_out; ++j) l.append(bufs[j]);
-    return l;
-  }
-  static PyObject* view = PyUnicode_InternFromString("view");
-  auto value = [&](size_t k) -> PyObject* {  // a new reference
-    const auto& [i, shape] = r.outs[k];
-    PyObject* t = i < n_in ? in[i] : bufs[i - n_in].ptr();
-    if (shape.is_none()) return Py_NewRef(t);
-    PyObject* v = PyObject_CallMethodOneArg(t, view, shape.ptr());
-    if (!v) throw nb::python_error();
-    return v;
-  };
-  size_t n = r.outs.size();
-  if (r.kind == kOne) {
-    if (n != 1) throw std::logic_error("PreparedRun: one result expected, " + std::to_string(n) + " set");
-    return nb::steal(value(0));
-  }
-  nb::object result = nb::steal(r.kind == kTuple ? PyTuple_New(static_cast<Py_ssize_t>(n))
-                                                 : PyList_New(static_cast<Py_ssize_t>(n)));
-  if (!result.is_valid()) throw nb::python_error();
-  for (size_t k = 0; k < n; ++k) {
-    PyObject* v = value(k);
-    if (r.kind == kTuple)
-      PyTuple_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(k), v);
-    else
-      PyList_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(k), v);
-  }
-  return result;
-}
-
 // A callable over the recent layouts of one compiled graph; Python
 // subclasses it (FusedPartition, GraphKernel) and provides _miss and
 // _other_device.
@@ -439,15 +231,6 @@ PyObject* launch_call(PyObject* self, PyObject* args, PyObject* kwargs, PyObject
     PyErr_SetString(PyExc_RuntimeError, std::strstr(what, "ZeroDivisionError") ? "ZeroDivisionError" : what);
     return nullptr;
   }
-}
-
-// PreparedRun.call / finish: the run on a list or tuple of tensors.
-nb::object call_on(const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, bool finish, const LibraryArgs* lib) {
-  PyObject* in = tensors.ptr();
-  size_t n_in = sequence_size(in);
-  std::vector<PyObject*> items(n_in);
-  for (size_t i = 0; i < n_in; ++i) items[i] = sequence_item(in, i);
-  return run_on_tensors(r, items.data(), n_in, nullptr, stream, finish, lib);
 }
 
 PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexcept {

@@ -333,7 +333,7 @@ class FusedPartition(_C.Launcher):
 
     def _miss(self, *args):
         """A call no recent layout check of the C++ launcher accepted (every
-        call of a partition with library calls)."""
+        call of a partition with library calls off the C++ path, gemm_cpp)."""
         tensors = self._tensors(args)
         if self.num_library_calls and not self.gemm_cpp:
             for check, lay in self._recent:
