@@ -39,7 +39,9 @@ def stats() -> dict:
     opfuse's compiler, Dynamo's and AOTAutograd's tracing excluded."""
     with _lock:
         out = dict(_stats)
-    out["kernel_launches"] += _C.launch_counts()  # the partitions' launch path counts in C++
+    # The partitions' launch path counts in C++.
+    out["kernel_launches"] += _C.launch_counts()
+    out["library_calls"] += _C.library_call_counts()
     return out
 
 

@@ -4,9 +4,14 @@
 // call, with no Python frame: the checks of the recent layouts (PyTorch's
 // TensorGuards, called with the argument tuple's own items), the current
 // device and stream, the outputs from the allocator Python gave, every
-// tensor's data_ptr(), the launch, the count and the result. Anything else
-// (a layout no recent check accepts, another current device) goes to the
-// Python subclass's _miss / _other_device.
+// tensor's data_ptr(), the launch, the count and the result. Graphs with
+// library calls (GEMM steps) take the same path with what their run needs
+// besides: cuBLASLt's alignment checked on the inputs' pointers, GEMM pairs
+// allocated as one block, the workspaces (asked once per device and stream)
+// and the TF32 setting on CUDA, PyTorch's matmul as a callback on the CPU.
+// Anything else (a layout no recent check accepts, another current device,
+// a GEMM cuBLASLt refuses) goes to the Python subclass's _miss /
+// _other_device / _gemm_refused.
 //
 // No libtorch is linked (product.md), so tensors are read through their
 // Python methods; nanobind's ndarray would go through DLPack, whose
@@ -16,153 +21,27 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "runtime/compiled_graph.h"
+#include "runtime/gemm_launcher.h"
 #include "runtime/launch_floor.h"
 #include "python/run_options.h"
+#include "python/tensor_run.h"
 
 namespace nb = nanobind;
 using namespace opfuse;
+using namespace opfuse::py;
 
 namespace {
-
-// Kernel launches made by PreparedRun.call and Launcher calls, added into
-// opfuse.stats() (the Python side counts everything else); atomic, so no
-// lock per call.
-std::atomic<int64_t> g_kernel_launches{0};
-
-// What a finished call returns (PreparedRun.set_result).
-enum ResultKind : int { kOne = 0, kTuple = 1, kList = 2, kBuffers = 3 };
-
-struct PreparedRunRef {
-  const CompiledGraph* graph = nullptr;  // kept alive by nb::keep_alive
-  CompiledGraph::PreparedRun run;
-  nb::object empty;                      // (sizes, strides, dtype) -> tensor, for call()
-  std::vector<nb::tuple> out_args;       // its arguments, per written buffer
-  int kind = kBuffers;
-  // Per value returned: index into inputs + written buffers, and the shape
-  // it is viewed as (None: as it is).
-  std::vector<std::pair<size_t, nb::object>> outs;
-  int direct = -1;  // kOne of a written buffer as it is: its index among the written ones
-};
-
-size_t sequence_size(PyObject* o) {
-  if (PyList_Check(o)) return static_cast<size_t>(PyList_GET_SIZE(o));
-  if (PyTuple_Check(o)) return static_cast<size_t>(PyTuple_GET_SIZE(o));
-  throw nb::type_error("expected a list or tuple");
-}
-
-PyObject* sequence_item(PyObject* o, size_t i) {
-  return PyList_Check(o) ? PyList_GET_ITEM(o, static_cast<Py_ssize_t>(i)) : PyTuple_GET_ITEM(o, static_cast<Py_ssize_t>(i));
-}
-
-void* as_pointer(PyObject* v) {
-  void* p = PyLong_AsVoidPtr(v);
-  if (!p && PyErr_Occurred()) throw nb::python_error();
-  return p;
-}
-
-// A tensor's t.data_ptr(), called from here (no Python loop around it).
-// For a plain torch.Tensor (every output, most inputs) the method
-// descriptor is called directly, without the attribute lookup per call;
-// a subclass gets the lookup, so an override of data_ptr is respected.
-void* data_ptr_of(PyObject* tensor) {
-  static PyObject* name = PyUnicode_InternFromString("data_ptr");
-  static PyTypeObject* tensor_type = nullptr;
-  static PyObject* method = nullptr;
-  if (!tensor_type) {
-    nb::object t = nb::module_::import_("torch").attr("Tensor");
-    method = nb::getattr(t, "data_ptr").release().ptr();  // kept for the process, as the type is
-    tensor_type = reinterpret_cast<PyTypeObject*>(t.release().ptr());
-  }
-  PyObject* r = Py_TYPE(tensor) == tensor_type ? PyObject_Vectorcall(method, &tensor, 1, nullptr)
-                                               : PyObject_CallMethodNoArgs(tensor, name);
-  if (!r) throw nb::python_error();
-  void* p = PyLong_AsVoidPtr(r);
-  Py_DECREF(r);
-  if (!p && PyErr_Occurred()) throw nb::python_error();
-  return p;
-}
-
-std::vector<void*> pointers_from(nb::handle seq) {
-  size_t n = sequence_size(seq.ptr());
-  std::vector<void*> p(n);
-  for (size_t i = 0; i < n; ++i) p[i] = as_pointer(sequence_item(seq.ptr(), i));
-  return p;
-}
-
-// The run on tensors: allocates the written buffers, launches on every
-// tensor's pointer, counts; returns the written buffers (kBuffers, or
-// `finish` false) or what set_result asked for.
-nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n_in, uintptr_t stream, bool finish) {
-  if (!r.graph->gemms().empty()) throw std::logic_error("PreparedRun.call: the graph has library calls; use run()");
-  if (r.empty.is_none()) throw std::logic_error("PreparedRun.call: built without an allocator");
-  size_t n_out = r.out_args.size();
-  if (n_in + n_out != r.graph->buffers().size())
-    throw std::invalid_argument("PreparedRun.call: " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
-                                " outputs for " + std::to_string(r.graph->buffers().size()) + " buffers");
-  std::vector<void*> p(n_in + n_out);
-  for (size_t i = 0; i < n_in; ++i) p[i] = data_ptr_of(in[i]);
-  // Written buffers in a stack array for the usual few (no allocation of our own per call).
-  nb::object local[8];
-  std::vector<nb::object> heap;
-  nb::object* bufs = local;
-  if (n_out > 8) {
-    heap.resize(n_out);
-    bufs = heap.data();
-  }
-  for (size_t j = 0; j < n_out; ++j) {
-    bufs[j] = nb::steal(PyObject_Call(r.empty.ptr(), r.out_args[j].ptr(), nullptr));
-    if (!bufs[j].is_valid()) throw nb::python_error();
-    p[n_in + j] = data_ptr_of(bufs[j].ptr());
-  }
-  RunOptions o;
-  o.stream = reinterpret_cast<void*>(stream);
-  {
-    nb::gil_scoped_release release;
-    r.graph->run_prepared(r.run, p, o);
-  }
-  g_kernel_launches.fetch_add(static_cast<int64_t>(r.graph->kernels().size()), std::memory_order_relaxed);
-  if (r.direct >= 0 && finish) return std::move(bufs[r.direct]);
-  if (!finish || r.kind == kBuffers) {
-    nb::list l;
-    for (size_t j = 0; j < n_out; ++j) l.append(bufs[j]);
-    return l;
-  }
-  static PyObject* view = PyUnicode_InternFromString("view");
-  auto value = [&](size_t k) -> PyObject* {  // a new reference
-    const auto& [i, shape] = r.outs[k];
-    PyObject* t = i < n_in ? in[i] : bufs[i - n_in].ptr();
-    if (shape.is_none()) return Py_NewRef(t);
-    PyObject* v = PyObject_CallMethodOneArg(t, view, shape.ptr());
-    if (!v) throw nb::python_error();
-    return v;
-  };
-  size_t n = r.outs.size();
-  if (r.kind == kOne) {
-    if (n != 1) throw std::logic_error("PreparedRun: one result expected, " + std::to_string(n) + " set");
-    return nb::steal(value(0));
-  }
-  nb::object result = nb::steal(r.kind == kTuple ? PyTuple_New(static_cast<Py_ssize_t>(n))
-                                                 : PyList_New(static_cast<Py_ssize_t>(n)));
-  if (!result.is_valid()) throw nb::python_error();
-  for (size_t k = 0; k < n; ++k) {
-    PyObject* v = value(k);
-    if (r.kind == kTuple)
-      PyTuple_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(k), v);
-    else
-      PyList_SET_ITEM(result.ptr(), static_cast<Py_ssize_t>(k), v);
-  }
-  return result;
-}
-
 // A callable over the recent layouts of one compiled graph; Python
 // subclasses it (FusedPartition, GraphKernel) and provides _miss and
 // _other_device.
@@ -173,14 +52,63 @@ struct Launcher {
     nb::object prepared;  // the PreparedRun
     const PreparedRunRef* run = nullptr;
     size_t n_inputs = 0;  // a call with another count of tensors is not this layout's (the check is not asked)
+    // cuBLASLt's layouts depend on each input's address modulo 16: where
+    // set, the residues the layout was prepared with (checked on the
+    // pointers the launch reads anyway).
+    std::vector<uint8_t> align;
   };
   bool cuda = false;
   bool all_tensors = true;  // the call's arguments are the tensors, in order
   std::vector<Py_ssize_t> positions;  // else: which arguments are
   nb::object get_device, raw_stream;  // CUDA: () -> current device, (device) -> current stream handle
+  // CUDA graphs with library calls: (device, stream) -> (cuBLASLt's
+  // workspace, the decode MLP's or None), asked once per (device, stream)
+  // (the tensors are kept for the process on both sides); () -> PyTorch's
+  // TF32 setting for cuBLAS, asked every call.
+  nb::object workspaces, allow_tf32;
+  struct Workspaces {
+    long device;
+    uintptr_t stream;
+    nb::object keep;  // the (workspace, decode workspace) tuple
+    LibraryArgs args;
+  };
+  std::vector<Workspaces> workspace_cache;  // most recent first, kWorkspaces at most
+  static constexpr size_t kWorkspaces = 16;
   std::vector<Entry> recent;
   uint64_t version = 0;  // bumped by every change to `recent`
 };
+
+// Workspace pointers for (device, stream), from the cache or, the first
+// time, from the Python callable; and the TF32 setting of this call.
+LibraryArgs library_args(Launcher& L, long device, uintptr_t stream) {
+  LibraryArgs a;
+  bool found = false;
+  for (const Launcher::Workspaces& w : L.workspace_cache)
+    if (w.device == device && w.stream == stream) {
+      a = w.args;
+      found = true;
+      break;
+    }
+  if (!found) {
+    nb::object both = L.workspaces(device, stream);
+    nb::object ws = both[0], dws = both[1];
+    a.workspace = reinterpret_cast<uintptr_t>(data_ptr_of(ws.ptr()));
+    a.workspace_bytes = nb::cast<size_t>(ws.attr("nbytes"));
+    if (!dws.is_none()) {
+      a.decode_workspace = reinterpret_cast<uintptr_t>(data_ptr_of(dws.ptr()));
+      a.decode_workspace_bytes = nb::cast<size_t>(dws.attr("nbytes"));
+    }
+    L.workspace_cache.insert(L.workspace_cache.begin(), Launcher::Workspaces{device, stream, both, a});
+    if (L.workspace_cache.size() > Launcher::kWorkspaces) L.workspace_cache.pop_back();
+  }
+  PyObject* tf32 = PyObject_CallNoArgs(L.allow_tf32.ptr());
+  if (!tf32) throw nb::python_error();
+  int yes = PyObject_IsTrue(tf32);
+  Py_DECREF(tf32);
+  if (yes < 0) throw nb::python_error();
+  a.allow_tf32 = yes != 0;
+  return a;
+}
 
 PyObject* call_named(PyObject* self, const char* name, PyObject* args, PyObject* kwargs) {
   PyObject* f = PyObject_GetAttrString(self, name);
@@ -190,8 +118,10 @@ PyObject* call_named(PyObject* self, const char* name, PyObject* args, PyObject*
   return r;
 }
 
-// The hot path (tp_call of Launcher and its subclasses).
-PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexcept {
+// The hot path (tp_call of Launcher and its subclasses), and Launcher.launch:
+// `forced` a PreparedRun to run without asking any check (the layout _miss
+// has just prepared), else null.
+PyObject* launch_call(PyObject* self, PyObject* args, PyObject* kwargs, PyObject* forced) noexcept {
   try {
     if (!nb::inst_ready(self)) {
       PyErr_SetString(PyExc_TypeError, "opfuse Launcher: __init__ was not called");
@@ -218,9 +148,22 @@ PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexce
       }
       tensors = dst;
     }
+    // The inputs' pointers, read once where a check of alignment needs them
+    // (and then handed to the run).
+    void* ptrs_local[16];
+    std::vector<void*> ptrs_heap;
+    void** in_ptrs = nullptr;
     const uint64_t version = L.version;
-    const Launcher::Entry* hit = nullptr;
+    nb::object keep;  // the layout stays alive while the GIL is released
+    const PreparedRunRef* run = nullptr;
+    if (forced) {
+      keep = nb::borrow(forced);
+      run = nb::cast<const PreparedRunRef*>(keep);
+      if (run->graph->buffers().size() - run->out_args.size() != n)
+        throw std::invalid_argument("Launcher.launch: the layout has another count of inputs");
+    }
     for (const Launcher::Entry& e : L.recent) {
+      if (forced) break;
       if (e.n_inputs != n) continue;
       PyObject* ok = PyObject_Vectorcall(e.check.ptr(), tensors, n, nullptr);
       if (!ok) return nullptr;
@@ -228,28 +171,56 @@ PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexce
       Py_DECREF(ok);
       if (yes < 0) return nullptr;
       if (L.version != version) break;  // the check ran code that changed the list: `e` may be gone
+      if (yes && !e.align.empty()) {
+        if (!in_ptrs) {
+          in_ptrs = ptrs_local;
+          if (n > 16) {
+            ptrs_heap.resize(n);
+            in_ptrs = ptrs_heap.data();
+          }
+          for (size_t i = 0; i < n; ++i) in_ptrs[i] = data_ptr_of(tensors[i]);
+          if (L.version != version) break;  // a subclass's data_ptr ran code that changed the list
+        }
+        for (size_t i = 0; i < n && yes; ++i) yes = reinterpret_cast<uintptr_t>(in_ptrs[i]) % 16 == e.align[i];
+      }
       if (yes) {
-        hit = &e;
+        keep = e.prepared;
+        run = e.run;
         break;
       }
     }
-    if (!hit) return call_named(self, "_miss", args, nullptr);
-    nb::object keep = hit->prepared;  // the layout stays alive while the GIL is released
-    const PreparedRunRef& run = *hit->run;
+    if (!run) return call_named(self, "_miss", args, nullptr);
     uintptr_t stream = 0;
+    LibraryArgs lib;
     if (L.cuda) {
       // Read at every call, so the caller's device, stream and CUDA graph capture are respected.
       nb::object dev = nb::steal(PyObject_CallNoArgs(L.get_device.ptr()));
       if (!dev.is_valid()) return nullptr;
       long d = PyLong_AsLong(dev.ptr());
       if (d == -1 && PyErr_Occurred()) return nullptr;
-      if (d != run.run.device) return call_named(self, "_other_device", args, nullptr);
+      if (d != run->run.device) return call_named(self, "_other_device", args, nullptr);
       PyObject* dev_arg = dev.ptr();
       nb::object s = nb::steal(PyObject_Vectorcall(L.raw_stream.ptr(), &dev_arg, 1, nullptr));
       if (!s.is_valid()) return nullptr;
       stream = reinterpret_cast<uintptr_t>(as_pointer(s.ptr()));
+      if (!run->graph->gemms().empty()) lib = library_args(L, d, stream);
     }
-    return run_on_tensors(run, tensors, n, stream, true).release().ptr();
+    try {
+      return run_on_tensors(*run, tensors, n, in_ptrs, stream, true, L.cuda ? &lib : nullptr).release().ptr();
+    } catch (const GemmUnsupported& e) {
+      // cuBLASLt refused a GEMM of this layout: the Python side forgets the
+      // layout and runs the call with fewer epilogues (or eagerly).
+      nb::object reason = nb::str(e.what());
+      return PyObject_CallMethod(self, "_gemm_refused", "OOO", keep.ptr(), reason.ptr(), args);
+    } catch (nb::python_error& e) {
+      // The same raised as _C.GemmUnsupported by Python code the run called
+      // (the CPU's GEMM callback), as Python's `except _C.GemmUnsupported` would catch it.
+      static PyObject* unsupported = 
+          nb::getattr(nb::module_::import_("opfuse._C"), "GemmUnsupported").release().ptr();
+      if (!e.matches(unsupported)) throw;
+      nb::object reason = nb::str(e.value());
+      return PyObject_CallMethod(self, "_gemm_refused", "OOO", keep.ptr(), reason.ptr(), args);
+    }
   } catch (nb::python_error& e) {
     e.restore();
     return nullptr;
@@ -262,14 +233,38 @@ PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexce
   }
 }
 
+PyObject* launcher_call(PyObject* self, PyObject* args, PyObject* kwargs) noexcept {
+  return launch_call(self, args, kwargs, nullptr);
+}
+
 PyType_Slot launcher_slots[] = {{Py_tp_call, reinterpret_cast<void*>(launcher_call)}, {0, nullptr}};
+
+// PreparedRun.call and .finish: the run on a list or tuple of tensors,
+// returning the written buffers or (finish) what set_result asked for.
+template <class Class>
+void def_call(Class& c, const char* name, bool finish, const char* doc) {
+  c.def(
+      name,
+      [finish](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, uintptr_t workspace,
+               size_t workspace_bytes, bool allow_tf32, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
+        LibraryArgs lib{workspace, workspace_bytes, decode_workspace, decode_workspace_bytes, allow_tf32};
+        return call_on(r, tensors, stream, finish, workspace ? &lib : nullptr);
+      },
+      nb::arg("tensors"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
+      nb::arg("allow_tf32") = false, nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0, doc);
+}
 
 }  // namespace
 
 void bind_launch(nb::module_& m) {
   m.def("launch_counts", [] { return g_kernel_launches.load(); },
         "Kernel launches made by PreparedRun.call and Launcher calls since the last reset_launch_counts().");
-  m.def("reset_launch_counts", [] { g_kernel_launches.store(0); });
+  m.def("library_call_counts", [] { return g_library_calls.load(); },
+        "GEMM steps run as library calls by PreparedRun.call and Launcher calls since the last reset_launch_counts().");
+  m.def("reset_launch_counts", [] {
+    g_kernel_launches.store(0);
+    g_library_calls.store(0);
+  });
   m.def("launch_floor_source", [] { return launch_floor_source(); },
         "CUDA C++ of the empty kernel time_empty_launches launches.");
   m.def(
@@ -282,7 +277,7 @@ void bind_launch(nb::module_& m) {
       "Host ns of `launches` back-to-back cuLaunchKernel calls of an empty kernel with the seed chain's argument "
       "size: the driver's floor under any launcher's per-kernel cost.");
 
-  nb::class_<PreparedRunRef>(m, "PreparedRun",
+  auto prepared_run = nb::class_<PreparedRunRef>(m, "PreparedRun",
                              "CompiledGraph.run split in two: built once per input layout (variant, size symbols, "
                              "strides; CUDA device or -1 for the current context's), then run per call with pointers.")
       .def(
@@ -328,28 +323,24 @@ void bind_launch(nb::module_& m) {
           nb::arg("ptrs"), nb::arg("stream") = 0,
           "Runs a graph without library calls on raw pointers (one per buffer); not counted.")
       .def(
-          "call",
-          [](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream) {
-            PyObject* in = tensors.ptr();
-            size_t n_in = sequence_size(in);
-            std::vector<PyObject*> items(n_in);
-            for (size_t i = 0; i < n_in; ++i) items[i] = sequence_item(in, i);
-            return run_on_tensors(r, items.data(), n_in, stream, false);
+          "set_library",
+          [](PreparedRunRef& r, const std::vector<std::tuple<size_t, size_t, nb::tuple, nb::tuple, nb::tuple>>& pairs,
+             nb::object cpu_gemm) {
+            size_t n_out = r.out_args.size();
+            r.pairs.clear();
+            for (const auto& [first, second, block, view0, view1] : pairs) {
+              if (first >= n_out || second >= n_out || first == second)
+                throw std::invalid_argument("set_library: a pair is two written buffers");
+              if (view0.size() != 3 || view1.size() != 3)
+                throw std::invalid_argument("set_library: a view is (sizes, strides, storage offset)");
+              r.pairs.push_back({first, second, block, {view0, view1}});
+            }
+            r.cpu_gemm = cpu_gemm;
           },
-          nb::arg("tensors"), nb::arg("stream") = 0,
-          "The partition's launch: allocates the written buffers, runs on the inputs' and their pointers, counts "
-          "the launches; returns the written buffers.")
-      .def(
-          "finish",
-          [](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream) {
-            PyObject* in = tensors.ptr();
-            size_t n_in = sequence_size(in);
-            std::vector<PyObject*> items(n_in);
-            for (size_t i = 0; i < n_in; ++i) items[i] = sequence_item(in, i);
-            return run_on_tensors(r, items.data(), n_in, stream, true);
-          },
-          nb::arg("tensors"), nb::arg("stream") = 0,
-          "call(), returning what set_result asked for (what a Launcher call returns).")
+          nb::arg("pairs"), nb::arg("cpu_gemm") = nb::none(),
+          "For a graph with library calls: pairs of written buffers allocated as one block, as (first, second, the "
+          "block's (sizes, strides, dtype), each one's (sizes, strides, storage offset) in it); on the CPU, "
+          "cpu_gemm(g, inputs + written buffers) runs GEMM step g.")
       .def(
           "run",
           [](const PreparedRunRef& r, nb::handle ptrs, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
@@ -372,6 +363,11 @@ void bind_launch(nb::module_& m) {
           nb::arg("decode_workspace_bytes") = 0,
           "Any graph (GEMM steps too) on raw pointers; returns (GEMM steps run as opfuse kernels, GEMM steps run "
           "inside a paired step's batched call). Not counted.");
+  def_call(prepared_run, "call", false,
+           "The partition's launch: allocates the written buffers, runs on the inputs' and their pointers, counts "
+           "the launches and library calls; returns the written buffers. A CUDA graph with library calls needs "
+           "cuBLASLt's workspace (and the decode MLP's where it has one).");
+  def_call(prepared_run, "finish", true, "call(), returning what set_result asked for (what a Launcher call returns).");
 
   nb::class_<Launcher>(m, "Launcher", nb::type_slots(launcher_slots),
                        "The launch path's callable, subclassed in Python: a call tries the checks of the recent "
@@ -380,30 +376,58 @@ void bind_launch(nb::module_& m) {
       .def(
           "__init__",
           [](Launcher* self, bool cuda, std::optional<std::vector<Py_ssize_t>> positions, nb::object get_device,
-             nb::object raw_stream) {
+             nb::object raw_stream, nb::object workspaces, nb::object allow_tf32) {
             if (cuda && (get_device.is_none() || raw_stream.is_none()))
               throw std::invalid_argument("Launcher: CUDA needs get_device and raw_stream");
+            if (workspaces.is_none() != allow_tf32.is_none())
+              throw std::invalid_argument("Launcher: workspaces and allow_tf32 come together");
             Launcher* l = new (self) Launcher();
             l->cuda = cuda;
             l->all_tensors = !positions.has_value();
             if (positions) l->positions = *positions;
             l->get_device = get_device;
             l->raw_stream = raw_stream;
+            l->workspaces = workspaces;
+            l->allow_tf32 = allow_tf32;
           },
           nb::arg("cuda"), nb::arg("positions").none() = nb::none(), nb::arg("get_device") = nb::none(),
-          nb::arg("raw_stream") = nb::none())
+          nb::arg("raw_stream") = nb::none(), nb::arg("workspaces") = nb::none(), nb::arg("allow_tf32") = nb::none())
       .def(
           "push",
-          [](Launcher& l, nb::object check, nb::object prepared) {
+          [](Launcher& l, nb::object check, nb::object prepared, std::optional<std::vector<int>> align) {
             const PreparedRunRef* run = nb::cast<const PreparedRunRef*>(prepared);
-            if (!run->graph->gemms().empty()) throw std::invalid_argument("Launcher.push: the graph has library calls");
+            if (!run->graph->gemms().empty()) {
+              if (l.cuda ? l.workspaces.is_none() : run->cpu_gemm.is_none())
+                throw std::invalid_argument(l.cuda ? "Launcher.push: library calls need a Launcher with workspaces"
+                                                   : "Launcher.push: library calls need set_library's cpu_gemm");
+            }
             if (run->empty.is_none()) throw std::invalid_argument("Launcher.push: a PreparedRun without an allocator");
             size_t n_inputs = run->graph->buffers().size() - run->out_args.size();
-            l.recent.insert(l.recent.begin(), Launcher::Entry{check, prepared, run, n_inputs});
+            Launcher::Entry e{check, prepared, run, n_inputs, {}};
+            if (align) {
+              if (align->size() != n_inputs) throw std::invalid_argument("Launcher.push: one alignment per input");
+              for (int a : *align) {
+                if (a < 0 || a >= 16) throw std::invalid_argument("Launcher.push: an alignment is an address modulo 16");
+                e.align.push_back(static_cast<uint8_t>(a));
+              }
+            }
+            l.recent.insert(l.recent.begin(), std::move(e));
             if (l.recent.size() > Launcher::kRecent) l.recent.resize(Launcher::kRecent);
             ++l.version;
           },
-          nb::arg("check"), nb::arg("prepared"), "Makes (check, prepared) the most recent layout.")
+          nb::arg("check"), nb::arg("prepared"), nb::arg("align").none() = nb::none(),
+          "Makes (check, prepared) the most recent layout; `align`: each input's address modulo 16 that the "
+          "layout also requires.")
+      .def(
+          "launch",
+          [](nb::handle self, nb::handle prepared, nb::tuple args) {
+            PyObject* r = launch_call(self.ptr(), args.ptr(), nullptr, prepared.ptr());
+            if (!r) throw nb::python_error();
+            return nb::steal(r);
+          },
+          nb::arg("prepared"), nb::arg("args"),
+          "A call's run of `prepared` on `args` (the call's arguments) without asking any layout check: the "
+          "current device and stream, workspaces, allocation, launch, count, result.")
       .def(
           "forget",
           [](Launcher& l, nb::handle prepared) {

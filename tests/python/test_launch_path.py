@@ -473,8 +473,11 @@ def test_launch_bench_reports_every_layer_per_kernel(capsys):
         records.validate_record(r)
     got = {(r["case"], r["impl"]): r for r in recs}
     steps = {"loop", "layout check", "alloc + free", "data_ptr", "finish", "run"}
+    gemm_steps = {"loop", "layout check", "alloc written", "data_ptr", "bump_launch", "run", "partition python",
+                  "partition c++"}
     assert set(got) == ({(f"{g}-host", layer) for g in launch.graphs(torch.device("cpu")) for layer in launch.LAYERS}
-                        | {("chain-4K-steps-host", step) for step in steps})
+                        | {("chain-4K-steps-host", step) for step in steps}
+                        | {("mlp-16x32x64-gemm-steps-host", step) for step in gemm_steps})
     assert got[("chain-4K-host", "partition")]["kernels"] == 1
     multi = got[("multi-64x64-host", "partition")]
     assert multi["kernels"] >= 2

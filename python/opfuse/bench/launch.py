@@ -35,7 +35,9 @@ host, so "run" and "partition" include them (a few hundred ns for the
 chain, a few us for the multi graph's reductions).
 
 "partition" per fused kernel is the number the CUDA issue's 5 us target is
-about.
+about. Then the chain's partition call step by step (launch_parts.py), and
+the host steps of partitions with GEMM steps at M = 16, through Python's
+_miss and through the C++ launcher (launch_gemm.py).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import time
 import torch
 
 from .cases import seed_chain as chain
+from .launch_gemm import measure_gemm_steps
 from .launch_parts import measure_parts
 from .records import RunInfo, make_record
 
@@ -197,4 +200,10 @@ def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[d
         print(f"{'  ' + step:34s} {med:9.2f} {'':10s} {best:12.2f}")
         records.append(make_record(info, suite="launch", case="chain-4K-steps-host", impl=step, metric="ms",
                                    value=med / 1e3, floor=None, host_us=med, host_us_min=best, kernels=1))
+    for graph, gemm_steps in measure_gemm_steps(device, _host_us, batches, calls, quick).items():
+        print(f"{graph} partition with GEMM steps, step by step (launch_gemm.py; every row includes 'loop'):")
+        for step, (med, best) in gemm_steps.items():
+            print(f"{'  ' + step:34s} {med:9.2f} {'':10s} {best:12.2f}")
+            records.append(make_record(info, suite="launch", case=f"{graph}-gemm-steps-host", impl=step, metric="ms",
+                                       value=med / 1e3, floor=None, host_us=med, host_us_min=best))
     return records

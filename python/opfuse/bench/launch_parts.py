@@ -30,10 +30,9 @@ import torch
 from ..frontend import runtime
 
 
-def part_calls(part, part_args, device: torch.device) -> dict:
-    """Step name -> a no-argument callable making that step once, for the
-    partition `part` called with `part_args` (no device or stream rows on
-    the CPU)."""
+def layout_and_check(part, part_args) -> tuple:
+    """(the tensors, their prepared layout, the layout check Python's path
+    builds for them) of the partition `part` called with `part_args`."""
     tensors = [part_args[i] for i in part.tensor_positions]
     layout = part.layout_of(tensors)
     if layout is None:
@@ -42,6 +41,14 @@ def part_calls(part, part_args, device: torch.device) -> dict:
     check = runtime._layout_check(tensors, key, part.gemm_alignment_key)
     if not check(*tensors):
         raise RuntimeError("the layout check refuses the inputs it was built from")
+    return tensors, layout, check
+
+
+def part_calls(part, part_args, device: torch.device) -> dict:
+    """Step name -> a no-argument callable making that step once, for the
+    partition `part` called with `part_args` (no device or stream rows on
+    the CPU)."""
+    tensors, layout, check = layout_and_check(part, part_args)
     empty = runtime._empty_strided(device)
     specs = list(layout.out_specs)
     outs = [empty(*s) for s in specs]

@@ -1,8 +1,10 @@
 """Running a compiled partition on PyTorch tensors: the launch path."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import threading
 
 import torch
@@ -30,6 +32,18 @@ _empty_strided_cuda = getattr(_dynamo_guards, "_empty_strided_cuda", None)
 
 _raw_stream = _get_raw_stream or (lambda index: torch.cuda.current_stream(index).cuda_stream)
 _current_device = _get_device or (lambda: torch.cuda.current_device())
+# What torch.backends.cuda.matmul.allow_tf32 reads, without its Python __getattr__.
+_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
+
+
+def gemm_cpp_launch(cuda: bool) -> bool:
+    """Whether partitions with GEMM steps run from the C++ launcher (as
+    kernel-only ones do) instead of Python's _miss every call.
+    OPFUSE_GEMM_CPP_LAUNCH=1 on both devices, =0 on neither; unset: the CPU
+    only, until a GPU session has validated the CUDA side (docs/perf-notes.md,
+    "gemm-host")."""
+    knob = os.environ.get("OPFUSE_GEMM_CPP_LAUNCH", "")
+    return knob == "1" if knob in ("0", "1") else not cuda
 
 
 def ensure_context(device: torch.device) -> None:
@@ -64,6 +78,12 @@ def _workspace(device: int, stream: int) -> torch.Tensor:
 _decode_workspaces: dict = {}
 
 
+def library_workspaces(decode_mlp: bool, device: int, stream: int) -> tuple:
+    """(cuBLASLt's workspace, the decode MLP's or None) for (device, stream):
+    what the C++ launcher asks once per (device, stream) and keeps."""
+    return _workspace(device, stream), decode_mlp_workspace(device, stream) if decode_mlp else None
+
+
 def decode_mlp_workspace(device: int, stream: int) -> torch.Tensor:
     """The decode MLP kernel's workspace for (device index, stream): zeroed
     once on that stream from PyTorch's allocator and kept for the process (the
@@ -96,13 +116,15 @@ def _layout_key(tensors, alignment: bool) -> tuple:
     return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
-def _layout_check(tensors, key: tuple, alignment: bool):
+def _layout_check(tensors, key: tuple, alignment: bool, cpp_alignment: bool = False):
     """A callable, given tensors, that is true only when they have the layout
     `key` describes (the layout of `tensors`). PyTorch's TensorGuards (what
     Dynamo's guards use) checks Python type, dispatch keys, dtype, device,
     requires_grad, sizes and strides in one C++ call; stricter than the key,
     so a tensor it rejects only takes the slow path. Where it is missing,
-    the key is recomputed and compared."""
+    the key is recomputed and compared. `cpp_alignment`: the caller checks
+    the addresses modulo 16 itself (_C.Launcher.push's align), so the
+    callable leaves them out where it can."""
     check = None
     if _TensorGuards is not None:
         try:
@@ -114,7 +136,7 @@ def _layout_check(tensors, key: tuple, alignment: bool):
             check = None
     if check is None:
         return lambda *ts: _layout_key(ts, alignment) == key
-    if alignment:
+    if alignment and not cpp_alignment:
         align = tuple(t.data_ptr() % 16 for t in tensors)
         guard = check
         return lambda *ts: guard(*ts) and tuple(t.data_ptr() % 16 for t in ts) == align
@@ -158,8 +180,10 @@ class FusedPartition(_C.Launcher):
     recent layouts, then the prepared run of the first that accepts. A call
     no check accepts comes to _miss, which finds or prepares the layout (or
     runs eagerly) and makes it the most recent. Partitions with library
-    calls (GEMMs) run from _miss every time: their run needs cuBLASLt's
-    workspace or PyTorch's matmul, set up in Python."""
+    calls (GEMMs) take the same path where gemm_cpp_launch() says so (the
+    launcher also gets cuBLASLt's workspace, the TF32 setting or, on the
+    CPU, PyTorch's matmul as a callback); elsewhere they run from _miss
+    every time, set up in Python."""
 
     def __init__(self, compiled: "_C.CompiledGraph", eager: torch.fx.GraphModule, tensor_positions, input_dtypes,
                  name: str, dump=None, device=None, ir_text=None, gemm_epilogues=1):
@@ -168,8 +192,16 @@ class FusedPartition(_C.Launcher):
         # Every call argument a tensor, in order: the arguments are the tensors.
         n_args = len([n for n in eager.graph.nodes if n.op == "placeholder"])
         all_tensors = list(tensor_positions) == list(range(n_args))
+        # Partitions with GEMM steps on the C++ launcher (gemm_cpp_launch): on
+        # CUDA it asks for the workspaces once per (device, stream) and for
+        # PyTorch's TF32 setting every call. Given either way, so that
+        # use_gemm_cpp can switch.
+        self.gemm_cpp = bool(compiled.num_library_calls) and gemm_cpp_launch(cuda)
+        library = bool(compiled.num_library_calls) and cuda
         super().__init__(cuda, None if all_tensors else list(tensor_positions),
-                         _current_device if cuda else None, _raw_stream if cuda else None)
+                         _current_device if cuda else None, _raw_stream if cuda else None,
+                         functools.partial(library_workspaces, compiled.uses_decode_mlp) if library else None,
+                         _allow_tf32 if library else None)
         self._all_tensors = all_tensors
         self.ir_text = ir_text
         self.gemm_epilogues = gemm_epilogues  # the level `compiled` was planned with (CompiledGraph's argument)
@@ -227,6 +259,9 @@ class FusedPartition(_C.Launcher):
             shape = self.compiled.output_shape(o, syms)
             outs.append((b, None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else tuple(shape)))
         prepared.set_result(0 if self.single else 1, outs)
+        if self.num_library_calls:
+            prepared.set_library([_pair_block(first, second, out_specs) for first, second in self.paired],
+                                 functools.partial(_cpu_gemm_step, gemms) if gemms is not None else None)
         return _Layout(key, prepared, gemms, out_specs, outs, device)
 
     def prepare_layout(self, example) -> None:
@@ -245,18 +280,6 @@ class FusedPartition(_C.Launcher):
     def layout_of(self, tensors):
         """The prepared layout these tensors would run with, or None (bench, tests)."""
         return self._by_layout.get(_layout_key(tensors, self.gemm_alignment_key))
-
-    @staticmethod
-    def _cpu_gemm(spec, everything):
-        """A GEMM step on the CPU: PyTorch's matmul straight into the output
-        buffer (the planner leaves its epilogue to the next kernel)."""
-        def operand(key):
-            buf, shape, transposed = spec[key]
-            t = everything[buf]
-            if list(t.shape) != shape:
-                t = t.view(shape)  # a realized buffer is contiguous: any reshape is a view
-            return t.transpose(-1, -2) if transposed else t
-        torch.matmul(operand("a"), operand("b"), out=everything[spec["out"]])
 
     def _check_inputs(self, tensors) -> bool:
         """First call with a layout: are the inputs on the compiled device and dtypes?"""
@@ -283,13 +306,22 @@ class FusedPartition(_C.Launcher):
                 ensure_context(tensors[0].device)  # variant() compiles for the current context's device
             lay = self._by_layout[key] = self._prepare(tensors, key)
         lay.key = key
-        check = _layout_check(tensors, key, self.gemm_alignment_key)
-        if self.num_library_calls:
-            self._recent.insert(0, (check, lay))
+        if self.num_library_calls and not self.gemm_cpp:
+            self._recent.insert(0, (_layout_check(tensors, key, self.gemm_alignment_key), lay))
             del self._recent[_RECENT:]
         else:
-            self.push(check, lay.prepared)
+            # cuBLASLt's alignment (CUDA GEMM partitions) checked in C++ on the pointers the launch reads anyway.
+            align = [t.data_ptr() % 16 for t in tensors] if self.gemm_alignment_key else None
+            self.push(_layout_check(tensors, key, self.gemm_alignment_key, cpp_alignment=True), lay.prepared, align)
         return lay
+
+    def use_gemm_cpp(self, on: bool) -> None:
+        """Runs this partition's GEMM layouts from the C++ launcher (on) or
+        from Python's _miss (off) from the next call on (bench, tests)."""
+        if self.num_library_calls:
+            self.gemm_cpp = on
+            self.clear_recent()
+            self._recent = []
 
     def _forget(self, lay: _Layout) -> None:
         self._by_layout.pop(lay.key, None)
@@ -301,9 +333,9 @@ class FusedPartition(_C.Launcher):
 
     def _miss(self, *args):
         """A call no recent layout check of the C++ launcher accepted (every
-        call of a partition with library calls)."""
+        call of a partition with library calls off the C++ path, gemm_cpp)."""
         tensors = self._tensors(args)
-        if self.num_library_calls:
+        if self.num_library_calls and not self.gemm_cpp:
             for check, lay in self._recent:
                 if check(*tensors):
                     break
@@ -321,6 +353,8 @@ class FusedPartition(_C.Launcher):
             stream = _raw_stream(lay.device)
         else:
             stream = 0
+        if self.gemm_cpp:
+            return self.launch(lay.prepared, args)  # as a call the launcher's check accepted
         try:
             if not self.num_library_calls:
                 return lay.prepared.finish(tensors, stream)  # counts its launches
@@ -337,24 +371,37 @@ class FusedPartition(_C.Launcher):
         outs = tuple(everything[i] if v is None else everything[i].view(v) for i, v in lay.outs)
         return outs[0] if self.single else outs
 
+    def _gemm_refused(self, prepared, reason: str, args: tuple):
+        """The C++ launcher's GemmUnsupported for a layout (cuBLASLt refused
+        one of its GEMMs): as _miss's, the layout is forgotten and the call
+        goes to _gemm_fallback."""
+        lay = next((lay for lay in self._by_layout.values() if lay.prepared is prepared), None)
+        if lay is None:  # forgotten meanwhile (another thread): only the call falls back
+            self.forget(prepared)
+            return self._gemm_fallback(None, args, reason)
+        self._forget(lay)
+        return self._gemm_fallback(lay.key, args, reason)
+
     def _other_device(self, *args):
         """The inputs' layout is prepared for another CUDA device than the current one."""
         log.info("%s: the current device is %d, not the inputs' device; running eagerly", self.name, _current_device())
         return self.eager(*args)
 
+    def _written_buffers(self, lay: _Layout) -> list:
+        """The buffers a run with library calls writes, from the allocator
+        (Python's _miss path; the C++ launcher's does the same)."""
+        empty = self._empty
+        bufs = [None] * len(lay.out_specs)
+        for first, second in self.paired:
+            _, _, block_spec, view0, view1 = _pair_block(first, second, lay.out_specs)
+            block = empty(*block_spec)
+            bufs[first], bufs[second] = block.as_strided(*view0), block.as_strided(*view1)
+        return [b if b is not None else empty(*spec) for b, spec in zip(bufs, lay.out_specs)]
+
     def _run_with_library_calls(self, lay: _Layout, tensors, stream: int) -> list:
         """A graph with GEMM steps: cuBLASLt's workspace and TF32 setting on
         the GPU, PyTorch's matmul on the CPU; returns the written buffers."""
-        empty = self._empty
-        bufs = [empty(*spec) for spec in lay.out_specs]
-        for first, second in self.paired:
-            # A pair of GEMM results in one block, the second at the next 256-byte boundary
-            # (CompiledGraph.paired_buffers): one batched call computes both.
-            size, strides, dt = lay.out_specs[first]
-            n = math.prod(size)
-            per = -(-n * dt.itemsize // 256) * 256 // dt.itemsize
-            block = empty((2, per), (per, 1), dt)
-            bufs[first], bufs[second] = block[0, :n].view(size), block[1, :n].view(size)
+        bufs = self._written_buffers(lay)
         ptrs = [t.data_ptr() for t in tensors]
         ptrs += [b.data_ptr() for b in bufs]
         if self.cuda:
@@ -367,7 +414,7 @@ class FusedPartition(_C.Launcher):
             everything = [*tensors, *bufs]
             gemms = lay.gemms
             gemm_kernels, merged = lay.prepared.run(ptrs, stream,
-                                                    cpu_gemm=lambda g: self._cpu_gemm(gemms[g], everything))
+                                                    cpu_gemm=lambda g: _cpu_gemm(gemms[g], everything))
         # GEMM steps that ran as opfuse's skinny GEMM kernel are kernel launches, not library calls;
         # those that ran inside a paired step's batched call are neither.
         bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels - merged)
@@ -398,6 +445,34 @@ class FusedPartition(_C.Launcher):
                  "plain GEMMs with the epilogue in generated kernels" if self.plain.gemm_epilogues == 0 else
                  "GEMM epilogues without float32 biases (their casts in generated kernels)")
         return self.plain(*args)
+
+
+def _cpu_gemm(spec, everything):
+    """A GEMM step on the CPU: PyTorch's matmul straight into the output
+    buffer (the planner leaves its epilogue to the next kernel)."""
+    def operand(key):
+        buf, shape, transposed = spec[key]
+        t = everything[buf]
+        if list(t.shape) != shape:
+            t = t.view(shape)  # a realized buffer is contiguous: any reshape is a view
+        return t.transpose(-1, -2) if transposed else t
+    torch.matmul(operand("a"), operand("b"), out=everything[spec["out"]])
+
+
+def _cpu_gemm_step(gemms, g: int, everything) -> None:
+    """The C++ launcher's CPU GEMM callback (PreparedRun.set_library): step g."""
+    _cpu_gemm(gemms[g], everything)
+
+
+def _pair_block(first: int, second: int, out_specs) -> tuple:
+    """Two GEMM results in one block, the second at the next 256-byte
+    boundary (CompiledGraph.paired_buffers): one batched call computes both.
+    As PreparedRun.set_library takes it: (first, second, the block's
+    (sizes, strides, dtype), each result's (sizes, strides, storage offset))."""
+    size, strides, dt = out_specs[first]
+    n = math.prod(size)
+    per = -(-n * dt.itemsize // 256) * 256 // dt.itemsize
+    return first, second, ((2 * per,), (1,), dt), (size, strides, 0), (size, strides, per)
 
 
 def contiguous_strides(size: tuple) -> tuple:
