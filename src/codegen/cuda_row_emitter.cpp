@@ -857,7 +857,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   int64_t nrows = -1;
   bool rows_known = is_const(split.rows, &nrows);
   ncols_ = known ? ncols : -1;
-  raw_lanes_ = raw_lanes() > 0;
+  // (Not in sm_80's 1024-thread loop kernels, capped at 32 registers: the
+  // defaults spill 4 bytes there at 8192x32768, the raw lanes 8.)
+  raw_lanes_ = raw_lanes() > 0 && !(arch_ < 90 && loop_overflow_);
   index_type_ = index32() > 0 && !columns_ && known && rows_known && ncols <= (1LL << 30) && nrows <= (1LL << 30) ? "int" : "int64_t";
   const std::string I = index_type_;
 

@@ -294,11 +294,39 @@ KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_
          {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"},
          {"OPFUSE_ROW_LEAN": "1"}, {"OPFUSE_ROW_PAIR_REDUCE": "1"},
          {"OPFUSE_ROW_PIPELINE": "1", "OPFUSE_ROW_CACHE_RAW": "1"}, {"OPFUSE_COLUMN_PARTS": "256"},
-         {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "256"}]
+         {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "256"},
+         # fewer instructions a row (lnbwd-4, off by default): each alone and the four together
+         {"OPFUSE_ROW_INDEX32": "1"}, {"OPFUSE_ROW_EXACT_COLS": "1"}, {"OPFUSE_ROW_RAW_LANES": "1"},
+         {"OPFUSE_ROW_SUM2_CONST": "1"}, {"OPFUSE_ROW_ISSUE": "1"}]
 
 
 def _knob_id(knobs):
     return "+".join(n.replace("OPFUSE_ROW_", "").replace("OPFUSE_", "").lower() + v for n, v in knobs.items())
+
+
+# OPFUSE_ROW_ISSUE=1 (lnbwd-4: 32-bit indices, no bounds test where a row
+# is covered exactly, raw 16-bit lanes, the pair reduction with known warps)
+# where the knob-free tests do not reach: float16 and float32 rows, 256 parts
+# at 4096 (the measured default), the scalar twin, strided rows (64-bit
+# products of strides passed at run time beside 32-bit indices).
+@pytest.mark.parametrize("shape,dtype", [((2050, 4096), torch.float16), ((2111, 4096), torch.float32),
+                                         ((4099, 4096), torch.bfloat16), ((2048, 1031), torch.bfloat16),
+                                         ((3, 700, 1000), torch.float16), ((4099, 255), torch.float32)])
+def test_row_issue_knobs_match_float64(shape, dtype, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_ISSUE", "1")
+    _grads_against_float64(layer_norm, shape, dtype, 3)
+    _grads_against_float64(rms_norm, shape, dtype, 2)
+
+
+def test_row_issue_knobs_strided_rows(monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_ISSUE", "1")
+    rows, cols = 2304, 4096
+    wide = torch.randn(rows, cols + 8, device="cuda", dtype=torch.bfloat16)
+    for xv in (wide[:, 3:cols + 3].detach().requires_grad_(), wide[:, 8:].detach().requires_grad_()):
+        w = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+        _layer_norm_grads_within_eager(xv, w, b, dy)
 
 
 @pytest.mark.parametrize("knobs", KNOBS, ids=_knob_id)
