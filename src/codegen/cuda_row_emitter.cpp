@@ -1032,15 +1032,16 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     line("const " + I + " cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     partial_declarations();
     line("for (" + I + " rbase_ = (" + I + ")blockIdx.x * " + RPB + "; rbase_ < rows; rbase_ += (" + I + ")gridDim.x * " + RPB + ") {");
-    line("  " + I + " row_ = rbase_ + (" + I + ")(threadIdx.x / " + L + ");");
+    // (int + unsigned would be unsigned: the int cast only with 32-bit indices, the defaults' source unchanged.)
+    line("  " + I + " row_ = rbase_ + " + (I == "int" ? "(int)(threadIdx.x / " + L + ")" : "threadIdx.x / " + L) + ";");
     line("  const bool real_ = row_ < rows;");
     line("  if (!real_) row_ = rows - 1;");
   } else if (grouped_rows_) {
     // A group past the last row redoes the last row (same values to the same
     // places) rather than leaving its warp's shuffles short of lanes.
     line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
-    line(I + " row_ = (" + I + ")blockIdx.x * " + std::to_string(g.rows_per_block) + " + (" + I + ")(threadIdx.x / " +
-         std::to_string(lanes_) + ");");
+    line(I + " row_ = (" + I + ")blockIdx.x * " + std::to_string(g.rows_per_block) + " + " + (I == "int" ? "(int)" : "") +
+         "(threadIdx.x / " + std::to_string(lanes_) + ");");
     line("if (row_ >= rows) row_ = rows - 1;");
     line("const " + I + " cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     line("{");
