@@ -1104,9 +1104,23 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
 // passed at run time) and known shape of fewer than 2^31 elements takes its
 // offset as an int, so the address is one IMAD.WIDE of it; every offset
 // used for an access lies in [0, elements), so the int holds it exactly.
+// A buffer with strides passed at run time keeps its int64 products, of
+// each index zero-extended ((uint32_t)x0: indices are never negative), which
+// spares the sign extension and one IMAD a product.
 std::string CudaEmitter::offset(int b, const std::vector<Expr>& idx) const {
-  std::string o = CEmitter::offset(b, idx);
   const KBuffer& buf = k_->buffers[static_cast<size_t>(b)];
+  if (index_type_ == "int" && buf.strided) {
+    std::vector<Expr> z = idx;
+    auto is_index = [](const std::string& n) {
+      size_t d = n.find_first_of("0123456789");
+      std::string p = d == std::string::npos ? n : n.substr(0, d);
+      bool digits = d != std::string::npos && n.find_first_not_of("0123456789", d) == std::string::npos;
+      return n == "c_" || (digits && (p == "x" || p == "pfx" || p == "spfx"));
+    };
+    for (auto& e : z) e = substitute(e, [&](const ExprNode& v) -> Expr { return is_index(v.name) ? var("(uint32_t)" + v.name) : nullptr; });
+    return CEmitter::offset(b, z);
+  }
+  std::string o = CEmitter::offset(b, idx);
   if (index_type_ != "int" || buf.strided) return o;
   int64_t n = 1;
   for (const Expr& d : buf.shape) {

@@ -66,7 +66,7 @@ def test_each_knob_changes_the_dx_kernel_as_it_says(monkeypatch):
     expect = {
         # int indices; the output's offset (fixed strides, 2^27 elements) as an int; two blocks an SM asked for
         "OPFUSE_ROW_INDEX32": lambda v: "for (int row_ = blockIdx.x;" in v and "const int c_ =" in v and
-        "b5 + (int)(" in v and "__launch_bounds__(512, 2)" in v and "st0_0 * x0" in v,
+        "b5 + (int)(" in v and "__launch_bounds__(512, 2)" in v and "(uint32_t)x0 * st0_0" in v,
         "OPFUSE_ROW_EXACT_COLS": lambda v: "if (c_ < cols)" not in v,
         "OPFUSE_ROW_RAW_LANES": lambda v: "const opf_vec<16> rl0 = " in v and "opf_raw_lane<opf_bf16>(rl0, j_)" in v and
         "opf_vload<8>" not in v,
