@@ -140,18 +140,12 @@ def sass_of(op, shape, arch):
         with open(p, "wb") as f:
             f.write(cubin)
         sass = subprocess.run([cuobjdump(), "-sass", p], capture_output=True, text=True, check=True).stdout
+    from opfuse.testing import ptxas_report
     regs = {}
-    name = None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '(\S+)'", line)
-        if m:
-            name = m.group(1)
-        m = re.search(r"Used (\d+) registers", line)
-        if m and name:
-            regs[name] = int(m.group(1))
-        m = re.search(r"(\d+) bytes spill stores", line)
-        if m and name and int(m.group(1)) > 0:
-            regs[name + " SPILLS"] = int(m.group(1))
+    for name, (nregs, spill) in ptxas_report(log).items():
+        regs[name] = nregs
+        if spill:
+            regs[name + " SPILLS"] = spill
     return functions(sass), regs
 
 

@@ -4,25 +4,20 @@ each knob changes the source the way it says, and with each on (and all
 four) the row kernels compile with NVRTC for sm_80 and sm_90 without
 spills. Their results against float64 are GPU tests
 (test_cuda_row_schedules.py, test_row_issue_knobs_keep_results)."""
-import re
+import os
+import sys
 
 import numpy as np
 import pytest
 
 from opfuse import _C
-from opfuse.testing import contiguous_strides
+from opfuse.testing import contiguous_strides, ptxas_report
 from test_column_partials import layer_norm_backward_ir, nvrtc_or_skip
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from row_source import softmax_backward_ir  # noqa: E402
+
 KNOBS = ["OPFUSE_ROW_INDEX32", "OPFUSE_ROW_EXACT_COLS", "OPFUSE_ROW_RAW_LANES", "OPFUSE_ROW_SUM2_CONST", "OPFUSE_ROW_ISSUE"]
-
-
-def softmax_backward_ir(rows, cols, dt="bf16"):
-    return f"""graph {{
-  %0 = input() {{name="dy"}} : {dt}[{rows}, {cols}]
-  %1 = input() {{name="y"}} : {dt}[{rows}, {cols}]
-  %2 = softmax_backward(%0, %1) {{dim=1}} : {dt}[{rows}, {cols}]
-  return (%2)
-}}"""
 
 
 def layer_norm_ir(rows, cols, dt="bf16"):
@@ -107,14 +102,7 @@ def _spills(kind, lead, cols, dt, arch):
     cg, shapes, _ = _source(kind, lead, cols, dt, arch)
     cubin, _, log = cg.compile_cuda(shapes, contiguous_strides(shapes), arch, False)
     assert len(cubin) > 0
-    out, name = {}, None
-    for line in log.splitlines():
-        m = re.search(r"Compiling entry function '(\S+)'", line)
-        if m:
-            name = m.group(1)
-        m = re.search(r"(\d+) bytes spill stores", line)
-        if m and name:
-            out[name] = int(m.group(1))
+    out = {k: spill for k, (_, spill) in ptxas_report(log).items()}
     assert out, log[-2000:]
     return out
 
