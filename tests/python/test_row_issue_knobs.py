@@ -127,3 +127,32 @@ def test_issue_knobs_compile_without_spills(arch, knob, monkeypatch):
         base, got = _DEFAULT_SPILLS[(case, arch)], _spills(*case, arch)
         assert got.keys() == base.keys(), (case, got, base)
         assert all(got[k] <= base[k] for k in got), (case, got, base)
+
+
+def _butterfly(v, offsets):
+    """Lane values after xor-shuffle add steps (float32, as the warp does)."""
+    v = v.copy()
+    for o in offsets:
+        v = (v + v[np.arange(32) ^ o]).astype(np.float32)
+    return v
+
+
+@pytest.mark.parametrize("nw", [1, 4, 8, 16, 32])
+def test_sum2_known_warps_gives_the_same_bits(nw):
+    """opf_block_sum2_w's second tree (lane l takes warp l % NW's sum,
+    log2(NW) steps) against opf_block_sum2's (lanes past NW hold +0, five
+    steps), emulated in float32 on warp sums as the first tree leaves them
+    (sums started from +0: never -0), with cancellations, huge and tiny values."""
+    rng = np.random.default_rng(0)
+    for trial in range(2000):
+        scale = 10.0 ** rng.integers(-30, 30, size=nw)
+        s = (rng.standard_normal(nw) * scale).astype(np.float32)
+        if trial % 7 == 0:
+            s[rng.integers(0, nw)] = 0.0
+        if trial % 11 == 0 and nw > 1:
+            s[1] = -s[0]
+        s = (s + np.float32(0)).astype(np.float32)  # as a sum from +0 leaves it
+        old = _butterfly(np.where(np.arange(32) < nw, s[np.arange(32) % nw], np.float32(0)).astype(np.float32),
+                         [16, 8, 4, 2, 1])
+        new = _butterfly(s[np.arange(32) % nw], [o for o in [16, 8, 4, 2, 1] if o < nw])
+        assert old.tobytes() == new.tobytes(), (nw, s)
