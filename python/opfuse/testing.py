@@ -105,3 +105,20 @@ class DDPBucketLog(logging.Handler):
         ddp_log.addHandler(log)
         ddp_log.setLevel(logging.INFO)
         return log
+
+
+def ptxas_report(log):
+    """{entry function: (registers, spill-store bytes)} from NVRTC's
+    `--ptxas-options=-v` log (compile_cuda's third result)."""
+    out, name = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            name = m.group(1)
+        m = re.search(r"(\d+) bytes spill stores", line)
+        if m and name:
+            out[name] = (out.get(name, (None, 0))[0], int(m.group(1)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and name:
+            out[name] = (int(m.group(1)), out.get(name, (None, 0))[1])
+    return out

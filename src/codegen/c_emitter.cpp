@@ -191,15 +191,15 @@ void CEmitter::update(const KStmt& s, const KStage& stage) {
 // Sets the loop variables of `axes` (last fastest) from a linear index.
 void CEmitter::decompose(const std::string& linear, const std::vector<size_t>& axes, const std::string& prefix) {
   const std::string rem = prefix == "x" ? "rem_" : prefix + "rem_";
-  line("int64_t " + rem + " = " + linear + ";");
+  line(index_type_ + " " + rem + " = " + linear + ";");
   for (size_t i = axes.size(); i-- > 0;) {
     size_t a = axes[i];
     int64_t one = 0;
     if (is_const(k_->domain[a], &one) && one == 1) continue;
     std::string x = prefix + std::to_string(a), n = size_c(k_->domain[a]);
-    if (i == 0) line("const int64_t " + x + " = " + rem + ";");
+    if (i == 0) line("const " + index_type_ + " " + x + " = " + rem + ";");
     else {
-      line("const int64_t " + x + " = " + rem + " % " + n + ";");
+      line("const " + index_type_ + " " + x + " = " + rem + " % " + n + ";");
       line(rem + " /= " + n + ";");
     }
   }

@@ -46,7 +46,8 @@ class CEmitter {
   std::string value(int id) const { return "v" + std::to_string(id); }
   std::string size_c(const Expr& e) const;          // a size or index expression in C
   Expr offset_expr(int buffer, const std::vector<Expr>& idx) const;
-  std::string offset(int buffer, const std::vector<Expr>& idx) const { return size_c(offset_expr(buffer, idx)); }
+  // (Virtual: the CUDA row emitter prints 32-bit offsets where they fit, OPFUSE_ROW_INDEX32.)
+  virtual std::string offset(int buffer, const std::vector<Expr>& idx) const { return size_c(offset_expr(buffer, idx)); }
   virtual void statement(const KStmt& s, const KStage& stage);
   // How an Update folds a value into an accumulator (per thread on GPUs).
   void update(const KStmt& s, const KStage& stage);
@@ -58,6 +59,9 @@ class CEmitter {
   // Sets the loop variables of `axes` (last fastest) from a linear index.
   // Declares x<axis> (prefix + axis) for each axis of `linear`, row-major.
   void decompose(const std::string& linear, const std::vector<size_t>& axes, const std::string& prefix = "x");
+  // The type decompose declares them with (the CUDA row emitter's int where
+  // every index fits 31 bits, OPFUSE_ROW_INDEX32).
+  std::string index_type_ = "int64_t";
   // Shared preamble of a kernel body: size symbols and buffer pointers.
   void bind_arguments();
 };

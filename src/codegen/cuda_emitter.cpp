@@ -55,6 +55,13 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   if (!(mb && std::atoi(mb) > 0) && k_->row && pipeline_ && !raw_slots_.empty() && !grouped_rows_ && !cluster_row_loop_ &&
       vec_ > 1 && threads == 512)
     min_blocks = "2";
+  // 32-bit indices (OPFUSE_ROW_INDEX32) in a block-per-row partials kernel
+  // of 512 threads with a register cache: ptxas at one block an SM took 68 to
+  // 72 registers at 32768x4096 bf16 (one block an SM), 62 at two without
+  // spills; ask for the two blocks the defaults got at 64.
+  if (!(mb && std::atoi(mb) > 0) && k_->row && index_type_ == "int" && !partial_buffers_.empty() && !grouped_rows_ &&
+      cluster_ == 1 && caching_ && vec_ > 1 && threads == 512)
+    min_blocks = "2";
   // Lean partials kernels (OPFUSE_ROW_LEAN): see lean_blocks_.
   if (!(mb && std::atoi(mb) > 0) && k_->row && lean_blocks_ > 0 && vec_ > 1) min_blocks = std::to_string(lean_blocks_);
   // Rows staged in shared memory: as many blocks an SM as its shared memory
@@ -158,6 +165,16 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
       lane_of_[key] = arr;
       if (!pipe.empty()) line(arr + " = " + pipe + ";");
       else line(arr + " = *reinterpret_cast<const opf_vec<16>*>(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ");");
+    } else if (raw_lanes_ && pipe.empty() && vec_ == 8 && !k_->buffers[static_cast<size_t>(s.buffer)].written && dtype_size(k_->buffers[static_cast<size_t>(s.buffer)].dtype) == 2 &&
+               (k_->buffers[static_cast<size_t>(s.buffer)].dtype == DType::BFloat16 ||
+                k_->buffers[static_cast<size_t>(s.buffer)].dtype == DType::Float16)) {
+      // The 16-byte vector as it came (OPFUSE_ROW_RAW_LANES); its lanes are
+      // read with opf_raw_lane, as from the raw cache (same float bits as
+      // opf_to_float of each element).
+      std::string arr = "rl" + std::to_string(lane_of_.size());
+      lane_of_[key] = arr;
+      line("const opf_vec<16> " + arr + " = *reinterpret_cast<const opf_vec<16>*>(b" + std::to_string(s.buffer) + " + " +
+           offset(s.buffer, idx) + ");");
     } else {
       std::string arr = "lv" + std::to_string(lane_of_.size());
       lane_of_[key] = arr;
@@ -234,7 +251,8 @@ void CudaEmitter::plain_statement(const KStmt& s, const KStage& stage) {
     DType t = k_->buffers[static_cast<size_t>(s.buffer)].dtype;
     if (s.kind == KStmt::Load) {
       std::string e = arr + "[j_]";
-      if (arr.compare(0, 2, "rr") == 0) e = "opf_raw_lane<" + storage_type(t) + ">(" + arr + ", j_)";  // the raw cache vector
+      // The raw cache vector, or a raw load (OPFUSE_ROW_RAW_LANES).
+      if (arr.compare(0, 2, "rr") == 0 || arr.compare(0, 2, "rl") == 0) e = "opf_raw_lane<" + storage_type(t) + ">(" + arr + ", j_)";
       else if (t == DType::Float16 || t == DType::BFloat16) e = "opf_to_float(" + e + ")";
       line("const " + value_type(s.type) + " " + value(s.dst) + " = " + e + ";");
     } else {

@@ -121,6 +121,13 @@ class CudaEmitter : public CEmitter {
   void store_partials(int threads_per_row, const std::string& slot);
   void store_block_partials(int rows_per_block);
 
+  // Fewer instructions a row (see row_issue in cuda_row_emitter.cpp): the
+  // row length while a row kernel is printed (-1 unknown), and 16-bit
+  // vector loads read as raw lanes (OPFUSE_ROW_RAW_LANES).
+  int64_t ncols_ = -1;
+  bool raw_lanes_ = false;
+  std::string offset(int buffer, const std::vector<Expr>& idx) const override;
+
   std::map<std::string, std::string> lane_of_;  // access (buffer@offset) -> lane array
   std::string last_var_;                        // the innermost loop variable
   bool row_vectorisable_ = false;

@@ -110,6 +110,31 @@ constexpr int64_t kBlockPartialsCols = 256;  // the same bound as parts_for's 52
 // three and 3 blocks an SM ran 342.7 us against 322.0 with the pair alone.
 int row_lean() { return env_int("OPFUSE_ROW_LEAN", -1); }
 int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
+// Fewer instructions a row (branch lnbwd-4; layer_norm backward's dx kernel
+// at 32768x4096 issues ~260 a warp a row, Inductor's ~60% of that at the same
+// bytes; docs/perf-notes.md "lnbwd-4"). Each off by default (not measured
+// on a GPU yet), OPFUSE_ROW_ISSUE=1 turning on the four together, each
+// knob forcing its own (0/1):
+// - OPFUSE_ROW_INDEX32: row and column indices (row_, x<axis>, c_) as int,
+//   and 32-bit offsets for buffers of fixed strides, where rows and columns
+//   are known and at most 2^30 and the buffer at most 2^31 - 1 elements
+//   (IMAD.WIDE of a 32-bit offset instead of 64-bit products and adds;
+//   buffers with strides passed at run time keep 64-bit products);
+// - OPFUSE_ROW_EXACT_COLS: no column bounds test in unrolled stage loops
+//   whose items x threads x V cover the row exactly (c_ < cols for every
+//   thread of the block by construction);
+// - OPFUSE_ROW_RAW_LANES: 16-bit vector loads kept as the raw 128-bit
+//   vector, lane j read with one shift (even) or mask (odd) as the raw
+//   cache does, not a byte permute and a shift (same float bits);
+// - OPFUSE_ROW_SUM2_CONST: the pair reduction with the block's warps known
+//   when the kernel is generated (opf_block_sum2_w: no blockDim arithmetic,
+//   one 8-byte shared store and load for the pair, log2(warps) shuffle
+//   steps in the second tree, not 5; the same sums bit for bit, see the prelude).
+int row_issue() { return env_int("OPFUSE_ROW_ISSUE", 0); }
+int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
+int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }
+int sum2_const() { return env_int("OPFUSE_ROW_SUM2_CONST", row_issue()); }
+int raw_lanes() { return env_int("OPFUSE_ROW_RAW_LANES", row_issue()); }
 int partials_smem() { return env_int("OPFUSE_ROW_PARTIALS_SMEM", row_lean()); }
 int cache_raw() { return env_int("OPFUSE_ROW_CACHE_RAW", row_lean()); }
 // L2 of the H100/H200 (50 MB; the A100's is 40): rows in flight against it.
@@ -309,7 +334,10 @@ void CudaEmitter::reduce_stage_across_threads(const KStage& st) {
     if (pairable) {
       for (size_t i = 0; i < sums.size(); ++i)
         if (sums[i]->type == a.type) {
-          line("opf_block_sum2(" + acc_name(*sums[i]) + ", " + acc_name(a) + ", reinterpret_cast<" + value_type(a.type) +
+          int nw = launch_.threads / 32;
+          bool known_warps = sum2_const() > 0 && launch_.threads % 32 == 0 && (nw & (nw - 1)) == 0;
+          std::string fn = known_warps ? "opf_block_sum2_w<" + std::to_string(nw) + ">(" : "opf_block_sum2(";
+          line(fn + acc_name(*sums[i]) + ", " + acc_name(a) + ", reinterpret_cast<" + value_type(a.type) +
                "*>(opf_psmem), opf_rp_);");
           ++pair_reductions_;
           sums.erase(sums.begin() + static_cast<std::ptrdiff_t>(i));
@@ -345,20 +373,24 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     int forced = reverse_loops();
     backwards = (forced >= 0 ? forced != 0 : loop_overflow_) && (loop_stages_printed_++ % 2 == 1);
   }
+  const std::string& I = index_type_;
+  // Every thread's columns of the unrolled loop inside the row (see exact_cols).
+  bool exact = unrolled && exact_cols() > 0 && cluster_ == 1 && !columns_ && ncols_ > 0 &&
+               static_cast<int64_t>(items) * threads_per_row * vec_ == ncols_;
   if (unrolled) {
     line("#pragma unroll");
     line("for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
     ++indent_;
-    line("const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
-    line("if (c_ < cols) {");
+    line("const " + I + " c_ = cbase_ + ((" + I + ")it_ * " + T + " + tid_) * " + V + ";");
+    line(exact ? "{" : "if (c_ < cols) {");
   } else if (backwards) {
     // This thread's columns in the order opposite to the forward loop's.
     std::string step = std::to_string(threads_per_row * vec_);
-    line("for (int64_t k_ = (cend_ - cbegin_ - (int64_t)tid_ * " + V + " + " + step + " - 1) / " + step + "; k_-- > 0;) {");
-    line("  const int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + " + k_ * " + step + ";");
+    line("for (" + I + " k_ = (cend_ - cbegin_ - (" + I + ")tid_ * " + V + " + " + step + " - 1) / " + step + "; k_-- > 0;) {");
+    line("  const " + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + " + k_ * " + step + ";");
   } else {
     if (columns_) line("#pragma unroll 8");  // loads of several rows in flight per thread
-    line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
+    line("for (" + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + "; c_ < cend_; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
   }
   ++indent_;
   in_row_loop_ = true;
@@ -374,7 +406,7 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     line("#pragma unroll");
     line("for (int j_ = 0; j_ < " + V + "; ++j_) {");
     ++indent_;
-    line("const int64_t " + last_var_ + " = c_ + j_;");
+    line("const " + I + " " + last_var_ + " = c_ + j_;");
     in_lanes_ = true;
     for (auto& s : loop) statement(s, st);
     in_lanes_ = false;
@@ -382,7 +414,7 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     line("}");
     vector_stores(loop, "c_");
   } else {
-    if (row_loop_axes_.size() == 1) line("const int64_t " + last_var_ + " = c_;");
+    if (row_loop_axes_.size() == 1) line("const " + I + " " + last_var_ + " = c_;");
     else if (!row_loop_axes_.empty()) decompose("c_", row_loop_axes_);
     for (auto& s : loop) statement(s, st);
   }
@@ -411,10 +443,10 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     line("if (pf_ok_) {");
     line("  #pragma unroll");
     line("  for (int it_ = 0; it_ < " + std::to_string(items) + "; ++it_) {");
-    line("    const int64_t c_ = cbase_ + ((int64_t)it_ * " + T + " + tid_) * " + V + ";");
+    line("    const " + I + " c_ = cbase_ + ((" + I + ")it_ * " + T + " + tid_) * " + V + ";");
     std::string body;
     for (auto& l : lines) body += " " + l;
-    line("    if (c_ < cols) {" + body + " }");
+    line(std::string(exact ? "    {" : "    if (c_ < cols) {") + body + " }");
     line("  }");
     line("}");
   };
@@ -613,7 +645,8 @@ void CudaEmitter::stage_prologue(int threads_per_row, const std::vector<size_t>&
     line("const bool spf_ok_ = row_ + " + std::to_string(ahead) + " < rows;");
     decompose("spf_ok_ ? row_ + " + std::to_string(ahead) + " : row_", kept, "spfx");
   }
-  line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
+  const std::string& I = index_type_;
+  line("for (" + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
   for (const auto& [b, st] : staged_) {
     std::vector<Expr> idx = st.load.index;
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var("c_") : nullptr; });
@@ -878,6 +911,18 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   launch_.items = caching_ ? g.items : 0;
   launch_.parts = partials ? k_->parts * cluster_ : 0;
   int threads_per_row = columns_ ? g.threads / 32 : grouped_rows_ ? lanes_ : g.threads;
+  // 32-bit indices (see index32): rows and columns known, each at most 2^30,
+  // so row_ + the grid (at most the rows) or a prefetch distance (a few
+  // thousand rows) and every column index stay below 2^31. Column kernels
+  // keep 64-bit indices.
+  int64_t nrows = -1;
+  bool rows_known = is_const(split.rows, &nrows);
+  ncols_ = known ? ncols : -1;
+  // (Not in sm_80's 1024-thread loop kernels, capped at 32 registers: the
+  // defaults spill 4 bytes there at 8192x32768, the raw lanes 8.)
+  raw_lanes_ = raw_lanes() > 0 && !(arch_ < 90 && loop_overflow_);
+  index_type_ = index32() > 0 && !columns_ && known && rows_known && ncols <= (1LL << 30) && nrows <= (1LL << 30) ? "int" : "int64_t";
+  const std::string I = index_type_;
 
   // The body is printed to a side buffer first: the register arrays and
   // cluster slots it uses are declared before it.
@@ -895,8 +940,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   int pf = row_prefetch();
   if (vec > 1 && !columns_ && (caching_ || partials) && (cluster_ == 1 || cluster_row_loop_) && (pf > 0 || (pf < 0 && !grouped_rows_))) {
     std::string rpb = std::to_string(g.rows_per_block);
-    if (cluster_row_loop_) next_row = "row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ")";
-    else if (partials) next_row = grouped_rows_ ? "row_ + (int64_t)gridDim.x * " + rpb : "row_ + (int64_t)gridDim.x";
+    if (cluster_row_loop_) next_row = "row_ + (" + I + ")(gridDim.x / " + std::to_string(cluster_) + ")";
+    else if (partials) next_row = grouped_rows_ ? "row_ + (" + I + ")gridDim.x * " + rpb : "row_ + (" + I + ")gridDim.x";
     else next_row = "row_ + " + std::to_string(static_cast<int64_t>(prefetch_ahead(g.threads)) * g.rows_per_block);
   }
   pipeline_ = false;
@@ -904,15 +949,15 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   if (row_pipeline() > 0 && vec > 1 && !columns_ && partials && (cluster_ == 1 || cluster_row_loop_)) {
     std::string rpb = std::to_string(g.rows_per_block);
     pipeline_ = true;
-    if (cluster_row_loop_) next_row = "row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ")";
-    else next_row = grouped_rows_ ? "row_ + (int64_t)gridDim.x * " + rpb : "row_ + (int64_t)gridDim.x";
+    if (cluster_row_loop_) next_row = "row_ + (" + I + ")(gridDim.x / " + std::to_string(cluster_) + ")";
+    else next_row = grouped_rows_ ? "row_ + (" + I + ")gridDim.x * " + rpb : "row_ + (" + I + ")gridDim.x";
   }
   prefetch_ = !next_row.empty();
   if (pipeline_ && grouped_rows_) {
     // The next iteration exists when the block's next row base is a row; a
     // group past the end then redoes the last row (as the loop does), so
     // its registers hold that row.
-    line("const bool pf_ok_ = rbase_ + (int64_t)gridDim.x * " + std::to_string(g.rows_per_block) + " < rows;");
+    line("const bool pf_ok_ = rbase_ + (" + I + ")gridDim.x * " + std::to_string(g.rows_per_block) + " < rows;");
     decompose("(" + next_row + " < rows ? " + next_row + " : rows - 1)", split.kept, "pfx");
   } else if (prefetch_) {
     line("const bool pf_ok_ = " + next_row + " < rows;");
@@ -1048,20 +1093,21 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     // row redoes it without adding to its partials.
     std::string RPB = std::to_string(g.rows_per_block), L = std::to_string(lanes_);
     line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
-    line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
+    line("const " + I + " cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     partial_declarations();
-    line("for (int64_t rbase_ = (int64_t)blockIdx.x * " + RPB + "; rbase_ < rows; rbase_ += (int64_t)gridDim.x * " + RPB + ") {");
-    line("  int64_t row_ = rbase_ + threadIdx.x / " + L + ";");
+    line("for (" + I + " rbase_ = (" + I + ")blockIdx.x * " + RPB + "; rbase_ < rows; rbase_ += (" + I + ")gridDim.x * " + RPB + ") {");
+    // (int + unsigned would be unsigned: the int cast only with 32-bit indices, the defaults' source unchanged.)
+    line("  " + I + " row_ = rbase_ + " + (I == "int" ? "(int)(threadIdx.x / " + L + ")" : "threadIdx.x / " + L) + ";");
     line("  const bool real_ = row_ < rows;");
     line("  if (!real_) row_ = rows - 1;");
   } else if (grouped_rows_) {
     // A group past the last row redoes the last row (same values to the same
     // places) rather than leaving its warp's shuffles short of lanes.
     line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
-    line("int64_t row_ = (int64_t)blockIdx.x * " + std::to_string(g.rows_per_block) + " + (threadIdx.x / " +
-         std::to_string(lanes_) + ");");
+    line(I + " row_ = (" + I + ")blockIdx.x * " + std::to_string(g.rows_per_block) + " + " + (I == "int" ? "(int)" : "") +
+         "(threadIdx.x / " + std::to_string(lanes_) + ");");
     line("if (row_ >= rows) row_ = rows - 1;");
-    line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
+    line("const " + I + " cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     line("{");
   } else if (stage_ring_ && stage_bytes_ > 0) {
     // Persistent row groups (a block, or a cluster of blocks each with its
@@ -1086,31 +1132,31 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     std::string C = std::to_string(cluster_);
     std::string slice = std::to_string(static_cast<int64_t>(partial_items_) * g.threads * vec);
     line("const int tid_ = threadIdx.x;");
-    line("const int64_t cbase_ = (int64_t)opf_cluster_rank() * " + slice + ", cbegin_ = cbase_;");
-    line("const int64_t cend_ = cbase_ + " + slice + " < cols ? cbase_ + " + slice + " : cols;");
+    line("const " + I + " cbase_ = (" + I + ")opf_cluster_rank() * " + slice + ", cbegin_ = cbase_;");
+    line("const " + I + " cend_ = cbase_ + " + slice + " < cols ? cbase_ + " + slice + " : cols;");
     partial_declarations();
     line("int par_ = 0;");
-    line("for (int64_t row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
+    line("for (" + I + " row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
     line("  const bool real_ = true;");
   } else if (cluster_ > 1 && stage_bytes_ > 0) {
     // A staged row split over the cluster: block r takes (and stages) the
     // r-th slice of the row in every stage.
     std::string S = std::to_string(stage_chunk_);
     line("const int tid_ = threadIdx.x;");
-    line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");
-    line("const int64_t cbase_ = 0, cbegin_ = (int64_t)opf_cluster_rank() * " + S + ";");
-    line("const int64_t cend_ = cbegin_ + " + S + " < cols ? cbegin_ + " + S + " : cols;");
+    line("const " + I + " row_ = (" + I + ")blockIdx.x / " + std::to_string(cluster_) + ";");
+    line("const " + I + " cbase_ = 0, cbegin_ = (" + I + ")opf_cluster_rank() * " + S + ";");
+    line("const " + I + " cend_ = cbegin_ + " + S + " < cols ? cbegin_ + " + S + " : cols;");
     line("{");
   } else if (cluster_ > 1) {
     line("const int tid_ = threadIdx.x;");
-    line("const int64_t row_ = (int64_t)blockIdx.x / " + std::to_string(cluster_) + ";");
-    line("const int64_t cbase_ = (int64_t)opf_cluster_rank() * " + chunk + ", cbegin_ = 0, cend_ = cols;");
+    line("const " + I + " row_ = (" + I + ")blockIdx.x / " + std::to_string(cluster_) + ";");
+    line("const " + I + " cbase_ = (" + I + ")opf_cluster_rank() * " + chunk + ", cbegin_ = 0, cend_ = cols;");
     line("{");
   } else {
     line("const int tid_ = threadIdx.x;");
-    line("const int64_t cbase_ = 0, cbegin_ = 0, cend_ = cols;");
+    line("const " + I + " cbase_ = 0, cbegin_ = 0, cend_ = cols;");
     partial_declarations();
-    line("for (int64_t row_ = blockIdx.x; row_ < rows; row_ += gridDim.x) {");
+    line("for (" + I + " row_ = blockIdx.x; row_ < rows; row_ += gridDim.x) {");
     if (partials) line("  const bool real_ = true;");
   }
   line("  (void)cbase_; (void)cbegin_; (void)cend_;");
@@ -1132,6 +1178,40 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   if (cluster_ > 1) line(early_arrive ? "opf_cluster_wait();" : "opf_cluster_sync();");
   --indent_;
   line("}");
+  index_type_ = "int64_t";
+  raw_lanes_ = false;
+  ncols_ = -1;
+}
+
+// With 32-bit indices (index32): a buffer of fixed strides (no strides
+// passed at run time) and known shape of fewer than 2^31 elements takes its
+// offset as an int, so the address is one IMAD.WIDE of it; every offset
+// used for an access lies in [0, elements), so the int holds it exactly.
+// A buffer with strides passed at run time keeps its int64 products, of
+// each index zero-extended ((uint32_t)x0: indices are never negative), which
+// spares the sign extension and one IMAD a product.
+std::string CudaEmitter::offset(int b, const std::vector<Expr>& idx) const {
+  const KBuffer& buf = k_->buffers[static_cast<size_t>(b)];
+  if (index_type_ == "int" && buf.strided) {
+    std::vector<Expr> z = idx;
+    auto is_index = [](const std::string& n) {
+      size_t d = n.find_first_of("0123456789");
+      std::string p = d == std::string::npos ? n : n.substr(0, d);
+      bool digits = d != std::string::npos && n.find_first_not_of("0123456789", d) == std::string::npos;
+      return n == "c_" || (digits && (p == "x" || p == "pfx" || p == "spfx"));
+    };
+    for (auto& e : z) e = substitute(e, [&](const ExprNode& v) -> Expr { return is_index(v.name) ? var("(uint32_t)" + v.name) : nullptr; });
+    return CEmitter::offset(b, z);
+  }
+  std::string o = CEmitter::offset(b, idx);
+  if (index_type_ != "int" || buf.strided) return o;
+  int64_t n = 1;
+  for (const Expr& d : buf.shape) {
+    int64_t c = 0;
+    if (!is_const(d, &c) || c < 0 || (c > 0 && n > ((1LL << 31) - 1) / c)) return o;
+    n *= c;
+  }
+  return "(int)(" + o + ")";
 }
 
 }  // namespace opfuse

@@ -350,6 +350,39 @@ template <class T> static __device__ __forceinline__ void opf_block_sum2(T& a, T
   }
 }
 
+// opf_block_sum2 with the block's warps NW (a power of two) known when the
+// kernel is generated (OPFUSE_ROW_SUM2_CONST): no blockDim arithmetic, the
+// pair exchanged as one 8-byte store and load a lane, and the second tree
+// over NW lanes only: lane l takes warp (l % NW)'s pair, so every aligned
+// group of NW lanes holds all warps' pairs and log2(NW) butterfly steps give
+// every lane the total. Same sums bit for bit as opf_block_sum2: there,
+// lanes of NW and up hold +0 and the first 5 - log2(NW) steps add +0 to each
+// warp's sum, which changes no value (a sum started from +0 is never -0; a
+// NaN stays NaN), and the remaining steps pair the same lanes in the same
+// order (a + b and b + a are the same float).
+template <int NW, class T> static __device__ __forceinline__ void opf_block_sum2_w(T& a, T& b, T* buf, int& p) {
+  static_assert(NW >= 1 && NW <= 32 && (NW & (NW - 1)) == 0, "warps: a power of two up to 32");
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+  struct alignas(2 * sizeof(T)) pair { T a, b; };
+  pair* s = reinterpret_cast<pair*>(buf + p * 64);
+  p ^= 1;
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) s[threadIdx.x >> 5] = pair{a, b};
+  __syncthreads();
+  const pair q = s[lane & (NW - 1)];
+  a = q.a;
+  b = q.b;
+#pragma unroll
+  for (int o = NW / 2; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+}
+
 // A thread-block cluster shares one row (distributed shared memory): each
 // block reduces its part, publishes it in its own shared memory, and after a
 // cluster barrier lane r of every warp reads block r's part and the warp

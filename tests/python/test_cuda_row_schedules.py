@@ -294,11 +294,28 @@ KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_
          {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"},
          {"OPFUSE_ROW_LEAN": "1"}, {"OPFUSE_ROW_PAIR_REDUCE": "1"},
          {"OPFUSE_ROW_PIPELINE": "1", "OPFUSE_ROW_CACHE_RAW": "1"}, {"OPFUSE_COLUMN_PARTS": "256"},
-         {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "256"}]
+         {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "256"},
+         # fewer instructions a row (lnbwd-4, off by default): each alone and the four together
+         {"OPFUSE_ROW_INDEX32": "1"}, {"OPFUSE_ROW_EXACT_COLS": "1"}, {"OPFUSE_ROW_RAW_LANES": "1"},
+         {"OPFUSE_ROW_SUM2_CONST": "1"}, {"OPFUSE_ROW_ISSUE": "1"}]
 
 
 def _knob_id(knobs):
     return "+".join(n.replace("OPFUSE_ROW_", "").replace("OPFUSE_", "").lower() + v for n, v in knobs.items())
+
+
+# OPFUSE_ROW_ISSUE=1 (lnbwd-4: 32-bit indices, no bounds test where a row
+# is covered exactly, raw 16-bit lanes, the pair reduction with known warps)
+# where the knob-free tests do not reach: float16 and float32 rows, 256 parts
+# at 4096 (the measured default), the scalar twin (strided rows: see
+# test_lean_row_backward_strided_rows).
+@pytest.mark.parametrize("shape,dtype", [((2050, 4096), torch.float16), ((2111, 4096), torch.float32),
+                                         ((4099, 4096), torch.bfloat16), ((2048, 1031), torch.bfloat16),
+                                         ((3, 700, 1000), torch.float16), ((4099, 255), torch.float32)])
+def test_row_issue_knobs_match_float64(shape, dtype, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_ISSUE", "1")
+    _grads_against_float64(layer_norm, shape, dtype, 3)
+    _grads_against_float64(rms_norm, shape, dtype, 2)
 
 
 @pytest.mark.parametrize("knobs", KNOBS, ids=_knob_id)
@@ -332,8 +349,11 @@ def test_lean_row_backward_matches_float64(shape, dtype, monkeypatch):
     _grads_against_float64(rms_norm, shape, dtype, 2)
 
 
-def test_lean_row_backward_strided_rows(monkeypatch):
-    monkeypatch.setenv("OPFUSE_ROW_LEAN", "1")
+# (Also with OPFUSE_ROW_ISSUE=1: 32-bit indices beside the 64-bit products
+# of strides passed at run time.)
+@pytest.mark.parametrize("knob", ["OPFUSE_ROW_LEAN", "OPFUSE_ROW_ISSUE"], ids=["lean1", "issue1"])
+def test_lean_row_backward_strided_rows(knob, monkeypatch):
+    monkeypatch.setenv(knob, "1")
     rows, cols = 2304, 4096
     wide = torch.randn(rows, cols + 8, device="cuda", dtype=torch.bfloat16)
     x = wide[:, 3:cols + 3].detach().requires_grad_()  # rows 8208 bytes apart, not 16-byte aligned: the scalar twin
