@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rows_bwd2_session import bench_cases, lnb, restore, set_env, sweep  # noqa: E402
+from rows_bwd2_session import bench_cases, lnb, lnb_inputs, restore, set_env, sweep  # noqa: E402
 
 PIPE = "OPFUSE_ROW_PIPELINE=1 OPFUSE_ROW_CACHE_RAW=1"
 BLOCKP = "OPFUSE_ROW_BLOCK_PARTIALS=1 OPFUSE_COLUMN_PARTS=528"
@@ -33,12 +33,7 @@ def once(shape, envs, inductor):
     with inductor, of torch.compile's default backend, after a first call
     (for ncu: the kernels of the second calls are the ones to read)."""
     r, c = (int(v) for v in shape.split("x"))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(r, c, device="cuda", dtype=torch.bfloat16, generator=g)
-    dy = torch.randn(r, c, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(c, device="cuda", dtype=torch.bfloat16, generator=g)
-    b = torch.randn(c, device="cuda", dtype=torch.bfloat16, generator=g)
-    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [c], w, b, 1e-5)
+    dy, x, mean, rstd, w, b = lnb_inputs(r, c)
     import opfuse  # noqa: F401
     for env in envs.split("|"):
         torch._dynamo.reset()

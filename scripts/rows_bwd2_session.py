@@ -43,14 +43,20 @@ def lnb(dy, x, mean, rstd, w, b):
     return torch.ops.aten.native_layer_norm_backward(dy, x, [x.shape[-1]], mean, rstd, w, b, [True, True, True])
 
 
-def time_variant(rows, cols, settings):
-    import opfuse  # noqa: F401
+def lnb_inputs(rows, cols):
+    """lnb's arguments (dy, x, mean, rstd, w, b): bf16 on the GPU, seed 0."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=g)
     dy = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(cols, device="cuda", dtype=torch.bfloat16, generator=g)
     b = torch.randn(cols, device="cuda", dtype=torch.bfloat16, generator=g)
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, [cols], w, b, 1e-5)
+    return dy, x, mean, rstd, w, b
+
+
+def time_variant(rows, cols, settings):
+    import opfuse  # noqa: F401
+    dy, x, mean, rstd, w, b = lnb_inputs(rows, cols)
     saved = set_env(settings)
     try:
         torch._dynamo.reset()
