@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rows_bwd2_session import lnb, restore, set_env, time_variant  # noqa: E402
+from rows_bwd2_session import bench_cases, lnb, lnb_inputs, restore, set_env, sweep  # noqa: E402
 
 PIPE = "OPFUSE_ROW_PIPELINE=1 OPFUSE_ROW_CACHE_RAW=1"
 BLOCKP = "OPFUSE_ROW_BLOCK_PARTIALS=1 OPFUSE_COLUMN_PARTS=528"
@@ -33,12 +33,7 @@ def once(shape, envs, inductor):
     with inductor, of torch.compile's default backend, after a first call
     (for ncu: the kernels of the second calls are the ones to read)."""
     r, c = (int(v) for v in shape.split("x"))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(r, c, device="cuda", dtype=torch.bfloat16, generator=g)
-    dy = torch.randn(r, c, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = torch.randn(c, device="cuda", dtype=torch.bfloat16, generator=g)
-    b = torch.randn(c, device="cuda", dtype=torch.bfloat16, generator=g)
-    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [c], w, b, 1e-5)
+    dy, x, mean, rstd, w, b = lnb_inputs(r, c)
     import opfuse  # noqa: F401
     for env in envs.split("|"):
         torch._dynamo.reset()
@@ -74,57 +69,10 @@ def main():
         once(a.once, a.env, a.inductor)
         return
     t0 = time.time()
-    best = {}
-    for (r, c), variants in VARIANTS.items():
-        results = []
-        for v in variants:
-            try:
-                ms, err = time_variant(r, c, v)
-            except Exception as e:  # a variant that does not compile or launch: reported, not timed
-                print(f"variant {r}x{c} [{v}]: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            nbytes = 3 * r * c * 2
-            print(f"variant {r}x{c} [{v or 'defaults'}]: {ms * 1000:.1f} us, {nbytes / ms / 1e9:.2f} TB/s, max rel err {err:.3g}",
-                  flush=True)
-            results.append((ms, v, err))
-        ok = [x for x in results if x[2] < 0.05]
-        best[(r, c)] = min(ok)[1] if ok else ""
-        print(f"  fastest {r}x{c}: [{best[(r, c)] or 'defaults'}]  ({time.time() - t0:.0f} s)", flush=True)
+    best = sweep(VARIANTS, t0, skip_errors=True)
     if a.out:
         Path(a.out, "best.txt").write_text("".join(f"{r}x{c}\t{v}\n" for (r, c), v in best.items()))
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-    from opfuse.bench.cases import row_backward_case
-    from opfuse.bench.ceilings import measure_copy_bandwidth
-    from opfuse.bench.records import run_info, write_records
-    from opfuse.bench.runner import TABLE_HEADERS, bandwidth_record, run_case, table_rows, to_records
-    from opfuse.bench.table import format_table
-    device = torch.device("cuda")
-    info = run_info(device)
-    bw = measure_copy_bandwidth(device, budget_s=max(0.5, a.budget))
-    print(f"copy bandwidth {bw.gb_per_s:.1f} GB/s", flush=True)
-    records, rows = [bandwidth_record(bw, info, "rows_bwd")], []
-    for (r, c) in VARIANTS:
-        case = row_backward_case("layer_norm_backward", r, c, torch.bfloat16)
-        res = run_case(case, ["eager", "torch.compile", "opfuse"], device, budget_s=a.budget, min_reps=20)
-        recs = to_records(res, bw, info)
-        if best[(r, c)]:
-            saved = set_env(best[(r, c)])
-            try:
-                knob = run_case(case, ["opfuse"], device, budget_s=a.budget, min_reps=20)
-            finally:
-                restore(saved)
-            for k in knob:
-                k.impl = "opfuse+" + best[(r, c)].replace("OPFUSE_", "").replace(" ", "+")
-            res += knob
-            recs += to_records(knob, bw, info)
-        records += recs
-        rows += table_rows(res, bw)
-        print(f"{case.name}: " + ", ".join(f"{x.impl} {'ERROR ' + x.error if x.error else f'{x.timing.median_ms:.4g} ms'}" for x in res),
-              flush=True)
-    print(format_table(TABLE_HEADERS, rows))
-    if a.out:
-        print("wrote", write_records(records, info, "rows_bwd", Path(a.out)), f"({time.time() - t0:.0f} s)")
+    bench_cases(VARIANTS, best, a.budget, a.out, t0)
 
 
 if __name__ == "__main__":

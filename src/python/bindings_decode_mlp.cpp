@@ -12,16 +12,29 @@
 
 #include "kernels/decode_mlp/decode_mlp_reference.h"
 #include "runtime/decode_mlp_launcher.h"
+#include "runtime/small_m_launch.h"
 
 namespace nb = nanobind;
 using namespace opfuse;
 
 namespace {
 
-DType parse_elem(const std::string& name) {
-  if (name == "bf16") return DType::BFloat16;
-  if (name == "f16") return DType::Float16;
-  throw std::invalid_argument("decode MLP dtype must be bf16 or f16, not " + name);
+DType parse_elem(const std::string& name) { return small_m_parse_elem(name, "decode MLP"); }
+
+// The block's element type, sizes and operands from the integers both entry
+// points take: decode_mlp::Args (device pointers) or ReferenceArgs (float64).
+template <class A>
+void set_block(A& a, const std::string& dtype, int64_t m, int64_t k, int64_t h, int64_t n, uintptr_t x, int64_t ldx,
+               uintptr_t w1, int64_t ldw1, uintptr_t w3, int64_t ldw3, uintptr_t b1, int64_t b1_stride, uintptr_t w2,
+               int64_t ldw2, uintptr_t b2, int64_t b2_stride) {
+  a.dtype = parse_elem(dtype);
+  a.m = m, a.k = k, a.h = h, a.n = n;
+  a.x = reinterpret_cast<decltype(a.x)>(x), a.ldx = ldx;
+  a.w1 = reinterpret_cast<decltype(a.w1)>(w1), a.ldw1 = ldw1;
+  a.w3 = reinterpret_cast<decltype(a.w3)>(w3), a.ldw3 = ldw3;
+  a.b1 = reinterpret_cast<decltype(a.b1)>(b1), a.b1_stride = b1_stride;
+  a.w2 = reinterpret_cast<decltype(a.w2)>(w2), a.ldw2 = ldw2;
+  a.b2 = reinterpret_cast<decltype(a.b2)>(b2), a.b2_stride = b2_stride;
 }
 
 }  // namespace
@@ -34,14 +47,7 @@ void bind_decode_mlp(nb::module_& m) {
          uintptr_t b2, int64_t b2_stride, uintptr_t out, int64_t ldo, const std::string& activation, uintptr_t stream, uintptr_t workspace,
          size_t workspace_bytes) {
         decode_mlp::Args a;
-        a.dtype = parse_elem(dtype);
-        a.m = m_, a.k = k, a.h = h, a.n = n;
-        a.x = reinterpret_cast<const void*>(x), a.ldx = ldx;
-        a.w1 = reinterpret_cast<const void*>(w1), a.ldw1 = ldw1;
-        a.w3 = reinterpret_cast<const void*>(w3), a.ldw3 = ldw3;
-        a.b1 = reinterpret_cast<const void*>(b1), a.b1_stride = b1_stride;
-        a.w2 = reinterpret_cast<const void*>(w2), a.ldw2 = ldw2;
-        a.b2 = reinterpret_cast<const void*>(b2), a.b2_stride = b2_stride;
+        set_block(a, dtype, m_, k, h, n, x, ldx, w1, ldw1, w3, ldw3, b1, b1_stride, w2, ldw2, b2, b2_stride);
         a.out = reinterpret_cast<void*>(out), a.ldo = ldo;
         a.activation = activation;
         a.stream = reinterpret_cast<void*>(stream);
@@ -87,14 +93,7 @@ void bind_decode_mlp(nb::module_& m) {
          int64_t ldw1, uintptr_t w3, int64_t ldw3, uintptr_t b1, int64_t b1_stride, uintptr_t w2, int64_t ldw2,
          uintptr_t b2, int64_t b2_stride, uintptr_t out, uintptr_t hidden, const std::string& activation) {
         kernels::decode_mlp::ReferenceArgs r;
-        r.dtype = parse_elem(dtype);
-        r.m = m_, r.k = k, r.h = h, r.n = n;
-        r.x = reinterpret_cast<const double*>(x), r.ldx = ldx;
-        r.w1 = reinterpret_cast<const double*>(w1), r.ldw1 = ldw1;
-        r.w3 = reinterpret_cast<const double*>(w3), r.ldw3 = ldw3;
-        r.b1 = reinterpret_cast<const double*>(b1), r.b1_stride = b1_stride;
-        r.w2 = reinterpret_cast<const double*>(w2), r.ldw2 = ldw2;
-        r.b2 = reinterpret_cast<const double*>(b2), r.b2_stride = b2_stride;
+        set_block(r, dtype, m_, k, h, n, x, ldx, w1, ldw1, w3, ldw3, b1, b1_stride, w2, ldw2, b2, b2_stride);
         r.out = reinterpret_cast<double*>(out);
         r.hidden = reinterpret_cast<double*>(hidden);
         r.activation = activation;

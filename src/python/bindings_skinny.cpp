@@ -13,17 +13,14 @@
 
 #include "kernels/skinny_gemm/skinny_gemm_reference.h"
 #include "runtime/skinny_gemm_launcher.h"
+#include "runtime/small_m_launch.h"
 
 namespace nb = nanobind;
 using namespace opfuse;
 
 namespace {
 
-DType parse_elem(const std::string& name) {
-  if (name == "bf16") return DType::BFloat16;
-  if (name == "f16") return DType::Float16;
-  throw std::invalid_argument("skinny GEMM dtype must be bf16 or f16, not " + name);
-}
+DType parse_elem(const std::string& name) { return small_m_parse_elem(name, "skinny GEMM"); }
 
 // GemmArgs from the binding's integers: a [m, k] (row stride lda), w [n, k]
 // (row stride ldw), i.e. B = w^T; bias [n] and residual [m, n] optional (0).

@@ -20,7 +20,6 @@ namespace opfuse::attention {
 namespace {
 
 constexpr int kAttrMaxDynamicSharedBytes = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-constexpr int kDevAttrMaxSmemPerBlockOptin = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 enum Role { kPreprocess, kDkdvAtomic, kDkdv, kConvert, kDq, kRoles };
 
 const std::string& source() {
@@ -28,23 +27,9 @@ const std::string& source() {
   return s;
 }
 
-std::vector<std::string> compile_options(int arch) { return nvrtc_named_options("sm_" + std::to_string(arch)); }
-
-AttnBwdCompiled nvrtc_compile(const std::vector<std::string>& exprs, int arch) {
-  NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_bwd.cu", exprs, "sm_" + std::to_string(arch),
-                                     "the attention backward (" + exprs.at(1) + ")");
-  return attn_bwd_compiled(exprs, std::move(r));
-}
-
-// Cache entry: "opfuse-attn-bwd-cubin\n", one lowered name per line (kRoles
+// Cache entries: "opfuse-attn-bwd-cubin\n", one lowered name per line (kRoles
 // lines), then the cubin.
 constexpr const char kMagic[] = "opfuse-attn-bwd-cubin\n";
-
-std::string pack(const AttnBwdCompiled& c) { return pack_named_cubin(kMagic, c.lowered, c.cubin); }
-
-bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
-  return unpack_named_cubin(bytes, kMagic, kRoles, &c->lowered, &c->cubin);
-}
 
 std::mutex& mu() {
   static std::mutex m;
@@ -83,13 +68,47 @@ AttnBwdParams make_params(const AttnBackwardArgs& a) {
 
 }  // namespace
 
-AttnBwdCompiled attn_bwd_compiled(const std::vector<std::string>& exprs, NvrtcNamed&& r) {
-  AttnBwdCompiled out;
-  out.expressions = exprs;
-  out.lowered = std::move(r.lowered);
-  out.cubin = std::move(r.cubin);
-  out.log = std::move(r.log);
-  return out;
+AttnBwdCompiled attn_bwd_compile_program(const std::string& source, const char* file,
+                                         const std::vector<std::string>& exprs, const std::string& gpu_arch,
+                                         const std::string& what, const char* magic, const char* suffix,
+                                         bool use_cache) {
+  auto compile = [&] {
+    NvrtcNamed r = nvrtc_compile_named(source.c_str(), file, exprs, gpu_arch, what);
+    AttnBwdCompiled out;
+    out.expressions = exprs;
+    out.lowered = std::move(r.lowered);
+    out.cubin = std::move(r.cubin);
+    out.log = std::move(r.log);
+    return out;
+  };
+  if (!use_cache) return compile();
+  const NvrtcApi& n = nvrtc();
+  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
+  std::string key_src = source + "\n";
+  for (const auto& x : exprs) key_src += x + "\n";
+  for (const auto& o : nvrtc_named_options(gpu_arch)) key_src += o + " ";
+  key_src += "\nnvrtc " + std::to_string(n.major) + "." + std::to_string(n.minor);
+  const std::string key = content_hash(key_src);
+  AttnBwdCompiled fresh;
+  bool built = false;
+  auto build = [&](const std::string& out) {
+    fresh = compile();
+    built = true;
+    write_file_atomic(out, pack_named_cubin(magic, fresh.lowered, fresh.cubin));
+  };
+  CacheLookup found = cache_get_or_build("attention", key, suffix, build);
+  if (built) return fresh;
+  bool ok = false;
+  AttnBwdCompiled c;
+  c.expressions = exprs;
+  if (std::string bytes = read_file(found.path, &ok);
+      ok && unpack_named_cubin(bytes, magic, exprs.size(), &c.lowered, &c.cubin)) {
+    c.cache_hit = true;
+    return c;
+  }
+  cache_evict(found.path);  // another layout or a damaged entry: rebuild
+  cache_get_or_build("attention", key, suffix, build);
+  return fresh;
 }
 
 int attn_bwd_dkdv_smem_bytes(int d, const AttnTile& t, bool masked) {
@@ -158,33 +177,8 @@ AttnBwdCompiled attn_bwd_compile(AttnElem e, int head_dim, bool causal, const At
     throw std::invalid_argument("attention backward head dim must be 64, 96, 128 or 256, not " +
                                 std::to_string(head_dim));
   const std::vector<std::string> exprs = attn_bwd_name_expressions(e, head_dim, causal, t, mask);
-  if (!use_cache) return nvrtc_compile(exprs, arch);
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  std::string key_src = source() + "\n";
-  for (const auto& x : exprs) key_src += x + "\n";
-  for (const auto& o : compile_options(arch)) key_src += o + " ";
-  key_src += "\nnvrtc " + std::to_string(n.major) + "." + std::to_string(n.minor);
-  const std::string key = content_hash(key_src);
-  AttnBwdCompiled fresh;
-  bool built = false;
-  auto build = [&](const std::string& out) {
-    fresh = nvrtc_compile(exprs, arch);
-    built = true;
-    write_file_atomic(out, pack(fresh));
-  };
-  CacheLookup found = cache_get_or_build("attention", key, ".bwd.cubin", build);
-  if (built) return fresh;
-  bool ok = false;
-  AttnBwdCompiled c;
-  c.expressions = exprs;
-  if (std::string bytes = read_file(found.path, &ok); ok && unpack(bytes, &c)) {
-    c.cache_hit = true;
-    return c;
-  }
-  cache_evict(found.path);  // another layout or a damaged entry: rebuild
-  cache_get_or_build("attention", key, ".bwd.cubin", build);
-  return fresh;
+  return attn_bwd_compile_program(source(), "attention_bwd.cu", exprs, "sm_" + std::to_string(arch),
+                                  "the attention backward (" + exprs.at(1) + ")", kMagic, ".bwd.cubin", use_cache);
 }
 
 int64_t attn_bwd_padded_rows(int64_t sq) { return (sq + kAttnBwdRowPad - 1) / kAttnBwdRowPad * kAttnBwdRowPad; }
@@ -227,24 +221,17 @@ void attn_backward_cuda(const AttnBackwardArgs& a, CUstream stream) {
   CUdevice dev = 0;
   CUcontext ctx = launcher_context(a.device, &dev);
 
-  struct DevInfo {
-    int arch = 0, smem_optin = 0;
-  };
   struct Loaded {
     CUmodule module = nullptr;
     CUfunction fn[kRoles] = {};
   };
-  static std::map<CUcontext, DevInfo> devices;
+  static std::map<CUcontext, AttnDevice> devices;
   static std::map<std::tuple<CUcontext, std::string>, Loaded> loaded;
 
   const int D = static_cast<int>(a.head_dim);
   std::lock_guard<std::mutex> lock(mu());
-  DevInfo& info = devices[ctx];
-  if (info.arch == 0) {
-    info.arch = current_device_arch();
-    if (c.DeviceGetAttribute(&info.smem_optin, kDevAttrMaxSmemPerBlockOptin, dev) != 0 || info.smem_optin <= 0)
-      info.smem_optin = attn_max_smem_for_arch(info.arch);
-  }
+  AttnDevice& info = devices[ctx];
+  if (info.arch == 0) info = attn_device(dev);
   if (info.arch < 80) throw std::invalid_argument("attention backward kernel needs sm_80 or newer");
   AttnBwdParams p = make_params(a);
   // sm_90, D = 64 / 128, atomic dQ, no mask: the Hopper kernel (unless OPFUSE_ATTN_BWD_SM90=0).

@@ -70,8 +70,17 @@ struct AttnBwdCompiled {
   std::string cubin, log;
   bool cache_hit = false;
 };
-// The compiled program of `exprs` (both backward launchers' NVRTC results).
-AttnBwdCompiled attn_bwd_compiled(const std::vector<std::string>& exprs, NvrtcNamed&& r);
+// One backward program of either launcher: `source` (named `file` in
+// NVRTC's messages) with the name expressions `exprs`, for `gpu_arch`
+// (nvrtc_named_options); `what` names it in errors. With use_cache, through
+// the disk cache (folder "attention", entries ending in `suffix` that hold
+// `magic`, the lowered names and the cubin; one that cannot be read back is
+// evicted and rebuilt), keyed by the source, the expressions, the options and
+// NVRTC's version.
+AttnBwdCompiled attn_bwd_compile_program(const std::string& source, const char* file,
+                                         const std::vector<std::string>& exprs, const std::string& gpu_arch,
+                                         const std::string& what, const char* magic, const char* suffix,
+                                         bool use_cache);
 // NVRTC-compiles the five kernels of one problem for sm_<arch> (no GPU needed).
 AttnBwdCompiled attn_bwd_compile(AttnElem e, int head_dim, bool causal, const AttnBwdTiles& t, int arch,
                                  bool use_cache = true, AttnMaskKind mask = AttnMaskKind::None);

@@ -7,8 +7,6 @@
 #include <tuple>
 
 #include "runtime/attention_launcher_sm90.h"  // attn_sm90_tensor_map
-#include "runtime/compile_cache.h"
-#include "runtime/hash.h"
 #include "runtime/nvrtc_named.h"
 
 #include "attention_bwd_cu.inc"       // static const char attention_bwd_cu[]
@@ -31,19 +29,8 @@ const std::string& source() {
   return s;
 }
 
-AttnBwdCompiled nvrtc_compile(const std::vector<std::string>& exprs) {
-  NvrtcNamed r = nvrtc_compile_named(source().c_str(), "attention_bwd_sm90.cu", exprs, "sm_90a", exprs.at(kMain));
-  return attn_bwd_compiled(exprs, std::move(r));
-}
-
-// Cache entry: "opfuse-attn-bwd90-cubin\n", kRoles lowered names (one a line), then the cubin.
+// Cache entries: "opfuse-attn-bwd90-cubin\n", kRoles lowered names (one a line), then the cubin.
 constexpr const char kMagic[] = "opfuse-attn-bwd90-cubin\n";
-
-std::string pack(const AttnBwdCompiled& c) { return pack_named_cubin(kMagic, c.lowered, c.cubin); }
-
-bool unpack(const std::string& bytes, AttnBwdCompiled* c) {
-  return unpack_named_cubin(bytes, kMagic, kRoles, &c->lowered, &c->cubin);
-}
 
 }  // namespace
 
@@ -133,33 +120,8 @@ AttnBwdCompiled attn_bwd_sm90_compile(AttnElem e, int head_dim, bool causal, con
   if (head_dim != 64 && head_dim != 128)
     throw std::invalid_argument("the sm90 attention backward covers head dims 64 and 128, not " + std::to_string(head_dim));
   const std::vector<std::string> exprs = attn_bwd_sm90_name_expressions(e, head_dim, causal, t);
-  if (!use_cache) return nvrtc_compile(exprs);
-  const NvrtcApi& n = nvrtc();
-  if (!n.loaded) throw std::runtime_error("NVRTC not available: " + n.error);
-  std::string key_src = source() + "\n";
-  for (const auto& x : exprs) key_src += x + "\n";
-  for (const auto& o : nvrtc_named_options("sm_90a")) key_src += o + " ";
-  key_src += "\nnvrtc " + std::to_string(n.major) + "." + std::to_string(n.minor);
-  const std::string key = content_hash(key_src);
-  AttnBwdCompiled fresh;
-  bool built = false;
-  auto build = [&](const std::string& out) {
-    fresh = nvrtc_compile(exprs);
-    built = true;
-    write_file_atomic(out, pack(fresh));
-  };
-  CacheLookup found = cache_get_or_build("attention", key, ".bwd90.cubin", build);
-  if (built) return fresh;
-  bool ok = false;
-  AttnBwdCompiled c;
-  c.expressions = exprs;
-  if (std::string bytes = read_file(found.path, &ok); ok && unpack(bytes, &c)) {
-    c.cache_hit = true;
-    return c;
-  }
-  cache_evict(found.path);  // another layout or a damaged entry: rebuild
-  cache_get_or_build("attention", key, ".bwd90.cubin", build);
-  return fresh;
+  return attn_bwd_compile_program(source(), "attention_bwd_sm90.cu", exprs, "sm_90a", exprs.at(kMain), kMagic,
+                                  ".bwd90.cubin", use_cache);
 }
 
 std::string attn_bwd_sm90_unsupported_reason(const AttnBackwardArgs& a, int arch) {

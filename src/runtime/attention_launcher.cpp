@@ -159,6 +159,14 @@ int attn_max_smem_for_arch(int arch) {
   }
 }
 
+AttnDevice attn_device(CUdevice dev) {
+  AttnDevice info;
+  info.arch = current_device_arch();
+  if (cuda().DeviceGetAttribute(&info.smem_optin, kDevAttrMaxSmemPerBlockOptin, dev) != 0 || info.smem_optin <= 0)
+    info.smem_optin = attn_max_smem_for_arch(info.arch);
+  return info;
+}
+
 namespace {
 
 // docs/attention.md, "Tile choice": the first tile of the list that fits.
@@ -335,19 +343,12 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
   CUdevice dev = 0;
   CUcontext ctx = launcher_context(a.device, &dev);
 
-  struct DevInfo {
-    int arch = 0, smem_optin = 0;
-  };
-  static std::map<CUcontext, DevInfo> devices;
+  static std::map<CUcontext, AttnDevice> devices;
   static std::map<std::tuple<CUcontext, std::string>, LoadedFn> functions;
 
   std::lock_guard<std::mutex> lock(mu());
-  DevInfo& info = devices[ctx];
-  if (info.arch == 0) {
-    info.arch = current_device_arch();
-    if (c.DeviceGetAttribute(&info.smem_optin, kDevAttrMaxSmemPerBlockOptin, dev) != 0 || info.smem_optin <= 0)
-      info.smem_optin = attn_max_smem_for_arch(info.arch);
-  }
+  AttnDevice& info = devices[ctx];
+  if (info.arch == 0) info = attn_device(dev);
   if (info.arch < 80) throw std::invalid_argument("attention kernel needs sm_80 or newer");
   // sm_90: the Hopper kernel (attention_launcher_sm90.h) for the head dims it
   // covers, unless an mma.sync tile is asked for or OPFUSE_ATTN_SM90=0.

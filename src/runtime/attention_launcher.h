@@ -79,6 +79,13 @@ int attn_smem_bytes(int head_dim, const AttnTile& t, AttnMaskKind mask = AttnMas
 // Largest dynamic shared memory a CTA may opt into on sm_<arch> (table; the
 // launcher asks the device instead).
 int attn_max_smem_for_arch(int arch);
+// What both attention launchers choose tiles with: the current context's
+// sm_XY as XY, and the shared memory a block of `dev` may opt in to
+// (attn_max_smem_for_arch where the driver does not say).
+struct AttnDevice {
+  int arch = 0, smem_optin = 0;
+};
+AttnDevice attn_device(CUdevice dev);
 // The tile the launcher uses (docs/attention.md, "Tile choice"); smem_limit
 // <= 0 takes the table's value for the architecture.
 AttnTile attn_choose_tile(int head_dim, int64_t seqlen_q, int64_t seqlen_k, bool causal, int arch, int smem_limit = 0);

@@ -10,41 +10,26 @@
 
 #include "runtime/cuda_api.h"
 #include "runtime/nvrtc_cached.h"
+#include "runtime/small_m_launch.h"
 
 #include "decode_mlp_cu.inc"  // static const char decode_mlp_cu[]
 
 namespace opfuse::decode_mlp {
 namespace {
 
-constexpr int kDevAttrMultiprocessorCount = 16;  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 constexpr int kAttrMaxDynamicSharedBytes = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 std::atomic<uint64_t> g_launches{0};
 std::mutex g_mu;  // the maps below and g_error
 std::string g_error;
 
-const char* elem_name(DType t) {
-  switch (t) {
-    case DType::BFloat16: return "bf16";
-    case DType::Float16: return "f16";
-    default: throw std::invalid_argument(std::string("decode MLP: no kernel for dtype ") + dtype_name(t));
-  }
-}
+const char* elem_name(DType t) { return small_m_elem_name(t, "decode MLP"); }
 
-// 0 none, 1 relu, 2 gelu_tanh; silu_gate is the gated instantiation. -1: unknown.
-int act_code(const std::string& a) {
-  if (a.empty() || a == "silu_gate") return 0;
-  if (a == "relu") return 1;
-  if (a == "gelu_tanh") return 2;
-  return -1;
-}
+// small_m_act_code's, with silu_gate (the gated instantiation) as 0.
+int act_code(const std::string& a) { return a == "silu_gate" ? 0 : small_m_act_code(a); }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-struct DevInfo {
-  int arch = 0, sms = 0;
-};
 struct LoadedFn {
   CUmodule module = nullptr;
   CUfunction fn = nullptr;
@@ -220,20 +205,15 @@ bool try_run(const Args& a, std::string* why) {
   if (c.CtxGetCurrent(&ctx) != 0 || !ctx) return refuse("no current CUDA context");
   const bool gated = a.activation == "silu_gate";
 
-  static std::map<CUcontext, DevInfo> devices;
+  static std::map<CUcontext, SmallMDevice> devices;
   static std::map<std::tuple<CUcontext, DType, bool, std::string>, LoadedFn> functions;
   Config cfg;
   CUfunction fn = nullptr;
   int grid = 0;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    DevInfo& info = devices[ctx];
-    if (info.arch == 0) {
-      CUdevice dev = 0;
-      check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
-      info.arch = current_device_arch();
-      if (c.DeviceGetAttribute(&info.sms, kDevAttrMultiprocessorCount, dev) != 0 || info.sms <= 0) info.sms = 1;
-    }
+    SmallMDevice& info = devices[ctx];
+    if (info.arch == 0) info = small_m_current_device();
     if (info.arch < 90) {
       g_error = "sm_" + std::to_string(info.arch) + " is not sm_90";
       if (why) *why = g_error;

@@ -10,38 +10,19 @@
 
 #include "runtime/cuda_api.h"
 #include "runtime/nvrtc_cached.h"
+#include "runtime/small_m_launch.h"
 
 #include "skinny_gemm_cu.inc"  // static const char skinny_gemm_cu[]
 
 namespace opfuse::skinny {
 namespace {
 
-constexpr int kDevAttrMultiprocessorCount = 16;  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
-
 std::atomic<uint64_t> g_launches{0};
 std::mutex g_mu;  // the maps below and g_error
 std::string g_error;
 
-const char* elem_name(DType t) {
-  switch (t) {
-    case DType::BFloat16: return "bf16";
-    case DType::Float16: return "f16";
-    default: throw std::invalid_argument(std::string("skinny GEMM: no kernel for dtype ") + dtype_name(t));
-  }
-}
+const char* elem_name(DType t) { return small_m_elem_name(t, "skinny GEMM"); }
 
-int act_code(const std::string& a) {
-  if (a.empty()) return 0;
-  if (a == "relu") return 1;
-  if (a == "gelu_tanh") return 2;
-  return -1;
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-struct DevInfo {
-  int arch = 0, sms = 0;
-};
 struct LoadedFn {
   CUmodule module = nullptr;
   CUfunction fn = nullptr;
@@ -122,7 +103,7 @@ std::string unsupported_reason(const GemmArgs& g) {
   if (g.k % 8 != 0) return "k is not a multiple of 8";
   if (g.bias_grad) return "bias gradient";
   if (g.float32_bias) return "a float32 bias";
-  if (act_code(g.activation) < 0) return "activation " + g.activation;
+  if (small_m_act_code(g.activation) < 0) return "activation " + g.activation;
   // A [m, k] with k unit-stride; B [k, n] = W^T with k unit-stride (W[n, k] at b.ptr + n * col_stride + k).
   if (g.a.col_stride != 1) return "a is not k-contiguous";
   if (g.m > 1 && g.a.row_stride % 8 != 0) return "a's row stride is not a multiple of 8";
@@ -151,20 +132,15 @@ bool try_run(const GemmArgs& g) {
   CUcontext ctx = nullptr;
   if (c.CtxGetCurrent(&ctx) != 0 || !ctx) return false;
 
-  static std::map<CUcontext, DevInfo> devices;
+  static std::map<CUcontext, SmallMDevice> devices;
   // Integers only: this runs on every call.
   static std::map<std::tuple<CUcontext, DType, int, int, int, int, int>, LoadedFn> functions;
   CUfunction fn = nullptr;
   SkinnyConfig cfg;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    DevInfo& info = devices[ctx];
-    if (info.arch == 0) {
-      CUdevice dev = 0;
-      check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
-      info.arch = current_device_arch();
-      if (c.DeviceGetAttribute(&info.sms, kDevAttrMultiprocessorCount, dev) != 0 || info.sms <= 0) info.sms = 1;
-    }
+    SmallMDevice& info = devices[ctx];
+    if (info.arch == 0) info = small_m_current_device();
     if (info.arch < 80) return false;  // mma.sync bf16 and cvt.rn.bf16 need sm_80
     const char* forced = std::getenv("OPFUSE_SKINNY_CONFIG");
     cfg = forced && *forced ? SkinnyConfig::parse(forced) : choose_config(g.m, g.n, g.k, info.arch, info.sms);
@@ -204,7 +180,7 @@ bool try_run(const GemmArgs& g) {
   p.m = static_cast<int32_t>(g.m);
   p.n = static_cast<int32_t>(g.n);
   p.k = static_cast<int32_t>(g.k);
-  p.act = act_code(g.activation);
+  p.act = small_m_act_code(g.activation);
   const unsigned grid = static_cast<unsigned>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
   void* params[] = {&p};
   check_cuda(c.LaunchKernel(fn, grid, 1, 1, static_cast<unsigned>(cfg.warps * 32), 1, 1, 0, g.stream, params, nullptr),

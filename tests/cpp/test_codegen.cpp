@@ -18,6 +18,7 @@
 #include "ir/evaluate.h"
 #include "ir/graph.h"
 #include "runtime/compiled_graph.h"
+#include "test_graphs.h"
 
 namespace opfuse::golden {
 // Defined in test_planner.cpp.
@@ -29,23 +30,8 @@ namespace {
 
 using golden::matches_golden;
 
-const char* kChain = R"(graph {
-  %0 = input() {name="x"} : f32[s0, 37]
-  %1 = input() {name="b1"} : f32[37]
-  %2 = input() {name="b2"} : f32[37]
-  %3 = add(%0, %1) : f32[s0, 37]
-  %4 = relu(%3) : f32[s0, 37]
-  %5 = scalar() {value=0.5, weak=true} : f64[]
-  %6 = mul(%4, %5) : f32[s0, 37]
-  %7 = add(%6, %2) : f32[s0, 37]
-  return (%7)
-})";
-
-const char* kSoftmax = R"(graph {
-  %0 = input() {name="x"} : f32[s0, 37]
-  %1 = softmax(%0) {dim=-1} : f32[s0, 37]
-  return (%1)
-})";
+using testgraphs::kChain;
+using testgraphs::kSoftmax;
 
 // The only kernel of a one-kernel graph, lowered under a fixed name.
 KernelIR only_kernel(const char* text, const char* name) {

@@ -16,6 +16,7 @@
 #include "fusion/plan.h"
 #include "ir/graph.h"
 #include "ir/ops.h"
+#include "test_graphs.h"
 
 namespace opfuse::golden {
 
@@ -121,24 +122,8 @@ size_t count_kind(const FusionPlan& p, KernelGroup::Kind kind) {
 // ---------------------------------------------------------------------------
 // The graphs.
 
-// The seed's chain: y = relu(x + b1) * 0.5 + b2.
-const char* kChain = R"(graph {
-  %0 = input() {name="x"} : f32[s0, 37]
-  %1 = input() {name="b1"} : f32[37]
-  %2 = input() {name="b2"} : f32[37]
-  %3 = add(%0, %1) : f32[s0, 37]
-  %4 = relu(%3) : f32[s0, 37]
-  %5 = scalar() {value=0.5, weak=true} : f64[]
-  %6 = mul(%4, %5) : f32[s0, 37]
-  %7 = add(%6, %2) : f32[s0, 37]
-  return (%7)
-})";
-
-const char* kSoftmax = R"(graph {
-  %0 = input() {name="x"} : f32[s0, 37]
-  %1 = softmax(%0) {dim=-1} : f32[s0, 37]
-  return (%1)
-})";
+using testgraphs::kChain;  // the seed's chain
+using testgraphs::kSoftmax;
 
 // What the frontend sees when PyTorch has already decomposed softmax.
 const char* kSoftmaxByHand = R"(graph {

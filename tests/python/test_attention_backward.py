@@ -17,16 +17,7 @@ import opfuse
 import opfuse.ops as ops
 from opfuse import _C
 
-
-def _nvrtc_available():
-    try:
-        _C.nvrtc_version()
-        return True
-    except Exception:
-        return False
-
-
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="libnvrtc not found")
+from conftest import needs_nvrtc
 
 
 @needs_nvrtc

@@ -13,12 +13,7 @@ import pytest
 from opfuse import _C
 from opfuse.testing import contiguous_strides
 
-
-def nvrtc_or_skip():
-    try:
-        return _C.nvrtc_version()
-    except Exception as e:  # no NVRTC on this machine
-        pytest.skip(f"NVRTC not available: {e}")
+from conftest import nvrtc_or_skip
 
 
 def layer_norm_backward_ir(rows, cols, dt="bf16", lead=None):

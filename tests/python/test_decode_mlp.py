@@ -25,8 +25,9 @@ import torch.nn.functional as F
 
 import opfuse
 from opfuse import _C, decode_mlp
-from opfuse.frontend import backend, runtime
+from opfuse.frontend import runtime
 
+from conftest import nvrtc_or_skip
 from test_gemm import check_against_reference, compiled, run_counted
 
 gpu = pytest.mark.gpu
@@ -54,10 +55,7 @@ def make_args(kind, m, k, h, n, dtype, device, seed=0):
 # ---------------------------------------------------------------------------
 
 def test_every_instantiation_compiles_for_sm90_without_spills():
-    try:
-        _C.nvrtc_version()
-    except RuntimeError as e:
-        pytest.skip(f"NVRTC not available: {e}")
+    nvrtc_or_skip()
     for config in decode_mlp.candidates():
         assert _C.decode_mlp_smem_bytes(config) <= 227 * 1024
         for dtype in (torch.bfloat16, torch.float16):
@@ -71,20 +69,6 @@ def test_every_instantiation_compiles_for_sm90_without_spills():
 def test_sm80_is_refused():
     with pytest.raises(Exception, match="sm_90"):
         decode_mlp.compile(torch.bfloat16, False, "b64k256s4g1", 80)
-
-
-@pytest.fixture
-def partitions(monkeypatch):
-    texts = {}
-    original = backend._compile_partition
-
-    def record(sub, name, dump):
-        fused, compiled_graph = original(sub, name, dump)
-        texts[name] = fused.ir_text
-        return fused, compiled_graph
-
-    monkeypatch.setattr(backend, "_compile_partition", record)
-    return texts
 
 
 def cuda_plan(fn, args, partitions, monkeypatch, decode="1"):

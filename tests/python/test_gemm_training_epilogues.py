@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 import opfuse
 from opfuse import _C
-from opfuse.frontend import backend
 
 from test_gemm import check_against_reference, compiled, randn, run_counted
 
@@ -33,22 +32,6 @@ gpu = pytest.mark.gpu
 def needs_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-
-
-@pytest.fixture
-def partitions(monkeypatch):
-    """The IR text of every partition opfuse compiles meanwhile, by name
-    ("forward_fused_0", "backward_fused_0", "inference_fused_0", ...)."""
-    texts = {}
-    original = backend._compile_partition
-
-    def record(sub, name, dump):
-        fused, compiled_graph = original(sub, name, dump)
-        texts[name] = fused.ir_text
-        return fused, compiled_graph
-
-    monkeypatch.setattr(backend, "_compile_partition", record)
-    return texts
 
 
 class CudaPlan:

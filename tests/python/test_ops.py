@@ -29,20 +29,13 @@ import opfuse.ops as ops
 from opfuse import _C
 from opfuse.ops import _kernel, norms
 
+from conftest import needs_nvrtc
+
 HAS_CUDA = torch.cuda.is_available()
 # the module (opfuse.ops.attention is the function)
 attention_module = importlib.import_module("opfuse.ops.attention")
 
 
-def _nvrtc_available():
-    try:
-        _C.nvrtc_version()
-        return True
-    except Exception:
-        return False
-
-
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="libnvrtc not found")
 LOW = (torch.bfloat16, torch.float16)
 ALL = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 

@@ -20,6 +20,8 @@ import opfuse
 from opfuse import _C
 from opfuse import skinny_gemm as sg
 
+from conftest import nvrtc_or_skip
+
 ELEMS = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 
@@ -27,13 +29,6 @@ ELEMS = {"bf16": torch.bfloat16, "f16": torch.float16}
 def skinny_enabled(monkeypatch):
     """The skinny path is opt-in (OPFUSE_SKINNY_GEMM=1); these tests enable it."""
     monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
-
-
-def nvrtc_or_skip():
-    try:
-        return _C.nvrtc_version()
-    except Exception as e:
-        pytest.skip(f"NVRTC not available: {e}")
 
 
 def cuda_or_skip():

@@ -7,27 +7,7 @@ import torch.nn as nn
 
 import opfuse
 
-
-class Block(nn.Module):
-    """A small pre-norm transformer block (attention written out)."""
-
-    def __init__(self, d=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 4 * d)
-        self.fc2 = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, -1)
-        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, -1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+from small_models import Block
 
 
 def train(model, steps, data, compile_it):

@@ -19,15 +19,9 @@
 
 namespace opfuse::kernels::attention {
 
-// A [B, H, S, D] float64 tensor: strides in elements for B, H and S; D is contiguous.
-struct ConstTensor4d {
-  const double* data = nullptr;
-  int64_t stride_b = 0, stride_h = 0, stride_s = 0;
-};
-struct Tensor4d {
-  double* data = nullptr;
-  int64_t stride_b = 0, stride_h = 0, stride_s = 0;
-};
+// A [B, H, S, D] float64 tensor (StridedTensor4, attention_reference.h).
+using ConstTensor4d = StridedTensor4<const double>;
+using Tensor4d = StridedTensor4<double>;
 
 struct AttentionBackwardArgs {
   ConstTensor4d q, k, v;  // forward inputs

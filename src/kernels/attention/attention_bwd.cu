@@ -241,6 +241,50 @@ struct BwdKVTile {
                 "smem row strides must be odd numbers of 16-byte chunks (conflict-free ldmatrix)");
 };
 
+// The query blocks of BLOCK_M rows that see a key of the key block at n0
+// (BLOCK_N keys), for the dK/dV kernels of both backwards: [first,
+// n_mblocks); those below `unmasked` need the mask (the causal diagonal
+// crosses them, or the key block is ragged: keys past Sk, which every
+// iteration masks). diag = Sk - Sq: query i sees key j iff j <= i + diag.
+struct QueryBlocks {
+  int n_mblocks, first, unmasked;
+};
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ QueryBlocks query_blocks(int n0, int Sq, int Sk, int diag) {
+  const int n_mblocks = (Sq + BLOCK_M - 1) / BLOCK_M;
+  const bool ragged = n0 + BLOCK_N > Sk;
+  int m_first = 0, m_unmasked = ragged ? n_mblocks : 0;
+  if (IS_CAUSAL) {
+    const int first_q = n0 - diag > 0 ? n0 - diag : 0;
+    m_first = first_q / BLOCK_M;
+    const int last_key = (n0 + BLOCK_N < Sk ? n0 + BLOCK_N : Sk) - 1;
+    const int need = last_key - diag;  // block m is fully visible iff m * BLOCK_M >= need
+    m_unmasked = need <= 0 ? 0 : (need + BLOCK_M - 1) / BLOCK_M;
+    if (ragged || m_unmasked > n_mblocks) m_unmasked = n_mblocks;
+    if (m_unmasked < m_first) m_unmasked = m_first;
+  }
+  return {n_mblocks, m_first, m_unmasked};
+}
+
+// A thread's part of the cp.async tile loads of both kernels (as the
+// forward): chunk `ch` (16 bytes; kChunks per row, the lanes up to the next
+// power of two, past kChunks `lane` is false and they copy nothing) of rows
+// `row` + i * rows_per_pass(), at byte `soff` of the first row in shared
+// memory. Its constants are functions: static data members would each add a
+// .global to the PTX.
+template <int kThreads, int kChunks, int kSB, int BLOCK_M, int BLOCK_N>
+struct BwdLoadLane {
+  __host__ __device__ static constexpr int chunks_p2() { return kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32; }
+  __host__ __device__ static constexpr int rows_per_pass() { return kThreads / chunks_p2(); }
+  static_assert(kThreads % chunks_p2() == 0 && BLOCK_M % rows_per_pass() == 0 && BLOCK_N % rows_per_pass() == 0,
+                "tile rows must split evenly into passes");
+  int row, ch;
+  bool lane;
+  u32 soff;
+  __device__ __forceinline__ explicit BwdLoadLane(int tid)
+      : row(tid / chunks_p2()), ch(tid % chunks_p2()), lane(ch < kChunks), soff((u32)(row * kSB + ch * 16)) {}
+};
+
 template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, int NUM_WARPS, int MIN_BLOCKS,
           bool WITH_DQ, typename Mask = MaskNone>
 __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv(const AttnBwdParams p) {
@@ -264,20 +308,8 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
   const int G = p.q_per_kv;
   const int h_first = head_kv * G;
 
-  // Query blocks that see a key of this block: [m_first, n_mblocks); the
-  // first ones up to m_unmasked cross the causal diagonal and need the mask.
-  const int n_mblocks = (Sq + BLOCK_M - 1) / BLOCK_M;
-  const bool ragged = n0 + BLOCK_N > Sk;  // keys past Sk in this block: every iteration masks them
-  int m_first = 0, m_unmasked = ragged ? n_mblocks : 0;
-  if (IS_CAUSAL) {
-    const int first_q = n0 - diag > 0 ? n0 - diag : 0;
-    m_first = first_q / BLOCK_M;
-    const int last_key = (n0 + BLOCK_N < Sk ? n0 + BLOCK_N : Sk) - 1;
-    const int need = last_key - diag;  // block m is fully visible iff m * BLOCK_M >= need
-    m_unmasked = need <= 0 ? 0 : (need + BLOCK_M - 1) / BLOCK_M;
-    if (ragged || m_unmasked > n_mblocks) m_unmasked = n_mblocks;
-    if (m_unmasked < m_first) m_unmasked = m_first;
-  }
+  const QueryBlocks qb = query_blocks<IS_CAUSAL, BLOCK_M, BLOCK_N>(n0, Sq, Sk, diag);
+  const int n_mblocks = qb.n_mblocks, m_first = qb.first, m_unmasked = qb.unmasked;
 
   const u32 sK = smem_u32(smem);
   const u32 sV = sK + Tile::kKVBytes;
@@ -286,19 +318,14 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
   const u32 sP = sDS + Tile::kPBytes;  // only when kWD > 1
 
   // ---- async tile loads (as the forward: per-thread chunk, rows by passes)
-  constexpr int kChunksP2 = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
-  constexpr int kRowsPerPass = kThreads / kChunksP2;
-  static_assert(kThreads % kChunksP2 == 0 && BLOCK_M % kRowsPerPass == 0 && BLOCK_N % kRowsPerPass == 0,
-                "tile rows must split evenly into passes");
-  const int ld_row = tid / kChunksP2, ld_ch = tid % kChunksP2;
-  const bool ld_lane = ld_ch < kChunks;
-  const u32 ld_soff = (u32)(ld_row * kSB + ld_ch * 16);
+  using Ld = BwdLoadLane<kThreads, kChunks, kSB, BLOCK_M, BLOCK_N>;
+  const Ld ld(tid);
 
   auto load_kv = [&]() {
-    const char* k_thr = (const char*)p.k + 2 * (batch * p.k_batch_stride + head_kv * p.k_head_stride + ld_ch * 8);
-    const char* v_thr = (const char*)p.v + 2 * (batch * p.v_batch_stride + head_kv * p.v_head_stride + ld_ch * 8);
-    cp_async_row_pair<BLOCK_N, kRowsPerPass, kSB>(sK + ld_soff, sV + ld_soff, k_thr, p.k_row_stride, v_thr,
-                                                  p.v_row_stride, n0 + ld_row, Sk, ld_lane);
+    const char* k_thr = (const char*)p.k + 2 * (batch * p.k_batch_stride + head_kv * p.k_head_stride + ld.ch * 8);
+    const char* v_thr = (const char*)p.v + 2 * (batch * p.v_batch_stride + head_kv * p.v_head_stride + ld.ch * 8);
+    cp_async_row_pair<BLOCK_N, Ld::rows_per_pass(), kSB>(sK + ld.soff, sV + ld.soff, k_thr, p.k_row_stride, v_thr,
+                                                        p.v_row_stride, n0 + ld.row, Sk, ld.lane);
   };
   auto load_q = [&](int h, int m_block, int stage) {
     const u32 sQ = sStage0 + stage * Tile::kStageBytes;
@@ -307,11 +334,11 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dkdv
     const u32 sD = sL + Tile::kStatBytes;
     const u32 sA = sD + Tile::kStatBytes;  // masked only
     const int b = opaque32(batch);
-    const char* q_thr = (const char*)p.q + 2 * (b * p.q_batch_stride + h * p.q_head_stride + ld_ch * 8);
-    const char* g_thr = (const char*)p.dout + 2 * (b * p.do_batch_stride + h * p.do_head_stride + ld_ch * 8);
+    const char* q_thr = (const char*)p.q + 2 * (b * p.q_batch_stride + h * p.q_head_stride + ld.ch * 8);
+    const char* g_thr = (const char*)p.dout + 2 * (b * p.do_batch_stride + h * p.do_head_stride + ld.ch * 8);
     const int m0 = m_block * BLOCK_M;
-    cp_async_row_pair<BLOCK_M, kRowsPerPass, kSB>(sQ + ld_soff, sdO + ld_soff, q_thr, p.q_row_stride, g_thr,
-                                                  p.do_row_stride, m0 + ld_row, Sq, ld_lane);
+    cp_async_row_pair<BLOCK_M, Ld::rows_per_pass(), kSB>(sQ + ld.soff, sdO + ld.soff, q_thr, p.q_row_stride, g_thr,
+                                                        p.do_row_stride, m0 + ld.row, Sq, ld.lane);
     // LSE2 and Delta: BLOCK_M floats each from the padded workspaces (no bounds).
     const i64 ws = ((i64)b * p.heads_q + h) * p.seqlen_q_pad + m0;
     if (tid < BLOCK_M / 4) {
@@ -643,28 +670,23 @@ __global__ void __launch_bounds__(NUM_WARPS * 32, MIN_BLOCKS) attention_bwd_dq(c
   const u32 sdO = sQ + Tile::kQBytes;
   const u32 sKV = sdO + Tile::kQBytes;  // stage s: K at sKV + s * 2 * kKVBytes, V after it
 
-  constexpr int kChunksP2 = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;
-  constexpr int kRowsPerPass = kThreads / kChunksP2;
-  static_assert(kThreads % kChunksP2 == 0 && BLOCK_M % kRowsPerPass == 0 && BLOCK_N % kRowsPerPass == 0,
-                "tile rows must split evenly into passes");
-  const int ld_row = tid / kChunksP2, ld_ch = tid % kChunksP2;
-  const bool ld_lane = ld_ch < kChunks;
-  const u32 ld_soff = (u32)(ld_row * kSB + ld_ch * 16);
+  using Ld = BwdLoadLane<kThreads, kChunks, kSB, BLOCK_M, BLOCK_N>;
+  const Ld ld(tid);
 
   auto load_qdo = [&]() {
-    const char* q_thr = (const char*)p.q + 2 * (batch * p.q_batch_stride + head * p.q_head_stride + ld_ch * 8);
-    const char* g_thr = (const char*)p.dout + 2 * (batch * p.do_batch_stride + head * p.do_head_stride + ld_ch * 8);
-    cp_async_row_pair<BLOCK_M, kRowsPerPass, kSB>(sQ + ld_soff, sdO + ld_soff, q_thr, p.q_row_stride, g_thr,
-                                                  p.do_row_stride, m0 + ld_row, Sq, ld_lane);
+    const char* q_thr = (const char*)p.q + 2 * (batch * p.q_batch_stride + head * p.q_head_stride + ld.ch * 8);
+    const char* g_thr = (const char*)p.dout + 2 * (batch * p.do_batch_stride + head * p.do_head_stride + ld.ch * 8);
+    cp_async_row_pair<BLOCK_M, Ld::rows_per_pass(), kSB>(sQ + ld.soff, sdO + ld.soff, q_thr, p.q_row_stride, g_thr,
+                                                        p.do_row_stride, m0 + ld.row, Sq, ld.lane);
   };
   auto load_kv = [&](int n_block, int stage) {
-    const u32 sK = sKV + stage * 2 * Tile::kKVBytes + ld_soff;
+    const u32 sK = sKV + stage * 2 * Tile::kKVBytes + ld.soff;
     const u32 sV = sK + Tile::kKVBytes;
     const int b = opaque32(batch), hk = opaque32(head_kv);
-    const char* k_thr = (const char*)p.k + 2 * (b * p.k_batch_stride + hk * p.k_head_stride + ld_ch * 8);
-    const char* v_thr = (const char*)p.v + 2 * (b * p.v_batch_stride + hk * p.v_head_stride + ld_ch * 8);
-    cp_async_row_pair<BLOCK_N, kRowsPerPass, kSB>(sK, sV, k_thr, p.k_row_stride, v_thr, p.v_row_stride,
-                                                  n_block * BLOCK_N + ld_row, Sk, ld_lane);
+    const char* k_thr = (const char*)p.k + 2 * (b * p.k_batch_stride + hk * p.k_head_stride + ld.ch * 8);
+    const char* v_thr = (const char*)p.v + 2 * (b * p.v_batch_stride + hk * p.v_head_stride + ld.ch * 8);
+    cp_async_row_pair<BLOCK_N, Ld::rows_per_pass(), kSB>(sK, sV, k_thr, p.k_row_stride, v_thr, p.v_row_stride,
+                                                        n_block * BLOCK_N + ld.row, Sk, ld.lane);
   };
 
   const int row_a = frag_row_a(lane), col_a = frag_col_a(lane);

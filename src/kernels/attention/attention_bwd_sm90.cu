@@ -305,22 +305,10 @@ __global__ void __launch_bounds__(384, 1)
   const int n0 = n_block * BLOCK_N;
   const int G = p.q_per_kv;
 
-  // Query blocks that see a key of this block: [m_first, n_mblocks); those
-  // below m_unmasked need the mask (the causal diagonal crosses them, or
-  // the key block is ragged).
-  const int n_mblocks = (Sq + BLOCK_M - 1) / BLOCK_M;
-  const bool ragged = n0 + BLOCK_N > Sk;
-  int m_first = 0, m_unmasked = ragged ? n_mblocks : 0;
-  if (IS_CAUSAL) {
-    const int first_q = n0 - diag > 0 ? n0 - diag : 0;
-    m_first = first_q / BLOCK_M;
-    const int last_key = (n0 + BLOCK_N < Sk ? n0 + BLOCK_N : Sk) - 1;
-    const int need = last_key - diag;  // block m is fully visible iff m * BLOCK_M >= need
-    m_unmasked = need <= 0 ? 0 : (need + BLOCK_M - 1) / BLOCK_M;
-    if (ragged || m_unmasked > n_mblocks) m_unmasked = n_mblocks;
-    if (m_unmasked < m_first) m_unmasked = m_first;
-  }
-  if (m_first > n_mblocks) m_first = n_mblocks;
+  // Query blocks that see a key of this block (query_blocks, attention_bwd.cu).
+  const QueryBlocks qb = query_blocks<IS_CAUSAL, BLOCK_M, BLOCK_N>(n0, Sq, Sk, diag);
+  const int n_mblocks = qb.n_mblocks, m_unmasked = qb.unmasked;
+  const int m_first = qb.first < n_mblocks ? qb.first : n_mblocks;
   const int per_head = n_mblocks - m_first;
   const int n_iters = G * per_head;  // (query head, query block) pairs, head-major
 

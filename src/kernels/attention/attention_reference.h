@@ -22,15 +22,15 @@
 
 namespace opfuse::kernels::attention {
 
-// A [B, H, S, D] float32 tensor: strides in elements for B, H and S; D is contiguous.
-struct ConstTensor4 {
-  const float* data = nullptr;
+// A [B, H, S, D] tensor of T: strides in elements for B, H and S; D is contiguous.
+template <class T>
+struct StridedTensor4 {
+  T* data = nullptr;
   int64_t stride_b = 0, stride_h = 0, stride_s = 0;
 };
-struct Tensor4 {
-  float* data = nullptr;
-  int64_t stride_b = 0, stride_h = 0, stride_s = 0;
-};
+// float32 here; the backward's reference (attention_backward_reference.h) takes float64.
+using ConstTensor4 = StridedTensor4<const float>;
+using Tensor4 = StridedTensor4<float>;
 // LSE [B, H, S] float32 with strides for B and H; S is contiguous. data may be null.
 struct Tensor3 {
   float* data = nullptr;

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import math
-import os
 import pathlib
 import re
 
@@ -209,17 +208,7 @@ class AttentionBackward:
     """Callable: (dout, q, k, v, o, lse, causal, scale, deterministic) -> (dq, dk, dv)."""
 
     def __init__(self, arch: str | None = None):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("AttentionBackward needs a CUDA device")
-        torch.cuda.init()
-        torch.empty(1, device="cuda")
-        if arch is None:
-            major, minor = torch.cuda.get_device_capability()
-            arch = f"sm_{major}{minor}"
-        self.arch = arch
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.arch, props = ar.current_device("AttentionBackward", arch)
         self.smem_limit = getattr(props, "shared_memory_per_block_optin", None)
         self.nvrtc = ar.Nvrtc()
         self.driver = ar.CudaDriver()
@@ -353,6 +342,30 @@ class AttentionBackward:
         return dq, dk, dv
 
 
+def hopper_bench_problem(ap):
+    """The problem of the Hopper backward's profiling scripts
+    (profile_bwd_sm90.py, time_bwd_parts.py): adds --d, --s and --causal to
+    the parser `ap` and parses; FlashAttention's bench setup as
+    bench_attention_bwd.py (bf16, hidden 2048, 16k tokens). Returns the
+    arguments `a`, the sizes B, H, S, D, the inputs q, k, v, dout, the
+    forward's o and lse, and `bwd`, an AttentionBackward."""
+    import types
+
+    import torch
+
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--s", type=int, default=4096)
+    ap.add_argument("--causal", action="store_true")
+    a = ap.parse_args()
+    S, D = a.s, a.d
+    B, H = 16384 // S, 2048 // D
+    g = torch.Generator(device="cuda").manual_seed(S + D)
+    q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    fwd, bwd = ar.AttentionForward(), AttentionBackward()
+    o, lse = fwd(q, k, v, causal=a.causal)
+    return types.SimpleNamespace(a=a, B=B, H=H, S=S, D=D, q=q, k=k, v=v, dout=dout, o=o, lse=lse, bwd=bwd)
+
+
 # ---------------------------------------------------------------------------
 # CLI: precompile / report
 # ---------------------------------------------------------------------------
@@ -365,21 +378,9 @@ def _compile_one(args):
 
 
 def main(argv=None):
-    import argparse
     import concurrent.futures as cf
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["precompile", "report"])
-    ap.add_argument("--arch", action="append", help="sm_80, sm_90 (repeatable; default sm_90)")
-    ap.add_argument("--out", help="cubin cache dir (sets OPFUSE_ATTN_CUBIN_DIR)")
-    ap.add_argument("--defaults-only", action="store_true")
-    ap.add_argument("--masks-only", action="store_true")
-    ap.add_argument("--no-masks", action="store_true")
-    ap.add_argument("--only", help="comma-separated terms every compiled job's description must contain")
-    ap.add_argument("-j", type=int, default=os.cpu_count() or 1)
-    a = ap.parse_args(argv)
-    if a.out:
-        os.environ["OPFUSE_ATTN_CUBIN_DIR"] = a.out
+    a = ar.precompile_args(argv, __doc__)
     jobs = []
     if not a.masks_only:
         jobs += [(arch, elem, d, causal, kv.tag(), q.tag(), None) for arch in (a.arch or ["sm_90"])

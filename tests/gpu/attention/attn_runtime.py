@@ -521,21 +521,27 @@ class CudaDriver:
                                            ctypes.c_void_p(stream), args, None), "cuLaunchKernel")
 
 
+def current_device(who: str, arch: str | None):
+    """Makes torch's primary context current on this thread (the kernels run
+    on torch's stream); returns (arch, or the device's sm_XY when None, the
+    device's properties)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{who} needs a CUDA device")
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}"
+    return arch, torch.cuda.get_device_properties(torch.cuda.current_device())
+
+
 class AttentionForward:
     """Callable: (q, k, v, causal, scale, config) -> (o, lse) on torch's current stream."""
 
     def __init__(self, arch: str | None = None):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("AttentionForward needs a CUDA device")
-        torch.cuda.init()
-        torch.empty(1, device="cuda")  # makes the primary context current on this thread
-        if arch is None:
-            major, minor = torch.cuda.get_device_capability()
-            arch = f"sm_{major}{minor}"
-        self.arch = arch
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        self.arch, props = current_device("AttentionForward", arch)
         self.smem_limit = getattr(props, "shared_memory_per_block_optin", None)
         self.num_sms = props.multi_processor_count
         self.nvrtc = Nvrtc()
@@ -673,11 +679,12 @@ def _compile_one(args):
     return (arch, elem, d, causal, tag, mask, info["resources"], info["cached"])
 
 
-def main(argv=None):
+def precompile_args(argv, doc):
+    """The options of the precompile / report command line (here and in
+    attn_bwd_runtime.py); --out sets OPFUSE_ATTN_CUBIN_DIR."""
     import argparse
-    import concurrent.futures as cf
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["precompile", "report"])
     ap.add_argument("--arch", action="append", help="sm_80, sm_90 (repeatable; default sm_90)")
     ap.add_argument("--out", help="cubin cache dir (sets OPFUSE_ATTN_CUBIN_DIR)")
@@ -689,6 +696,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.out:
         os.environ["OPFUSE_ATTN_CUBIN_DIR"] = a.out
+    return a
+
+
+def main(argv=None):
+    import concurrent.futures as cf
+
+    a = precompile_args(argv, __doc__)
     archs = a.arch or ["sm_90"]
     jobs = []
     if not a.masks_only:

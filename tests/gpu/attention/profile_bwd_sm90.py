@@ -16,23 +16,14 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import attn_bwd_runtime as br  # noqa: E402
-import attn_runtime as ar  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("tags", nargs="+")
-ap.add_argument("--d", type=int, default=128)
-ap.add_argument("--s", type=int, default=4096)
-ap.add_argument("--causal", action="store_true")
-a = ap.parse_args()
-S, D = a.s, a.d
-B, H = 16384 // S, 2048 // D
-g = torch.Generator(device="cuda").manual_seed(S + D)
-q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-fwd, bwd = ar.AttentionForward(), br.AttentionBackward()
-o, lse = fwd(q, k, v, causal=a.causal)
+pb = br.hopper_bench_problem(ap)
+a, bwd = pb.a, pb.bwd
 cfgs = [bwd.sm90.BwdSm90Config.parse(t) for t in a.tags]
 for _ in range(2):
     for cfg in cfgs:
-        bwd(dout, q, k, v, o, lse, causal=a.causal, deterministic=False, tiles=cfg)
+        bwd(pb.dout, pb.q, pb.k, pb.v, pb.o, pb.lse, causal=a.causal, deterministic=False, tiles=cfg)
 torch.cuda.synchronize()
 print("launched", ", ".join(a.tags), "twice each", flush=True)

@@ -2,10 +2,9 @@
 // ctypes test (test_attention_bwd_reference_cpu.py). Strides are in elements;
 // tensors in the order q, k, v, o, dout, dq, dk, dv.
 #include <cstdint>
-#include <cstring>
-#include <stdexcept>
 
 #include "attention_backward_reference.h"
+#include "capi_call.h"
 
 namespace ref = opfuse::kernels::attention;
 
@@ -22,14 +21,5 @@ extern "C" int opfuse_attention_backward_reference(const double* const* ptrs, co
   a.shape = {shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]};
   a.causal = causal != 0;
   a.softmax_scale = scale;
-  try {
-    ref::attention_backward_reference(a);
-  } catch (const std::exception& e) {
-    if (err && err_len > 0) {
-      std::strncpy(err, e.what(), static_cast<size_t>(err_len) - 1);
-      err[err_len - 1] = 0;
-    }
-    return 1;
-  }
-  return 0;
+  return capi_call(err, err_len, [&] { ref::attention_backward_reference(a); });
 }

@@ -1,10 +1,9 @@
 // C shim over src/kernels/attention/attention_reference.h for the ctypes test
 // (test_attention_reference_cpu.py). Strides are in elements.
 #include <cstdint>
-#include <cstring>
-#include <stdexcept>
 
 #include "attention_reference.h"
+#include "capi_call.h"
 
 namespace ref = opfuse::kernels::attention;
 
@@ -22,17 +21,10 @@ extern "C" int opfuse_attention_reference(
   a.shape = {shape[0], shape[1], shape[2], shape[3], shape[4], shape[5]};
   a.causal = causal != 0;
   a.softmax_scale = scale;
-  try {
+  return capi_call(err, err_len, [&] {
     if (tiled)
       ref::attention_forward_tiled(a, block_m, block_n);
     else
       ref::attention_forward_plain(a);
-  } catch (const std::exception& e) {
-    if (err && err_len > 0) {
-      std::strncpy(err, e.what(), static_cast<size_t>(err_len) - 1);
-      err[err_len - 1] = 0;
-    }
-    return 1;
-  }
-  return 0;
+  });
 }

@@ -15,15 +15,9 @@ import pytest
 
 import attn_bwd_runtime as br
 import attn_runtime as ar
+from nvrtc_checks import nvrtc_or_skip
 
 ARCHS = ["sm_80", "sm_90"]
-
-
-def _nvrtc_or_skip():
-    try:
-        return ar.Nvrtc()
-    except OSError as e:
-        pytest.skip(f"libnvrtc not found: {str(e).splitlines()[0]}")
 
 
 def _expressions(arch: str):
@@ -46,7 +40,7 @@ def _compile_all(arch: str):
 
 @pytest.fixture(scope="module")
 def compiled():
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     with cf.ProcessPoolExecutor(max_workers=2) as ex:
         return dict(zip(ARCHS, ex.map(_compile_all, ARCHS)))
 
@@ -80,7 +74,7 @@ def test_default_tiles_fit_shared_memory(arch):
 def test_atomic_dq_uses_vector_reductions_on_sm90_only():
     # One red.global.add.v2.f32 per two dQ elements on sm_90; sm_80 has no
     # vector reduction and must get the scalar form.
-    nv = _nvrtc_or_skip()
+    nv = nvrtc_or_skip()
     kv, q = br.choose_tiles(64)
     expr = br.expressions("bf16", 64, True, kv, q)["dkdv_atomic"]
     ptx90 = br.compile_ptx(nv, "sm_90", [expr])
@@ -91,7 +85,7 @@ def test_atomic_dq_uses_vector_reductions_on_sm90_only():
 
 
 def test_nvrtc_rejects_bad_template_arguments():
-    nv = _nvrtc_or_skip()
+    nv = nvrtc_or_skip()
     bad = br.expressions("bf16", 80, False, br.Tile(64, 128, 8, 1), br.Tile(128, 64, 8, 1))["dkdv"]
     with pytest.raises(ar.NvrtcError, match="HEAD_DIM must be 64, 96, 128 or 256"):
         nv.compile(br.source(), br.SOURCE_NAME, ar.compile_options("sm_90"), [bad])

@@ -9,34 +9,19 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import pathlib
-import shutil
-import subprocess
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from attn_reference import visible_mask  # noqa: E402
-
-HERE = pathlib.Path(__file__).resolve().parent
-SRC = HERE.parents[2] / "src" / "kernels" / "attention"
+from reference_lib import build_reference_lib  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def reflib(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if not cxx:
-        pytest.skip("no C++ compiler found (g++/c++/clang++)")
-    out = tmp_path_factory.mktemp("attnbwdref") / "libattnbwdref.so"
-    cmd = [cxx, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", f"-I{SRC}",
-           str(SRC / "attention_backward_reference.cpp"), str(HERE / "reference_bwd_capi.cpp"), "-o", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
-    lib = ctypes.CDLL(str(out))
-    lib.opfuse_attention_backward_reference.restype = ctypes.c_int
-    return lib
+    return build_reference_lib(tmp_path_factory.mktemp("attnbwdref"), "attnbwdref", "attention_backward_reference.cpp",
+                               "reference_bwd_capi.cpp", "opfuse_attention_backward_reference")
 
 
 def run_ref(lib, q, k, v, o, dout, causal, scale=None):

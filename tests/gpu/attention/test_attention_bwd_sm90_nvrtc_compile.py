@@ -15,13 +15,7 @@ import attn_bwd_runtime as br
 import attn_bwd_runtime_sm90 as b90
 import attn_runtime as ar
 import attn_runtime_sm90 as fs
-
-
-def _nvrtc_or_skip():
-    try:
-        return ar.Nvrtc()
-    except OSError as e:
-        pytest.skip(f"libnvrtc not found: {str(e).splitlines()[0]}")
+from nvrtc_checks import nvrtc_or_skip, spill_free_problems
 
 
 def _main_expressions():
@@ -30,7 +24,7 @@ def _main_expressions():
 
 @pytest.fixture(scope="module")
 def compiled():
-    nv = _nvrtc_or_skip()
+    nv = nvrtc_or_skip()
     exprs = _main_expressions()
     # The launch sequence's other two kernels come from attention_bwd.cu: one of each too.
     extra = list(b90.expressions("bf16", 128, False, b90.DEFAULT[128]).values())
@@ -45,19 +39,9 @@ def test_every_instantiation_compiles_without_spills(compiled):
     warnings = [l for l in c["log"].splitlines()
                 if "ptxas" in l.lower() and ("warning" in l.lower() or "performance loss" in l.lower())]
     assert not warnings, "\n".join(warnings[:20])
-    problems = []
-    print(f"\nsm_90a: {'instantiation':76} regs stack spill_st spill_ld smem")
-    for (elem, d, causal, cfg), e in zip(b90.all_problems(), c["exprs"]):
-        r = ar.parse_ptxas(c["per_fn"].get(c["lowered"][e], ""))
-        smem = b90.smem_bytes(d, cfg)
-        print(f"sm_90a: {e[len('opfuse_attn::'):]:76} {r['registers']} {r['stack']} {r['spill_stores']} "
-              f"{r['spill_loads']} {smem}")
-        if r["registers"] is None:
-            problems.append(f"{e}: no ptxas report")
-        elif r["stack"] or r["spill_stores"] or r["spill_loads"]:
-            problems.append(f"{e}: spills ({r})")
-        if smem > b90.SMEM_LIMIT:
-            problems.append(f"{e}: {smem} bytes of shared memory")
+    rows = [(e, ar.parse_ptxas(c["per_fn"].get(c["lowered"][e], "")), b90.smem_bytes(d, cfg))
+            for (elem, d, causal, cfg), e in zip(b90.all_problems(), c["exprs"])]
+    problems = spill_free_problems("sm_90a", rows, b90.SMEM_LIMIT, 76)
     assert not problems, "\n".join(problems)
 
 
@@ -92,7 +76,7 @@ def test_smem_and_tiles_match_the_kernel_limits():
     for d in b90.HEAD_DIMS:
         for cfg in b90.configs(d):
             assert b90.smem_bytes(d, cfg) <= b90.SMEM_LIMIT
-    nv = _nvrtc_or_skip()
+    nv = nvrtc_or_skip()
     bad = b90.expressions("bf16", 64, False, b90.BwdSm90Config(64, 2))["main"]
     with pytest.raises(ar.NvrtcError, match="BLOCK_M = 64 needs HEAD_DIM = 128"):
         nv.compile(b90.source(), b90.SOURCE_NAME, ar.compile_options(fs.ARCH_SM90), [bad])

@@ -14,13 +14,7 @@ import re
 import pytest
 
 import attn_runtime as ar
-
-
-def _nvrtc_or_skip():
-    try:
-        return ar.Nvrtc()
-    except OSError as e:
-        pytest.skip(f"libnvrtc not found: {str(e).splitlines()[0]}")
+from nvrtc_checks import nvrtc_or_skip, spill_free_problems
 
 
 def _compile_all(arch: str):
@@ -36,7 +30,7 @@ def _compile_all(arch: str):
 
 @pytest.fixture(scope="module")
 def compiled():
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     archs = ["sm_80", "sm_90"]
     # The two architectures compile in parallel processes (about 40 s each on one core).
     with cf.ProcessPoolExecutor(max_workers=2) as ex:
@@ -101,7 +95,7 @@ def test_masked_instantiations_compile_without_big_spills(compiled, arch):
 
 
 def test_nvrtc_rejects_bad_template_arguments():
-    nv = _nvrtc_or_skip()
+    nv = nvrtc_or_skip()
     bad = ar.name_expression("bf16", 80, False, ar.FwdConfig(128, 64, 4, 2))
     with pytest.raises(ar.NvrtcError, match="HEAD_DIM must be 64, 96, 128 or 256"):
         nv.compile(ar.kernel_source(), "attention_fwd.cu", ar.compile_options("sm_90"), [bad])
@@ -123,7 +117,7 @@ import attn_runtime_sm90 as sm90  # noqa: E402
 
 def _compile_sm90(inst):
     """One NVRTC program with the sm_90a instantiations `inst` (tuples of name_expression_sm90's arguments)."""
-    nv = _nvrtc_or_skip()
+    nv = nvrtc_or_skip()
     exprs = [sm90.name_expression_sm90(*i) for i in inst]
     ptx, cubin, log, lowered = sm90.compile_ptx_and_cubin_sm90(nv, exprs)
     return dict(inst=inst, exprs=exprs, ptx=ptx, cubin=cubin, log=log, lowered=lowered, per_fn=ar.split_ptxas_log(log))
@@ -145,19 +139,9 @@ def test_sm90_every_instantiation_compiles_without_spills(compiled_sm90):
     # kernel is then serialised (seen while adding OPTS; docs/attention.md).
     serialised = [l for l in c["log"].splitlines() if "serialized" in l or "Performance Loss" in l]
     assert not serialised, "\n".join(serialised[:20])
-    problems = []
-    print(f"\nsm_90a: {'instantiation':86} regs stack spill_st spill_ld smem")
-    for (elem, d, causal, cfg), e in zip(c["inst"], c["exprs"]):
-        r = ar.parse_ptxas(c["per_fn"].get(c["lowered"][e], ""))
-        smem = sm90.smem_bytes_sm90(d, cfg)
-        print(f"sm_90a: {e[len('opfuse_attn::'):]:86} {r['registers']} {r['stack']} {r['spill_stores']} "
-              f"{r['spill_loads']} {smem}")
-        if r["registers"] is None:
-            problems.append(f"{e}: no ptxas report")
-        elif r["stack"] or r["spill_stores"] or r["spill_loads"]:
-            problems.append(f"{e}: spills ({r})")
-        if smem > ar.MAX_SMEM_PER_BLOCK["sm_90"]:
-            problems.append(f"{e}: {smem} bytes of shared memory")
+    rows = [(e, ar.parse_ptxas(c["per_fn"].get(c["lowered"][e], "")), sm90.smem_bytes_sm90(d, cfg))
+            for (elem, d, causal, cfg), e in zip(c["inst"], c["exprs"])]
+    problems = spill_free_problems("sm_90a", rows, ar.MAX_SMEM_PER_BLOCK["sm_90"], 86)
     assert not problems, "\n".join(problems)
 
 

@@ -10,35 +10,19 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import pathlib
-import shutil
-import subprocess
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from attn_reference import attention_fp32  # noqa: E402
-
-HERE = pathlib.Path(__file__).resolve().parent
-REPO = HERE.parents[2]
-SRC = REPO / "src" / "kernels" / "attention"
+from reference_lib import build_reference_lib  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def reflib(tmp_path_factory):
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if not cxx:
-        pytest.skip("no C++ compiler found (g++/c++/clang++)")
-    out = tmp_path_factory.mktemp("attnref") / "libattnref.so"
-    cmd = [cxx, "-std=c++20", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", f"-I{SRC}",
-           str(SRC / "attention_reference.cpp"), str(HERE / "reference_capi.cpp"), "-o", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout}\n{r.stderr}"
-    lib = ctypes.CDLL(str(out))
-    lib.opfuse_attention_reference.restype = ctypes.c_int
-    return lib
+    return build_reference_lib(tmp_path_factory.mktemp("attnref"), "attnref", "attention_reference.cpp",
+                               "reference_capi.cpp", "opfuse_attention_reference")
 
 
 def _strides(t):

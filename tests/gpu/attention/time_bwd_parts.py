@@ -16,21 +16,13 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import attn_bwd_runtime as br  # noqa: E402
-import attn_runtime as ar  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("tags", nargs="*")
-ap.add_argument("--d", type=int, default=128)
-ap.add_argument("--s", type=int, default=4096)
-ap.add_argument("--causal", action="store_true")
 ap.add_argument("--calls", type=int, default=10)
-a = ap.parse_args()
-S, D = a.s, a.d
-B, H = 16384 // S, 2048 // D
-g = torch.Generator(device="cuda").manual_seed(S + D)
-q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-fwd, bwd = ar.AttentionForward(), br.AttentionBackward()
-o, lse = fwd(q, k, v, causal=a.causal)
+pb = br.hopper_bench_problem(ap)
+a, bwd, q, k, v, dout, o, lse = pb.a, pb.bwd, pb.q, pb.k, pb.v, pb.dout, pb.o, pb.lse
+B, H, S, D = pb.B, pb.H, pb.S, pb.D
 grads = tuple(torch.empty_like(t) for t in (q, k, v))
 flops = 2.5 * 4 * B * H * S * S * D / (2 if a.causal else 1)
 for tag in a.tags or [None]:
