@@ -111,10 +111,13 @@ constexpr int64_t kBlockPartialsCols = 256;  // the same bound as parts_for's 52
 int row_lean() { return env_int("OPFUSE_ROW_LEAN", -1); }
 int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
 // Fewer instructions a row (branch lnbwd-4; layer_norm backward's dx kernel
-// at 32768x4096 issues ~260 a warp a row, Inductor's ~60% of that at the same
-// bytes; docs/perf-notes.md "lnbwd-4"). Each off by default (not measured
-// on a GPU yet), OPFUSE_ROW_ISSUE=1 turning on the four together, each
-// knob forcing its own (0/1):
+// at 32768x4096 issued ~260 a warp a row, Inductor's ~60% of that at the same
+// bytes; docs/perf-notes.md "lnbwd-4"). On by default since the H200
+// measured them (session 9, scripts/lnbwd4_variants.py: layer_norm backward
+// 32768x4096 265.7 -> 251.4 us, 8192x32768 911.5 -> 879.9 us; at 262144x256
+// the raw lanes cost 4%, so lane groups keep the plain loads).
+// OPFUSE_ROW_ISSUE=0 turns the four off together, each knob forcing its own
+// (0/1):
 // - OPFUSE_ROW_INDEX32: row and column indices (row_, x<axis>, c_) as int,
 //   and 32-bit offsets for buffers of fixed strides, where rows and columns
 //   are known and at most 2^30 and the buffer at most 2^31 - 1 elements
@@ -125,16 +128,20 @@ int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
 //   thread of the block by construction);
 // - OPFUSE_ROW_RAW_LANES: 16-bit vector loads kept as the raw 128-bit
 //   vector, lane j read with one shift (even) or mask (odd) as the raw
-//   cache does, not a byte permute and a shift (same float bits);
+//   cache does, not a byte permute and a shift (same float bits); by
+//   default not in lane groups (rows of at most 1024 elements);
 // - OPFUSE_ROW_SUM2_CONST: the pair reduction with the block's warps known
 //   when the kernel is generated (opf_block_sum2_w: no blockDim arithmetic,
 //   one 8-byte shared store and load for the pair, log2(warps) shuffle
 //   steps in the second tree, not 5; the same sums bit for bit, see the prelude).
-int row_issue() { return env_int("OPFUSE_ROW_ISSUE", 0); }
+int row_issue() { return env_int("OPFUSE_ROW_ISSUE", 1); }
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
 int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }
 int sum2_const() { return env_int("OPFUSE_ROW_SUM2_CONST", row_issue()); }
-int raw_lanes() { return env_int("OPFUSE_ROW_RAW_LANES", row_issue()); }
+bool raw_lanes(bool grouped_rows) {
+  int forced = env_int("OPFUSE_ROW_RAW_LANES", -1);
+  return forced >= 0 ? forced > 0 : row_issue() > 0 && !grouped_rows;
+}
 int partials_smem() { return env_int("OPFUSE_ROW_PARTIALS_SMEM", row_lean()); }
 int cache_raw() { return env_int("OPFUSE_ROW_CACHE_RAW", row_lean()); }
 // L2 of the H100/H200 (50 MB; the A100's is 40): rows in flight against it.
@@ -920,7 +927,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   ncols_ = known ? ncols : -1;
   // (Not in sm_80's 1024-thread loop kernels, capped at 32 registers: the
   // defaults spill 4 bytes there at 8192x32768, the raw lanes 8.)
-  raw_lanes_ = raw_lanes() > 0 && !(arch_ < 90 && loop_overflow_);
+  raw_lanes_ = raw_lanes(grouped_rows_) && !(arch_ < 90 && loop_overflow_);
   index_type_ = index32() > 0 && !columns_ && known && rows_known && ncols <= (1LL << 30) && nrows <= (1LL << 30) ? "int" : "int64_t";
   const std::string I = index_type_;
 

@@ -3,8 +3,9 @@ kernel-only ones): the layout checks, written buffers and GEMM pair blocks,
 pointers, the GEMM steps (PyTorch's matmul through a callback on the CPU),
 counts and results without Python's _miss per call; GemmUnsupported still
 reaching the fallback; and the same values and counts as Python's path.
-On CUDA the path is OPFUSE_GEMM_CPP_LAUNCH=1 (off by default until a GPU
-session validates it), so the GPU cases set it."""
+The path is the default on both devices (OPFUSE_GEMM_CPP_LAUNCH=0 turns
+it off); the cases set the knob anyway, so a changed default cannot turn
+them into tests of Python's path."""
 import math
 
 import pytest
@@ -50,11 +51,11 @@ def partition(fn, args):
     return f, part, part_args
 
 
-def test_the_cpu_takes_the_cpp_path_by_default(monkeypatch):
+def test_both_devices_take_the_cpp_path_by_default(monkeypatch):
     monkeypatch.delenv("OPFUSE_GEMM_CPP_LAUNCH", raising=False)
-    assert runtime.gemm_cpp_launch(False) and not runtime.gemm_cpp_launch(True)
+    assert runtime.gemm_cpp_launch(False) and runtime.gemm_cpp_launch(True)
     monkeypatch.setenv("OPFUSE_GEMM_CPP_LAUNCH", "0")
-    assert not runtime.gemm_cpp_launch(False)
+    assert not runtime.gemm_cpp_launch(False) and not runtime.gemm_cpp_launch(True)
     monkeypatch.setenv("OPFUSE_GEMM_CPP_LAUNCH", "1")
     assert runtime.gemm_cpp_launch(True)
 

@@ -1,5 +1,6 @@
-"""The OPFUSE_ROW_ISSUE knobs (branch lnbwd-4, off by default: fewer
-instructions a row in row kernels; see cuda_row_emitter.cpp, row_issue):
+"""The OPFUSE_ROW_ISSUE knobs (branch lnbwd-4, on by default since session
+9's H200 run: fewer instructions a row in row kernels; see
+cuda_row_emitter.cpp, row_issue):
 each knob changes the source the way it says, and with each on (and all
 four) the row kernels compile with NVRTC for sm_80 and sm_90 without
 spills. Their results against float64 are GPU tests
@@ -54,6 +55,7 @@ def _dx_vector_kernel(src):
 def test_each_knob_changes_the_dx_kernel_as_it_says(monkeypatch):
     for k in KNOBS:
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OPFUSE_ROW_ISSUE", "0")
     _, _, base = _source("lnb", [32768], 4096, "bf16", 90)
     v = _dx_vector_kernel(base)
     assert "int64_t row_" in v and "if (c_ < cols)" in v and "opf_vload<8>" in v and "opf_block_sum2(" in v
@@ -72,11 +74,23 @@ def test_each_knob_changes_the_dx_kernel_as_it_says(monkeypatch):
         _, _, src = _source("lnb", [32768], 4096, "bf16", 90)
         assert ok(_dx_vector_kernel(src)), (k, _dx_vector_kernel(src)[:3000])
         monkeypatch.delenv(k)
-    monkeypatch.setenv("OPFUSE_ROW_ISSUE", "1")
+    monkeypatch.delenv("OPFUSE_ROW_ISSUE")  # the defaults: all four
     _, _, src = _source("lnb", [32768], 4096, "bf16", 90)
     assert all(ok(_dx_vector_kernel(src)) for ok in expect.values())
     monkeypatch.setenv("OPFUSE_ROW_INDEX32", "0")  # each knob overrides the umbrella
     assert "int64_t row_" in _dx_vector_kernel(_source("lnb", [32768], 4096, "bf16", 90)[2])
+
+
+def test_lane_groups_keep_plain_loads_unless_raw_lanes_is_forced(monkeypatch):
+    """The raw lanes cost 4% in the lane-group kernel at 262144x256 on the
+    H200 (session 9), so the defaults leave them out of lane groups only."""
+    for k in KNOBS:
+        monkeypatch.delenv(k, raising=False)
+    v = _dx_vector_kernel(_source("lnb", [262144], 256, "bf16", 90)[2])
+    assert "const opf_vec<16> rl" not in v and "opf_vload<8>(b4" in v and "int row_" in v  # (32-bit indices: on)
+    monkeypatch.setenv("OPFUSE_ROW_RAW_LANES", "1")
+    v = _dx_vector_kernel(_source("lnb", [262144], 256, "bf16", 90)[2])
+    assert "const opf_vec<16> rl" in v and "opf_vload<8>(b4" not in v
 
 
 def test_exact_cols_keeps_the_bounds_test_where_the_row_is_not_covered_exactly(monkeypatch):
@@ -113,12 +127,13 @@ _DEFAULT_SPILLS = {}
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("knob", KNOBS)
 def test_issue_knobs_compile_without_spills(arch, knob, monkeypatch):
-    """No spills with the knob where the defaults have none (sm_80's
-    1024-thread loop kernel of 8192x32768 spills 4 bytes at the defaults:
-    no more with the knob)."""
+    """No spills with the knob where the kernels without the four have none
+    (sm_80's 1024-thread loop kernel of 8192x32768 spills 4 bytes without
+    them: no more with the knob). OPFUSE_ROW_ISSUE=1 is the defaults."""
     nvrtc_or_skip()
     for k in KNOBS:
         monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OPFUSE_ROW_ISSUE", "0")
     for case in CASES:
         if (case, arch) not in _DEFAULT_SPILLS:
             _DEFAULT_SPILLS[(case, arch)] = _spills(*case, arch)
