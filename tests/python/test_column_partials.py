@@ -221,6 +221,7 @@ def test_row_knobs_compile_without_spills(arch, knobs, monkeypatch):
 def test_lean_row_knobs_compile_without_spills(arch, lead, cols, dt, smem, bound, monkeypatch):
     nvrtc_or_skip()
     monkeypatch.setenv("OPFUSE_ROW_LEAN", "1")
+    monkeypatch.setenv("OPFUSE_ROW_ISSUE", "0")  # the lean knobs' own text (the issue knobs: test_row_issue_knobs.py)
     rows = int(np.prod(lead))
     cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols, dt=dt, lead=lead), target="cuda")
     shapes = [lead + [cols], lead + [cols], lead + [1], lead + [1], [cols]]
@@ -244,8 +245,11 @@ def test_lean_defaults_where_measured(arch, monkeypatch):
     per row with the row cached (32768x4096), not in loop stages (8192x32768,
     not split); the whole lean combination for lane groups on sm_90
     (262144x256: partials in shared memory, raw cache, 4 blocks of 256), not
-    on sm_80 (its ptxas spilled); OPFUSE_ROW_LEAN=0 turns all of it off."""
+    on sm_80 (its ptxas spilled); OPFUSE_ROW_LEAN=0 turns all of it off.
+    (With the issue knobs off: they change the same text, and
+    test_row_issue_knobs.py pins theirs.)"""
     nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_ROW_ISSUE", "0")
 
     def vec_kernel(rows, cols):
         cg = _C.CompiledGraph(layer_norm_backward_ir(rows, cols), target="cuda")
