@@ -111,11 +111,16 @@ class CudaEmitter : public CEmitter {
   bool stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster);
   void stage_prologue(int threads_per_row, const std::vector<size_t>& kept);
   // The staged ring (OPFUSE_ROW_STAGE_RING): two slots per staged buffer,
-  // persistent row groups that copy the next row while reducing this one.
+  // persistent row groups that copy the next row while reducing this one;
+  // =2, one slot refilled in place (stage_inplace_): each piece's copy of
+  // the next row goes out right after the last stage stores that piece.
   bool stage_ring_ = false;
+  bool stage_inplace_ = false;
   int64_t stage_slot_bytes_ = 0;  // bytes between a staged buffer's two slots
+  std::string stage_copy(int b, const Staged& st, const std::string& row_prefix, const std::string& dst);
   void stage_copy_loop(int threads_per_row, const std::string& row_prefix, const std::string& slot);
   void stage_ring_next(int threads_per_row, const std::vector<size_t>& kept);
+  void stage_refill_piece();
   int64_t slot_elements(int b) const;
   void partial(const KStmt& s) override;
   void store_partials(int threads_per_row, const std::string& slot);

@@ -420,6 +420,7 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     --indent_;
     line("}");
     vector_stores(loop, "c_");
+    if (stage_inplace_ && stage_bytes_ > 0 && stage_index_ + 1 == static_cast<int>(k_->stages.size())) stage_refill_piece();
   } else {
     if (row_loop_axes_.size() == 1) line("const " + I + " " + last_var_ + " = c_;");
     else if (!row_loop_axes_.empty()) decompose("c_", row_loop_axes_);
@@ -616,13 +617,24 @@ bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cl
   // The ring (an experiment, off by default; sm_90): two slots, so one
   // 64 KB slice a block takes one block an SM, and 1024 threads
   // (OPFUSE_ROW_STAGE_RING_THREADS) keep the SM's issue slots as busy as
-  // three 512-thread blocks did.
-  stage_ring_ = arch_ >= 90 && env_int("OPFUSE_ROW_STAGE_RING", 0) > 0;
+  // three 512-thread blocks did. Measured 5-33% slower on the H200 (a third
+  // fewer rows in flight). OPFUSE_ROW_STAGE_RING=2 keeps one slot (three
+  // blocks an SM, as without a ring) and refills it in place: every stage
+  // reads back only the pieces its thread copied, so once the last stage
+  // has stored a piece nothing reads it again and the thread sends the next
+  // row's copy of that piece there (stage_refill_piece); the copy overlaps
+  // the rest of the output pass. Only where the last stage loops over the
+  // row (it reads or stores every piece last).
+  int ring = arch_ >= 90 ? env_int("OPFUSE_ROW_STAGE_RING", 0) : 0;
+  if (ring == 2 && k_->stages.back().loop.empty()) ring = 0;
+  stage_ring_ = ring > 0;
+  stage_inplace_ = ring == 2;
+  bool two_slots = stage_ring_ && !stage_inplace_;
   stage_slot_bytes_ = off;
-  stage_bytes_ = static_cast<int>(stage_ring_ ? 2 * off : off);
-  int max_threads = stage_ring_ ? env_int("OPFUSE_ROW_STAGE_RING_THREADS", 1024) : env_int("OPFUSE_ROW_SMEM_THREADS", 512);
+  stage_bytes_ = static_cast<int>(two_slots ? 2 * off : off);
+  int max_threads = two_slots ? env_int("OPFUSE_ROW_STAGE_RING_THREADS", 1024) : env_int("OPFUSE_ROW_SMEM_THREADS", 512);
   if (max_threads < 128 || max_threads > 1024 || (max_threads & (max_threads - 1)) != 0) max_threads = 512;
-  *threads = std::min(max_threads, std::max(128, pow2_at_least(ceil_div(chunk, (stage_ring_ ? 4 : 8) * vec_))));
+  *threads = std::min(max_threads, std::max(128, pow2_at_least(ceil_div(chunk, (two_slots ? 4 : 8) * vec_))));
   *cluster = c;
   // Shared memory an SM (KB): sm_80/87 164, sm_90/100 228, others 100;
   // each block also takes ~1 KB of static and 1 KB of reserved memory.
@@ -680,21 +692,33 @@ int64_t CudaEmitter::slot_elements(int b) const {
 // variables carry `row_prefix` (decompose's prefix: "x" is the row being
 // reduced), `slot` is the slot's offset in elements. Each thread copies the
 // columns it later reads, as stage_prologue's copy does.
+// One 16-byte copy of buffer b's piece at column c_ of the row whose kept
+// variables carry `row_prefix`, to shared memory at `dst`.
+std::string CudaEmitter::stage_copy(int b, const Staged& st, const std::string& row_prefix, const std::string& dst) {
+  std::vector<Expr> idx = st.load.index;
+  for (auto& e : idx)
+    e = substitute(e, [&](const ExprNode& v) -> Expr {
+      if (v.name == last_var_) return var("c_");
+      if (kept_vars_.count(v.name)) return var(row_prefix + v.name.substr(1));
+      return nullptr;
+    });
+  return "opf_cp_async16(" + dst + ", b" + std::to_string(b) + " + " + offset(b, idx) + ");";
+}
+
 void CudaEmitter::stage_copy_loop(int threads_per_row, const std::string& row_prefix, const std::string& slot) {
   std::string V = std::to_string(vec_), step = std::to_string(threads_per_row * vec_);
   line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
-  for (const auto& [b, st] : staged_) {
-    std::vector<Expr> idx = st.load.index;
-    for (auto& e : idx)
-      e = substitute(e, [&](const ExprNode& v) -> Expr {
-        if (v.name == last_var_) return var("c_");
-        if (kept_vars_.count(v.name)) return var(row_prefix + v.name.substr(1));
-        return nullptr;
-      });
-    line("  opf_cp_async16(" + st.name + "_ring_ + " + slot + " * " + std::to_string(slot_elements(b)) + " + (c_ - cbegin_), b" +
-         std::to_string(b) + " + " + offset(b, idx) + ");");
-  }
+  for (const auto& [b, st] : staged_)
+    line("  " + stage_copy(b, st, row_prefix,
+                           st.name + "_ring_ + " + slot + " * " + std::to_string(slot_elements(b)) + " + (c_ - cbegin_)"));
   line("}");
+}
+
+// In the last stage's loop of the in-place ring, after the piece at c_ is
+// stored (its values are used, so its shared-memory reads are done): the
+// next row's copy of the same piece into the same place.
+void CudaEmitter::stage_refill_piece() {
+  for (const auto& [b, st] : staged_) line("if (nr_ok_) " + stage_copy(b, st, "nrx", st.name + " + (c_ - cbegin_)"));
 }
 
 // The top of a ring iteration: the copies of the group's next row go into
@@ -702,6 +726,18 @@ void CudaEmitter::stage_copy_loop(int threads_per_row, const std::string& row_pr
 // waits for its copies of this row only, and the staged names point at
 // this row's slot.
 void CudaEmitter::stage_ring_next(int threads_per_row, const std::vector<size_t>& kept) {
+  if (stage_inplace_) {
+    // This row's copies (before the loop, or the last iteration's refills)
+    // are the thread's only ones in flight; the next row's are decomposed
+    // here for the refills.
+    line("opf_cp_async_wait_all();");
+    line("const int64_t nr_ = row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ");");
+    line("const bool nr_ok_ = nr_ < rows;");
+    decompose("nr_ok_ ? nr_ : row_", kept, "nrx");
+    for (const auto& [b, st] : staged_)
+      line(storage_type(k_->buffers[static_cast<size_t>(b)].dtype) + "* const " + st.name + " = " + st.name + "_ring_;");
+    return;
+  }
   line("{");
   ++indent_;
   line("const int64_t nr_ = row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ");");
@@ -826,6 +862,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   staged_.clear();
   stage_bytes_ = 0;
   stage_ring_ = false;
+  stage_inplace_ = false;
   if (vec > 1 && known && g.items == 0 && !g.grouped && !partials && !bufs.empty() &&
       stage_rows(ncols, bufs, cluster_ok, &g.threads, &g.cluster))
     g.l2_overflow = false;

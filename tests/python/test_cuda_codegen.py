@@ -244,14 +244,16 @@ def test_staged_rows_compile_without_spills(arch, dtype, cols, monkeypatch):
         assert spills and all(int(s) == 0 for s in spills), log[-2000:]
 
 
+@pytest.mark.parametrize("ring", ["1", "2"])
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("cols", [20000, 32768, 70000, 262144])
-def test_staged_ring_compiles_without_spills(arch, dtype, cols, monkeypatch):
+def test_staged_ring_compiles_without_spills(arch, dtype, cols, ring, monkeypatch):
     """OPFUSE_ROW_STAGE_RING=1 (two slots a staged buffer, persistent row
-    groups, 1024 threads): every row op compiles with no spills."""
+    groups, 1024 threads) and =2 (one slot refilled in place, 512 threads):
+    every row op compiles with no spills."""
     nvrtc_or_skip()
-    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "1")
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
     for op in ["softmax", "log_softmax", "layer_norm", "rms_norm"]:
         _, log = compile_for(row_ir(op, dtype, 64, cols), [[64, cols]], arch)
         spills = re.findall(r"(\d+) bytes spill stores", log)
@@ -286,6 +288,39 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
         assert v.count("opf_vload<8>(sr0 +") == 3 and "opf_vload<8>(b0" not in v and "opf_cp_async_wait_all" not in v
         if cluster > 1:
             assert "&opf_cslot[0 + par_]" in v and "&opf_cslot[2 + par_]" in v and "opf_cluster_arrive" not in v
+
+
+def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):
+    """OPFUSE_ROW_STAGE_RING=2 on sm_90: one slot (64 KB a block, three
+    512-thread blocks an SM, as without a ring), the first row's copies
+    before the persistent row loop, a wait for the thread's own copies at
+    the top of each iteration, and in the last stage's loop the next row's
+    copy of each piece into the same place right after that piece's output
+    is stored (and only there); the cluster slots alternate by row parity.
+    Every op (layer_norm's and rms_norm's last stage reads the weight from
+    global memory too). sm_80 has no ring."""
+    for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+        for rows, cols, cluster in ((8192, 32768, 1), (4096, 262144, 8)):
+            shapes = [[rows, cols]]
+            cg = _C.CompiledGraph(row_ir(op, "bf16", rows, cols), target="cuda")
+            off80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
+            monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "2")
+            v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+            assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == off80
+            monkeypatch.delenv("OPFUSE_ROW_STAGE_RING")
+            chunk = cols // cluster
+            assert "__launch_bounds__(512, 3)" in v and "(par_ ^ 1)" not in v and "opf_cp_async_wait_prior" not in v
+            loop = v.index(f"row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1)")
+            assert v.index(f"opf_cp_async16(sr0_ring_ + 0 * {chunk} +") < loop
+            top = v.index("opf_cp_async_wait_all();", loop)
+            assert v.index("opf_bf16* const sr0 = sr0_ring_;") > top
+            refill = "if (nr_ok_) opf_cp_async16(sr0 + (c_ - cbegin_), b0 + "
+            assert v.count(refill) == 1
+            last_store = v.rindex("opf_vstore_w<8>(b")
+            assert v.rindex("opf_vload<8>(sr0 +") < last_store < v.index(refill)
+            assert v.index(refill) < v.index("}", v.index(refill))  # inside the last stage's loop
+            if cluster > 1:
+                assert "&opf_cslot[0 + par_]" in v and "opf_cluster_arrive" not in v
 
 
 def _vector_ptx(ptx):

@@ -473,18 +473,23 @@ def test_staging_knobs_keep_results(knobs, monkeypatch):
 
 
 # The staged ring (OPFUSE_ROW_STAGE_RING=1): persistent row groups that copy
-# their next row into a second slot while reducing this one. Row counts past
+# their next row into a second slot while reducing this one; =2, into the
+# same slot, each piece right after the last stage has stored it. Row counts past
 # the groups the device holds (about 132 blocks at 20000 and 32768, about 16
 # clusters of 8 at 262144), so every group takes several rows and both slots
 # and both parities of the cluster slots are used; 32776 (slices of 16392 and
 # 16384) and 70000 take clusters of 2; 3 rows leave most groups idle.
 RING = [(301, 20000), (300, 32768), (7, 32776), (37, 70000), (41, 262144), (3, 262144)]
+# The in-place ring keeps three blocks an SM: about 396 groups at 20000 and
+# 32768, 198 clusters of 2 at 32776, 99 of 4 at 70000, ~45 of 8 at 262144;
+# more rows than that, so that groups refill.
+RING_IN_PLACE = [(1001, 20000), (1000, 32768), (301, 32776), (211, 70000), (150, 262144), (3, 262144)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-@pytest.mark.parametrize("rows,cols", RING)
-def test_staged_ring_matches_float64(rows, cols, monkeypatch):
-    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "1")
+@pytest.mark.parametrize("ring,rows,cols", [("1", r, c) for r, c in RING] + [("2", r, c) for r, c in RING_IN_PLACE])
+def test_staged_ring_matches_float64(ring, rows, cols, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
     torch.manual_seed(rows + cols)
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 3
     w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
@@ -494,14 +499,16 @@ def test_staged_ring_matches_float64(rows, cols, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-def test_staged_ring_row_views(monkeypatch):
+@pytest.mark.parametrize("ring", ["1", "2"], ids=["two_slots", "in_place"])
+def test_staged_ring_row_views(ring, monkeypatch):
     """Rows at a stride of cols + 16, 8 elements into their storage (the
     ring's vector twin), and rows that differ in scale (a row's statistics
-    must not leak into the next row a group takes)."""
-    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "1")
+    must not leak into the next row a group takes, nor its refilled pieces
+    into this row's output)."""
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
     torch.manual_seed(3)
     for cols in (32768, 262144):
-        rows = 200 if cols == 32768 else 40
+        rows = (200 if cols == 32768 else 40) * (4 if ring == "2" else 1)
         base = torch.randn(rows * (cols + 16) + 8, device="cuda", dtype=torch.bfloat16)
         x = base[8:8 + rows * (cols + 16)].view(rows, cols + 16)[:, :cols]
         x = x * torch.logspace(-3, 3, rows, device="cuda", dtype=torch.bfloat16)[:, None]
