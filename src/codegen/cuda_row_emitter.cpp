@@ -614,18 +614,23 @@ bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cl
     staged_[b] = Staged{"sr" + std::to_string(b), off, load.at(b)};
     off += chunk * dtype_size(k_->buffers[static_cast<size_t>(b)].dtype);  // a multiple of 16
   }
-  // The ring (an experiment, off by default; sm_90): two slots, so one
-  // 64 KB slice a block takes one block an SM, and 1024 threads
+  // The ring (sm_90). OPFUSE_ROW_STAGE_RING=1: two slots, so one 64 KB
+  // slice a block takes one block an SM, and 1024 threads
   // (OPFUSE_ROW_STAGE_RING_THREADS) keep the SM's issue slots as busy as
-  // three 512-thread blocks did. Measured 5-33% slower on the H200 (a third
-  // fewer rows in flight). OPFUSE_ROW_STAGE_RING=2 keeps one slot (three
-  // blocks an SM, as without a ring) and refills it in place: every stage
-  // reads back only the pieces its thread copied, so once the last stage
-  // has stored a piece nothing reads it again and the thread sends the next
-  // row's copy of that piece there (stage_refill_piece); the copy overlaps
-  // the rest of the output pass. Only where the last stage loops over the
-  // row (it reads or stores every piece last).
-  int ring = arch_ >= 90 ? env_int("OPFUSE_ROW_STAGE_RING", 0) : 0;
+  // three 512-thread blocks did; measured 5-33% slower on the H200 (a third
+  // fewer rows in flight), off. =2: one slot (three blocks an SM, as
+  // without a ring) refilled in place: every stage reads back only the
+  // pieces its thread copied, so once the last stage has stored a piece
+  // nothing reads it again and the thread sends the next row's copy of that
+  // piece there (stage_refill_piece); the copy overlaps the rest of the
+  // output pass and the group skips a cluster launch a row. Only where the
+  // last stage loops over the row (it reads or stores every piece last).
+  // The default for rows split over a cluster: H200, bf16 4096x262144
+  // (row_variants.py at 9a14d7c): softmax 1336 -> 1312 us, layer_norm
+  // 1551 -> 1507, rms_norm 1252 -> 1215, log_softmax 1311 -> 1304; not for
+  // a block per row (8192x32768: 268 -> 296 us, softmax). =0 turns it off.
+  int forced = env_int("OPFUSE_ROW_STAGE_RING", -1);
+  int ring = arch_ >= 90 ? (forced >= 0 ? forced : c > 1 ? 2 : 0) : 0;
   if (ring == 2 && k_->stages.back().loop.empty()) ring = 0;
   stage_ring_ = ring > 0;
   stage_inplace_ = ring == 2;

@@ -291,7 +291,8 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
 
 
 def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):
-    """OPFUSE_ROW_STAGE_RING=2 on sm_90: one slot (64 KB a block, three
+    """OPFUSE_ROW_STAGE_RING=2 on sm_90 (the default for rows split over a
+    cluster): one slot (64 KB a block, three
     512-thread blocks an SM, as without a ring), the first row's copies
     before the persistent row loop, a wait for the thread's own copies at
     the top of each iteration, and in the last stage's loop the next row's
@@ -304,10 +305,13 @@ def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):
             shapes = [[rows, cols]]
             cg = _C.CompiledGraph(row_ir(op, "bf16", rows, cols), target="cuda")
             off80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
+            default = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
             monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "2")
             v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
             assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == off80
             monkeypatch.delenv("OPFUSE_ROW_STAGE_RING")
+            # The default where the row takes a cluster (measured faster), not a block per row.
+            assert (default == v) == (cluster > 1)
             chunk = cols // cluster
             assert "__launch_bounds__(512, 3)" in v and "(par_ ^ 1)" not in v and "opf_cp_async_wait_prior" not in v
             loop = v.index(f"row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1)")
@@ -355,9 +359,11 @@ def test_vstore_words_keeps_128_bit_stores(shape, monkeypatch):
 def test_cluster_early_arrive(monkeypatch):
     """By default (OPFUSE_ROW_CLUSTER_EARLY_ARRIVE=1) a row split over a cluster arrives at
     its exit barrier right after its last cluster reduction and waits at the
-    end; as many arrives as waits (one per reduction and the exit)."""
+    end; as many arrives as waits (one per reduction and the exit). (A
+    cluster with one row: without the in-place ring, the default there.)"""
     nvrtc_or_skip()
     monkeypatch.setenv("OPFUSE_ROW_CLUSTER_EARLY_ARRIVE", "1")
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", "0")
     shapes = [[4096, 262144]]
     for op, reductions in (("softmax", 2), ("layer_norm", 2), ("rms_norm", 1)):
         ir = row_ir(op, "bf16", 4096, 262144)
