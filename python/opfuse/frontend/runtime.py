@@ -36,7 +36,7 @@ _current_device = _get_device or (lambda: torch.cuda.current_device())
 _allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
 
 
-def gemm_cpp_launch(cuda: bool) -> bool:
+def gemm_cpp_launch() -> bool:
     """Whether partitions with GEMM steps run from the C++ launcher (as
     kernel-only ones do) instead of Python's _miss every call.
     On by default on both devices (=0 turns it off): on the H200 it passed
@@ -179,10 +179,10 @@ class FusedPartition(_C.Launcher):
     recent layouts, then the prepared run of the first that accepts. A call
     no check accepts comes to _miss, which finds or prepares the layout (or
     runs eagerly) and makes it the most recent. Partitions with library
-    calls (GEMMs) take the same path where gemm_cpp_launch() says so (the
+    calls (GEMMs) take the same path unless gemm_cpp_launch() says no (the
     launcher also gets cuBLASLt's workspace, the TF32 setting or, on the
-    CPU, PyTorch's matmul as a callback); elsewhere they run from _miss
-    every time, set up in Python."""
+    CPU, PyTorch's matmul as a callback); then they run from _miss every
+    time, set up in Python."""
 
     def __init__(self, compiled: "_C.CompiledGraph", eager: torch.fx.GraphModule, tensor_positions, input_dtypes,
                  name: str, dump=None, device=None, ir_text=None, gemm_epilogues=1):
@@ -195,7 +195,7 @@ class FusedPartition(_C.Launcher):
         # CUDA it asks for the workspaces once per (device, stream) and for
         # PyTorch's TF32 setting every call. Given either way, so that
         # use_gemm_cpp can switch.
-        self.gemm_cpp = bool(compiled.num_library_calls) and gemm_cpp_launch(cuda)
+        self.gemm_cpp = bool(compiled.num_library_calls) and gemm_cpp_launch()
         library = bool(compiled.num_library_calls) and cuda
         super().__init__(cuda, None if all_tensors else list(tensor_positions),
                          _current_device if cuda else None, _raw_stream if cuda else None,
