@@ -420,7 +420,7 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     --indent_;
     line("}");
     vector_stores(loop, "c_");
-    if (stage_inplace_ && stage_bytes_ > 0 && stage_index_ + 1 == static_cast<int>(k_->stages.size())) stage_refill_piece();
+    if (stage_inplace_ && stage_index_ + 1 == static_cast<int>(k_->stages.size())) stage_refill_piece();
   } else {
     if (row_loop_axes_.size() == 1) line("const " + I + " " + last_var_ + " = c_;");
     else if (!row_loop_axes_.empty()) decompose("c_", row_loop_axes_);
@@ -693,10 +693,6 @@ int64_t CudaEmitter::slot_elements(int b) const {
   return stage_slot_bytes_ / size;
 }
 
-// The staged ring's copy of one row into one slot (0 or 1): the row's kept
-// variables carry `row_prefix` (decompose's prefix: "x" is the row being
-// reduced), `slot` is the slot's offset in elements. Each thread copies the
-// columns it later reads, as stage_prologue's copy does.
 // One 16-byte copy of buffer b's piece at column c_ of the row whose kept
 // variables carry `row_prefix`, to shared memory at `dst`.
 std::string CudaEmitter::stage_copy(int b, const Staged& st, const std::string& row_prefix, const std::string& dst) {
@@ -710,6 +706,10 @@ std::string CudaEmitter::stage_copy(int b, const Staged& st, const std::string& 
   return "opf_cp_async16(" + dst + ", b" + std::to_string(b) + " + " + offset(b, idx) + ");";
 }
 
+// The staged ring's copy of one row into one slot (0 or 1): the row's kept
+// variables carry `row_prefix` (decompose's prefix: "x" is the row being
+// reduced), `slot` is the slot's offset in elements. Each thread copies the
+// columns it later reads, as stage_prologue's copy does.
 void CudaEmitter::stage_copy_loop(int threads_per_row, const std::string& row_prefix, const std::string& slot) {
   std::string V = std::to_string(vec_), step = std::to_string(threads_per_row * vec_);
   line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
@@ -726,10 +726,11 @@ void CudaEmitter::stage_refill_piece() {
   for (const auto& [b, st] : staged_) line("if (nr_ok_) " + stage_copy(b, st, "nrx", st.name + " + (c_ - cbegin_)"));
 }
 
-// The top of a ring iteration: the copies of the group's next row go into
-// the other slot (an empty group after the last row), then the thread
-// waits for its copies of this row only, and the staged names point at
-// this row's slot.
+// The top of a ring iteration. Two slots: the copies of the group's next
+// row go into the other slot (an empty group after the last row), then the
+// thread waits for its copies of this row only, and the staged names point
+// at this row's slot. In place: the thread waits for this row's copies and
+// names the next row for the last stage's refills (stage_refill_piece).
 void CudaEmitter::stage_ring_next(int threads_per_row, const std::vector<size_t>& kept) {
   if (stage_inplace_) {
     // This row's copies (before the loop, or the last iteration's refills)

@@ -304,9 +304,9 @@ def _knob_id(knobs):
     return "+".join(n.replace("OPFUSE_ROW_", "").replace("OPFUSE_", "").lower() + v for n, v in knobs.items())
 
 
-# OPFUSE_ROW_ISSUE=1 (lnbwd-4: 32-bit indices, no bounds test where a row
-# is covered exactly, raw 16-bit lanes, the pair reduction with known warps)
-# where the knob-free tests do not reach: float16 and float32 rows, 256 parts
+# OPFUSE_ROW_ISSUE=1 (lnbwd-4, the default since session 9: 32-bit indices,
+# no bounds test where a row is covered exactly, raw 16-bit lanes, the pair
+# reduction with known warps) where the other tests do not reach: float16 and float32 rows, 256 parts
 # at 4096 (the measured default), the scalar twin (strided rows: see
 # test_lean_row_backward_strided_rows).
 @pytest.mark.parametrize("shape,dtype", [((2050, 4096), torch.float16), ((2111, 4096), torch.float32),
