@@ -25,7 +25,7 @@ import tempfile
 from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from row_source import layer_norm_backward_ir, softmax_backward_ir, strides  # noqa: E402
+from row_source import forward_ir, layer_norm_backward_ir, softmax_backward_ir, strides  # noqa: E402
 
 
 def cuobjdump():
@@ -131,6 +131,9 @@ def sass_of(op, shape, arch):
     r, c = (int(v) for v in shape.split("x"))
     if op == "softmax_backward":
         ir, shapes = softmax_backward_ir(r, c), [[r, c], [r, c]]
+    elif op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+        ir = forward_ir(op, r, c)
+        shapes = [[r, c]] + [[c]] * {"layer_norm": 2, "rms_norm": 1}.get(op, 0)
     else:
         ir, shapes = layer_norm_backward_ir(r, c), [[r, c], [r, c], [r, 1], [r, 1], [c]]
     cg = _C.CompiledGraph(ir, target="cuda")

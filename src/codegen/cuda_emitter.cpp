@@ -125,11 +125,22 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
     if (lane_of_.count(key)) continue;
     if (caching_ && cache_.read[static_cast<size_t>(stage_index_)].count(s.dst)) continue;  // read from registers instead
     if (auto st = staged_.find(s.buffer); st != staged_.end()) {
-      // The thread's own copy of these columns, from the stage prologue.
+      // The thread's own copy of these columns, from the stage prologue; as
+      // the raw 16-byte vector where 16-bit loads are read as raw lanes (one
+      // shift or mask an element, not a permute and a shift: the staged
+      // rows' three passes each paid it, session 10).
+      DType t = k_->buffers[static_cast<size_t>(s.buffer)].dtype;
+      std::string src = st->second.name + " + (" + lane0 + " - cbegin_)";
+      if (raw_lanes_ && vec_ == 8 && (t == DType::BFloat16 || t == DType::Float16)) {
+        std::string arr = "rl" + std::to_string(lane_of_.size());
+        lane_of_[key] = arr;
+        line("const opf_vec<16> " + arr + " = *reinterpret_cast<const opf_vec<16>*>(" + src + ");");
+        continue;
+      }
       std::string arr = "lv" + std::to_string(lane_of_.size());
       lane_of_[key] = arr;
-      line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
-      line("opf_vload<" + std::to_string(vec_) + ">(" + st->second.name + " + (" + lane0 + " - cbegin_), " + arr + ");");
+      line(storage_type(t) + " " + arr + "[" + std::to_string(vec_) + "];");
+      line("opf_vload<" + std::to_string(vec_) + ">(" + src + ", " + arr + ");");
       continue;
     }
     std::vector<Expr> idx = s.index;

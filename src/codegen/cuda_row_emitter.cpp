@@ -712,7 +712,8 @@ std::string CudaEmitter::stage_copy(int b, const Staged& st, const std::string& 
 // columns it later reads, as stage_prologue's copy does.
 void CudaEmitter::stage_copy_loop(int threads_per_row, const std::string& row_prefix, const std::string& slot) {
   std::string V = std::to_string(vec_), step = std::to_string(threads_per_row * vec_);
-  line("for (int64_t c_ = cbegin_ + (int64_t)tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
+  const std::string& I = index_type_;
+  line("for (" + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + "; c_ < cend_; c_ += " + step + ") {");
   for (const auto& [b, st] : staged_)
     line("  " + stage_copy(b, st, row_prefix,
                            st.name + "_ring_ + " + slot + " * " + std::to_string(slot_elements(b)) + " + (c_ - cbegin_)"));
@@ -737,7 +738,7 @@ void CudaEmitter::stage_ring_next(int threads_per_row, const std::vector<size_t>
     // are the thread's only ones in flight; the next row's are decomposed
     // here for the refills.
     line("opf_cp_async_wait_all();");
-    line("const int64_t nr_ = row_ + (int64_t)(gridDim.x / " + std::to_string(cluster_) + ");");
+    line("const " + index_type_ + " nr_ = row_ + (" + index_type_ + ")(gridDim.x / " + std::to_string(cluster_) + ");");
     line("const bool nr_ok_ = nr_ < rows;");
     decompose("nr_ok_ ? nr_ : row_", kept, "nrx");
     for (const auto& [b, st] : staged_)
@@ -971,9 +972,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // (Not in sm_80's 1024-thread loop kernels, capped at 32 registers: the
   // defaults spill 4 bytes there at 8192x32768, the raw lanes 8.)
   raw_lanes_ = raw_lanes(grouped_rows_) && !(arch_ < 90 && loop_overflow_);
-  // (Not in cluster kernels: the scalar twin of a 1024-thread cluster block
-  // at 40000 columns spilled 116 bytes with them, and none was measured.)
-  index_type_ = index32() > 0 && !columns_ && cluster_ == 1 && known && rows_known && ncols <= (1LL << 30) &&
+  // (Not in cluster kernels but staged ones: the scalar twin of a 1024-thread
+  // cluster block at 40000 columns spilled 116 bytes with them. A staged
+  // cluster row's loops are its issue: 64-bit column indices cost ~1.5
+  // instructions an element of ~23 at 4096x262144, session 10's ncu.)
+  index_type_ = index32() > 0 && !columns_ && (cluster_ == 1 || stage_bytes_ > 0) && known && rows_known && ncols <= (1LL << 30) &&
                         nrows <= (1LL << 30)
                     ? "int"
                     : "int64_t";
@@ -1172,17 +1175,17 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     // next row's into the other slot before reducing this one.
     std::string S = std::to_string(stage_chunk_), C = std::to_string(cluster_);
     line("const int tid_ = threadIdx.x;");
-    line("const int64_t cbase_ = 0, cbegin_ = " + (cluster_ > 1 ? "(int64_t)opf_cluster_rank() * " + S : std::string("0")) + ";");
-    line("const int64_t cend_ = cbegin_ + " + S + " < cols ? cbegin_ + " + S + " : cols;");
-    line("if ((int64_t)blockIdx.x / " + C + " < rows) {");
+    line("const " + I + " cbase_ = 0, cbegin_ = " + (cluster_ > 1 ? "(" + I + ")opf_cluster_rank() * " + S : std::string("0")) + ";");
+    line("const " + I + " cend_ = cbegin_ + " + S + " < cols ? cbegin_ + " + S + " : cols;");
+    line("if ((" + I + ")blockIdx.x / " + C + " < rows) {");
     ++indent_;
-    decompose("(int64_t)blockIdx.x / " + C, split.kept, "frx");
+    decompose("(" + I + ")blockIdx.x / " + C, split.kept, "frx");
     stage_copy_loop(threads_per_row, "frx", "0");
     --indent_;
     line("}");
     line("opf_cp_async_commit();");
     line("int par_ = 0;");
-    line("for (int64_t row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
+    line("for (" + I + " row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
   } else if (cluster_row_loop_) {
     std::string C = std::to_string(cluster_);
     std::string slice = std::to_string(static_cast<int64_t>(partial_items_) * g.threads * vec);

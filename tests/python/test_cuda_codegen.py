@@ -129,8 +129,9 @@ def test_long_rows_use_a_cluster_on_sm90_only(monkeypatch):
 
 
 def vector_loads(kernel, pointer):
-    """16-byte global loads from `pointer` (a prefix: "" for any): into a
-    lane array (opf_vload) or kept as the raw vector (OPFUSE_ROW_RAW_LANES)."""
+    """16-byte loads from `pointer` (a prefix: "" for any; "sr0 +" for the
+    staged row in shared memory): into a lane array (opf_vload) or kept as
+    the raw vector (OPFUSE_ROW_RAW_LANES)."""
     return kernel.count(f"opf_vload<8>({pointer}") + kernel.count(f"opf_vec<16>*>({pointer}")
 
 
@@ -203,7 +204,7 @@ def test_long_rows_staged_in_shared_memory_read_each_element_once():
             assert "opf_cp_async16(sr0" in v and vector_loads(v, "b0") == 0, v
             assert "__cluster_dims__" not in v
             stages = 2 if op == "rms_norm" else 3
-            assert v.count("opf_vload<8>(sr0") == stages, v
+            assert vector_loads(v, "sr0 +") == stages, v
             assert f"__launch_bounds__(512, {3 if arch == 90 else 2})" in v
         shapes = [[4096, 262144]]
         cg = _C.CompiledGraph(row_ir(op, "bf16", 4096, 262144), target="cuda")
@@ -280,12 +281,12 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
         chunk = cols // cluster
         assert "__launch_bounds__(1024, 1)" in v
         assert ("__cluster_dims__(8, 1, 1)" in v) == (cluster == 8)
-        loop = v.index(f"for (int64_t row_ = blockIdx.x / {cluster}; row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1)")
+        loop = v.index(f" row_ = blockIdx.x / {cluster}; row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1)")
         assert v.index(f"opf_cp_async16(sr0_ring_ + 0 * {chunk} +") < loop
         assert v.index(f"opf_cp_async16(sr0_ring_ + (par_ ^ 1) * {chunk} +") > loop
         nxt = v.index("opf_cp_async_wait_prior();")
         assert v.index(f"opf_bf16* const sr0 = sr0_ring_ + par_ * {chunk};") > nxt
-        assert v.count("opf_vload<8>(sr0 +") == 3 and "opf_vload<8>(b0" not in v and "opf_cp_async_wait_all" not in v
+        assert vector_loads(v, "sr0 +") == 3 and vector_loads(v, "b0") == 0 and "opf_cp_async_wait_all" not in v
         if cluster > 1:
             assert "&opf_cslot[0 + par_]" in v and "&opf_cslot[2 + par_]" in v and "opf_cluster_arrive" not in v
 
@@ -321,7 +322,7 @@ def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):
             refill = "if (nr_ok_) opf_cp_async16(sr0 + (c_ - cbegin_), b0 + "
             assert v.count(refill) == 1
             last_store = v.rindex("opf_vstore_w<8>(b")
-            assert v.rindex("opf_vload<8>(sr0 +") < last_store < v.index(refill)
+            assert max(v.rfind("opf_vload<8>(sr0 +"), v.rfind("opf_vec<16>*>(sr0 +")) < last_store < v.index(refill)
             assert v.index(refill) < v.index("}", v.index(refill))  # inside the last stage's loop
             if cluster > 1:
                 assert "&opf_cslot[0 + par_]" in v and "opf_cluster_arrive" not in v
