@@ -300,6 +300,10 @@ void CudaEmitter::plain_statement(const KStmt& s, const KStage& stage) {
     return;
   }
   // The max stage of an online softmax pass: fold u into the (max, sum) pair.
+  if (!online_acc_.empty() && s.kind == KStmt::Update && !online_vec_max_.empty() && in_lanes_) {
+    line("ocv_[j_] = " + value(s.args[0]) + ";");
+    return;
+  }
   if (!online_acc_.empty() && s.kind == KStmt::Update) {
     const KAccumulator& a = stage.accs[static_cast<size_t>(s.acc)];
     line(std::string("opf_online_add<") + (fast_math_ ? "true" : "false") + ">(" + acc_name(a) + ", " + online_acc_ + ", " +

@@ -53,6 +53,9 @@ class CudaEmitter : public CEmitter {
   bool in_row_loop_ = false;
   bool fast_math_ = false;  // every output is float16/bfloat16: see opf_exp_fast
   std::string online_acc_;  // set while printing an online softmax pass: the sum accumulator
+  // ...and, in a staged row's vector lanes (OPFUSE_ROW_STAGE_ONLINE), the max
+  // accumulator: the lanes' values go to ocv_ and fold in once a vector.
+  std::string online_vec_max_;
   int vec_ = 1;                  // the V of the function being printed
   bool in_lanes_ = false;
   std::vector<bool> vec_buffer_;  // by kernel buffer

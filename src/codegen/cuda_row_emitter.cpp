@@ -135,6 +135,8 @@ int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
 //   one 8-byte shared store and load for the pair, log2(warps) shuffle
 //   steps in the second tree, not 5; the same sums bit for bit, see the prelude).
 int row_issue() { return env_int("OPFUSE_ROW_ISSUE", 1); }
+// The online (max, sum) pass in staged rows (see row_kernel).
+int stage_online() { return env_int("OPFUSE_ROW_STAGE_ONLINE", 0); }
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
 int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }
 int sum2_const() { return env_int("OPFUSE_ROW_SUM2_CONST", row_issue()); }
@@ -410,6 +412,7 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     pipe_items_ = items;
     vector_loads(loop, "c_");
     prefetch_ = pf;
+    if (!online_vec_max_.empty()) line("float ocv_[" + V + "];");
     line("#pragma unroll");
     line("for (int j_ = 0; j_ < " + V + "; ++j_) {");
     ++indent_;
@@ -419,6 +422,9 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     in_lanes_ = false;
     --indent_;
     line("}");
+    if (!online_vec_max_.empty())
+      line(std::string("opf_online_add_vec<") + (fast_math_ ? "true" : "false") + ", " + V + ">(" + online_vec_max_ + ", " +
+           online_acc_ + ", ocv_);");
     vector_stores(loop, "c_");
     if (stage_inplace_ && stage_index_ + 1 == static_cast<int>(k_->stages.size())) stage_refill_piece();
   } else {
@@ -1029,8 +1035,15 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // dependent chain cost more than the pass it saves (8192x32768 softmax
   // 3.26 -> 2.40 TB/s), so they keep three stages.
   bool long_rows = known && ncols > 32768;
-  // (Rows staged in shared memory re-read it, not HBM: three passes.)
-  int online = (long_rows && !caching_ && !columns_ && cluster_ == 1 && stage_bytes_ == 0) ? online_softmax_stage() : -1;
+  // Rows staged in shared memory re-read it, not HBM: three passes, unless
+  // OPFUSE_ROW_STAGE_ONLINE=1: the online pair a 16-byte vector at a time
+  // (opf_online_add_vec: the vector's max, one rescale, an exp a value), so
+  // a staged row takes two passes over shared memory and one reduction
+  // across the block or cluster fewer (session 10: the cluster-staged rows
+  // at 4096x262144 issue ~23 instructions an element and wait at two
+  // cluster barriers a row).
+  bool staged_online = stage_bytes_ > 0 && vec > 1 && !caching_ && !columns_ && !grouped_rows_ && stage_online() > 0;
+  int online = ((long_rows && !caching_ && !columns_ && cluster_ == 1 && stage_bytes_ == 0) || staged_online) ? online_softmax_stage() : -1;
   if (stage_bytes_ > 0 && stage_ring_) stage_ring_next(threads_per_row, split.kept);
   else if (stage_bytes_ > 0) stage_prologue(threads_per_row, split.kept);
   for (size_t si = 0; si < k_->stages.size(); ++si) {
@@ -1044,11 +1057,21 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       accumulator_init(mx);
       accumulator_init(sm);
       online_acc_ = acc_name(sm);
+      if (staged_online) online_vec_max_ = acc_name(mx);
       if (!st.loop.empty()) row_stage_loop(st, g.items, threads_per_row);
       online_acc_.clear();
+      online_vec_max_.clear();
       std::string fast = fast_math_ ? "true" : "false";
       if (grouped_rows_) {
         if (lanes_ > 1) line("opf_warp_online<" + fast + ", " + std::to_string(lanes_) + ">(" + acc_name(mx) + ", " + acc_name(sm) + ");");
+      } else if (cluster_ > 1) {
+        // The pair through distributed shared memory: one 8-byte slot a block
+        // (alternating by row parity where the cluster steps through rows).
+        std::string idx = cluster_row_loop_ ? std::to_string(2 * cluster_reductions_++) + " + par_" : std::to_string(cluster_reductions_++);
+        line("opf_cluster_online<" + fast + ", " + std::to_string(cluster_) + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ +
+             ", reinterpret_cast<float*>(&opf_cslot[" + idx + "]));");
+        last_cluster_reduce_end_ = static_cast<int64_t>(out_.tellp());
+        last_cluster_reduce_indent_ = indent_;
       } else {
         line("opf_block_online<" + fast + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ + ");");
       }

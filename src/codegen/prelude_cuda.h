@@ -446,6 +446,20 @@ template <bool FAST> static __device__ __forceinline__ void opf_online_add(float
   // exp(x - max) is exp(inf - inf) = NaN for x = +inf, as the two passes had it.
   opf_online_combine<FAST>(m, s, x, x == opf_limits<float>::inf() ? opf_limits<float>::nan() : 1.0f);
 }
+// V values at once (a staged row's 16-byte vector, OPFUSE_ROW_STAGE_ONLINE):
+// their max first, their sum of exp against it, then one combine, so an
+// element costs one exp and no branch; a vector of -inf adds nothing, +inf
+// or NaN make the pair NaN as opf_online_add would.
+template <bool FAST, int V> static __device__ __forceinline__ void opf_online_add_vec(float& m, float& s, const float* x) {
+  float cm = x[0];
+#pragma unroll
+  for (int j = 1; j < V; ++j) cm = opf_max_nan(cm, x[j]);
+  const float base = cm == -opf_limits<float>::inf() ? 0.0f : cm;
+  float cs = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) cs += opf_online_exp<FAST>(x[j] - base);
+  opf_online_combine<FAST>(m, s, cm == -opf_limits<float>::inf() ? opf_limits<float>::lowest() : cm, cs);
+}
 template <bool FAST, int W = 32> static __device__ __forceinline__ void opf_warp_online(float& m, float& s) {
 #pragma unroll
   for (int o = W / 2; o > 0; o >>= 1) {
@@ -462,6 +476,23 @@ template <bool FAST> static __device__ __forceinline__ void opf_block_online(flo
   __syncthreads();
   m = lane < nwarps ? sm[lane] : opf_limits<float>::lowest();
   s = lane < nwarps ? sm[32 + lane] : 0.0f;
+  opf_warp_online<FAST>(m, s);
+}
+// The online (max, sum) pair across a cluster: each block's pair in its
+// 8-byte slot, lane r of every warp reads block r's, the same shuffle tree
+// everywhere, so every thread ends with the same pair.
+template <bool FAST, int C> static __device__ __forceinline__ void opf_cluster_online(float& m, float& s, void* smem, float* slot) {
+  opf_block_online<FAST>(m, s, smem);
+  if (threadIdx.x == 0) { slot[0] = m; slot[1] = s; }
+  opf_cluster_sync();
+  const int lane = threadIdx.x & 31;
+  if (lane < C) {
+    m = opf_cluster_load(slot, (unsigned)lane);
+    s = opf_cluster_load(slot + 1, (unsigned)lane);
+  } else {
+    m = opf_limits<float>::lowest();
+    s = 0.0f;
+  }
   opf_warp_online<FAST>(m, s);
 }
 

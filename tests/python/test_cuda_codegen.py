@@ -7,7 +7,7 @@ import re
 import pytest
 
 from opfuse import _C
-from opfuse.testing import contiguous_strides
+from opfuse.testing import contiguous_strides, ptxas_report
 
 from conftest import nvrtc_or_skip
 
@@ -289,6 +289,40 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
         assert vector_loads(v, "sr0 +") == 3 and vector_loads(v, "b0") == 0 and "opf_cp_async_wait_all" not in v
         if cluster > 1:
             assert "&opf_cslot[0 + par_]" in v and "&opf_cslot[2 + par_]" in v and "opf_cluster_arrive" not in v
+
+
+def test_staged_online_pass_takes_the_pair_a_vector_at_a_time(monkeypatch):
+    """OPFUSE_ROW_STAGE_ONLINE=1: softmax and log_softmax rows staged in
+    shared memory read it twice, not three times; the (max, sum) pair folds
+    in once a 16-byte vector (opf_online_add_vec: fast exp for bf16, expf
+    for float32), across the block (a block per row) or through
+    distributed shared memory (a cluster, one 8-byte slot a block by row
+    parity in the in-place ring); no spills. Off by default."""
+    nvrtc_or_skip()
+    for op in ("softmax", "log_softmax"):
+        for rows, cols, cluster in ((8192, 32768, 1), (4096, 262144, 8)):
+            shapes = [[rows, cols]]
+            cg = _C.CompiledGraph(row_ir(op, "bf16", rows, cols), target="cuda")
+            default = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+            assert "opf_online_add_vec" not in default and vector_loads(default, "sr0 +") == 3
+            monkeypatch.setenv("OPFUSE_ROW_STAGE_ONLINE", "1")
+            v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+            assert vector_loads(v, "sr0 +") == 2 and v.count("opf_online_add_vec<true, 8>(a") == 1, v
+            if cluster > 1:
+                assert "opf_cluster_online<true, 8>(" in v and "&opf_cslot[0 + par_]" in v and "opf_cluster_reduce<" not in v
+            else:
+                assert "opf_block_online<true>(" in v and "opf_block_reduce<" not in v
+            for name, (regs, spill) in ptxas_report(cg.compile_cuda(shapes, contiguous_strides(shapes), 90, False)[2]).items():
+                assert spill == 0, (op, rows, cols, name)
+            # float32: 128 KB rows staged over a cluster of 2 (expf, 4 lanes); 1 MB rows are not staged
+            # and keep the loop stages' element-wise online pair.
+            cg32 = _C.CompiledGraph(row_ir(op, "f32", rows, cols), target="cuda")
+            v32 = _vector_kernel(cg32.cuda_source(shapes, contiguous_strides(shapes), 90))
+            if cols == 32768:
+                assert "opf_online_add_vec<false, 4>(a" in v32 and "__cluster_dims__(2, 1, 1)" in v32
+            else:
+                assert "opf_online_add<false>(a" in v32 and "opf_cp_async16" not in v32
+            monkeypatch.delenv("OPFUSE_ROW_STAGE_ONLINE")
 
 
 def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):

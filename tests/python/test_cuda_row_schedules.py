@@ -192,19 +192,26 @@ def test_layer_norm_weight_and_bias_gradients(rows, cols):
     _layer_norm_grads_within_eager(x, w, b, dy)
 
 
-@pytest.mark.parametrize("smem_kb", ["0", "64"])
+@pytest.mark.parametrize("smem_kb", ["0", "64", "64-online", "16-online"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_online_softmax_pass_with_special_values(dtype, smem_kb, monkeypatch):
     """Loop-stage rows (40000 elements) take max and sum in one online pass
     (OPFUSE_ROW_SMEM_KB=0) or, staged in shared memory, three passes over it
-    (a cluster of 2 or 4 on sm_90): +inf, -inf, NaN and all -inf rows as eager."""
-    monkeypatch.setenv("OPFUSE_ROW_SMEM_KB", smem_kb)
-    x = torch.randn(6, 40000, device="cuda", dtype=dtype) * 4
+    (a cluster of 2 or 4 on sm_90), or two with OPFUSE_ROW_STAGE_ONLINE=1
+    (the pair a 16-byte vector at a time; 64 KB: a block per row at 20000,
+    16 KB: clusters): +inf, -inf, NaN, all -inf rows and vectors of -inf as
+    eager."""
+    kb, _, online = smem_kb.partition("-")
+    monkeypatch.setenv("OPFUSE_ROW_SMEM_KB", kb)
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_ONLINE", "1" if online else "0")
+    x = torch.randn(7, 40000, device="cuda", dtype=dtype) * 4
     x[1, 7] = float("nan")
     x[2, 39999] = float("inf")
     x[3] = float("-inf")
     x[4, ::3] = float("-inf")
     x[5, 20000:] = 30  # a late, larger maximum rescales the running sum
+    x[6, :16000] = float("-inf")  # whole vectors of -inf before the first finite one
+    x[6, 30000:30016] = float("-inf")
     for fn in (lambda t: torch.softmax(t, -1), lambda t: torch.log_softmax(t, -1)):
         torch._dynamo.reset()
         out = torch.compile(fn, backend="opfuse", dynamic=False)(x)
@@ -421,8 +428,10 @@ STAGED = [(5, 20000, torch.bfloat16), (4, 32768, torch.bfloat16), (3, 32776, tor
           (5, 20000, torch.float32), (2, 262144, torch.float32)]
 
 
+@pytest.mark.parametrize("online", ["0", "1"], ids=["three_passes", "online"])
 @pytest.mark.parametrize("rows,cols,dtype", STAGED, ids=lambda v: str(v).replace("torch.", ""))
-def test_staged_rows_match_float64(rows, cols, dtype):
+def test_staged_rows_match_float64(rows, cols, dtype, online, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_ONLINE", online)
     torch.manual_seed(cols)
     x = torch.randn(rows, cols, device="cuda", dtype=dtype) * 3
     w = torch.randn(cols, device="cuda", dtype=dtype)
@@ -490,6 +499,8 @@ RING_IN_PLACE = [(1001, 20000), (1000, 32768), (301, 32776), (211, 70000), (150,
 @pytest.mark.parametrize("ring,rows,cols", [("1", r, c) for r, c in RING] + [("2", r, c) for r, c in RING_IN_PLACE])
 def test_staged_ring_matches_float64(ring, rows, cols, monkeypatch):
     monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
+    # The in-place ring with the online pair too: its cluster slots by row parity hold (max, sum).
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_ONLINE", "1" if ring == "2" else "0")
     torch.manual_seed(rows + cols)
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 3
     w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
