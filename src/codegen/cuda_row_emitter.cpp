@@ -1039,9 +1039,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // OPFUSE_ROW_STAGE_ONLINE=1: the online pair a 16-byte vector at a time
   // (opf_online_add_vec: the vector's max, one rescale, an exp a value), so
   // a staged row takes two passes over shared memory and one reduction
-  // across the block or cluster fewer (session 10: the cluster-staged rows
-  // at 4096x262144 issue ~23 instructions an element and wait at two
-  // cluster barriers a row).
+  // across the block or cluster fewer. Off: slower on the H200 (session
+  // 10, f4b6140, bf16): softmax 4096x262144 1263.9 -> 1384.7 us,
+  // log_softmax 1234.8 -> 1345.7, 8192x32768 unchanged; the vector's
+  // max chain, its combine (one more exp, branches) and 8 dependent adds
+  // cost more than the pass and the cluster barrier they save.
   bool staged_online = stage_bytes_ > 0 && vec > 1 && !caching_ && !columns_ && !grouped_rows_ && stage_online() > 0;
   int online = ((long_rows && !caching_ && !columns_ && cluster_ == 1 && stage_bytes_ == 0) || staged_online) ? online_softmax_stage() : -1;
   if (stage_bytes_ > 0 && stage_ring_) stage_ring_next(threads_per_row, split.kept);
