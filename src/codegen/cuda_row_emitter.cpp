@@ -160,10 +160,19 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
     int64_t nv = ceil_div(ncols, vec);
     int lanes = 1;
     while (lanes < 32 && lanes * 4 < nv) lanes *= 2;
+    // OPFUSE_ROW_GROUP_LANES / _THREADS (powers of two): the lanes a row and
+    // the block size of lane groups, to measure them (defaults: the rule
+    // above, 256 threads).
+    auto pow2_knob = [](const char* name, int lo, int hi, int dflt) {
+      int v = env_int(name, 0);
+      return v >= lo && v <= hi && (v & (v - 1)) == 0 ? v : dflt;
+    };
+    lanes = pow2_knob("OPFUSE_ROW_GROUP_LANES", 1, 32, lanes);
+    int threads = std::max(pow2_knob("OPFUSE_ROW_GROUP_THREADS", 64, 1024, 256), lanes);
     g.grouped = true;
     g.lanes = lanes;
-    g.threads = 256;
-    g.rows_per_block = 256 / lanes;
+    g.threads = threads;
+    g.rows_per_block = threads / lanes;
     int64_t items = ceil_div(nv, lanes);
     if (slots > 0 && items * vec * slots <= 2 * cached_values()) g.items = static_cast<int>(items);
     return g;
