@@ -408,6 +408,11 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     line("  const " + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + " + k_ * " + step + ";");
   } else {
     if (columns_) line("#pragma unroll 8");  // loads of several rows in flight per thread
+    // OPFUSE_ROW_STAGE_UNROLL=n: unroll a staged row's stage loops n times
+    // (their global loads, layer_norm's weight and bias, in flight
+    // together), to measure; off by default.
+    else if (stage_bytes_ > 0 && vec_ > 1 && env_int("OPFUSE_ROW_STAGE_UNROLL", 0) > 1)
+      line("#pragma unroll " + std::to_string(env_int("OPFUSE_ROW_STAGE_UNROLL", 0)));
     line("for (" + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + "; c_ < cend_; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
   }
   ++indent_;
