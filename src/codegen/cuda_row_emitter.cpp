@@ -135,6 +135,8 @@ int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
 //   one 8-byte shared store and load for the pair, log2(warps) shuffle
 //   steps in the second tree, not 5; the same sums bit for bit, see the prelude).
 int row_issue() { return env_int("OPFUSE_ROW_ISSUE", 1); }
+// Unrolling of staged stage loops (see row_stage_loop).
+int stage_unroll(int cluster) { return env_int("OPFUSE_ROW_STAGE_UNROLL", cluster > 1 ? 8 : 0); }
 // The online (max, sum) pass in staged rows (see row_kernel).
 int stage_online() { return env_int("OPFUSE_ROW_STAGE_ONLINE", 0); }
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
@@ -408,11 +410,15 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     line("  const " + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + " + k_ * " + step + ";");
   } else {
     if (columns_) line("#pragma unroll 8");  // loads of several rows in flight per thread
-    // OPFUSE_ROW_STAGE_UNROLL=n: unroll a staged row's stage loops n times
-    // (their global loads, layer_norm's weight and bias, in flight
-    // together), to measure; off by default.
-    else if (stage_bytes_ > 0 && vec_ > 1 && env_int("OPFUSE_ROW_STAGE_UNROLL", 0) > 1)
-      line("#pragma unroll " + std::to_string(env_int("OPFUSE_ROW_STAGE_UNROLL", 0)));
+    // A staged row's stage loops unrolled n times (OPFUSE_ROW_STAGE_UNROLL=n;
+    // 0 or 1: not unrolled), so that their global loads (layer_norm's weight
+    // and bias) go out together. By default 8 where the row is split over a
+    // cluster: H200, bf16 4096x262144 (session 10, 35d199a): layer_norm
+    // 1443 -> 1309 us (2 and 4: 1368, 1342), softmax 1259-1272 -> 1255,
+    // rms_norm 1204-1221 -> 1199, log_softmax the same; a block per row
+    // (8192x32768) gained nothing, so it keeps the plain loop.
+    else if (stage_bytes_ > 0 && vec_ > 1 && stage_unroll(cluster_) > 1)
+      line("#pragma unroll " + std::to_string(stage_unroll(cluster_)));
     line("for (" + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + "; c_ < cend_; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
   }
   ++indent_;
