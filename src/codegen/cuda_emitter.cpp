@@ -300,6 +300,13 @@ void CudaEmitter::plain_statement(const KStmt& s, const KStage& stage) {
     return;
   }
   // The max stage of an online softmax pass: fold u into the (max, sum) pair.
+  if (!moments_mean_.empty() && s.kind == KStmt::Update && in_lanes_) {
+    // The thread's first value is its shift k; sums of x - k and its square.
+    std::string u = value(s.args[0]);
+    line("if (j_ == 0 && wn_ == 0.0f) wk_ = " + u + ";");
+    line("{ const float wd_ = " + u + " - wk_; " + moments_mean_ + " += wd_; " + online_acc_ + " = fmaf(wd_, wd_, " + online_acc_ + "); }");
+    return;
+  }
   if (!online_acc_.empty() && s.kind == KStmt::Update && !online_vec_max_.empty() && in_lanes_) {
     line("ocv_[j_] = " + value(s.args[0]) + ";");
     return;

@@ -56,6 +56,9 @@ class CudaEmitter : public CEmitter {
   // ...and, in a staged row's vector lanes (OPFUSE_ROW_STAGE_ONLINE), the max
   // accumulator: the lanes' values go to ocv_ and fold in once a vector.
   std::string online_vec_max_;
+  // Set while printing a staged row's moments pass (OPFUSE_ROW_STAGE_MOMENTS):
+  // the mean's accumulator; the squared deviations' is online_acc_.
+  std::string moments_mean_;
   int vec_ = 1;                  // the V of the function being printed
   bool in_lanes_ = false;
   std::vector<bool> vec_buffer_;  // by kernel buffer
@@ -147,6 +150,7 @@ class CudaEmitter : public CEmitter {
   void row_stage_loop(const KStage& st, int items, int threads_per_row);
   std::string statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const;
   int online_softmax_stage() const;
+  int moments_stage() const;
   std::string access_key(const KStmt& s) const;
   // Declares lane arrays and issues the vector loads of `stmts` at lane 0's
   // index (`lane0` replaces the innermost variable); skips cached loads.

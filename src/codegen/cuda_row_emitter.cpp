@@ -137,6 +137,8 @@ int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
 int row_issue() { return env_int("OPFUSE_ROW_ISSUE", 1); }
 // Unrolling of staged stage loops (see row_stage_loop).
 int stage_unroll(int cluster) { return env_int("OPFUSE_ROW_STAGE_UNROLL", cluster > 1 ? 8 : 0); }
+// The mean and variance in one pass in staged rows (see row_kernel).
+int stage_moments() { return env_int("OPFUSE_ROW_STAGE_MOMENTS", 0); }
 // The online (max, sum) pass in staged rows (see row_kernel).
 int stage_online() { return env_int("OPFUSE_ROW_STAGE_ONLINE", 0); }
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
@@ -282,6 +284,59 @@ int CudaEmitter::online_softmax_stage() const {
     if (!sub_stmt) continue;
     auto ka = keys_of(a), kb = keys_of(b);
     if (!ka.count(u) || !kb.count(sub_stmt->args[0]) || ka[u] != kb[sub_stmt->args[0]]) continue;
+    return static_cast<int>(k);
+  }
+  return -1;
+}
+
+// layer_norm's mean stage followed by its variance stage, which a staged
+// row can take as one pass of shifted sums (see row_kernel): stage k's only
+// accumulator is a float mean of u, stage k+1 has no pre statements, stores
+// nothing and its only accumulator is a float mean of d * d where d = u' -
+// mean and u' is u recomputed; the mean is used nowhere else in stage k+1's
+// loop. Returns k, or -1.
+int CudaEmitter::moments_stage() const {
+  StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
+  auto keys_of = [&](const KStage& st) {
+    std::map<int, std::string> vk;
+    for (const KStmt& x : st.loop) {
+      std::vector<std::string> args;
+      for (int a : x.args) args.push_back(vk.count(a) ? vk[a] : "v" + std::to_string(a));
+      if (x.dst >= 0) vk[x.dst] = key(x, args);
+    }
+    return vk;
+  };
+  for (size_t k = 0; k + 1 < k_->stages.size(); ++k) {
+    const KStage& a = k_->stages[k];
+    const KStage& b = k_->stages[k + 1];
+    if (a.accs.size() != 1 || b.accs.size() != 1 || !b.pre.empty()) continue;
+    const KAccumulator& mn = a.accs[0];
+    const KAccumulator& vr = b.accs[0];
+    if (mn.combiner != "sum" || vr.combiner != "sum" || !mn.mean || !vr.mean || mn.type != DType::Float32 ||
+        vr.type != DType::Float32)
+      continue;
+    int u = -1, e = -1;
+    bool stores = false;
+    for (const KStmt& x : a.loop)
+      if (x.kind == KStmt::Update) u = x.args[0];
+    for (const KStmt& x : b.loop) {
+      if (x.kind == KStmt::Update) e = x.args[0];
+      if (x.kind == KStmt::Store) stores = true;
+    }
+    if (u < 0 || e < 0 || stores) continue;
+    const KStmt* sq = nullptr;
+    const KStmt* sub = nullptr;
+    int uses_of_mean = 0;
+    for (const KStmt& x : b.loop) {
+      if (x.dst == e && x.kind == KStmt::Compute && x.node.op == "mul" && x.args.size() == 2 && x.args[0] == x.args[1]) sq = &x;
+      for (int arg : x.args) uses_of_mean += arg == mn.result;
+    }
+    if (!sq || uses_of_mean != 1) continue;
+    for (const KStmt& x : b.loop)
+      if (x.dst == sq->args[0] && x.kind == KStmt::Compute && x.node.op == "sub" && x.args[1] == mn.result) sub = &x;
+    if (!sub) continue;
+    auto ka = keys_of(a), kb = keys_of(b);
+    if (!ka.count(u) || !kb.count(sub->args[0]) || ka[u] != kb[sub->args[0]]) continue;
     return static_cast<int>(k);
   }
   return -1;
@@ -445,6 +500,7 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     if (!online_vec_max_.empty())
       line(std::string("opf_online_add_vec<") + (fast_math_ ? "true" : "false") + ", " + V + ">(" + online_vec_max_ + ", " +
            online_acc_ + ", ocv_);");
+    if (!moments_mean_.empty()) line("wn_ += " + V + ".0f;");
     vector_stores(loop, "c_");
     if (stage_inplace_ && stage_index_ + 1 == static_cast<int>(k_->stages.size())) stage_refill_piece();
   } else {
@@ -1068,9 +1124,54 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   int online = ((long_rows && !caching_ && !columns_ && cluster_ == 1 && stage_bytes_ == 0) || staged_online) ? online_softmax_stage() : -1;
   if (stage_bytes_ > 0 && stage_ring_) stage_ring_next(threads_per_row, split.kept);
   else if (stage_bytes_ > 0) stage_prologue(threads_per_row, split.kept);
+  // A staged row's mean and variance in one pass (OPFUSE_ROW_STAGE_MOMENTS=1,
+  // rows whose every output is 16-bit): each thread sums x - k and its
+  // square around its own first value k (so (k - mean)^2 is at most the
+  // thread's squared deviations, and the cancellation in s2 - s1^2 / n
+  // costs at most log2(n) bits), turns them into (count, mean, squared
+  // deviations) and the block or cluster combines those (Chan's update).
+  int moments = stage_bytes_ > 0 && vec > 1 && fast_math_ && !caching_ && !columns_ && !grouped_rows_ && stage_moments() > 0
+                    ? moments_stage()
+                    : -1;
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);
+    if (moments >= 0 && si == static_cast<size_t>(moments)) {
+      const KStage& next = k_->stages[si + 1];
+      const KAccumulator& mn = st.accs[0];
+      const KAccumulator& vr = next.accs[0];
+      for (auto& s : st.pre) statement(s, st);
+      accumulator_init(mn);
+      accumulator_init(vr);
+      line("float wk_ = 0.0f, wn_ = 0.0f;");
+      moments_mean_ = acc_name(mn);
+      online_acc_ = acc_name(vr);
+      if (!st.loop.empty()) row_stage_loop(st, g.items, threads_per_row);
+      moments_mean_.clear();
+      online_acc_.clear();
+      // (mean, squared deviations) of the thread, then of the row; the sum
+      // the mean accumulator's finish divides is mean x count.
+      std::string m = acc_name(mn), m2 = acc_name(vr);
+      line("opf_shifted_moments(wn_, wk_, " + m + ", " + m2 + ");");
+      if (cluster_ > 1) {
+        int base = cluster_reductions_;
+        cluster_reductions_ += 2;  // two 8-byte slots: count, mean, squared deviations
+        std::string idx = cluster_row_loop_ ? std::to_string(2 * base) + " + 2 * par_" : std::to_string(base);
+        line("opf_cluster_moments<" + std::to_string(cluster_) + ">(wn_, " + m + ", " + m2 + ", " + smem_ +
+             ", reinterpret_cast<float*>(&opf_cslot[" + idx + "]));");
+        last_cluster_reduce_end_ = static_cast<int64_t>(out_.tellp());
+        last_cluster_reduce_indent_ = indent_;
+      } else {
+        line("opf_block_moments(wn_, " + m + ", " + m2 + ", " + smem_ + ");");
+      }
+      line(m + " *= wn_;");
+      accumulator_finish(mn);
+      for (auto& s : st.post) statement(s, st);
+      accumulator_finish(vr);
+      for (auto& s : next.post) statement(s, next);
+      ++si;
+      continue;
+    }
     if (online >= 0 && si == static_cast<size_t>(online)) {
       const KStage& next = k_->stages[si + 1];
       const KAccumulator& mx = st.accs[0];

@@ -496,6 +496,84 @@ template <bool FAST, int C> static __device__ __forceinline__ void opf_cluster_o
   opf_warp_online<FAST>(m, s);
 }
 
+// Moments of a staged row in one pass (OPFUSE_ROW_STAGE_MOMENTS): a thread
+// sums s1 = x - k and s2 = (x - k)^2 over its n values around its first value
+// k; opf_shifted_moments turns them into its mean and squared deviations
+// (s2 - s1^2 / n loses at most log2(n) bits: (k - mean)^2 <= m2 as k is one
+// of the values; NaN stays NaN). Chan's update combines (count, mean, m2)
+// of disjoint parts; parts of count 0 add nothing.
+static __device__ __forceinline__ void opf_shifted_moments(float n, float k, float& s1, float& s2) {
+  if (n == 0.0f) {
+    s1 = 0.0f;
+    s2 = 0.0f;
+    return;
+  }
+  const float d = s1 / n;
+  float m2 = s2 - s1 * d;
+  if (m2 < 0.0f) m2 = 0.0f;
+  s1 = k + d;
+  s2 = m2;
+}
+static __device__ __forceinline__ void opf_moments_combine(float& n, float& m, float& m2, float nb, float mb, float m2b) {
+  if (nb == 0.0f) return;
+  if (n == 0.0f) {
+    n = nb;
+    m = mb;
+    m2 = m2b;
+    return;
+  }
+  const float t = n + nb, d = mb - m, f = nb / t;
+  m = fmaf(d, f, m);
+  m2 = m2 + m2b + d * d * n * f;
+  n = t;
+}
+template <int W = 32> static __device__ __forceinline__ void opf_warp_moments(float& n, float& m, float& m2) {
+#pragma unroll
+  for (int o = W / 2; o > 0; o >>= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, m, o),
+                m2b = __shfl_xor_sync(0xffffffffu, m2, o);
+    opf_moments_combine(n, m, m2, nb, mb, m2b);
+  }
+}
+static __device__ __forceinline__ void opf_block_moments(float& n, float& m, float& m2, void* smem) {
+  float* sm = reinterpret_cast<float*>(smem);
+  opf_warp_moments(n, m, m2);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) {
+    sm[warp] = n;
+    sm[32 + warp] = m;
+    sm[64 + warp] = m2;
+  }
+  __syncthreads();
+  n = lane < nwarps ? sm[lane] : 0.0f;
+  m = lane < nwarps ? sm[32 + lane] : 0.0f;
+  m2 = lane < nwarps ? sm[64 + lane] : 0.0f;
+  opf_warp_moments(n, m, m2);
+}
+// Across a cluster: each block's triple in its 16-byte slot (two of the
+// kernel's 8-byte slots), lane r of every warp reads block r's.
+template <int C> static __device__ __forceinline__ void opf_cluster_moments(float& n, float& m, float& m2, void* smem, float* slot) {
+  opf_block_moments(n, m, m2, smem);
+  if (threadIdx.x == 0) {
+    slot[0] = n;
+    slot[1] = m;
+    slot[2] = m2;
+  }
+  opf_cluster_sync();
+  const int lane = threadIdx.x & 31;
+  if (lane < C) {
+    n = opf_cluster_load(slot, (unsigned)lane);
+    m = opf_cluster_load(slot + 1, (unsigned)lane);
+    m2 = opf_cluster_load(slot + 2, (unsigned)lane);
+  } else {
+    n = 0.0f;
+    m = 0.0f;
+    m2 = 0.0f;
+  }
+  opf_warp_moments(n, m, m2);
+}
+
 // Outer (column) reductions: lane x of every warp holds a partial of output
 // x, warp y a slice of the reduced axis. The warps' partials meet in shared
 // memory ([warp][lane]) and every thread folds its column's in warp order;

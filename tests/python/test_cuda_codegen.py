@@ -313,6 +313,36 @@ def test_cluster_staged_loops_are_unrolled(monkeypatch):
         assert spill == 0, name
 
 
+def test_staged_layer_norm_moments_in_one_pass(monkeypatch):
+    """OPFUSE_ROW_STAGE_MOMENTS=1: a staged layer_norm row (16-bit outputs)
+    takes its mean and variance in one pass of shifted sums and one
+    reduction of (count, mean, m2) across the block or the cluster (two
+    8-byte slots by row parity in the in-place ring): two reads of the staged
+    row, not three; float32 rows keep the two passes; no spills. Off by
+    default."""
+    nvrtc_or_skip()
+    for rows, cols, cluster in ((8192, 32768, 1), (4096, 262144, 8)):
+        shapes = [[rows, cols]]
+        cg = _C.CompiledGraph(row_ir("layer_norm", "bf16", rows, cols), target="cuda")
+        default = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert "opf_shifted_moments(" not in default and vector_loads(default, "sr0 +") == 3
+        monkeypatch.setenv("OPFUSE_ROW_STAGE_MOMENTS", "1")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert vector_loads(v, "sr0 +") == 2 and v.count("opf_shifted_moments(wn_, wk_, a") == 1, v
+        if cluster > 1:
+            assert "opf_cluster_moments<8>(wn_, " in v and "&opf_cslot[0 + 2 * par_]" in v and "opf_cluster_reduce<" not in v
+            assert "unsigned long long opf_cslot[4]" in v
+        else:
+            assert "opf_block_moments(wn_, " in v and "opf_block_reduce<" not in v
+        for name, (regs, spill) in ptxas_report(cg.compile_cuda(shapes, contiguous_strides(shapes), 90, False)[2]).items():
+            assert spill == 0, (rows, cols, name)
+        cg32 = _C.CompiledGraph(row_ir("layer_norm", "f32", rows, cols), target="cuda")
+        assert "opf_shifted_moments(wn_" not in cg32.cuda_source(shapes, contiguous_strides(shapes), 90)
+        sm = _C.CompiledGraph(row_ir("softmax", "bf16", rows, cols), target="cuda")
+        assert "opf_shifted_moments(wn_" not in sm.cuda_source(shapes, contiguous_strides(shapes), 90)
+        monkeypatch.delenv("OPFUSE_ROW_STAGE_MOMENTS")
+
+
 def test_staged_online_pass_takes_the_pair_a_vector_at_a_time(monkeypatch):
     """OPFUSE_ROW_STAGE_ONLINE=1: softmax and log_softmax rows staged in
     shared memory read it twice, not three times; the (max, sum) pair folds

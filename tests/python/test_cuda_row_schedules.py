@@ -219,6 +219,35 @@ def test_online_softmax_pass_with_special_values(dtype, smem_kb, monkeypatch):
         torch.testing.assert_close(out, ref, equal_nan=True, **TOL[dtype])
 
 
+@pytest.mark.parametrize("moments", ["0", "1"])
+@pytest.mark.parametrize("cols", [20000, 70000, 262144])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_staged_layer_norm_moments_special_rows(dtype, cols, moments, monkeypatch):
+    """layer_norm on staged rows (a block per row at 20000, clusters at 70000
+    and 262144) in two passes or with OPFUSE_ROW_STAGE_MOMENTS=1 (mean and
+    variance in one pass around each thread's first value): a large offset
+    with a small spread, a first value far from the rest, a constant row
+    (variance 0), NaN and +-inf rows, as the float64 reference."""
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_MOMENTS", moments)
+    torch.manual_seed(cols)
+    x = torch.randn(8, cols, device="cuda", dtype=torch.float32)
+    x[1] = 300 + x[1] * 0.5
+    x[2, 0] = 2000
+    x[2, 1:] *= 0.01
+    x[3] = 1.5
+    x[4, 77] = float("nan")
+    x[5, cols - 1] = float("inf")
+    x[6, cols // 2] = float("-inf")
+    x[7] = x[7] * 100 - 40
+    x = x.to(dtype)
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+    torch._dynamo.reset()
+    out = torch.compile(layer_norm, backend="opfuse", dynamic=False)(x, w, b)
+    ref = layer_norm(x.double(), w.double(), b.double()).to(dtype)
+    torch.testing.assert_close(out, ref, equal_nan=True, **TOL[dtype])
+
+
 # Column partials (split_column_sums.cpp): dweight and dbias summed per block
 # inside the dx kernel, then over the blocks. Lane groups (256, 1000), a block
 # per row with the row cached (4096) or looped on the scalar twin (1031, not
@@ -428,10 +457,12 @@ STAGED = [(5, 20000, torch.bfloat16), (4, 32768, torch.bfloat16), (3, 32776, tor
           (5, 20000, torch.float32), (2, 262144, torch.float32)]
 
 
-@pytest.mark.parametrize("online", ["0", "1"], ids=["three_passes", "online"])
+@pytest.mark.parametrize("knob", ["", "OPFUSE_ROW_STAGE_ONLINE", "OPFUSE_ROW_STAGE_MOMENTS"],
+                         ids=["defaults", "online", "moments"])
 @pytest.mark.parametrize("rows,cols,dtype", STAGED, ids=lambda v: str(v).replace("torch.", ""))
-def test_staged_rows_match_float64(rows, cols, dtype, online, monkeypatch):
-    monkeypatch.setenv("OPFUSE_ROW_STAGE_ONLINE", online)
+def test_staged_rows_match_float64(rows, cols, dtype, knob, monkeypatch):
+    for name in ("OPFUSE_ROW_STAGE_ONLINE", "OPFUSE_ROW_STAGE_MOMENTS"):
+        monkeypatch.setenv(name, "1" if name == knob else "0")
     torch.manual_seed(cols)
     x = torch.randn(rows, cols, device="cuda", dtype=dtype) * 3
     w = torch.randn(cols, device="cuda", dtype=dtype)
@@ -499,8 +530,10 @@ RING_IN_PLACE = [(1001, 20000), (1000, 32768), (301, 32776), (211, 70000), (150,
 @pytest.mark.parametrize("ring,rows,cols", [("1", r, c) for r, c in RING] + [("2", r, c) for r, c in RING_IN_PLACE])
 def test_staged_ring_matches_float64(ring, rows, cols, monkeypatch):
     monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
-    # The in-place ring with the online pair too: its cluster slots by row parity hold (max, sum).
+    # The in-place ring with the online pair and the one-pass moments too: its
+    # cluster slots by row parity hold (max, sum) or (count, mean, m2).
     monkeypatch.setenv("OPFUSE_ROW_STAGE_ONLINE", "1" if ring == "2" else "0")
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_MOMENTS", "1" if ring == "2" else "0")
     torch.manual_seed(rows + cols)
     x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 3
     w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
