@@ -1130,6 +1130,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // thread's squared deviations, and the cancellation in s2 - s1^2 / n
   // costs at most log2(n) bits), turns them into (count, mean, squared
   // deviations) and the block or cluster combines those (Chan's update).
+  // Off: slower on the H200 (session 10, 303d331, bf16): 4096x262144
+  // 1324-1334 -> 1406-1409 us, 8192x32768 unchanged (290-295 us either
+  // way); the triple's combine (a division, shuffles of three values) and
+  // the shift's compare cost more than the pass and the barrier it saves.
   int moments = stage_bytes_ > 0 && vec > 1 && fast_math_ && !caching_ && !columns_ && !grouped_rows_ && stage_moments() > 0
                     ? moments_stage()
                     : -1;
