@@ -14,7 +14,10 @@
 // When the row length is known, what later stages need from earlier ones is
 // kept in registers (see row_cache_plan.h), so each row is read once.
 #pragma once
+#include <functional>
 #include <set>
+#include <string>
+#include <utility>
 
 #include "codegen/c_emitter.h"
 #include "codegen/row_cache_plan.h"
@@ -149,6 +152,7 @@ class CudaEmitter : public CEmitter {
   void row_kernel(const std::string& name, int vec);
   void row_stage_loop(const KStage& st, int items, int threads_per_row);
   std::string statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const;
+  int one_pass_stage(const std::string& first, std::pair<bool, bool> means, const std::function<bool(const KStmt&)>& is_f) const;
   int online_softmax_stage() const;
   int moments_stage() const;
   std::string access_key(const KStmt& s) const;

@@ -238,13 +238,15 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
 
 }  // namespace
 
-// Softmax's max stage followed by its sum-of-exp stage, which loop stages
-// (rows not cached in registers) can run as one pass with an online
-// (max, sum) pair: stage k's only accumulator is a float max of u, stage k+1
-// has no pre statements, stores nothing and its only accumulator sums
-// exp(u' - max) where u' is u recomputed; the max is used nowhere else in
-// stage k+1's loop. Returns k, or -1.
-int CudaEmitter::online_softmax_stage() const {
+// Two stages k, k+1 that one pass can take: each has one float32
+// accumulator (stage k's combines with `first`, stage k+1's sums; `means`
+// says whether each divides by the count), stage k+1 has no pre statements
+// and stores nothing, and its accumulator adds f(u' - r), where r is stage
+// k's result (used nowhere else in stage k+1's loop), u' is stage k's
+// accumulated value u recomputed, and `is_f` tells f's statement. Returns k,
+// or -1.
+int CudaEmitter::one_pass_stage(const std::string& first, std::pair<bool, bool> means,
+                                const std::function<bool(const KStmt&)>& is_f) const {
   StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
   auto keys_of = [&](const KStage& st) {
     std::map<int, std::string> vk;
@@ -259,61 +261,10 @@ int CudaEmitter::online_softmax_stage() const {
     const KStage& a = k_->stages[k];
     const KStage& b = k_->stages[k + 1];
     if (a.accs.size() != 1 || b.accs.size() != 1 || !b.pre.empty()) continue;
-    const KAccumulator& mx = a.accs[0];
-    const KAccumulator& sm = b.accs[0];
-    if (mx.combiner != "max" || sm.combiner != "sum" || mx.type != DType::Float32 || sm.type != DType::Float32 || sm.mean) continue;
-    int u = -1, e = -1;
-    bool stores = false;
-    for (const KStmt& x : a.loop)
-      if (x.kind == KStmt::Update) u = x.args[0];
-    for (const KStmt& x : b.loop) {
-      if (x.kind == KStmt::Update) e = x.args[0];
-      if (x.kind == KStmt::Store) stores = true;
-    }
-    if (u < 0 || e < 0 || stores) continue;
-    const KStmt* exp_stmt = nullptr;
-    const KStmt* sub_stmt = nullptr;
-    int uses_of_max = 0;
-    for (const KStmt& x : b.loop) {
-      if (x.dst == e && x.kind == KStmt::Compute && x.node.op == "exp") exp_stmt = &x;
-      for (int arg : x.args) uses_of_max += arg == mx.result;
-    }
-    if (!exp_stmt || uses_of_max != 1) continue;
-    for (const KStmt& x : b.loop)
-      if (x.dst == exp_stmt->args[0] && x.kind == KStmt::Compute && x.node.op == "sub" && x.args[1] == mx.result) sub_stmt = &x;
-    if (!sub_stmt) continue;
-    auto ka = keys_of(a), kb = keys_of(b);
-    if (!ka.count(u) || !kb.count(sub_stmt->args[0]) || ka[u] != kb[sub_stmt->args[0]]) continue;
-    return static_cast<int>(k);
-  }
-  return -1;
-}
-
-// layer_norm's mean stage followed by its variance stage, which a staged
-// row can take as one pass of shifted sums (see row_kernel): stage k's only
-// accumulator is a float mean of u, stage k+1 has no pre statements, stores
-// nothing and its only accumulator is a float mean of d * d where d = u' -
-// mean and u' is u recomputed; the mean is used nowhere else in stage k+1's
-// loop. Returns k, or -1.
-int CudaEmitter::moments_stage() const {
-  StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
-  auto keys_of = [&](const KStage& st) {
-    std::map<int, std::string> vk;
-    for (const KStmt& x : st.loop) {
-      std::vector<std::string> args;
-      for (int a : x.args) args.push_back(vk.count(a) ? vk[a] : "v" + std::to_string(a));
-      if (x.dst >= 0) vk[x.dst] = key(x, args);
-    }
-    return vk;
-  };
-  for (size_t k = 0; k + 1 < k_->stages.size(); ++k) {
-    const KStage& a = k_->stages[k];
-    const KStage& b = k_->stages[k + 1];
-    if (a.accs.size() != 1 || b.accs.size() != 1 || !b.pre.empty()) continue;
-    const KAccumulator& mn = a.accs[0];
-    const KAccumulator& vr = b.accs[0];
-    if (mn.combiner != "sum" || vr.combiner != "sum" || !mn.mean || !vr.mean || mn.type != DType::Float32 ||
-        vr.type != DType::Float32)
+    const KAccumulator& r = a.accs[0];
+    const KAccumulator& t = b.accs[0];
+    if (r.combiner != first || t.combiner != "sum" || r.type != DType::Float32 || t.type != DType::Float32 ||
+        r.mean != means.first || t.mean != means.second)
       continue;
     int u = -1, e = -1;
     bool stores = false;
@@ -324,22 +275,37 @@ int CudaEmitter::moments_stage() const {
       if (x.kind == KStmt::Store) stores = true;
     }
     if (u < 0 || e < 0 || stores) continue;
-    const KStmt* sq = nullptr;
-    const KStmt* sub = nullptr;
-    int uses_of_mean = 0;
+    const KStmt* f_stmt = nullptr;
+    const KStmt* sub_stmt = nullptr;
+    int uses_of_r = 0;
     for (const KStmt& x : b.loop) {
-      if (x.dst == e && x.kind == KStmt::Compute && x.node.op == "mul" && x.args.size() == 2 && x.args[0] == x.args[1]) sq = &x;
-      for (int arg : x.args) uses_of_mean += arg == mn.result;
+      if (x.dst == e && is_f(x)) f_stmt = &x;
+      for (int arg : x.args) uses_of_r += arg == r.result;
     }
-    if (!sq || uses_of_mean != 1) continue;
+    if (!f_stmt || uses_of_r != 1) continue;
     for (const KStmt& x : b.loop)
-      if (x.dst == sq->args[0] && x.kind == KStmt::Compute && x.node.op == "sub" && x.args[1] == mn.result) sub = &x;
-    if (!sub) continue;
+      if (x.dst == f_stmt->args[0] && x.kind == KStmt::Compute && x.node.op == "sub" && x.args[1] == r.result) sub_stmt = &x;
+    if (!sub_stmt) continue;
     auto ka = keys_of(a), kb = keys_of(b);
-    if (!ka.count(u) || !kb.count(sub->args[0]) || ka[u] != kb[sub->args[0]]) continue;
+    if (!ka.count(u) || !kb.count(sub_stmt->args[0]) || ka[u] != kb[sub_stmt->args[0]]) continue;
     return static_cast<int>(k);
   }
   return -1;
+}
+
+// Softmax's max stage followed by its sum-of-exp stage, which loop stages
+// (rows not cached in registers) can run as one pass with an online
+// (max, sum) pair: f is exp.
+int CudaEmitter::online_softmax_stage() const {
+  return one_pass_stage("max", {false, false}, [](const KStmt& x) { return x.kind == KStmt::Compute && x.node.op == "exp"; });
+}
+
+// layer_norm's mean stage followed by its variance stage (a mean of d * d),
+// which a staged row can take as one pass of shifted sums (see row_kernel).
+int CudaEmitter::moments_stage() const {
+  return one_pass_stage("sum", {true, true}, [](const KStmt& x) {
+    return x.kind == KStmt::Compute && x.node.op == "mul" && x.args.size() == 2 && x.args[0] == x.args[1];
+  });
 }
 
 std::string CudaEmitter::statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const {
