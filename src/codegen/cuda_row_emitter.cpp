@@ -650,7 +650,11 @@ bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cl
     if (!vec_buffer_[static_cast<size_t>(b)] || kb.written || keys[b].size() != 1 || dtype_size(kb.dtype) * vec_ != 16) return false;
     esum += dtype_size(kb.dtype);
   }
-  int max_c = arch_ >= 90 && cluster_ok ? std::max(1, std::min(8, env_int("OPFUSE_ROW_SMEM_CLUSTER", 8))) : 1;
+  // (16, a non-portable cluster the runtime opts into, only when asked:
+  // with OPFUSE_ROW_SMEM_KB=32 a 512 KB row takes 16 blocks of 32 KB, six
+  // 256-thread blocks an SM, to measure the resident blocks against
+  // clusters of 8.)
+  int max_c = arch_ >= 90 && cluster_ok ? std::max(1, std::min(16, env_int("OPFUSE_ROW_SMEM_CLUSTER", 8))) : 1;
   auto chunk_of = [&](int c) { return ceil_div(ceil_div(ncols, c), vec_) * vec_; };
   int c = 1;
   while (chunk_of(c) * esum > budget && c < max_c) c *= 2;

@@ -455,6 +455,12 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
     constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     if (fv && l.vec_smem > 0)
       check_cuda(c.FuncSetAttribute(fv, kAttrMaxDynamicSharedBytes, l.vec_smem), "cuFuncSetAttribute(max dynamic shared memory)");
+    // Clusters of more than 8 blocks (staged rows with OPFUSE_ROW_SMEM_CLUSTER=16,
+    // an experiment) are non-portable: the kernel must opt in before the
+    // occupancy query and the launch.
+    constexpr int kAttrNonPortableClusterSizeAllowed = 14;  // CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+    if (fv && l.vec_cluster > 8)
+      check_cuda(c.FuncSetAttribute(fv, kAttrNonPortableClusterSizeAllowed, 1), "cuFuncSetAttribute(non-portable cluster size)");
     v.cu_scalar.push_back(f);
     v.cu_vector.push_back(fv);
     v.ring_groups.push_back(fv && l.vec_ring ? resident_groups(fv, l.vec_threads, l.vec_smem, l.vec_cluster) : 0);

@@ -291,6 +291,28 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
             assert "&opf_cslot[0 + par_]" in v and "&opf_cslot[2 + par_]" in v and "opf_cluster_arrive" not in v
 
 
+def test_staged_rows_in_a_non_portable_cluster_of_16(monkeypatch):
+    """OPFUSE_ROW_SMEM_KB=32 with OPFUSE_ROW_SMEM_CLUSTER=16 (an experiment):
+    a 512 KB row in 16 slices of 32 KB, 256-thread blocks, six an SM, with
+    the in-place ring; no spills. At most 8 by default (the portable size)."""
+    nvrtc_or_skip()
+    shapes = [[4096, 262144]]
+    for op in ("softmax", "layer_norm"):
+        cg = _C.CompiledGraph(row_ir(op, "bf16", 4096, 262144), target="cuda")
+        monkeypatch.setenv("OPFUSE_ROW_SMEM_KB", "32")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        # 32 KB slices need 16 blocks: without the cluster knob the row is not staged (loop stages).
+        assert "opf_cp_async16(sr" not in v and "__cluster_dims__" not in v
+        monkeypatch.setenv("OPFUSE_ROW_SMEM_CLUSTER", "16")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert "__launch_bounds__(256, 6) __cluster_dims__(16, 1, 1)" in v and "opf_cluster_reduce<opf_sum, 16>" in v, v
+        assert "opf_cp_async16(sr0_ring_ + 0 * 16384 +" in v
+        for name, (regs, spill) in ptxas_report(cg.compile_cuda(shapes, contiguous_strides(shapes), 90, False)[2]).items():
+            assert spill == 0, (op, name)
+        monkeypatch.delenv("OPFUSE_ROW_SMEM_KB")
+        monkeypatch.delenv("OPFUSE_ROW_SMEM_CLUSTER")
+
+
 def test_cluster_staged_loops_are_unrolled(monkeypatch):
     """Rows split over a cluster unroll their staged stage loops 8 times
     (layer_norm's weight and bias loads go out together; 9% faster at

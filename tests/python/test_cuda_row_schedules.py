@@ -497,7 +497,8 @@ def test_staged_row_views(cols):
 
 
 # Staging knobs: 256 or 1024 threads, a 16 KB budget (clusters of 4 at
-# 20000), clusters off (262144 back to loop stages), the backward's two
+# 20000), clusters off (262144 back to loop stages), 32 KB slices in a
+# non-portable cluster of 16 at 262144 (two at 20000), the backward's two
 # re-read tensors staged, the L2 prefetch of the row one wave on; the
 # 128-bit stores (opf_vstore_w) with the exit cluster barrier split (the
 # defaults) and both off (as before f134b5a); a bf16 output rounded twice
@@ -507,7 +508,8 @@ STAGE_KNOBS = [{"OPFUSE_ROW_SMEM_THREADS": "256"}, {"OPFUSE_ROW_SMEM_THREADS": "
                {"OPFUSE_ROW_SMEM_PREFETCH": "-1"},
                {"OPFUSE_VSTORE_WORDS": "1", "OPFUSE_ROW_CLUSTER_EARLY_ARRIVE": "1"},
                {"OPFUSE_VSTORE_WORDS": "0", "OPFUSE_ROW_CLUSTER_EARLY_ARRIVE": "0"},
-               {"OPFUSE_ROW_STORE_ROUND_ONCE": "0"}]
+               {"OPFUSE_ROW_STORE_ROUND_ONCE": "0"},
+               {"OPFUSE_ROW_SMEM_KB": "32", "OPFUSE_ROW_SMEM_CLUSTER": "16"}]
 
 
 @pytest.mark.parametrize("knobs", STAGE_KNOBS, ids=_knob_id)
