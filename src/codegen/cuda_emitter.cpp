@@ -299,14 +299,17 @@ void CudaEmitter::plain_statement(const KStmt& s, const KStage& stage) {
     line("const float " + value(s.dst) + " = " + value(s.args[0]) + " * (1.0f / " + value(s.args[1]) + ");");
     return;
   }
-  // The max stage of an online softmax pass: fold u into the (max, sum) pair.
+  // A staged layer_norm row's moments pass (OPFUSE_ROW_STAGE_MOMENTS): the
+  // thread's first value is its shift k; sums of x - k and its square.
   if (!moments_mean_.empty() && s.kind == KStmt::Update && in_lanes_) {
-    // The thread's first value is its shift k; sums of x - k and its square.
     std::string u = value(s.args[0]);
     line("if (j_ == 0 && wn_ == 0.0f) wk_ = " + u + ";");
     line("{ const float wd_ = " + u + " - wk_; " + moments_mean_ + " += wd_; " + online_acc_ + " = fmaf(wd_, wd_, " + online_acc_ + "); }");
     return;
   }
+  // The max stage of an online softmax pass: in a staged row's vector lanes
+  // (OPFUSE_ROW_STAGE_ONLINE) u goes to ocv_, folded in once a vector after
+  // the lane loop; elsewhere u folds into the (max, sum) pair at once.
   if (!online_acc_.empty() && s.kind == KStmt::Update && !online_vec_max_.empty() && in_lanes_) {
     line("ocv_[j_] = " + value(s.args[0]) + ";");
     return;
