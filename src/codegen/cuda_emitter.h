@@ -77,6 +77,7 @@ class CudaEmitter : public CEmitter {
   int lanes_ = 32;
   int cluster_ = 1;
   int cluster_reductions_ = 0;    // slots used so far
+  void cluster_reduction(int width, const std::string& call);
   int64_t last_cluster_reduce_end_ = -1;  // where the row body's last cluster reduction ends in out_ (see row_kernel)
   int last_cluster_reduce_indent_ = 0;
   int pair_reductions_ = 0;       // opf_block_sum2 calls printed (their shared buffer and parity are declared)

@@ -322,6 +322,25 @@ std::string CudaEmitter::statement_key(const KStmt& s, const std::vector<std::st
   }
 }
 
+// A cluster reduction of `width` 8-byte values: prints `call` with the
+// address of its slots in opf_cslot (a cluster that steps through rows uses
+// each slot group alternately by row parity: a block may publish row r + 1's
+// part before its peers have read row r's) and marks where the kernel's last
+// cluster reduction ends (see opf_cluster_arrive in row_kernel). `call`
+// holds "@" where the slot's address goes.
+void CudaEmitter::cluster_reduction(int width, const std::string& call) {
+  int base = cluster_reductions_;
+  cluster_reductions_ += width;
+  std::string idx = !cluster_row_loop_ ? std::to_string(base)
+                    : width == 1       ? std::to_string(2 * base) + " + par_"
+                                       : std::to_string(2 * base) + " + " + std::to_string(width) + " * par_";
+  std::string c = call;
+  c.replace(c.find('@'), 1, "&opf_cslot[" + idx + "]");
+  line(c);
+  last_cluster_reduce_end_ = static_cast<int64_t>(out_.tellp());
+  last_cluster_reduce_indent_ = indent_;
+}
+
 void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
   std::string n = acc_name(a);
   const std::string& c = a.combiner;
@@ -336,13 +355,8 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
     if (grouped_rows_) {
       if (lanes_ > 1) line(n + " = opf_warp_reduce<" + op + ", " + w + ">(" + n + ");");
     } else if (cluster_ > 1) {
-      // A cluster that steps through rows uses each slot pair alternately: a
-      // block may publish row r + 1's part before its peers have read row r's.
-      std::string idx = cluster_row_loop_ ? std::to_string(2 * cluster_reductions_++) + " + par_" : std::to_string(cluster_reductions_++);
-      std::string slot = "reinterpret_cast<" + value_type(a.type) + "*>(&opf_cslot[" + idx + "])";
-      line(n + " = opf_cluster_reduce<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", " + slot + ");");
-      last_cluster_reduce_end_ = static_cast<int64_t>(out_.tellp());
-      last_cluster_reduce_indent_ = indent_;
+      cluster_reduction(1, n + " = opf_cluster_reduce<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ +
+                               ", reinterpret_cast<" + value_type(a.type) + "*>(@));");
     } else {
       line(n + " = opf_block_reduce<" + op + ">(" + n + ", " + smem_ + ");");
     }
@@ -438,8 +452,8 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     // 1443 -> 1309 us (2 and 4: 1368, 1342), softmax 1259-1272 -> 1255,
     // rms_norm 1204-1221 -> 1199, log_softmax the same; a block per row
     // (8192x32768) gained nothing, so it keeps the plain loop.
-    else if (stage_bytes_ > 0 && vec_ > 1 && stage_unroll(cluster_) > 1)
-      line("#pragma unroll " + std::to_string(stage_unroll(cluster_)));
+    else if (int n = stage_bytes_ > 0 && vec_ > 1 ? stage_unroll(cluster_) : 0; n > 1)
+      line("#pragma unroll " + std::to_string(n));
     line("for (" + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + "; c_ < cend_; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
   }
   ++indent_;
@@ -1128,13 +1142,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       std::string m = acc_name(mn), m2 = acc_name(vr);
       line("opf_shifted_moments(wn_, wk_, " + m + ", " + m2 + ");");
       if (cluster_ > 1) {
-        int base = cluster_reductions_;
-        cluster_reductions_ += 2;  // two 8-byte slots: count, mean, squared deviations
-        std::string idx = cluster_row_loop_ ? std::to_string(2 * base) + " + 2 * par_" : std::to_string(base);
-        line("opf_cluster_moments<" + std::to_string(cluster_) + ">(wn_, " + m + ", " + m2 + ", " + smem_ +
-             ", reinterpret_cast<float*>(&opf_cslot[" + idx + "]));");
-        last_cluster_reduce_end_ = static_cast<int64_t>(out_.tellp());
-        last_cluster_reduce_indent_ = indent_;
+        // Two 8-byte slots: count, mean, squared deviations.
+        cluster_reduction(2, "opf_cluster_moments<" + std::to_string(cluster_) + ">(wn_, " + m + ", " + m2 + ", " + smem_ +
+                                 ", reinterpret_cast<float*>(@));");
       } else {
         line("opf_block_moments(wn_, " + m + ", " + m2 + ", " + smem_ + ");");
       }
@@ -1162,13 +1172,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       if (grouped_rows_) {
         if (lanes_ > 1) line("opf_warp_online<" + fast + ", " + std::to_string(lanes_) + ">(" + acc_name(mx) + ", " + acc_name(sm) + ");");
       } else if (cluster_ > 1) {
-        // The pair through distributed shared memory: one 8-byte slot a block
-        // (alternating by row parity where the cluster steps through rows).
-        std::string idx = cluster_row_loop_ ? std::to_string(2 * cluster_reductions_++) + " + par_" : std::to_string(cluster_reductions_++);
-        line("opf_cluster_online<" + fast + ", " + std::to_string(cluster_) + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ +
-             ", reinterpret_cast<float*>(&opf_cslot[" + idx + "]));");
-        last_cluster_reduce_end_ = static_cast<int64_t>(out_.tellp());
-        last_cluster_reduce_indent_ = indent_;
+        // The pair through distributed shared memory: one 8-byte slot a block.
+        cluster_reduction(1, "opf_cluster_online<" + fast + ", " + std::to_string(cluster_) + ">(" + acc_name(mx) + ", " + acc_name(sm) +
+                                 ", " + smem_ + ", reinterpret_cast<float*>(@));");
       } else {
         line("opf_block_online<" + fast + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ + ");");
       }
