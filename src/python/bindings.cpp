@@ -115,6 +115,7 @@ void bind_attention_bwd(nb::module_& m);
 // The skinny GEMM's launch, build and reference: bindings_skinny.cpp.
 void bind_skinny_gemm(nb::module_& m);
 void bind_decode_mlp(nb::module_& m);
+void bind_lnbwd_wide(nb::module_& m);
 // The launch path (PreparedRun, launch counters): bindings_launch.cpp.
 void bind_launch(nb::module_& m);
 
@@ -318,6 +319,7 @@ NB_MODULE(_C, m) {
   bind_ops(m);
   bind_attention_bwd(m);
   bind_skinny_gemm(m);
+  bind_lnbwd_wide(m);
   bind_decode_mlp(m);
   bind_launch(m);
 }

@@ -22,6 +22,7 @@ from ..stats import bump, bump_time
 from . import convert
 from .dump import from_env
 from .attention_pattern import fuse_attention
+from .route_layer_norm_backward import route_layer_norm_backward
 from .runtime import FusedPartition
 
 log = logging.getLogger("opfuse")
@@ -211,6 +212,10 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
     tag = dump.new_name(phase) if dump else phase
     if dump is not None:
         dump.write(f"{tag}.aten.py", gm.code)
+    try:
+        route_layer_norm_backward(gm)
+    except Exception as e:  # the generated kernels take the node as before
+        log.warning("opfuse: layer_norm backward routing failed, graph left as it is: %s: %s", type(e).__name__, e)
     partitioner = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True)
     partitions = partitioner.propose_partitions()
     for p in partitions:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from . import layer_norm_wide
 from ._kernel import check_device, dtype_name, graph_kernel, sym_shape
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -304,6 +305,10 @@ def _layer_norm_backward_op(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
             grad, x, x.shape[x.dim() - nd:], mean, rstd, weight, bias, list(mask))
         return [t for t, m in zip((dx, dw, db), mask) if m]
+    if grad.is_cuda:
+        wide = layer_norm_wide.try_run(grad, x, mean, rstd, weight, bias, nd, mask)
+        if wide is not None:
+            return wide
     key = ("layer_norm_backward", x.dtype, mean.dtype, x.dim(), nd, _dn(weight), _dn(bias), mask)
     k = graph_kernel(key, x.device, lambda: _layer_norm_backward_graph(
         dtype_name(x.dtype), dtype_name(mean.dtype), x.dim(), nd, _dn(weight), _dn(bias), mask))

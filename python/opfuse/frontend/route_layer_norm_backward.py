@@ -1,0 +1,89 @@
+"""Routes aten.native_layer_norm_backward nodes of wide rows to
+opfuse.ops.layer_norm_backward, whose wide-row kernel
+(ops/layer_norm_wide.py) reads dy and x once where the generated plan reads
+them twice (n > 8192 columns with the weight or bias gradient asked, CUDA
+sm_90). The node then runs as opfuse's own op, outside the fused
+partitions: its dx no longer fuses with neighbouring element-wise ops, a
+trade that pays at these row lengths (the re-read costs ~0.7x the op's
+whole floor). Shapes and dtypes are checked here from the node's fake
+values; alignment and strides are checked at each call, where the op falls
+back to the generated kernels (the same answer)."""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+
+from ..ops import layer_norm_wide
+
+log = logging.getLogger("opfuse")
+aten = torch.ops.aten
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+
+
+def _reason(node) -> str:
+    args = list(node.args) + [None] * (8 - len(node.args))
+    grad, x, normalized_shape, mean, rstd, weight, bias, mask = args[:8]
+    xv = _val(x)
+    if xv is None or not isinstance(xv, torch.Tensor):
+        return "no shape for the input"
+    if xv.device.type != "cuda" or not torch.cuda.is_available():
+        return "not on CUDA"
+    if torch.cuda.get_device_capability(xv.device) < (9, 0):
+        return "older than sm_90"
+    if any(not isinstance(s, int) for s in xv.shape):
+        return "symbolic sizes"
+    wv, bv = _val(weight), _val(bias)
+    gv = _val(grad)
+    if gv is None or gv.dtype != xv.dtype:
+        return "grad of another dtype"
+    for u in node.users:
+        if u.target is not operator.getitem:
+            return "a user other than getitem"
+    return layer_norm_wide.shape_reason(tuple(xv.shape), len(normalized_shape), xv.dtype,
+                                        wv.dtype if wv is not None else None, bv.dtype if bv is not None else None,
+                                        list(mask))
+
+
+def route_layer_norm_backward(gm: torch.fx.GraphModule) -> int:
+    """Rewrites the qualifying nodes in place; returns how many."""
+    if not layer_norm_wide.enabled():
+        return 0
+    routed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.native_layer_norm_backward.default:
+            continue
+        try:
+            why = _reason(node)
+        except Exception as e:  # a graph this pass does not understand stays as it is
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            log.info("opfuse: %s stays with the generated kernels: %s", node, why)
+            continue
+        grad, x, normalized_shape, mean, rstd, weight, bias, mask = node.args[:8]
+        eff = [bool(mask[0]), bool(mask[1]) and weight is not None, bool(mask[2]) and bias is not None]
+        index = {}
+        for i, m in enumerate(eff):
+            if m:
+                index[i] = len(index)
+        if any(u.args[1] not in index for u in node.users):
+            continue  # a user reads an output that is not asked: leave it
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.opfuse.layer_norm_backward.default,
+                                         (grad, x, mean, rstd, weight, bias, len(normalized_shape), eff))
+        vals = _val(node)
+        if isinstance(vals, (list, tuple)):
+            new.meta["val"] = [vals[i] for i in range(3) if eff[i]]
+        for u in list(node.users):
+            u.args = (new, index[u.args[1]])
+        gm.graph.erase_node(node)
+        routed += 1
+        log.info("opfuse: %s runs the wide-row layer_norm backward kernel", new)
+    if routed:
+        gm.graph.lint()
+        gm.recompile()
+    return routed

@@ -1,0 +1,151 @@
+"""layer_norm backward for wide rows (src/kernels/layer_norm_backward/):
+dx and the weight and bias gradients from one read of dy and x, on sm_90.
+
+The generated row kernels fold the weight and bias gradients into the dx
+kernel only while a block holds a row's 2 x n float32 column partials (n <=
+8192); past that the plan re-reads dy and x in a column kernel. This kernel
+splits each row over a thread-block cluster instead (a fixed column slice a
+CTA, partials in registers, the row sums through distributed shared memory,
+R rows a cluster barrier), and a small kernel adds the clusters' partials.
+
+`try_run` is what opfuse.ops.layer_norm_backward (and through it the graphs
+whose aten.native_layer_norm_backward the frontend routes here, see
+frontend/route_layer_norm_backward.py) calls first; None means "not taken"
+(nothing launched, the generated kernels run). OPFUSE_LNBWD_WIDE=0 turns the
+path off.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import _C
+from ..stats import bump
+
+_ELEM = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+# The generated kernels keep the partials on chip up to this many columns.
+GENERATED_MAX_COLS = 8192
+
+
+def enabled() -> bool:
+    return os.environ.get("OPFUSE_LNBWD_WIDE") != "0"
+
+
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def shape_reason(x_shape: Sequence[int], nd: int, dtype: torch.dtype, weight_dtype, bias_dtype, mask) -> str:
+    """Why the kernel does not take a problem of these shapes and dtypes
+    (empty when it does), without tensors or a GPU: for the frontend's
+    routing at compile time; the run-time checks (alignment, strides,
+    device) come on top."""
+    if dtype not in _ELEM:
+        return f"dtype {dtype}"
+    if weight_dtype not in (None, dtype) or bias_dtype not in (None, dtype):
+        return "weight or bias of another dtype"
+    if nd < 1 or nd > len(x_shape):
+        return "normalized_ndim out of range"
+    n = math.prod(x_shape[len(x_shape) - nd:])
+    rows = math.prod(x_shape[:len(x_shape) - nd])
+    if n <= GENERATED_MAX_COLS:
+        return f"n = {n}: the generated kernels keep the partials on chip"
+    if rows < 1:
+        return "no rows"
+    if not ((mask[1] and weight_dtype is not None) or (mask[2] and bias_dtype is not None)):
+        return "no weight or bias gradient asked"
+    if not _C.lnbwd_wide_choose_config(_ELEM[dtype], n):
+        return f"n = {n} is wider than the kernel covers"
+    return ""
+
+
+def _rows_view(t: Tensor, rows: int, n: int) -> Optional[Tensor]:
+    try:
+        v = t.view(rows, n)
+    except RuntimeError:
+        return None
+    return v if v.stride(1) == 1 or n == 1 else None
+
+
+def _align(*ts) -> int:
+    a = 16
+    for t in ts:
+        if t is not None:
+            p = t.data_ptr()
+            while a > 1 and p % a:
+                a //= 2
+    return a
+
+
+def try_run(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+            nd: int, mask) -> Optional[list[Tensor]]:
+    """[dx, dw, db] for the asked outputs (as opfuse.ops.layer_norm_backward
+    returns them), or None when the kernel does not take the problem."""
+    if not enabled() or not x.is_cuda or not _sm90(x.device):
+        return None
+    wd = weight.dtype if weight is not None else None
+    bd = bias.dtype if bias is not None else None
+    if grad.dtype != x.dtype or shape_reason(tuple(x.shape), nd, x.dtype, wd, bd, mask):
+        return None
+    n = math.prod(x.shape[x.dim() - nd:])
+    rows = x.numel() // n
+    if mean.dtype != torch.float32 or rstd.dtype != torch.float32 or mean.numel() != rows or rstd.numel() != rows:
+        return None
+    x2, g2 = _rows_view(x, rows, n), _rows_view(grad, rows, n)
+    m1, r1 = mean.reshape(rows), rstd.reshape(rows)
+    if x2 is None or g2 is None or not m1.is_contiguous() or not r1.is_contiguous():
+        return None
+    if weight is not None and not weight.is_contiguous():
+        return None
+    dt = _ELEM[x.dtype]
+    want_dx, want_dw, want_db = bool(mask[0]), bool(mask[1]) and weight is not None, bool(mask[2]) and bias is not None
+    if _C.lnbwd_wide_unsupported_reason(dt, rows, n, g2.stride(0), x2.stride(0), n, want_dx, want_dw, want_db,
+                                        weight is not None, _align(g2, x2, weight)):
+        return None
+    _C.ensure_cuda_context(x.device.index)
+    parts = _C.lnbwd_wide_parts(dt, rows, n)
+    if parts <= 0:
+        return None
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_dx else None
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if want_dw else None
+    db = torch.empty(bias.shape, dtype=bias.dtype, device=x.device) if want_db else None
+    ws = torch.empty(2 * parts * n, dtype=torch.float32, device=x.device)
+    _C.lnbwd_wide_run(dt, rows, n, g2.data_ptr(), g2.stride(0), x2.data_ptr(), x2.stride(0), m1.data_ptr(),
+                      r1.data_ptr(), weight.data_ptr() if weight is not None else 0,
+                      dx.data_ptr() if dx is not None else 0, n, dw.data_ptr() if dw is not None else 0,
+                      db.data_ptr() if db is not None else 0, ws.data_ptr(), ws.numel(),
+                      torch.cuda.current_stream(x.device).cuda_stream)
+    bump("kernel_launches", 1 + want_dw + want_db)
+    return [t for t, m in zip((dx, dw, db), (want_dx, want_dw, want_db)) if m]
+
+
+def reference(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor], nd: int = 1):
+    """The C++ float64 reference (layer_norm_backward_reference.h): (dx, dw,
+    db) as float64 CPU tensors, unrounded."""
+    n = math.prod(x.shape[x.dim() - nd:])
+    rows = x.numel() // n
+    g = grad.detach().double().cpu().reshape(rows, n).contiguous()
+    xx = x.detach().double().cpu().reshape(rows, n).contiguous()
+    m = mean.detach().double().cpu().reshape(rows).contiguous()
+    r = rstd.detach().double().cpu().reshape(rows).contiguous()
+    w = weight.detach().double().cpu().reshape(n).contiguous() if weight is not None else None
+    dx = torch.empty(rows, n, dtype=torch.float64)
+    dw = torch.empty(n, dtype=torch.float64)
+    db = torch.empty(n, dtype=torch.float64)
+    _C.lnbwd_wide_reference(rows, n, g.data_ptr(), n, xx.data_ptr(), n, m.data_ptr(), r.data_ptr(),
+                            w.data_ptr() if w is not None else 0, dx.data_ptr(), dw.data_ptr(), db.data_ptr())
+    return dx.reshape(x.shape), dw, db
+
+
+def launch_count() -> int:
+    """Launches of the wide-row kernel in this process."""
+    return _C.lnbwd_wide_launch_count()
+
+
+def last_error() -> str:
+    """Why the last instantiation could not be built or loaded (then the generated kernels ran)."""
+    return _C.lnbwd_wide_last_error()

@@ -1,0 +1,364 @@
+// opfuse layer_norm backward for wide rows: dx, and the weight and bias
+// gradients' partial column sums, from one read of dy and x.
+//
+// Compiled at run time by NVRTC. It includes NO header (NVRTC on the target
+// machines finds no CUDA headers): every device helper is plain C++ or
+// inline PTX.
+//
+// For a row r of n columns (xhat = (x - mean_r) * rstd_r, g = dy * w):
+//   dx[r, c]       = rstd_r * (g - sum_c(g) / n - xhat * sum_c(g * xhat) / n)
+//   part_dw[p, c]  = sum over the rows of part p of dy * xhat
+//   part_db[p, c]  = sum over the rows of part p of dy
+// with float32 math on bf16, f16 or f32 elements; finish_columns adds the
+// parts in part order (deterministic: no atomics). The CPU reference with the
+// same semantics is layer_norm_backward_reference.{h,cpp}.
+//
+// Why a hand-written kernel: the generated row kernels fold the weight and
+// bias gradients into the dx kernel (column partials) only while a block
+// holds a whole row and its 2 x n float32 partials; at n = 32768 that is
+// 256 KB, more than an SM has, so the generated plan re-reads dy and x in a
+// column kernel (2.5 bytes read for each byte the op needs: 43% of the
+// floor on the H200 at 8192 x 32768 bf16). Here a thread-block cluster of C
+// CTAs shares each row: CTA q owns a fixed slice of the columns for the
+// whole kernel, so its threads keep the partials of their columns in
+// registers across every row they see, and the row's two sums cross the
+// cluster through distributed shared memory. The earlier cluster variant of
+// the generated kernel paid two cluster barriers a row (~5 us a row,
+// slower than the re-read); here R rows go through one cluster barrier
+// together, and two CTAs an SM overlap one's barrier with the other's loads.
+//
+// Design:
+// - The grid is persistent: as many clusters as are resident (the launcher
+//   asks the driver), cluster p taking the row batches p, p + P, p + 2P, ...
+//   of R rows each; part p of the workspace is cluster p's.
+// - Thread t of CTA q holds NV 16-byte vectors of columns
+//   ((q * NV + j) * THREADS + t) * VEC: each load is a coalesced 16 bytes a
+//   lane; vectors past n (n % VEC == 0) are zeros and never stored.
+// - A batch: all 2 R NV vector loads of dy and x issued at once (streaming,
+//   no L1 allocation), the row statistics (mean, rstd: float32 [rows]), then
+//   per row the thread's sums of g and g * xhat and its dw, db partials;
+//   2R sums go through warp shuffles, the block's warps (shared memory, in
+//   warp order) and the cluster (rank order), one barrier of each a batch;
+//   then dx per row, rounded once, stored as 16-byte vectors.
+// - The cluster slot of a batch alternates between two buffers: a CTA
+//   writes slot s of batch k + 2 only after batch k + 1's cluster barrier,
+//   which every CTA reaches after reading slot s of batch k.
+//
+// Requirements (checked by the launcher,
+// src/runtime/layer_norm_backward_wide_launcher.cpp): sm_90 (clusters);
+// n % VEC == 0 and n <= C * NV * THREADS * VEC; dy, x, dx 16-byte aligned with
+// row strides (elements) multiples of VEC; the weight contiguous; mean and
+// rstd float32 contiguous; rows * stride < 2^63. Launch: grid P * C, block
+// THREADS, no dynamic shared memory, one argument LnBwdParams by value; then
+// finish_columns over ceil(n / 256) blocks of 256 threads for each gradient.
+//
+// Entry points: the launcher appends
+//   OPFUSE_LNBWD_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS)
+//   OPFUSE_LNBWD_FINISH_ENTRY(name, bf16)
+// which define extern "C" kernels (no name mangling to look up).
+
+namespace opfuse_lnbwd {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+struct bf16 { static constexpr int vec = 8; };
+struct f16 { static constexpr int vec = 8; };
+struct f32 { static constexpr int vec = 4; };
+
+// Kernel argument; mirrored by the launcher (only append fields, in both places).
+struct LnBwdParams {
+  const void* dy;  // [rows, n], unit column stride
+  i64 ld_dy;       // elements between rows
+  const void* x;
+  i64 ld_x;
+  const float* mean;  // [rows]
+  const float* rstd;  // [rows]
+  const void* w;      // [n], or null (weight 1)
+  void* dx;           // [rows, n] or null (dx not asked)
+  i64 ld_dx;
+  float* part_dw;  // [parts, n] or null
+  float* part_db;  // [parts, n] or null
+  int rows, n;
+};
+static_assert(sizeof(LnBwdParams) == 96, "LnBwdParams layout is a launch ABI");
+
+struct V4 { u32 x, y, z, w; };
+
+// ---------------------------------------------------------------------------
+// Elements (round to nearest even, as PyTorch)
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 word(const V4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// Element j of a 16-byte vector, as float32.
+__device__ __forceinline__ float lane(bf16, const V4& v, int j) {
+  const u32 w = word(v, j >> 1);
+  return __int_as_float((j & 1) ? (w & 0xffff0000u) : (w << 16));
+}
+__device__ __forceinline__ float lane(f16, const V4& v, int j) {
+  const u32 w = word(v, j >> 1);
+  const u16 h = static_cast<u16>((j & 1) ? (w >> 16) : (w & 0xffffu));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ float lane(f32, const V4& v, int j) { return __int_as_float(word(v, j)); }
+
+// Two float32 values as one word of two 16-bit elements (lo first).
+__device__ __forceinline__ u32 pack2(bf16, float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ u32 pack2(f16, float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+template <class E>
+__device__ __forceinline__ V4 pack(const float (&f)[E::vec]) {
+  V4 r;
+  if constexpr (E::vec == 4) {
+    r.x = __float_as_int(f[0]), r.y = __float_as_int(f[1]), r.z = __float_as_int(f[2]), r.w = __float_as_int(f[3]);
+  } else {
+    r.x = pack2(E{}, f[0], f[1]), r.y = pack2(E{}, f[2], f[3]), r.z = pack2(E{}, f[4], f[5]), r.w = pack2(E{}, f[6], f[7]);
+  }
+  return r;
+}
+
+__device__ __forceinline__ u16 to_bits(bf16, float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+__device__ __forceinline__ u16 to_bits(f16, float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// ---------------------------------------------------------------------------
+// PTX helpers
+// ---------------------------------------------------------------------------
+
+// dy and x: read once: no L1 allocation.
+__device__ __forceinline__ V4 ld_stream(const void* p) {
+  V4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+// The weight and the row statistics: small, read by many CTAs: cached.
+__device__ __forceinline__ V4 ld_cached(const void* p) {
+  V4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+// dx: written once, not read again here: streaming store.
+__device__ __forceinline__ void st_stream(void* p, const V4& v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// A float in the shared memory of CTA `rank` of this cluster, at the
+// address `local` has in this CTA.
+__device__ __forceinline__ float ld_cluster(const float* local, u32 rank) {
+  u32 addr = static_cast<u32>(__cvta_generic_to_shared(local)), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------
+
+template <class E, int THREADS, int C, int R, int NV>
+__device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
+  constexpr int VEC = E::vec;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int NS = 2 * R;  // a batch's sums: sum(g) and sum(g * xhat) of each row
+  static_assert(THREADS % 32 == 0 && THREADS <= 1024, "whole warps");
+  static_assert(C == 1 || C == 2 || C == 4 || C == 8, "a portable cluster");
+  __shared__ float warp_sums[WARPS][NS];
+  __shared__ float block_sums[2][NS];  // read by the cluster; batches alternate
+  __shared__ float row_sums[NS];
+
+  const int tid = static_cast<int>(threadIdx.x), lane_id = tid & 31, warp = tid >> 5;
+  const int rank = C > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int part = static_cast<int>(blockIdx.x) / C, parts = static_cast<int>(gridDim.x) / C;
+  const int n = p.n, rows = p.rows;
+  const float nf = static_cast<float>(n);
+  const char* dy = static_cast<const char*>(p.dy);
+  const char* x = static_cast<const char*>(p.x);
+  char* dx = static_cast<char*>(p.dx);
+  constexpr int ES = 16 / VEC;  // element bytes
+
+  int col[NV];
+  bool ok[NV];
+  float pdw[NV][VEC], pdb[NV][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    col[j] = ((rank * NV + j) * THREADS + tid) * VEC;
+    ok[j] = col[j] < n;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      pdw[j][k] = 0.0f;
+      pdb[j][k] = 0.0f;
+    }
+  }
+
+  const int batches = (rows + R - 1) / R;
+  int slot = 0;
+  for (int b = part; b < batches; b += parts, slot ^= 1) {
+    const int r0 = b * R;
+    V4 vdy[R][NV], vx[R][NV];
+    float mu[R], rs[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const bool live = r0 + r < rows;
+      const i64 row = live ? r0 + r : 0;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        vdy[r][j] = V4{0, 0, 0, 0};
+        vx[r][j] = V4{0, 0, 0, 0};
+        if (live && ok[j]) {
+          vdy[r][j] = ld_stream(dy + (row * p.ld_dy + col[j]) * ES);
+          vx[r][j] = ld_stream(x + (row * p.ld_x + col[j]) * ES);
+        }
+      }
+      mu[r] = live ? p.mean[row] : 0.0f;
+      rs[r] = live ? p.rstd[row] : 0.0f;
+    }
+    // The weight of the thread's columns, reloaded each batch from L1
+    // (registers, not bandwidth, are the limit here).
+    V4 wv[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      wv[j] = V4{0, 0, 0, 0};
+      if (ok[j] && p.w) wv[j] = ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES);
+    }
+
+    // This thread's sums and partials. Rows past the end and columns past n
+    // hold dy = x = 0 and rstd = 0: they add zeros.
+    float s[NS];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NV; ++j)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float d = lane(E{}, vdy[r][j], k);
+          const float xh = (lane(E{}, vx[r][j], k) - mu[r]) * rs[r];
+          const float g = p.w ? d * lane(E{}, wv[j], k) : d;
+          s1 += g;
+          s2 += g * xh;
+          pdw[j][k] += d * xh;
+          pdb[j][k] += d;
+        }
+      s[2 * r] = s1;
+      s[2 * r + 1] = s2;
+    }
+
+    // The row sums: warps, then the block's warps in order, then the cluster's CTAs in rank order.
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
+    if (lane_id == 0)
+#pragma unroll
+      for (int i = 0; i < NS; ++i) warp_sums[warp][i] = s[i];
+    __syncthreads();
+    if (tid < NS) {
+      float t = 0.0f;
+#pragma unroll
+      for (int q = 0; q < WARPS; ++q) t += warp_sums[q][tid];
+      block_sums[slot][tid] = t;
+    }
+    if constexpr (C > 1) {
+      cluster_sync();
+      if (tid < NS) {
+        float t = 0.0f;
+#pragma unroll
+        for (int q = 0; q < C; ++q) t += ld_cluster(&block_sums[slot][tid], static_cast<u32>(q));
+        row_sums[tid] = t;
+      }
+    } else {
+      if (tid < NS) row_sums[tid] = block_sums[slot][tid];
+    }
+    __syncthreads();
+
+    if (dx) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r0 + r >= rows) break;
+        const float m1 = row_sums[2 * r] / nf, m2 = row_sums[2 * r + 1] / nf;
+        const i64 row = r0 + r;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          if (!ok[j]) continue;
+          float o[VEC];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float d = lane(E{}, vdy[r][j], k);
+            const float xh = (lane(E{}, vx[r][j], k) - mu[r]) * rs[r];
+            o[k] = ((p.w ? d * lane(E{}, wv[j], k) : d) - m1 - xh * m2) * rs[r];
+          }
+          st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (!ok[j]) continue;
+    const i64 at = static_cast<i64>(part) * n + col[j];
+#pragma unroll
+    for (int k = 0; k < VEC; k += 4) {
+      if (p.part_dw)
+        *reinterpret_cast<float4*>(p.part_dw + at + k) = make_float4(pdw[j][k], pdw[j][k + 1], pdw[j][k + 2], pdw[j][k + 3]);
+      if (p.part_db)
+        *reinterpret_cast<float4*>(p.part_db + at + k) = make_float4(pdb[j][k], pdb[j][k + 1], pdb[j][k + 2], pdb[j][k + 3]);
+    }
+  }
+  if constexpr (C > 1) cluster_sync();  // no CTA exits while another may still read its block_sums
+}
+
+// out[c] = sum over p of part[p, c], in part order, rounded once to E.
+template <class E>
+__device__ __forceinline__ void finish_body(const float* part, int parts, int n, void* out) {
+  const int c = static_cast<int>(blockIdx.x) * 256 + static_cast<int>(threadIdx.x);
+  if (c >= n) return;
+  float t = 0.0f;
+  for (int q = 0; q < parts; ++q) t += part[static_cast<i64>(q) * n + c];
+  if constexpr (E::vec == 4) static_cast<float*>(out)[c] = t;
+  else static_cast<u16*>(out)[c] = to_bits(E{}, t);
+}
+
+}  // namespace opfuse_lnbwd
+
+#define OPFUSE_LNBWD_ENTRY(NAME, E, THREADS, C, R, NV, MIN_BLOCKS)                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims__(C, 1, 1)           \
+      NAME(const opfuse_lnbwd::LnBwdParams p) {                                                        \
+    opfuse_lnbwd::lnbwd_body<opfuse_lnbwd::E, THREADS, C, R, NV>(p);                                   \
+  }
+#define OPFUSE_LNBWD_FINISH_ENTRY(NAME, E)                                                              \
+  extern "C" __global__ void __launch_bounds__(256)                                                    \
+      NAME(const float* part, int parts, int n, void* out) {                                           \
+    opfuse_lnbwd::finish_body<opfuse_lnbwd::E>(part, parts, n, out);                                   \
+  }

@@ -1,0 +1,348 @@
+"""The wide-row layer_norm backward (src/kernels/layer_norm_backward/,
+python/opfuse/ops/layer_norm_wide.py).
+
+Without a GPU: every instantiation the launcher can pick compiles with NVRTC
+for sm_90 without spills and within its launch bounds, sm_80 is refused,
+the config choice and what it declines, and the float64 CPU reference
+against PyTorch's float64 native_layer_norm_backward.
+
+On a GPU (marked gpu): dx, dw and db against float64 (each output's error at
+most twice eager's in the same dtype, plus a floor) over bf16, f16 and f32,
+rows that do not fill a batch, n that does not fill the cluster, no weight,
+no bias, dx not asked, 3-D inputs, rows with a stride and a storage offset;
+bitwise-equal reruns; CUDA-graph capture; misaligned inputs fall back to
+the generated kernels with the same answer; and compiled graphs route
+aten.native_layer_norm_backward there (the launch counter, opfuse.stats()).
+"""
+import re
+
+import pytest
+import torch
+
+import opfuse
+from opfuse import _C
+from opfuse.ops import layer_norm_wide as lw
+
+from conftest import nvrtc_or_skip
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+aten = torch.ops.aten
+
+
+# --- without a GPU -----------------------------------------------------------
+
+@pytest.mark.parametrize("elem", ["bf16", "f16", "f32"])
+def test_every_instantiation_compiles_without_spills(elem):
+    nvrtc_or_skip()
+    tags = set(_C.lnbwd_wide_candidates(elem))
+    for n in (8200, 16384, 32768, 65536):
+        tag = _C.lnbwd_wide_choose_config(elem, n)
+        if tag:
+            assert tag in tags, f"{elem} n={n}: {tag} is not among the candidates CI compiles"
+    for tag in tags:
+        cubin, log = _C.lnbwd_wide_compile(elem, tag, 90)
+        assert len(cubin) > 0
+        entry = log.split("opfuse_lnbwd_wide")[-1]
+        regs = int(re.search(r"Used (\d+) registers", entry).group(1))
+        assert re.search(r"(\d+) bytes spill stores", entry).group(1) == "0", f"{elem} {tag}:\n{log}"
+        threads, blocks = (int(x) for x in re.match(r"t(\d+)c\d+r\d+v\d+b(\d+)", tag).groups())
+        assert regs * threads * blocks <= 65536, f"{tag}: {regs} registers miss __launch_bounds__"
+
+
+def test_clusters_only_from_sm_90():
+    nvrtc_or_skip()
+    with pytest.raises(Exception, match="sm_90"):
+        _C.lnbwd_wide_compile("bf16", "t512c8r2v1b2", 80)
+
+
+def test_config_choice():
+    choose = _C.lnbwd_wide_choose_config
+    assert choose("bf16", 32768) == "t512c8r2v1b2"  # the benchmark shape: 4096 columns a CTA
+    assert choose("bf16", 16384) == "t512c4r2v1b2"
+    assert choose("bf16", 65536) == "t512c8r2v2b1"
+    assert choose("f32", 32768) == "t512c8r1v2b2"
+    assert choose("bf16", 65544) == "" and choose("f32", 32776) == ""
+    with pytest.raises(Exception, match="dtype"):
+        choose("f64", 32768)
+
+
+def test_what_it_declines():
+    r = _C.lnbwd_wide_unsupported_reason
+    assert r("bf16", 64, 32768, 32768, 32768, 32768, True, True, True, True, 16) == ""
+    assert "multiple of 8" in r("bf16", 64, 32764, 32764, 32764, 32764, True, True, True, True, 16)
+    assert "aligned" in r("bf16", 64, 32768, 32768, 32768, 32768, True, True, True, True, 2)
+    assert "row stride" in r("bf16", 64, 32768, 32772, 32768, 32768, True, True, True, True, 16)
+    assert "no weight or bias gradient" in r("bf16", 64, 32768, 32768, 32768, 32768, True, False, False, True, 16)
+    assert "wider" in r("bf16", 64, 70000, 70000, 70000, 70000, True, True, True, True, 16)
+    shape_reason = lw.shape_reason
+    assert shape_reason((64, 32768), 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, [True, True, True]) == ""
+    assert "on chip" in shape_reason((64, 8192), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
+    assert "dtype" in shape_reason((64, 32768), 1, torch.float64, None, None, [True, True, True])
+    assert "another dtype" in shape_reason((64, 32768), 1, torch.bfloat16, torch.float32, None, [True, True, True])
+    assert "no weight or bias" in shape_reason((64, 32768), 1, torch.bfloat16, None, None, [True, True, True])
+
+
+def _inputs(shape, nd, dtype, device, gen_stats=True):
+    x = torch.randn(shape, dtype=torch.float64, device=device).to(dtype)
+    dy = torch.randn(shape, dtype=torch.float64, device=device).to(dtype)
+    n = 1
+    for s in shape[len(shape) - nd:]:
+        n *= s
+    w = (1 + 0.5 * torch.randn(shape[len(shape) - nd:], dtype=torch.float64, device=device)).to(dtype)
+    b = torch.randn(shape[len(shape) - nd:], dtype=torch.float64, device=device).to(dtype)
+    xd = x.double()
+    dims = list(range(len(shape) - nd, len(shape)))
+    mean = xd.mean(dim=dims, keepdim=True)
+    rstd = (xd.var(dim=dims, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    return dy, x, mean.float(), rstd.float(), w, b
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_cpu_reference_against_torch_float64(with_weight):
+    torch.manual_seed(0)
+    dy, x, mean, rstd, w, b = _inputs((5, 37), 1, torch.float64, "cpu")
+    w = w if with_weight else None
+    dx, dw, db = lw.reference(dy, x, mean, rstd, w)
+    ex, ew, eb = aten.native_layer_norm_backward(dy, x, [37], mean.double(), rstd.double(), w, b,
+                                                 [True, with_weight, True])
+    torch.testing.assert_close(dx, ex, rtol=1e-12, atol=1e-12)
+    if with_weight:
+        torch.testing.assert_close(dw, ew, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(db, eb, rtol=1e-12, atol=1e-12)
+
+
+def test_cpu_reference_refuses_bad_sizes():
+    z = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(Exception, match="out of range"):
+        _C.lnbwd_wide_reference(2, 4, z.data_ptr(), 3, z.data_ptr(), 4, z.data_ptr(), z.data_ptr(), 0, 0, 0, 0)
+
+
+# --- on a GPU ----------------------------------------------------------------
+
+def sm90_or_skip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs sm_90 (thread-block clusters)")
+
+
+def _check(out, ref, eager, what):
+    """out's error against float64 at most twice eager's (same dtype), plus a floor."""
+    err = (out.double() - ref).abs().max().item()
+    eerr = (eager.double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    floor = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out.dtype] * max(1.0, scale)
+    assert err <= 2 * eerr + floor, f"{what}: error {err:.3g} against eager's {eerr:.3g} (scale {scale:.3g})"
+
+
+def _run_op(dy, x, mean, rstd, w, b, nd, mask):
+    return torch.ops.opfuse.layer_norm_backward(dy, x, mean, rstd, w, b, nd, mask)
+
+
+CASES = [  # shape, nd
+    ((257, 32768), 1),  # rows not a multiple of the batch; the benchmark's width
+    ((3, 9000), 1),     # n fills part of the cluster's last vectors
+    ((64, 16384), 1),
+    ((5, 65536), 1),
+    ((2, 3, 12288), 1),
+    ((6, 4, 4096), 2),  # two normalised dims: n = 16384
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,nd", CASES)
+@pytest.mark.parametrize("elem", ["bf16", "f16", "f32"])
+def test_against_float64_and_eager(shape, nd, elem):
+    sm90_or_skip()
+    dtype = DTYPES[elem]
+    n = 1
+    for s in shape[len(shape) - nd:]:
+        n *= s
+    if not _C.lnbwd_wide_choose_config(elem, n):
+        pytest.skip(f"{elem} n={n}: wider than the kernel covers")
+    torch.manual_seed(1)
+    dy, x, mean, rstd, w, b = _inputs(shape, nd, dtype, "cuda")
+    before = lw.launch_count()
+    dx, dw, db = _run_op(dy, x, mean, rstd, w, b, nd, [True, True, True])
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before + 1, lw.last_error()
+    norm = list(shape[len(shape) - nd:])
+    rx, rw, rb = aten.native_layer_norm_backward(dy.double(), x.double(), norm, mean.double(), rstd.double(), w.double(),
+                                                 b.double(), [True, True, True])
+    ex, ew, eb = aten.native_layer_norm_backward(dy, x, norm, mean, rstd, w, b, [True, True, True])
+    assert dx.shape == x.shape and dw.shape == w.shape and db.shape == b.shape
+    assert dx.dtype == dtype and dw.dtype == dtype and db.dtype == dtype
+    _check(dx, rx, ex, "dx")
+    _check(dw, rw, ew, "dw")
+    _check(db, rb, eb, "db")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask,with_w,with_b", [
+    ([True, True, False], True, False),
+    ([True, False, True], False, True),   # no weight: g = dy
+    ([False, True, True], True, True),    # dx not asked
+    ([True, False, True], True, True),
+])
+def test_masks_and_missing_affine(mask, with_w, with_b):
+    sm90_or_skip()
+    torch.manual_seed(2)
+    dy, x, mean, rstd, w, b = _inputs((33, 32768), 1, torch.bfloat16, "cuda")
+    w = w if with_w else None
+    b = b if with_b else None
+    before = lw.launch_count()
+    outs = _run_op(dy, x, mean, rstd, w, b, 1, mask)
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before + 1
+    ref = aten.native_layer_norm_backward(dy.double(), x.double(), [32768], mean.double(), rstd.double(),
+                                          w.double() if w is not None else None,
+                                          b.double() if b is not None else None, mask)
+    eag = aten.native_layer_norm_backward(dy, x, [32768], mean, rstd, w, b, mask)
+    eff = [mask[0], mask[1] and with_w, mask[2] and with_b]
+    got = iter(outs)
+    assert len(outs) == sum(eff)
+    for i, m in enumerate(eff):
+        if m:
+            _check(next(got), ref[i], eag[i], ["dx", "dw", "db"][i])
+
+
+@pytest.mark.gpu
+def test_strided_rows_with_offset_and_deterministic():
+    sm90_or_skip()
+    torch.manual_seed(3)
+    n = 32768
+    big_x = torch.randn(100, n + 64, device="cuda", dtype=torch.bfloat16)
+    big_dy = torch.randn(100, n + 128, device="cuda", dtype=torch.bfloat16)
+    x, dy = big_x[1:, 8:8 + n], big_dy[1:, 64:64 + n]  # row strides n + 64 and n + 128, offsets
+    assert not x.is_contiguous() and x.storage_offset() > 0
+    xd = x.double()
+    mean = xd.mean(-1, keepdim=True).float()
+    rstd = (xd.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float()
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    before = lw.launch_count()
+    a = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    c = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before + 2
+    for u, v in zip(a, c):
+        assert torch.equal(u, v), "reruns differ"
+    ref = aten.native_layer_norm_backward(dy.double(), xd, [n], mean.double(), rstd.double(), w.double(), b.double(),
+                                          [True, True, True])
+    eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
+    for i in range(3):
+        _check(a[i], ref[i], eag[i], ["dx", "dw", "db"][i])
+
+
+@pytest.mark.gpu
+def test_misaligned_falls_back_with_the_same_answer():
+    sm90_or_skip()
+    torch.manual_seed(4)
+    n = 16384
+    big = torch.randn(40 * n + 1, device="cuda", dtype=torch.bfloat16)
+    x = big[1:].view(40, n)  # 2-byte offset: not 16-byte aligned
+    dy = torch.randn(40, n, device="cuda", dtype=torch.bfloat16)
+    xd = x.double()
+    mean = xd.mean(-1, keepdim=True).float()
+    rstd = (xd.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float()
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    before = lw.launch_count()
+    dx, dw = _run_op(dy, x, mean, rstd, w, None, 1, [True, True, False])
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before  # the generated kernels ran
+    ref = aten.native_layer_norm_backward(dy.double(), xd, [n], mean.double(), rstd.double(), w.double(), None,
+                                          [True, True, False])
+    eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, None, [True, True, False])
+    _check(dx, ref[0], eag[0], "dx")
+    _check(dw, ref[1], eag[1], "dw")
+
+
+@pytest.mark.gpu
+def test_off_switch(monkeypatch):
+    sm90_or_skip()
+    monkeypatch.setenv("OPFUSE_LNBWD_WIDE", "0")
+    dy, x, mean, rstd, w, b = _inputs((8, 16384), 1, torch.bfloat16, "cuda")
+    before = lw.launch_count()
+    dx, dw, db = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture():
+    sm90_or_skip()
+    torch.manual_seed(5)
+    dy, x, mean, rstd, w, b = _inputs((300, 32768), 1, torch.bfloat16, "cuda")
+    eager = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])  # loads the kernel before capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    dy.copy_(torch.randn_like(dy))
+    g.replay()
+    torch.cuda.synchronize()
+    fresh = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    torch.cuda.synchronize()
+    for u, v, e in zip(outs, fresh, eager):
+        assert torch.equal(u, v)
+        assert not torch.equal(u, e)
+
+
+@pytest.mark.gpu
+def test_compiled_graph_routes_native_layer_norm_backward():
+    sm90_or_skip()
+    torch.manual_seed(6)
+    dy, x, mean, rstd, w, b = _inputs((512, 32768), 1, torch.bfloat16, "cuda")
+
+    def fn(dy, x, mean, rstd, w, b):
+        return aten.native_layer_norm_backward(dy, x, [32768], mean, rstd, w, b, [True, True, True])
+
+    compiled = opfuse.compile(fn)
+    compiled(dy, x, mean, rstd, w, b)
+    torch.cuda.synchronize()
+    opfuse.reset_stats()
+    before = lw.launch_count()
+    got = compiled(dy, x, mean, rstd, w, b)
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before + 1
+    st = opfuse.stats()
+    assert st["kernel_launches"] == 3 and st["library_calls"] == 0, st  # the row kernel and two column sums
+    ref = fn(dy.double(), x.double(), mean.double(), rstd.double(), w.double(), b.double())
+    eag = fn(dy, x, mean, rstd, w, b)
+    for i in range(3):
+        _check(got[i], ref[i], eag[i], ["dx", "dw", "db"][i])
+
+
+@pytest.mark.gpu
+def test_training_step_through_layer_norm_uses_it():
+    sm90_or_skip()
+    torch.manual_seed(7)
+    ln = torch.nn.LayerNorm(16384, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ln.weight.normal_(1, 0.2)
+        ln.bias.normal_()
+    x = torch.randn(96, 16384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn(96, 16384, device="cuda", dtype=torch.bfloat16)
+    compiled = opfuse.compile(lambda t: (ln(t) * r).sum())
+    before = lw.launch_count()
+    compiled(x).backward()
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before + 1
+    got = (x.grad.clone(), ln.weight.grad.clone(), ln.bias.grad.clone())
+    x.grad = None
+    ln.weight.grad = ln.bias.grad = None
+    (ln(x) * r).sum().backward()
+    eag = (x.grad, ln.weight.grad, ln.bias.grad)
+    ln64 = torch.nn.LayerNorm(16384, device="cuda", dtype=torch.float64)
+    with torch.no_grad():
+        ln64.weight.copy_(ln.weight)
+        ln64.bias.copy_(ln.bias)
+    x64 = x.detach().double().requires_grad_(True)
+    (ln64(x64) * r.double()).sum().backward()
+    ref = (x64.grad, ln64.weight.grad, ln64.bias.grad)
+    for i in range(3):
+        _check(got[i], ref[i], eag[i], ["dx", "dw", "db"][i])
