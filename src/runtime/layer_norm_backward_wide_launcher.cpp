@@ -17,6 +17,7 @@
 namespace opfuse::lnbwd_wide {
 namespace {
 
+constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 std::atomic<uint64_t> g_launches{0};
 std::mutex g_mu;  // the map below and g_error
 std::string g_error;
@@ -65,7 +66,10 @@ Loaded* load(DType t, const Config& cfg) {
       }
       check_cuda(c.ModuleGetFunction(&l.rows_fn, l.module, kEntryName), "cuModuleGetFunction(layer_norm backward wide)");
       check_cuda(c.ModuleGetFunction(&l.finish_fn, l.module, kFinishName), "cuModuleGetFunction(layer_norm backward finish)");
-      l.resident = resident_groups(l.rows_fn, cfg.threads, 0, cfg.cluster);
+      if (cfg.dynamic_smem() > 48 * 1024)
+        check_cuda(c.FuncSetAttribute(l.rows_fn, kAttrMaxDynamicSharedBytes, cfg.dynamic_smem()),
+                   "cuFuncSetAttribute(layer_norm backward wide, max dynamic shared memory)");
+      l.resident = resident_groups(l.rows_fn, cfg.threads, cfg.dynamic_smem(), cfg.cluster);
     } catch (const std::exception& e) {
       l.failed = true;
       l.rows_fn = nullptr;
@@ -85,21 +89,25 @@ Config config_for(DType t, int64_t n) {
 
 std::string Config::tag() const {
   return "t" + std::to_string(threads) + "c" + std::to_string(cluster) + "r" + std::to_string(rows) + "v" +
-         std::to_string(nv) + "b" + std::to_string(min_blocks);
+         std::to_string(nv) + "b" + std::to_string(min_blocks) + (stages ? "s" + std::to_string(stages) : "");
 }
 
 Config Config::parse(const std::string& tag) {
-  static const std::regex re(R"(t(\d+)c(\d+)r(\d+)v(\d+)b(\d+))");
+  static const std::regex re(R"(t(\d+)c(\d+)r(\d+)v(\d+)b(\d+)(?:s(\d+))?)");
   std::smatch m;
   if (!std::regex_match(tag, m, re))
     throw std::invalid_argument("bad layer_norm backward config '" + tag + "' (want e.g. t512c8r2v1b2)");
-  Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5])};
+  Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5]),
+           m[6].matched ? std::stoi(m[6]) : 0};
   bool ok = c.threads >= 64 && c.threads <= 1024 && c.threads % 32 == 0 &&
             (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && c.rows >= 1 && c.rows <= 8 &&
-            c.nv >= 1 && c.nv <= 4 && c.min_blocks >= 1 && c.min_blocks <= 4;
+            c.nv >= 1 && c.nv <= 4 && c.min_blocks >= 1 && c.min_blocks <= 4 && (c.stages == 0 || (c.stages >= 2 && c.stages <= 4)) &&
+            c.dynamic_smem() <= 227 * 1024;
   if (!ok) throw std::invalid_argument("layer_norm backward config '" + tag + "' is out of range");
   return c;
 }
+
+int Config::dynamic_smem() const { return stages * rows * nv * 2 * threads * 16; }
 
 int vec_of(DType t) { return t == DType::Float32 ? 4 : 8; }
 
@@ -128,17 +136,25 @@ Config choose_config(DType t, int64_t n) {
 
 std::vector<Config> candidate_configs(DType t) {
   std::vector<Config> r;
-  for (int cl : {1, 2, 4, 8}) r.push_back(Config{512, cl, 2, 1, 2});
+  // (Clusters of 1 and 2 cover at most 8192 16-bit columns, which the
+  // generated kernels take: not candidates.)
+  for (int cl : {4, 8}) r.push_back(Config{512, cl, 2, 1, 2});
   if (t == DType::Float32) r.push_back(Config{512, 8, 1, 2, 2});  // past 16384 columns
   else r.push_back(Config{512, 8, 2, 2, 1});                      // past 32768 columns
+  // The staged ring (measured against the register variant: perf-notes).
+  for (int cl : {4, 8}) r.push_back(Config{512, cl, 2, 1, 2, 3});
+  r.push_back(Config{512, 8, 4, 1, 2, 2});
+  if (t == DType::Float32) r.push_back(Config{512, 8, 1, 2, 2, 3});
+  else r.push_back(Config{512, 8, 2, 2, 1, 2});
   return r;
 }
 
 std::string source(DType t, const Config& c) {
   std::string s(layer_norm_backward_wide_cu);
-  s += "\nOPFUSE_LNBWD_ENTRY(" + std::string(kEntryName) + ", " + elem_name(t) + ", " + std::to_string(c.threads) + ", " +
-       std::to_string(c.cluster) + ", " + std::to_string(c.rows) + ", " + std::to_string(c.nv) + ", " +
-       std::to_string(c.min_blocks) + ")\n";
+  s += std::string(c.stages ? "\nOPFUSE_LNBWD_STAGED_ENTRY(" : "\nOPFUSE_LNBWD_ENTRY(") + kEntryName + ", " + elem_name(t) +
+       ", " + std::to_string(c.threads) + ", " + std::to_string(c.cluster) + ", " + std::to_string(c.rows) + ", " +
+       std::to_string(c.nv) + ", " + std::to_string(c.min_blocks) + (c.stages ? ", " + std::to_string(c.stages) : "") +
+       ")\n";
   s += "OPFUSE_LNBWD_FINISH_ENTRY(" + std::string(kFinishName) + ", " + elem_name(t) + ")\n";
   return s;
 }
@@ -200,7 +216,7 @@ void run(const Args& a) {
   CUstream s = static_cast<CUstream>(a.stream);
   void* params[] = {&k};
   check_cuda(c.LaunchKernel(l->rows_fn, static_cast<unsigned>(p * cfg.cluster), 1, 1, static_cast<unsigned>(cfg.threads), 1, 1,
-                            0, s, params, nullptr),
+                            static_cast<unsigned>(cfg.dynamic_smem()), s, params, nullptr),
              "cuLaunchKernel(layer_norm backward wide)");
   int parts32 = static_cast<int>(p), n32 = static_cast<int>(a.n);
   const unsigned col_blocks = static_cast<unsigned>((a.n + 255) / 256);

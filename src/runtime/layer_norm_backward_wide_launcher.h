@@ -40,12 +40,16 @@ struct LnBwdParams {
 static_assert(sizeof(LnBwdParams) == 96, "LnBwdParams layout is the kernel's launch ABI");
 
 // THREADS a CTA, a cluster of C CTAs a row, R rows a cluster barrier, NV
-// 16-byte vectors a thread, MIN_BLOCKS CTAs an SM. Tag form "t512c8r2v1b2".
+// 16-byte vectors a thread, MIN_BLOCKS CTAs an SM, and STAGES slots of the
+// shared-memory ring that loads batches ahead (0: the batch's rows in
+// registers, loaded after the previous batch). Tag form "t512c8r2v1b2s3"
+// ("s0" may be left out).
 struct Config {
-  int threads = 512, cluster = 8, rows = 2, nv = 1, min_blocks = 2;
+  int threads = 512, cluster = 8, rows = 2, nv = 1, min_blocks = 2, stages = 0;
   std::string tag() const;
   static Config parse(const std::string& tag);  // throws std::invalid_argument
   int64_t columns(DType t) const;                // the most columns it covers
+  int dynamic_smem() const;                      // bytes of the ring
   bool operator==(const Config&) const = default;
 };
 

@@ -178,6 +178,29 @@ def test_against_float64_and_eager(shape, nd, elem):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("elem", ["bf16", "f32"])
+def test_every_config_on_the_device(elem, monkeypatch):
+    sm90_or_skip()
+    dtype = DTYPES[elem]
+    vec = 4 if elem == "f32" else 8
+    for tag in _C.lnbwd_wide_candidates(elem):
+        threads, cluster, nv = (int(v) for v in re.match(r"t(\d+)c(\d+)r\d+v(\d+)", tag).groups())
+        n = min(cluster * nv * threads * vec, 65536) - 3 * vec  # the last vectors of the last CTA empty
+        monkeypatch.setenv("OPFUSE_LNBWD_WIDE_CONFIG", tag)
+        torch.manual_seed(8)
+        dy, x, mean, rstd, w, b = _inputs((67, n), 1, dtype, "cuda")
+        before = lw.launch_count()
+        got = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+        torch.cuda.synchronize()
+        assert lw.launch_count() == before + 1, f"{tag}: {lw.last_error()}"
+        ref = aten.native_layer_norm_backward(dy.double(), x.double(), [n], mean.double(), rstd.double(), w.double(),
+                                              b.double(), [True, True, True])
+        eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
+        for i in range(3):
+            _check(got[i], ref[i], eag[i], f"{tag} n={n} " + ["dx", "dw", "db"][i])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mask,with_w,with_b", [
     ([True, True, False], True, False),
     ([True, False, True], False, True),   # no weight: g = dy

@@ -53,7 +53,8 @@
 // finish_columns over ceil(n / 256) blocks of 256 threads for each gradient.
 //
 // Entry points: the launcher appends
-//   OPFUSE_LNBWD_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS)
+//   OPFUSE_LNBWD_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS)   or
+//   OPFUSE_LNBWD_STAGED_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS, STAGES)
 //   OPFUSE_LNBWD_FINISH_ENTRY(name, bf16)
 // which define extern "C" kernels (no name mangling to look up).
 
@@ -186,6 +187,62 @@ __device__ __forceinline__ float ld_cluster(const float* local, u32 rank) {
 // The kernel
 // ---------------------------------------------------------------------------
 
+// The batch's NS row sums, from each thread's s[NS] to row_sums[NS] in
+// shared memory (visible to the whole block on return): warp shuffles, then
+// the block's warps in order, then the cluster's CTAs in rank order. `slot`
+// alternates between batches (see the header).
+template <int THREADS, int C, int NS>
+__device__ __forceinline__ void reduce_rows(float (&s)[NS], float (*warp_sums)[NS], float (*block_sums)[NS], int slot,
+                                            float* row_sums) {
+  constexpr int WARPS = THREADS / 32;
+  const int tid = static_cast<int>(threadIdx.x), lane_id = tid & 31, warp = tid >> 5;
+#pragma unroll
+  for (int i = 0; i < NS; ++i)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
+  if (lane_id == 0)
+#pragma unroll
+    for (int i = 0; i < NS; ++i) warp_sums[warp][i] = s[i];
+  __syncthreads();
+  if (tid < NS) {
+    float t = 0.0f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) t += warp_sums[q][tid];
+    block_sums[slot][tid] = t;
+  }
+  if constexpr (C > 1) {
+    cluster_sync();
+    if (tid < NS) {
+      float t = 0.0f;
+#pragma unroll
+      for (int q = 0; q < C; ++q) t += ld_cluster(&block_sums[slot][tid], static_cast<u32>(q));
+      row_sums[tid] = t;
+    }
+  } else {
+    if (tid < NS) row_sums[tid] = block_sums[slot][tid];
+  }
+  __syncthreads();
+}
+
+
+// The part's column partials of the thread's columns, float32, 16-byte stores.
+template <int VEC, int NV>
+__device__ __forceinline__ void store_partials(const LnBwdParams& p, int part, const int (&col)[NV], const bool (&ok)[NV],
+                                               const float (&pdw)[NV][VEC], const float (&pdb)[NV][VEC]) {
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (!ok[j]) continue;
+    const i64 at = static_cast<i64>(part) * p.n + col[j];
+#pragma unroll
+    for (int k = 0; k < VEC; k += 4) {
+      if (p.part_dw)
+        *reinterpret_cast<float4*>(p.part_dw + at + k) = make_float4(pdw[j][k], pdw[j][k + 1], pdw[j][k + 2], pdw[j][k + 3]);
+      if (p.part_db)
+        *reinterpret_cast<float4*>(p.part_db + at + k) = make_float4(pdb[j][k], pdb[j][k + 1], pdb[j][k + 2], pdb[j][k + 3]);
+    }
+  }
+}
+
 template <class E, int THREADS, int C, int R, int NV>
 __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
   constexpr int VEC = E::vec;
@@ -197,7 +254,7 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
   __shared__ float block_sums[2][NS];  // read by the cluster; batches alternate
   __shared__ float row_sums[NS];
 
-  const int tid = static_cast<int>(threadIdx.x), lane_id = tid & 31, warp = tid >> 5;
+  const int tid = static_cast<int>(threadIdx.x);
   const int rank = C > 1 ? static_cast<int>(cluster_rank()) : 0;
   const int part = static_cast<int>(blockIdx.x) / C, parts = static_cast<int>(gridDim.x) / C;
   const int n = p.n, rows = p.rows;
@@ -274,33 +331,7 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
       s[2 * r + 1] = s2;
     }
 
-    // The row sums: warps, then the block's warps in order, then the cluster's CTAs in rank order.
-#pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
-    if (lane_id == 0)
-#pragma unroll
-      for (int i = 0; i < NS; ++i) warp_sums[warp][i] = s[i];
-    __syncthreads();
-    if (tid < NS) {
-      float t = 0.0f;
-#pragma unroll
-      for (int q = 0; q < WARPS; ++q) t += warp_sums[q][tid];
-      block_sums[slot][tid] = t;
-    }
-    if constexpr (C > 1) {
-      cluster_sync();
-      if (tid < NS) {
-        float t = 0.0f;
-#pragma unroll
-        for (int q = 0; q < C; ++q) t += ld_cluster(&block_sums[slot][tid], static_cast<u32>(q));
-        row_sums[tid] = t;
-      }
-    } else {
-      if (tid < NS) row_sums[tid] = block_sums[slot][tid];
-    }
-    __syncthreads();
+    reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_sums);
 
     if (dx) {
 #pragma unroll
@@ -324,18 +355,170 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
     }
   }
 
+  store_partials<VEC, NV>(p, part, col, ok, pdw, pdb);
+  if constexpr (C > 1) cluster_sync();  // no CTA exits while another may still read its block_sums
+}
+
+// cp.async (sm_80+): 16 bytes global -> shared, L1 bypassed; 4 bytes through L1.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))), "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))), "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ V4 ld_shared(const void* p) {
+  V4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(static_cast<u32>(__cvta_generic_to_shared(p))));
+  return r;
+}
+
+// The staged variant (STAGES >= 2): the batches' dy and x go through a ring
+// of STAGES slots in dynamic shared memory, filled with cp.async
+// STAGES - 1 batches ahead, so the loads of the next batches are in flight
+// while this one goes through its reductions, its cluster barrier and its
+// dx stores (the register variant above waits for its own loads after each
+// barrier). Each thread copies and reads back only its own 16-byte pieces
+// (no barrier guards them); the batch's mean and rstd are copied by threads
+// 0 .. 2R - 1 and read by all after a __syncthreads. dy and x are read twice
+// from shared memory (the sums, then dx and the partials), so registers hold
+// no row. Dynamic shared memory: STAGES * R * NV * 2 * THREADS * 16 bytes.
+template <class E, int THREADS, int C, int R, int NV, int STAGES>
+__device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
+  constexpr int VEC = E::vec;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int NS = 2 * R;
+  constexpr int ES = 16 / VEC;
+  static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 slots");
+  __shared__ float warp_sums[WARPS][NS];
+  __shared__ float block_sums[2][NS];
+  __shared__ float row_sums[NS];
+  __shared__ float stats[STAGES][NS];  // mean, rstd of each row of a slot's batch
+  extern __shared__ __align__(16) unsigned char ring[];
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int rank = C > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int part = static_cast<int>(blockIdx.x) / C, parts = static_cast<int>(gridDim.x) / C;
+  const int n = p.n, rows = p.rows;
+  const float nf = static_cast<float>(n);
+  const char* dy = static_cast<const char*>(p.dy);
+  const char* x = static_cast<const char*>(p.x);
+  char* dx = static_cast<char*>(p.dx);
+
+  int col[NV];
+  bool ok[NV];
+  float pdw[NV][VEC], pdb[NV][VEC];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
-    if (!ok[j]) continue;
-    const i64 at = static_cast<i64>(part) * n + col[j];
+    col[j] = ((rank * NV + j) * THREADS + tid) * VEC;
+    ok[j] = col[j] < n;
 #pragma unroll
-    for (int k = 0; k < VEC; k += 4) {
-      if (p.part_dw)
-        *reinterpret_cast<float4*>(p.part_dw + at + k) = make_float4(pdw[j][k], pdw[j][k + 1], pdw[j][k + 2], pdw[j][k + 3]);
-      if (p.part_db)
-        *reinterpret_cast<float4*>(p.part_db + at + k) = make_float4(pdb[j][k], pdb[j][k + 1], pdb[j][k + 2], pdb[j][k + 3]);
-    }
+    for (int k = 0; k < VEC; ++k) pdw[j][k] = 0.0f, pdb[j][k] = 0.0f;
   }
+  // This thread's piece t (0 dy, 1 x) of row r, vector j, in slot st.
+  auto piece = [&](int st, int r, int j, int t) -> unsigned char* {
+    return ring + ((((st * R + r) * NV + j) * 2 + t) * THREADS + tid) * 16;
+  };
+  const int batches = (rows + R - 1) / R;
+  // Batch b's copies into slot st (an empty group past the last batch).
+  auto issue = [&](int b, int st) {
+    if (b < batches) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = b * R + r;
+        if (row >= rows) break;
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+          if (ok[j]) {
+            cp_async16(piece(st, r, j, 0), dy + (static_cast<i64>(row) * p.ld_dy + col[j]) * ES);
+            cp_async16(piece(st, r, j, 1), x + (static_cast<i64>(row) * p.ld_x + col[j]) * ES);
+          }
+      }
+      if (tid < NS && b * R + tid / 2 < rows)
+        cp_async4(&stats[st][tid], (tid & 1 ? p.rstd : p.mean) + b * R + tid / 2);
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) issue(part + i * parts, i);
+  int st = 0, slot = 0;
+  for (int b = part; b < batches; b += parts, slot ^= 1) {
+    issue(b + (STAGES - 1) * parts, st == 0 ? STAGES - 1 : st - 1);
+    cp_async_wait<STAGES - 1>();  // this thread's copies of batch b
+    __syncthreads();              // and threads 0 .. 2R - 1's statistics
+    const int r0 = b * R;
+    float mu[R], rs[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const bool live = r0 + r < rows;
+      mu[r] = live ? stats[st][2 * r] : 0.0f;
+      rs[r] = live ? stats[st][2 * r + 1] : 0.0f;
+    }
+    // The weight of the thread's columns, reloaded each batch from L1.
+    V4 wv[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      wv[j] = V4{0, 0, 0, 0};
+      if (ok[j] && p.w) wv[j] = ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES);
+    }
+    float s[NS];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float s1 = 0.0f, s2 = 0.0f;
+      if (r0 + r < rows) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          if (!ok[j]) continue;
+          const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            const float d = lane(E{}, vd, k);
+            const float xh = (lane(E{}, vx, k) - mu[r]) * rs[r];
+            const float g = p.w ? d * lane(E{}, wv[j], k) : d;
+            s1 += g;
+            s2 += g * xh;
+          }
+        }
+      }
+      s[2 * r] = s1;
+      s[2 * r + 1] = s2;
+    }
+    reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_sums);
+
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r0 + r >= rows) break;
+      const float m1 = row_sums[2 * r] / nf, m2 = row_sums[2 * r + 1] / nf;
+      const i64 row = r0 + r;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        if (!ok[j]) continue;
+        const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
+        float o[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          const float d = lane(E{}, vd, k);
+          const float xh = (lane(E{}, vx, k) - mu[r]) * rs[r];
+          pdw[j][k] += d * xh;
+          pdb[j][k] += d;
+          o[k] = ((p.w ? d * lane(E{}, wv[j], k) : d) - m1 - xh * m2) * rs[r];
+        }
+        if (dx) st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
+      }
+    }
+    st = st + 1 == STAGES ? 0 : st + 1;
+  }
+  cp_async_wait<0>();
+  store_partials<VEC, NV>(p, part, col, ok, pdw, pdb);
   if constexpr (C > 1) cluster_sync();  // no CTA exits while another may still read its block_sums
 }
 
@@ -356,6 +539,11 @@ __device__ __forceinline__ void finish_body(const float* part, int parts, int n,
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims__(C, 1, 1)           \
       NAME(const opfuse_lnbwd::LnBwdParams p) {                                                        \
     opfuse_lnbwd::lnbwd_body<opfuse_lnbwd::E, THREADS, C, R, NV>(p);                                   \
+  }
+#define OPFUSE_LNBWD_STAGED_ENTRY(NAME, E, THREADS, C, R, NV, MIN_BLOCKS, STAGES)                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims__(C, 1, 1)           \
+      NAME(const opfuse_lnbwd::LnBwdParams p) {                                                        \
+    opfuse_lnbwd::lnbwd_staged_body<opfuse_lnbwd::E, THREADS, C, R, NV, STAGES>(p);                    \
   }
 #define OPFUSE_LNBWD_FINISH_ENTRY(NAME, E)                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                                    \
