@@ -173,6 +173,12 @@ __device__ __forceinline__ u32 cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// The same barrier where the caller has already released its shared-memory
+// writes (fence.release.sync_restrict::shared::cta.cluster): a relaxed
+// arrive, an acquiring wait.
+__device__ __forceinline__ void cluster_sync_shared() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
 // A float in the shared memory of CTA `rank` of this cluster, at the
 // address `local` has in this CTA.
 __device__ __forceinline__ float ld_cluster(const float* local, u32 rank) {
@@ -209,9 +215,15 @@ __device__ __forceinline__ void reduce_rows(float (&s)[NS], float (*warp_sums)[N
 #pragma unroll
     for (int q = 0; q < WARPS; ++q) t += warp_sums[q][tid];
     block_sums[slot][tid] = t;
+    // Only these shared-memory writes need ordering before the barrier: a
+    // release restricted to shared memory (MEMBAR.CTA in the SASS), where
+    // barrier.cluster.arrive.release would fence every thread's memory
+    // operations at GPU scope (MEMBAR.ALL.GPU), waiting for the dx stores
+    // and the loads still in flight.
+    if constexpr (C > 1) asm volatile("fence.release.sync_restrict::shared::cta.cluster;" ::: "memory");
   }
   if constexpr (C > 1) {
-    cluster_sync();
+    cluster_sync_shared();
     if (tid < NS) {
       float t = 0.0f;
 #pragma unroll
