@@ -189,6 +189,28 @@ __device__ __forceinline__ float ld_cluster(const float* local, u32 rank) {
   return v;
 }
 
+// cp.async (sm_80+): 16 bytes global -> shared, L1 bypassed; 4 bytes through L1.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))), "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))), "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ V4 ld_shared(const void* p) {
+  V4 r;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "r"(static_cast<u32>(__cvta_generic_to_shared(p))));
+  return r;
+}
+
 // ---------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------
@@ -289,6 +311,12 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
       pdb[j][k] = 0.0f;
     }
   }
+  // The weight of the thread's columns, in shared memory for the whole
+  // kernel; each thread reads back only its own pieces (no barrier).
+  __shared__ V4 wsm[NV][THREADS];
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
 
   const int batches = (rows + R - 1) / R;
   int slot = 0;
@@ -312,14 +340,12 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
       mu[r] = live ? p.mean[row] : 0.0f;
       rs[r] = live ? p.rstd[row] : 0.0f;
     }
-    // The weight of the thread's columns, reloaded each batch from L1
-    // (registers, not bandwidth, are the limit here).
+    // The weight of the thread's columns, reloaded each batch from shared
+    // memory (registers are the limit; L1 is invalidated by every cluster
+    // barrier's acquire, so a global reload would wait on L2).
     V4 wv[NV];
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      wv[j] = V4{0, 0, 0, 0};
-      if (ok[j] && p.w) wv[j] = ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES);
-    }
+    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
 
     // This thread's sums and partials. Rows past the end and columns past n
     // hold dy = x = 0 and rstd = 0: they add zeros.
@@ -371,27 +397,6 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
   if constexpr (C > 1) cluster_sync();  // no CTA exits while another may still read its block_sums
 }
 
-// cp.async (sm_80+): 16 bytes global -> shared, L1 bypassed; 4 bytes through L1.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))), "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(static_cast<u32>(__cvta_generic_to_shared(smem))), "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ V4 ld_shared(const void* p) {
-  V4 r;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "r"(static_cast<u32>(__cvta_generic_to_shared(p))));
-  return r;
-}
 
 // The staged variant (STAGES >= 2): the batches' dy and x go through a ring
 // of STAGES slots in dynamic shared memory, filled with cp.async
@@ -435,6 +440,12 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) pdw[j][k] = 0.0f, pdb[j][k] = 0.0f;
   }
+  // The weight of the thread's columns, in shared memory for the whole
+  // kernel; each thread reads back only its own pieces (no barrier).
+  __shared__ V4 wsm[NV][THREADS];
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
   // This thread's piece t (0 dy, 1 x) of row r, vector j, in slot st.
   auto piece = [&](int st, int r, int j, int t) -> unsigned char* {
     return ring + ((((st * R + r) * NV + j) * 2 + t) * THREADS + tid) * 16;
@@ -475,13 +486,12 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
       mu[r] = live ? stats[st][2 * r] : 0.0f;
       rs[r] = live ? stats[st][2 * r + 1] : 0.0f;
     }
-    // The weight of the thread's columns, reloaded each batch from L1.
+    // The weight of the thread's columns, reloaded each batch from shared
+    // memory (registers are the limit; L1 is invalidated by every cluster
+    // barrier's acquire, so a global reload would wait on L2).
     V4 wv[NV];
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      wv[j] = V4{0, 0, 0, 0};
-      if (ok[j] && p.w) wv[j] = ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES);
-    }
+    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
     float s[NS];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
