@@ -89,20 +89,20 @@ Config config_for(DType t, int64_t n) {
 
 std::string Config::tag() const {
   return "t" + std::to_string(threads) + "c" + std::to_string(cluster) + "r" + std::to_string(rows) + "v" +
-         std::to_string(nv) + "b" + std::to_string(min_blocks) + (stages ? "s" + std::to_string(stages) : "");
+         std::to_string(nv) + "b" + std::to_string(min_blocks) + (stages ? "s" + std::to_string(stages) : "") + (pipelined ? "p" : "");
 }
 
 Config Config::parse(const std::string& tag) {
-  static const std::regex re(R"(t(\d+)c(\d+)r(\d+)v(\d+)b(\d+)(?:s(\d+))?)");
+  static const std::regex re(R"(t(\d+)c(\d+)r(\d+)v(\d+)b(\d+)(?:s(\d+))?(p?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re))
     throw std::invalid_argument("bad layer_norm backward config '" + tag + "' (want e.g. t512c8r2v1b2)");
   Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5]),
-           m[6].matched ? std::stoi(m[6]) : 0};
+           m[6].matched ? std::stoi(m[6]) : 0, m[7].length() > 0};
   bool ok = c.threads >= 64 && c.threads <= 1024 && c.threads % 32 == 0 &&
             (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && c.rows >= 1 && c.rows <= 8 &&
             c.nv >= 1 && c.nv <= 4 && c.min_blocks >= 1 && c.min_blocks <= 4 && (c.stages == 0 || (c.stages >= 2 && c.stages <= 4)) &&
-            c.dynamic_smem() <= 227 * 1024;
+            c.dynamic_smem() <= 227 * 1024 && (!c.pipelined || (c.stages >= 2 && c.cluster > 1));
   if (!ok) throw std::invalid_argument("layer_norm backward config '" + tag + "' is out of range");
   return c;
 }
@@ -143,17 +143,20 @@ std::vector<Config> candidate_configs(DType t) {
   if (t == DType::Float32) r.push_back(Config{512, 8, 1, 2, 2});  // past 16384 columns
   else r.push_back(Config{512, 8, 2, 2, 1});                      // past 32768 columns
   // The staged ring (measured against the register variant: perf-notes).
-  if (t != DType::Float32) r.push_back(Config{512, 4, 2, 1, 2, 3});
-  r.push_back(Config{512, 8, 2, 1, 2, 3});
+  for (bool pipe : {false, true}) {
+    if (t != DType::Float32) r.push_back(Config{512, 4, 2, 1, 2, 3, pipe});
+    r.push_back(Config{512, 8, 2, 1, 2, 3, pipe});
+  }
   r.push_back(Config{512, 8, 4, 1, 2, 2});
-  if (t == DType::Float32) r.push_back(Config{512, 8, 1, 2, 2, 3});
-  else r.push_back(Config{512, 8, 2, 2, 1, 2});
+  if (t == DType::Float32) r.push_back(Config{512, 8, 1, 2, 2, 3}), r.push_back(Config{512, 8, 1, 2, 2, 3, true});
+  else r.push_back(Config{512, 8, 2, 2, 1, 2}), r.push_back(Config{512, 8, 2, 2, 1, 2, true});
   return r;
 }
 
 std::string source(DType t, const Config& c) {
   std::string s(layer_norm_backward_wide_cu);
-  s += std::string(c.stages ? "\nOPFUSE_LNBWD_STAGED_ENTRY(" : "\nOPFUSE_LNBWD_ENTRY(") + kEntryName + ", " + elem_name(t) +
+  const char* entry = c.pipelined ? "\nOPFUSE_LNBWD_PIPELINED_ENTRY(" : c.stages ? "\nOPFUSE_LNBWD_STAGED_ENTRY(" : "\nOPFUSE_LNBWD_ENTRY(";
+  s += std::string(entry) + kEntryName + ", " + elem_name(t) +
        ", " + std::to_string(c.threads) + ", " + std::to_string(c.cluster) + ", " + std::to_string(c.rows) + ", " +
        std::to_string(c.nv) + ", " + std::to_string(c.min_blocks) + (c.stages ? ", " + std::to_string(c.stages) : "") +
        ")\n";

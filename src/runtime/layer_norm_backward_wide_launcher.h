@@ -42,10 +42,13 @@ static_assert(sizeof(LnBwdParams) == 96, "LnBwdParams layout is the kernel's lau
 // THREADS a CTA, a cluster of C CTAs a row, R rows a cluster barrier, NV
 // 16-byte vectors a thread, MIN_BLOCKS CTAs an SM, and STAGES slots of the
 // shared-memory ring that loads batches ahead (0: the batch's rows in
-// registers, loaded after the previous batch). Tag form "t512c8r2v1b2s3"
-// ("s0" may be left out).
+// registers, loaded after the previous batch), with PIPELINED the split
+// cluster barrier (the next batch's first pass between its arrive and its
+// wait). Tag form "t512c8r2v1b2s3p" ("s0" may be left out, "p" is the
+// pipelined variant).
 struct Config {
   int threads = 512, cluster = 8, rows = 2, nv = 1, min_blocks = 2, stages = 0;
+  bool pipelined = false;
   std::string tag() const;
   static Config parse(const std::string& tag);  // throws std::invalid_argument
   int64_t columns(DType t) const;                // the most columns it covers

@@ -54,7 +54,8 @@
 //
 // Entry points: the launcher appends
 //   OPFUSE_LNBWD_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS)   or
-//   OPFUSE_LNBWD_STAGED_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS, STAGES)
+//   OPFUSE_LNBWD_STAGED_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS, STAGES)   or
+//   OPFUSE_LNBWD_PIPELINED_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS, STAGES)
 //   OPFUSE_LNBWD_FINISH_ENTRY(name, bf16)
 // which define extern "C" kernels (no name mangling to look up).
 
@@ -313,7 +314,7 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
   }
   // The weight of the thread's columns, in shared memory for the whole
   // kernel; each thread reads back only its own pieces (no barrier).
-  __shared__ V4 wsm[NV][THREADS];
+  __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
 #pragma unroll
   for (int j = 0; j < NV; ++j)
     wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
@@ -442,7 +443,7 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
   }
   // The weight of the thread's columns, in shared memory for the whole
   // kernel; each thread reads back only its own pieces (no barrier).
-  __shared__ V4 wsm[NV][THREADS];
+  __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
 #pragma unroll
   for (int j = 0; j < NV; ++j)
     wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
@@ -544,6 +545,191 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
   if constexpr (C > 1) cluster_sync();  // no CTA exits while another may still read its block_sums
 }
 
+// The pipelined variant (staged ring, tag suffix "p"): the cluster barrier
+// of batch k is split into its arrive and its wait, and the first pass of
+// batch k + 1 (sums, shuffle trees, the block step) runs between them, so
+// the barrier's latency and the peers' skew hide behind work. Per batch:
+//   arrive(k) .. pass 1 of k + 1, block sums of k + 1 .. wait(k), peers'
+//   sums of k, dx and partials of k, refill of k's ring slot, arrive(k + 1)
+// The block sums take three slots (a CTA writes batch k + 1's before its
+// peers have all read batch k - 1's only once it has passed wait(k - 1),
+// which they reach after reading batch k - 2's), the warp sums two.
+template <class E, int THREADS, int C, int R, int NV, int STAGES>
+__device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
+  constexpr int VEC = E::vec;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int NS = 2 * R;
+  constexpr int ES = 16 / VEC;
+  static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 slots");
+  static_assert(C > 1, "the split barrier is the cluster's");
+  __shared__ float warp_sums[2][WARPS][NS];
+  __shared__ float block_sums[3][NS];
+  __shared__ float row_sums[NS];
+  __shared__ float stats[STAGES][NS];
+  extern __shared__ __align__(16) unsigned char ring[];
+
+  const int tid = static_cast<int>(threadIdx.x), lane_id = tid & 31, warp = tid >> 5;
+  const int rank = static_cast<int>(cluster_rank());
+  const int part = static_cast<int>(blockIdx.x) / C, parts = static_cast<int>(gridDim.x) / C;
+  const int n = p.n, rows = p.rows;
+  const float nf = static_cast<float>(n);
+  const char* dy = static_cast<const char*>(p.dy);
+  const char* x = static_cast<const char*>(p.x);
+  char* dx = static_cast<char*>(p.dx);
+
+  int col[NV];
+  bool ok[NV];
+  float pdw[NV][VEC], pdb[NV][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    col[j] = ((rank * NV + j) * THREADS + tid) * VEC;
+    ok[j] = col[j] < n;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) pdw[j][k] = 0.0f, pdb[j][k] = 0.0f;
+  }
+  __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
+#pragma unroll
+  for (int j = 0; j < NV; ++j)
+    wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
+
+  auto piece = [&](int st, int r, int j, int t) -> unsigned char* {
+    return ring + ((((st * R + r) * NV + j) * 2 + t) * THREADS + tid) * 16;
+  };
+  const int batches = (rows + R - 1) / R;
+  const int mine = part < batches ? (batches - 1 - part) / parts + 1 : 0;  // this cluster's batches
+  auto issue = [&](int k) {  // the cluster's batch k into slot k % STAGES
+    const int b = part + k * parts, st = k % STAGES;
+    if (k < mine) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int row = b * R + r;
+        if (row >= rows) break;
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+          if (ok[j]) {
+            cp_async16(piece(st, r, j, 0), dy + (static_cast<i64>(row) * p.ld_dy + col[j]) * ES);
+            cp_async16(piece(st, r, j, 1), x + (static_cast<i64>(row) * p.ld_x + col[j]) * ES);
+          }
+      }
+      if (tid < NS && b * R + tid / 2 < rows) cp_async4(&stats[st][tid], (tid & 1 ? p.rstd : p.mean) + b * R + tid / 2);
+    }
+    cp_async_commit();
+  };
+  // Pass 1 of the cluster's batch k (its copies waited for): the rows'
+  // statistics into mu, rs, the block's sums into block_sums[k % 3]
+  // (released to the cluster), the warp sums through warp_sums[k % 2].
+  auto first_pass = [&](int k, float (&mu)[R], float (&rs)[R]) {
+    const int st = k % STAGES, r0 = (part + k * parts) * R;
+    V4 wv[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
+    float s[NS];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const bool live = r0 + r < rows;
+      mu[r] = live ? stats[st][2 * r] : 0.0f;
+      rs[r] = live ? stats[st][2 * r + 1] : 0.0f;
+      float s1 = 0.0f, s2 = 0.0f;
+      if (live) {
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          if (!ok[j]) continue;
+          const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) {
+            const float d = lane(E{}, vd, q);
+            const float xh = (lane(E{}, vx, q) - mu[r]) * rs[r];
+            const float g = p.w ? d * lane(E{}, wv[j], q) : d;
+            s1 += g;
+            s2 += g * xh;
+          }
+        }
+      }
+      s[2 * r] = s1;
+      s[2 * r + 1] = s2;
+    }
+#pragma unroll
+    for (int i = 0; i < NS; ++i)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
+    if (lane_id == 0)
+#pragma unroll
+      for (int i = 0; i < NS; ++i) warp_sums[k & 1][warp][i] = s[i];
+    __syncthreads();
+    if (tid < NS) {
+      float t = 0.0f;
+#pragma unroll
+      for (int q = 0; q < WARPS; ++q) t += warp_sums[k & 1][q][tid];
+      block_sums[k % 3][tid] = t;
+      asm volatile("fence.release.sync_restrict::shared::cta.cluster;" ::: "memory");
+    }
+  };
+  auto arrive = [] { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); };
+  auto wait = [] { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); };
+
+#pragma unroll
+  for (int i = 0; i < STAGES; ++i) issue(i);
+  float mu[R], rs[R], mu_n[R], rs_n[R];
+  if (mine > 0) {
+    cp_async_wait<STAGES - 1>();  // batch 0
+    __syncthreads();
+    first_pass(0, mu, rs);
+    arrive();
+  }
+  for (int k = 0; k < mine; ++k) {
+    if (k + 1 < mine) {
+      // Committed: batches 0 .. STAGES - 1 + k; batch k + 1 must be in.
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      first_pass(k + 1, mu_n, rs_n);
+    }
+    wait();  // batch k's block sums, every CTA's
+    if (tid < NS) {
+      float t = 0.0f;
+#pragma unroll
+      for (int q = 0; q < C; ++q) t += ld_cluster(&block_sums[k % 3][tid], static_cast<u32>(q));
+      row_sums[tid] = t;
+    }
+    __syncthreads();
+    const int st = k % STAGES, r0 = (part + k * parts) * R;
+    V4 wv[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r0 + r >= rows) break;
+      const float m1 = row_sums[2 * r] / nf, m2 = row_sums[2 * r + 1] / nf;
+      const i64 row = r0 + r;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        if (!ok[j]) continue;
+        const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
+        float o[VEC];
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          const float d = lane(E{}, vd, q);
+          const float xh = (lane(E{}, vx, q) - mu[r]) * rs[r];
+          pdw[j][q] += d * xh;
+          pdb[j][q] += d;
+          o[q] = ((p.w ? d * lane(E{}, wv[j], q) : d) - m1 - xh * m2) * rs[r];
+        }
+        if (dx) st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
+      }
+    }
+    // row_sums is rewritten only after the next wait, which every thread of
+    // this CTA reaches after the arrive below, i.e. after these reads.
+    issue(k + STAGES);  // into slot k % STAGES, read for the last time above
+    if (k + 1 < mine) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) mu[r] = mu_n[r], rs[r] = rs_n[r];
+      arrive();
+    }
+  }
+  cp_async_wait<0>();
+  store_partials<VEC, NV>(p, part, col, ok, pdw, pdb);
+  cluster_sync();  // no CTA exits while another may still read its block_sums
+}
+
 // out[c] = sum over p of part[p, c], in part order, rounded once to E.
 template <class E>
 __device__ __forceinline__ void finish_body(const float* part, int parts, int n, void* out) {
@@ -566,6 +752,11 @@ __device__ __forceinline__ void finish_body(const float* part, int parts, int n,
   extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims__(C, 1, 1)           \
       NAME(const opfuse_lnbwd::LnBwdParams p) {                                                        \
     opfuse_lnbwd::lnbwd_staged_body<opfuse_lnbwd::E, THREADS, C, R, NV, STAGES>(p);                    \
+  }
+#define OPFUSE_LNBWD_PIPELINED_ENTRY(NAME, E, THREADS, C, R, NV, MIN_BLOCKS, STAGES)                   \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) __cluster_dims__(C, 1, 1)           \
+      NAME(const opfuse_lnbwd::LnBwdParams p) {                                                        \
+    opfuse_lnbwd::lnbwd_pipelined_body<opfuse_lnbwd::E, THREADS, C, R, NV, STAGES>(p);                 \
   }
 #define OPFUSE_LNBWD_FINISH_ENTRY(NAME, E)                                                              \
   extern "C" __global__ void __launch_bounds__(256)                                                    \
