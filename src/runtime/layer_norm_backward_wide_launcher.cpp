@@ -225,14 +225,11 @@ void run(const Args& a) {
              "cuLaunchKernel(layer_norm backward wide)");
   int parts32 = static_cast<int>(p), n32 = static_cast<int>(a.n);
   const unsigned col_blocks = static_cast<unsigned>((a.n + 255) / 256);
-  for (int g = 0; g < 2; ++g) {
-    void* out = g == 0 ? a.dw : a.db;
-    if (!out) continue;
-    const float* part = g == 0 ? k.part_dw : k.part_db;
-    void* fp[] = {&part, &parts32, &n32, &out};
-    check_cuda(c.LaunchKernel(l->finish_fn, col_blocks, 1, 1, 256, 1, 1, 0, s, fp, nullptr),
-               "cuLaunchKernel(layer_norm backward finish)");
-  }
+  void* dw = a.dw;
+  void* db = a.db;
+  void* fp[] = {&k.part_dw, &k.part_db, &parts32, &n32, &dw, &db};
+  check_cuda(c.LaunchKernel(l->finish_fn, col_blocks, 2, 1, 256, 1, 1, 0, s, fp, nullptr),
+             "cuLaunchKernel(layer_norm backward finish)");
   g_launches.fetch_add(1, std::memory_order_relaxed);
 }
 

@@ -8,7 +8,7 @@
 // (OPFUSE_CACHE_DIR/layer_norm_backward_wide) and loaded once per CUDA
 // context. The caller (python/opfuse/ops/layer_norm_wide.py) asks parts()
 // for the workspace size, allocates it from PyTorch's allocator and calls
-// run(): two launches (the row kernel, then one column kernel a gradient),
+// run(): two launches (the row kernel, then one column kernel for both gradients),
 // nothing allocated, no synchronisation (CUDA-graph safe once loaded).
 // OPFUSE_LNBWD_WIDE=0 turns the path off; OPFUSE_LNBWD_WIDE_CONFIG=<tag>
 // forces a config (benchmarking).

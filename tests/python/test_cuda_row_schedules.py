@@ -328,6 +328,7 @@ def _grads_against_float64(fn, shape, dtype, nparams):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wide_column_partials_in_clusters(shape, dtype, monkeypatch):
     monkeypatch.setenv("OPFUSE_COLUMN_PARTIALS_WIDE", "1")
+    monkeypatch.setenv("OPFUSE_LNBWD_WIDE", "0")  # the generated kernels, not the hand-written wide-row one
     _grads_against_float64(layer_norm, shape, dtype, 3)
     _grads_against_float64(rms_norm, shape, dtype, 2)
 
@@ -338,7 +339,7 @@ def test_wide_column_partials_in_clusters(shape, dtype, monkeypatch):
 # of blocks an SM (a register cap).
 KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_PREFETCH_AHEAD": "264"},
          {"OPFUSE_ROW_REVERSE_LOOPS": "1"}, {"OPFUSE_ROW_PARTIAL_VALUES": "8", "OPFUSE_ROW_MIN_BLOCKS": "2"},
-         {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_REVERSE_LOOPS": "1"},
+         {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_LNBWD_WIDE": "0", "OPFUSE_ROW_REVERSE_LOOPS": "1"},
          {"OPFUSE_ROW_LEAN": "1"}, {"OPFUSE_ROW_PAIR_REDUCE": "1"},
          {"OPFUSE_ROW_PIPELINE": "1", "OPFUSE_ROW_CACHE_RAW": "1"}, {"OPFUSE_COLUMN_PARTS": "256"},
          {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "256"},
@@ -372,6 +373,7 @@ def test_row_knobs_keep_results(knobs, monkeypatch):
     for shape in [(4099, 256), (2050, 4096), (3, 700, 1000)]:
         _grads_against_float64(layer_norm, shape, torch.bfloat16, 3)
     if torch.cuda.get_device_capability()[0] >= 9:
+        monkeypatch.setenv("OPFUSE_LNBWD_WIDE", "0")  # these knobs are the generated kernels'
         _grads_against_float64(layer_norm, (2048, 16384), torch.bfloat16, 3)
     torch.manual_seed(3)
     for cols in [1000, 4096, 40000, 40001]:
@@ -428,8 +430,8 @@ PIPELINE = [((2050, 4096), torch.bfloat16, {}), ((4099, 256), torch.bfloat16, {}
             ((4099, 4096), torch.bfloat16, {"OPFUSE_ROW_CACHE_RAW": "1", "OPFUSE_COLUMN_PARTS": "256"}),
             ((4099, 256), torch.bfloat16, {"OPFUSE_COLUMN_PARTS": "256"}),
             ((2050, 4096), torch.bfloat16, {"OPFUSE_ROW_LEAN": "1"}),
-            ((2111, 20000), torch.bfloat16, {"OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_ROW_CACHE_RAW": "1"}),
-            ((2049, 8193), torch.float32, {"OPFUSE_COLUMN_PARTIALS_WIDE": "1"}),
+            ((2111, 20000), torch.bfloat16, {"OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_LNBWD_WIDE": "0", "OPFUSE_ROW_CACHE_RAW": "1"}),
+            ((2049, 8193), torch.float32, {"OPFUSE_COLUMN_PARTIALS_WIDE": "1", "OPFUSE_LNBWD_WIDE": "0"}),
             ((4099, 256), torch.bfloat16, {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "300"}),
             ((4099, 1000), torch.float16, {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "64"}),
             ((4099, 255), torch.float32, {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "100"})]
