@@ -131,6 +131,11 @@ Config choose_config(DType t, int64_t n) {
     else c.min_blocks = 1;
   }
   if (c.columns(t) < n) c.cluster = 0;  // nothing covers n
+  // Clusters of 8 with one 16-bit vector a thread (16385 to 32768 columns)
+  // load two batches ahead through the shared-memory ring: H200, bf16
+  // 8192x32768, 577-583 us against 598-605 in three runs; the ring was
+  // slower at 16384 (c = 4) and 65536 columns (perf-notes, session 11).
+  if (c.cluster == 8 && c.nv == 1 && t != DType::Float32) c.stages = 3;
   return c;
 }
 

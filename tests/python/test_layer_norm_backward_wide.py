@@ -57,7 +57,8 @@ def test_clusters_only_from_sm_90():
 
 def test_config_choice():
     choose = _C.lnbwd_wide_choose_config
-    assert choose("bf16", 32768) == "t512c8r2v1b2"  # the benchmark shape: 4096 columns a CTA
+    assert choose("bf16", 32768) == "t512c8r2v1b2s3"  # the benchmark shape: 4096 columns a CTA, the ring
+    assert choose("f16", 20000) == "t512c8r2v1b2s3"
     assert choose("bf16", 16384) == "t512c4r2v1b2"
     assert choose("bf16", 65536) == "t512c8r2v2b1"
     assert choose("f32", 32768) == "t512c8r1v2b2"
