@@ -16,6 +16,7 @@ path off.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional, Sequence
@@ -35,8 +36,13 @@ def enabled() -> bool:
     return os.environ.get("OPFUSE_LNBWD_WIDE") != "0"
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90_index(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
 def _sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cuda" and _sm90_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def shape_reason(x_shape: Sequence[int], nd: int, dtype: torch.dtype, weight_dtype, bias_dtype, mask) -> str:
@@ -85,13 +91,17 @@ def try_run(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optiona
             nd: int, mask) -> Optional[list[Tensor]]:
     """[dx, dw, db] for the asked outputs (as opfuse.ops.layer_norm_backward
     returns them), or None when the kernel does not take the problem."""
-    if not enabled() or not x.is_cuda or not _sm90(x.device):
+    # The width first: every CUDA layer_norm backward comes through here,
+    # and most rows are the generated kernels' (no environment or device query).
+    if not x.is_cuda or not 1 <= nd <= x.dim():
+        return None
+    n = math.prod(x.shape[x.dim() - nd:])
+    if n <= GENERATED_MAX_COLS or not enabled() or not _sm90(x.device):
         return None
     wd = weight.dtype if weight is not None else None
     bd = bias.dtype if bias is not None else None
     if grad.dtype != x.dtype or shape_reason(tuple(x.shape), nd, x.dtype, wd, bd, mask):
         return None
-    n = math.prod(x.shape[x.dim() - nd:])
     rows = x.numel() // n
     if mean.dtype != torch.float32 or rstd.dtype != torch.float32 or mean.numel() != rows or rstd.numel() != rows:
         return None
