@@ -399,66 +399,57 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
 }
 
 
-// The staged variant (STAGES >= 2): the batches' dy and x go through a ring
-// of STAGES slots in dynamic shared memory, filled with cp.async
-// STAGES - 1 batches ahead, so the loads of the next batches are in flight
-// while this one goes through its reductions, its cluster barrier and its
-// dx stores (the register variant above waits for its own loads after each
-// barrier). Each thread copies and reads back only its own 16-byte pieces
-// (no barrier guards them); the batch's mean and rstd are copied by threads
-// 0 .. 2R - 1 and read by all after a __syncthreads. dy and x are read twice
-// from shared memory (the sums, then dx and the partials), so registers hold
-// no row. Dynamic shared memory: STAGES * R * NV * 2 * THREADS * 16 bytes.
+// What the two ring variants share: the thread's columns and partials, the
+// weight's shared copy, and the ring of batches in dynamic shared memory
+// (STAGES slots of R rows x NV vectors x {dy, x} x THREADS pieces of 16
+// bytes). Each thread copies and reads back only its own pieces (no barrier
+// guards them); a batch's mean and rstd are copied by threads 0 .. 2R - 1
+// into `stats` and read by all after a __syncthreads.
 template <class E, int THREADS, int C, int R, int NV, int STAGES>
-__device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
-  constexpr int VEC = E::vec;
-  constexpr int WARPS = THREADS / 32;
-  constexpr int NS = 2 * R;
-  constexpr int ES = 16 / VEC;
+struct RingCta {
+  static constexpr int VEC = E::vec, ES = 16 / VEC, NS = 2 * R;
   static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 slots");
-  __shared__ float warp_sums[WARPS][NS];
-  __shared__ float block_sums[2][NS];
-  __shared__ float row_sums[NS];
-  __shared__ float stats[STAGES][NS];  // mean, rstd of each row of a slot's batch
-  extern __shared__ __align__(16) unsigned char ring[];
-
-  const int tid = static_cast<int>(threadIdx.x);
-  const int rank = C > 1 ? static_cast<int>(cluster_rank()) : 0;
-  const int part = static_cast<int>(blockIdx.x) / C, parts = static_cast<int>(gridDim.x) / C;
-  const int n = p.n, rows = p.rows;
-  const float nf = static_cast<float>(n);
-  const char* dy = static_cast<const char*>(p.dy);
-  const char* x = static_cast<const char*>(p.x);
-  char* dx = static_cast<char*>(p.dx);
-
+  const LnBwdParams& p;
+  unsigned char* ring;
+  float (*stats)[NS];  // [STAGES][NS]
+  V4 (*wsm)[THREADS];  // [NV][THREADS], 16-byte aligned
+  int tid, part, parts, batches;
   int col[NV];
   bool ok[NV];
   float pdw[NV][VEC], pdb[NV][VEC];
+
+  __device__ __forceinline__ RingCta(const LnBwdParams& p_, unsigned char* ring_, float (*stats_)[NS], V4 (*wsm_)[THREADS])
+      : p(p_), ring(ring_), stats(stats_), wsm(wsm_) {
+    tid = static_cast<int>(threadIdx.x);
+    const int rank = C > 1 ? static_cast<int>(cluster_rank()) : 0;
+    part = static_cast<int>(blockIdx.x) / C, parts = static_cast<int>(gridDim.x) / C;
+    batches = (p.rows + R - 1) / R;
 #pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    col[j] = ((rank * NV + j) * THREADS + tid) * VEC;
-    ok[j] = col[j] < n;
+    for (int j = 0; j < NV; ++j) {
+      col[j] = ((rank * NV + j) * THREADS + tid) * VEC;
+      ok[j] = col[j] < p.n;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) pdw[j][k] = 0.0f, pdb[j][k] = 0.0f;
+      for (int k = 0; k < VEC; ++k) pdw[j][k] = 0.0f, pdb[j][k] = 0.0f;
+      // The weight of the thread's columns, in shared memory for the whole
+      // kernel (L1 is invalidated by every cluster barrier's acquire).
+      wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
+    }
   }
-  // The weight of the thread's columns, in shared memory for the whole
-  // kernel; each thread reads back only its own pieces (no barrier).
-  __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
-#pragma unroll
-  for (int j = 0; j < NV; ++j)
-    wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
+
   // This thread's piece t (0 dy, 1 x) of row r, vector j, in slot st.
-  auto piece = [&](int st, int r, int j, int t) -> unsigned char* {
+  __device__ __forceinline__ unsigned char* piece(int st, int r, int j, int t) const {
     return ring + ((((st * R + r) * NV + j) * 2 + t) * THREADS + tid) * 16;
-  };
-  const int batches = (rows + R - 1) / R;
-  // Batch b's copies into slot st (an empty group past the last batch).
-  auto issue = [&](int b, int st) {
+  }
+
+  // Batch b's copies into slot st, one commit group (empty past the last batch).
+  __device__ __forceinline__ void issue(int b, int st) const {
     if (b < batches) {
+      const char* dy = static_cast<const char*>(p.dy);
+      const char* x = static_cast<const char*>(p.x);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int row = b * R + r;
-        if (row >= rows) break;
+        if (row >= p.rows) break;
 #pragma unroll
         for (int j = 0; j < NV; ++j)
           if (ok[j]) {
@@ -466,38 +457,25 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
             cp_async16(piece(st, r, j, 1), x + (static_cast<i64>(row) * p.ld_x + col[j]) * ES);
           }
       }
-      if (tid < NS && b * R + tid / 2 < rows)
-        cp_async4(&stats[st][tid], (tid & 1 ? p.rstd : p.mean) + b * R + tid / 2);
+      if (tid < NS && b * R + tid / 2 < p.rows) cp_async4(&stats[st][tid], (tid & 1 ? p.rstd : p.mean) + b * R + tid / 2);
     }
     cp_async_commit();
-  };
+  }
 
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) issue(part + i * parts, i);
-  int st = 0, slot = 0;
-  for (int b = part; b < batches; b += parts, slot ^= 1) {
-    issue(b + (STAGES - 1) * parts, st == 0 ? STAGES - 1 : st - 1);
-    cp_async_wait<STAGES - 1>();  // this thread's copies of batch b
-    __syncthreads();              // and threads 0 .. 2R - 1's statistics
-    const int r0 = b * R;
-    float mu[R], rs[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const bool live = r0 + r < rows;
-      mu[r] = live ? stats[st][2 * r] : 0.0f;
-      rs[r] = live ? stats[st][2 * r + 1] : 0.0f;
-    }
-    // The weight of the thread's columns, reloaded each batch from shared
-    // memory (registers are the limit; L1 is invalidated by every cluster
-    // barrier's acquire, so a global reload would wait on L2).
+  // Pass 1 of the batch of rows r0.. in slot st (its copies and statistics
+  // waited for): its statistics into mu, rs, and this thread's sums of g
+  // and g * xhat of each row into s.
+  __device__ __forceinline__ void first_pass(int st, int r0, float (&mu)[R], float (&rs)[R], float (&s)[NS]) const {
     V4 wv[NV];
 #pragma unroll
     for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
-    float s[NS];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
+      const bool live = r0 + r < p.rows;
+      mu[r] = live ? stats[st][2 * r] : 0.0f;
+      rs[r] = live ? stats[st][2 * r + 1] : 0.0f;
       float s1 = 0.0f, s2 = 0.0f;
-      if (r0 + r < rows) {
+      if (live) {
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
           if (!ok[j]) continue;
@@ -515,11 +493,20 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
       s[2 * r] = s1;
       s[2 * r + 1] = s2;
     }
-    reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_sums);
+  }
 
+  // Pass 2 of the same batch, with the rows' sums of the whole cluster:
+  // the partials, and dx (when asked), rounded once, 16-byte stores.
+  __device__ __forceinline__ void second_pass(int st, int r0, const float (&mu)[R], const float (&rs)[R],
+                                              const float* row_sums) {
+    const float nf = static_cast<float>(p.n);
+    char* dx = static_cast<char*>(p.dx);
+    V4 wv[NV];
+#pragma unroll
+    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      if (r0 + r >= rows) break;
+      if (r0 + r >= p.rows) break;
       const float m1 = row_sums[2 * r] / nf, m2 = row_sums[2 * r + 1] / nf;
       const i64 row = r0 + r;
 #pragma unroll
@@ -538,10 +525,47 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
         if (dx) st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
       }
     }
+  }
+
+  __device__ __forceinline__ void finish() const {
+    cp_async_wait<0>();
+    store_partials<VEC, NV>(p, part, col, ok, pdw, pdb);
+  }
+};
+
+// The staged variant (STAGES >= 2): the batches' dy and x go through the
+// ring, filled with cp.async STAGES - 1 batches ahead, so the loads of the
+// next batches are in flight while this one goes through its reductions,
+// its cluster barrier and its dx stores (the register variant above waits
+// for its own loads after each barrier). dy and x are read twice from
+// shared memory (the sums, then dx and the partials), so registers hold no
+// row. Dynamic shared memory: STAGES * R * NV * 2 * THREADS * 16 bytes.
+template <class E, int THREADS, int C, int R, int NV, int STAGES>
+__device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
+  constexpr int WARPS = THREADS / 32;
+  constexpr int NS = 2 * R;
+  __shared__ float warp_sums[WARPS][NS];
+  __shared__ float block_sums[2][NS];
+  __shared__ float row_sums[NS];
+  __shared__ float stats[STAGES][NS];  // mean, rstd of each row of a slot's batch
+  __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
+  extern __shared__ __align__(16) unsigned char ring[];
+  RingCta<E, THREADS, C, R, NV, STAGES> cta(p, ring, stats, wsm);
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) cta.issue(cta.part + i * cta.parts, i);
+  int st = 0, slot = 0;
+  for (int b = cta.part; b < cta.batches; b += cta.parts, slot ^= 1) {
+    cta.issue(b + (STAGES - 1) * cta.parts, st == 0 ? STAGES - 1 : st - 1);
+    cp_async_wait<STAGES - 1>();  // this thread's copies of batch b
+    __syncthreads();              // and threads 0 .. 2R - 1's statistics
+    float mu[R], rs[R], s[NS];
+    cta.first_pass(st, b * R, mu, rs, s);
+    reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_sums);
+    cta.second_pass(st, b * R, mu, rs, row_sums);
     st = st + 1 == STAGES ? 0 : st + 1;
   }
-  cp_async_wait<0>();
-  store_partials<VEC, NV>(p, part, col, ok, pdw, pdb);
+  cta.finish();
   if constexpr (C > 1) cluster_sync();  // no CTA exits while another may still read its block_sums
 }
 
@@ -556,98 +580,25 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
 // which they reach after reading batch k - 2's), the warp sums two.
 template <class E, int THREADS, int C, int R, int NV, int STAGES>
 __device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
-  constexpr int VEC = E::vec;
   constexpr int WARPS = THREADS / 32;
   constexpr int NS = 2 * R;
-  constexpr int ES = 16 / VEC;
-  static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 slots");
   static_assert(C > 1, "the split barrier is the cluster's");
   __shared__ float warp_sums[2][WARPS][NS];
   __shared__ float block_sums[3][NS];
   __shared__ float row_sums[NS];
   __shared__ float stats[STAGES][NS];
-  extern __shared__ __align__(16) unsigned char ring[];
-
-  const int tid = static_cast<int>(threadIdx.x), lane_id = tid & 31, warp = tid >> 5;
-  const int rank = static_cast<int>(cluster_rank());
-  const int part = static_cast<int>(blockIdx.x) / C, parts = static_cast<int>(gridDim.x) / C;
-  const int n = p.n, rows = p.rows;
-  const float nf = static_cast<float>(n);
-  const char* dy = static_cast<const char*>(p.dy);
-  const char* x = static_cast<const char*>(p.x);
-  char* dx = static_cast<char*>(p.dx);
-
-  int col[NV];
-  bool ok[NV];
-  float pdw[NV][VEC], pdb[NV][VEC];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    col[j] = ((rank * NV + j) * THREADS + tid) * VEC;
-    ok[j] = col[j] < n;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) pdw[j][k] = 0.0f, pdb[j][k] = 0.0f;
-  }
   __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
-#pragma unroll
-  for (int j = 0; j < NV; ++j)
-    wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
-
-  auto piece = [&](int st, int r, int j, int t) -> unsigned char* {
-    return ring + ((((st * R + r) * NV + j) * 2 + t) * THREADS + tid) * 16;
-  };
-  const int batches = (rows + R - 1) / R;
-  const int mine = part < batches ? (batches - 1 - part) / parts + 1 : 0;  // this cluster's batches
-  auto issue = [&](int k) {  // the cluster's batch k into slot k % STAGES
-    const int b = part + k * parts, st = k % STAGES;
-    if (k < mine) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int row = b * R + r;
-        if (row >= rows) break;
-#pragma unroll
-        for (int j = 0; j < NV; ++j)
-          if (ok[j]) {
-            cp_async16(piece(st, r, j, 0), dy + (static_cast<i64>(row) * p.ld_dy + col[j]) * ES);
-            cp_async16(piece(st, r, j, 1), x + (static_cast<i64>(row) * p.ld_x + col[j]) * ES);
-          }
-      }
-      if (tid < NS && b * R + tid / 2 < rows) cp_async4(&stats[st][tid], (tid & 1 ? p.rstd : p.mean) + b * R + tid / 2);
-    }
-    cp_async_commit();
-  };
-  // Pass 1 of the cluster's batch k (its copies waited for): the rows'
-  // statistics into mu, rs, the block's sums into block_sums[k % 3]
-  // (released to the cluster), the warp sums through warp_sums[k % 2].
+  extern __shared__ __align__(16) unsigned char ring[];
+  RingCta<E, THREADS, C, R, NV, STAGES> cta(p, ring, stats, wsm);
+  const int tid = cta.tid, lane_id = tid & 31, warp = tid >> 5;
+  // This cluster's batches: k-th is part + k * parts, in slot k % STAGES.
+  const int mine = cta.part < cta.batches ? (cta.batches - 1 - cta.part) / cta.parts + 1 : 0;
+  auto issue = [&](int k) { cta.issue(k < mine ? cta.part + k * cta.parts : cta.batches, k % STAGES); };
+  // Pass 1 of batch k (its copies waited for) up to its block sums in
+  // block_sums[k % 3], released to the cluster; warp sums in warp_sums[k % 2].
   auto first_pass = [&](int k, float (&mu)[R], float (&rs)[R]) {
-    const int st = k % STAGES, r0 = (part + k * parts) * R;
-    V4 wv[NV];
-#pragma unroll
-    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
     float s[NS];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const bool live = r0 + r < rows;
-      mu[r] = live ? stats[st][2 * r] : 0.0f;
-      rs[r] = live ? stats[st][2 * r + 1] : 0.0f;
-      float s1 = 0.0f, s2 = 0.0f;
-      if (live) {
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          if (!ok[j]) continue;
-          const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
-#pragma unroll
-          for (int q = 0; q < VEC; ++q) {
-            const float d = lane(E{}, vd, q);
-            const float xh = (lane(E{}, vx, q) - mu[r]) * rs[r];
-            const float g = p.w ? d * lane(E{}, wv[j], q) : d;
-            s1 += g;
-            s2 += g * xh;
-          }
-        }
-      }
-      s[2 * r] = s1;
-      s[2 * r + 1] = s2;
-    }
+    cta.first_pass(k % STAGES, (cta.part + k * cta.parts) * R, mu, rs, s);
 #pragma unroll
     for (int i = 0; i < NS; ++i)
 #pragma unroll
@@ -691,31 +642,7 @@ __device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
       row_sums[tid] = t;
     }
     __syncthreads();
-    const int st = k % STAGES, r0 = (part + k * parts) * R;
-    V4 wv[NV];
-#pragma unroll
-    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (r0 + r >= rows) break;
-      const float m1 = row_sums[2 * r] / nf, m2 = row_sums[2 * r + 1] / nf;
-      const i64 row = r0 + r;
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        if (!ok[j]) continue;
-        const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
-        float o[VEC];
-#pragma unroll
-        for (int q = 0; q < VEC; ++q) {
-          const float d = lane(E{}, vd, q);
-          const float xh = (lane(E{}, vx, q) - mu[r]) * rs[r];
-          pdw[j][q] += d * xh;
-          pdb[j][q] += d;
-          o[q] = ((p.w ? d * lane(E{}, wv[j], q) : d) - m1 - xh * m2) * rs[r];
-        }
-        if (dx) st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
-      }
-    }
+    cta.second_pass(k % STAGES, (cta.part + k * cta.parts) * R, mu, rs, row_sums);
     // row_sums is rewritten only after the next wait, which every thread of
     // this CTA reaches after the arrive below, i.e. after these reads.
     issue(k + STAGES);  // into slot k % STAGES, read for the last time above
@@ -725,8 +652,7 @@ __device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
       arrive();
     }
   }
-  cp_async_wait<0>();
-  store_partials<VEC, NV>(p, part, col, ok, pdw, pdb);
+  cta.finish();
   cluster_sync();  // no CTA exits while another may still read its block_sums
 }
 
