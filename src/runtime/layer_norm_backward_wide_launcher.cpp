@@ -66,7 +66,9 @@ Loaded* load(DType t, const Config& cfg) {
       }
       check_cuda(c.ModuleGetFunction(&l.rows_fn, l.module, kEntryName), "cuModuleGetFunction(layer_norm backward wide)");
       check_cuda(c.ModuleGetFunction(&l.finish_fn, l.module, kFinishName), "cuModuleGetFunction(layer_norm backward finish)");
-      if (cfg.dynamic_smem() > 48 * 1024)
+      // Static plus dynamic shared memory over 48 KB needs the opt-in, and
+      // the default allows only 48 KB minus the static part: always set it.
+      if (cfg.dynamic_smem() > 0)
         check_cuda(c.FuncSetAttribute(l.rows_fn, kAttrMaxDynamicSharedBytes, cfg.dynamic_smem()),
                    "cuFuncSetAttribute(layer_norm backward wide, max dynamic shared memory)");
       l.resident = resident_groups(l.rows_fn, cfg.threads, cfg.dynamic_smem(), cfg.cluster);
@@ -131,18 +133,21 @@ Config choose_config(DType t, int64_t n) {
     else c.min_blocks = 1;
   }
   if (c.columns(t) < n) c.cluster = 0;  // nothing covers n
-  // Clusters of 8 with one 16-bit vector a thread (16385 to 32768 columns)
-  // load two batches ahead through the shared-memory ring: H200, bf16
-  // 8192x32768, 577-583 us against 598-605 in three runs; the ring was
-  // slower at 16384 (c = 4) and 65536 columns (perf-notes, session 11).
-  if (c.cluster == 8 && c.nv == 1 && t != DType::Float32) c.stages = 3;
+  // 16-bit rows with one vector a thread (up to 32768 columns) load two
+  // batches ahead through the shared-memory ring: H200, bf16, back-to-back
+  // calls (perf-notes, session 12): 8192x32768 514 against 537 us,
+  // 32768x4096 235 against 246 (c = 1), 16384x8192 245 against 252 (c = 2);
+  // 16384x16384 (c = 4) even (535 against 521, 517 against 523).
+  if (c.nv == 1 && t != DType::Float32) c.stages = 3;
   return c;
 }
 
 std::vector<Config> candidate_configs(DType t) {
   std::vector<Config> r;
-  // (Configs covering at most 8192 columns are not candidates: the
-  // generated kernels take those rows.)
+  // Clusters of 1 and 2 (4096 and 8192 16-bit columns): the defaults there
+  // when OPFUSE_LNBWD_WIDE_ABOVE sends such rows here.
+  if (t != DType::Float32) r.push_back(Config{512, 1, 2, 1, 2, 3}), r.push_back(Config{512, 2, 2, 1, 2, 3});
+  else r.push_back(Config{512, 2, 2, 1, 2}), r.push_back(Config{512, 4, 2, 1, 2});  // float32: 4096, 8192
   if (t != DType::Float32) r.push_back(Config{512, 4, 2, 1, 2});
   r.push_back(Config{512, 8, 2, 1, 2});
   if (t == DType::Float32) r.push_back(Config{512, 8, 1, 2, 2});  // past 16384 columns
@@ -194,14 +199,20 @@ std::string unsupported_reason(const Args& a) {
 
 bool enabled() { return !env_off(); }
 
+namespace {
+// The parts (clusters launched) for `rows` rows with the loaded kernel.
+int64_t parts_of(const Loaded& l, const Config& cfg, int64_t rows) {
+  const int64_t batches = (rows + cfg.rows - 1) / cfg.rows;
+  return std::max<int64_t>(1, std::min<int64_t>(l.resident, batches));
+}
+}  // namespace
+
 int64_t parts(DType t, int64_t rows, int64_t n) {
   if (!enabled() || rows < 1) return 0;
   const Config cfg = config_for(t, n);
   if (cfg.cluster == 0 || cfg.columns(t) < n) return 0;
   Loaded* l = load(t, cfg);
-  if (!l) return 0;
-  const int64_t batches = (rows + cfg.rows - 1) / cfg.rows;
-  return std::max<int64_t>(1, std::min<int64_t>(l->resident, batches));
+  return l ? parts_of(*l, cfg, rows) : 0;
 }
 
 void run(const Args& a) {
@@ -210,12 +221,12 @@ void run(const Args& a) {
   const Config cfg = config_for(a.dtype, a.n);
   if (cfg.cluster == 0 || cfg.columns(a.dtype) < a.n)
     throw std::invalid_argument("layer_norm backward (wide rows): config " + cfg.tag() + " does not cover n");
-  const int64_t p = parts(a.dtype, a.rows, a.n);
-  if (p < 1) throw std::runtime_error("layer_norm backward (wide rows): cannot run here: " + last_error());
+  Loaded* l = enabled() ? load(a.dtype, cfg) : nullptr;  // one lookup a call
+  if (!l) throw std::runtime_error("layer_norm backward (wide rows): cannot run here: " + last_error());
+  const int64_t p = parts_of(*l, cfg, a.rows);
   if (!a.workspace || a.workspace_floats < 2 * p * a.n)
     throw std::invalid_argument("layer_norm backward (wide rows): the workspace needs " + std::to_string(2 * p * a.n) +
                                 " floats");
-  Loaded* l = load(a.dtype, cfg);
   const CudaApi& c = cuda();
   LnBwdParams k{};
   k.dy = a.dy, k.ld_dy = a.ld_dy, k.x = a.x, k.ld_x = a.ld_x, k.mean = a.mean, k.rstd = a.rstd, k.w = a.w;

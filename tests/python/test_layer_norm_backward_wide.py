@@ -35,7 +35,7 @@ aten = torch.ops.aten
 def test_every_instantiation_compiles_without_spills(elem):
     nvrtc_or_skip()
     tags = set(_C.lnbwd_wide_candidates(elem))
-    for n in (8200, 16384, 32768, 65536):
+    for n in (4096, 8192, 8200, 16384, 32768, 65536):
         tag = _C.lnbwd_wide_choose_config(elem, n)
         if tag:
             assert tag in tags, f"{elem} n={n}: {tag} is not among the candidates CI compiles"
@@ -59,7 +59,8 @@ def test_config_choice():
     choose = _C.lnbwd_wide_choose_config
     assert choose("bf16", 32768) == "t512c8r2v1b2s3"  # the benchmark shape: 4096 columns a CTA, the ring
     assert choose("f16", 20000) == "t512c8r2v1b2s3"
-    assert choose("bf16", 16384) == "t512c4r2v1b2"
+    assert choose("bf16", 16384) == "t512c4r2v1b2s3"
+    assert choose("bf16", 4096) == "t512c1r2v1b2s3" and choose("f16", 8192) == "t512c2r2v1b2s3"
     assert choose("bf16", 65536) == "t512c8r2v2b1"
     assert choose("f32", 32768) == "t512c8r1v2b2"
     assert choose("bf16", 65544) == "" and choose("f32", 32776) == ""
@@ -81,6 +82,16 @@ def test_what_it_declines():
     assert "dtype" in shape_reason((64, 32768), 1, torch.float64, None, None, [True, True, True])
     assert "another dtype" in shape_reason((64, 32768), 1, torch.bfloat16, torch.float32, None, [True, True, True])
     assert "no weight or bias" in shape_reason((64, 32768), 1, torch.bfloat16, None, None, [True, True, True])
+
+
+def test_width_line_from_the_environment(monkeypatch):
+    monkeypatch.delenv("OPFUSE_LNBWD_WIDE_ABOVE", raising=False)
+    assert lw._max_cols_from_env() == 8192
+    monkeypatch.setenv("OPFUSE_LNBWD_WIDE_ABOVE", "2048")
+    assert lw._max_cols_from_env() == 2048
+    monkeypatch.setenv("OPFUSE_LNBWD_WIDE_ABOVE", "wide")
+    with pytest.raises(ValueError, match="OPFUSE_LNBWD_WIDE_ABOVE"):
+        lw._max_cols_from_env()
 
 
 def _inputs(shape, nd, dtype, device, gen_stats=True):
@@ -184,6 +195,7 @@ def test_every_config_on_the_device(elem, monkeypatch):
     sm90_or_skip()
     dtype = DTYPES[elem]
     vec = 4 if elem == "f32" else 8
+    monkeypatch.setattr(lw, "GENERATED_MAX_COLS", 0)  # the configs of 4096 and 8192 columns too
     for tag in _C.lnbwd_wide_candidates(elem):
         threads, cluster, nv = (int(v) for v in re.match(r"t(\d+)c(\d+)r\d+v(\d+)", tag).groups())
         n = min(cluster * nv * threads * vec, 65536) - 3 * vec  # the last vectors of the last CTA empty

@@ -28,8 +28,23 @@ from .. import _C
 from ..stats import bump
 
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-# The generated kernels keep the partials on chip up to this many columns.
-GENERATED_MAX_COLS = 8192
+
+
+def _max_cols_from_env() -> int:
+    raw = os.environ.get("OPFUSE_LNBWD_WIDE_ABOVE", "")
+    if not raw:
+        return 8192
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"OPFUSE_LNBWD_WIDE_ABOVE={raw!r}: want a column count (rows wider than it take this kernel)")
+    return max(value, 0)
+
+
+# Rows of at most this many columns go to the generated kernels (which keep
+# the partials on chip up to 8192 columns); wider rows come here.
+# OPFUSE_LNBWD_WIDE_ABOVE (read at import) moves the line, for measuring.
+GENERATED_MAX_COLS = _max_cols_from_env()
 
 
 def enabled() -> bool:
@@ -59,7 +74,7 @@ def shape_reason(x_shape: Sequence[int], nd: int, dtype: torch.dtype, weight_dty
     n = math.prod(x_shape[len(x_shape) - nd:])
     rows = math.prod(x_shape[:len(x_shape) - nd])
     if n <= GENERATED_MAX_COLS:
-        return f"n = {n}: the generated kernels keep the partials on chip"
+        return f"n = {n} <= {GENERATED_MAX_COLS}: the generated kernels take these rows (partials on chip)"
     if rows < 1:
         return "no rows"
     if not ((mask[1] and weight_dtype is not None) or (mask[2] and bias_dtype is not None)):

@@ -213,25 +213,116 @@ __device__ __forceinline__ V4 ld_shared(const void* p) {
 }
 
 // ---------------------------------------------------------------------------
+// The arithmetic of one element (the kernel is bound by issued
+// instructions, not by DRAM: ncu, perf-notes session 12)
+// ---------------------------------------------------------------------------
+
+// Pass 1: the row's sums of g = dy * w and g * xhat, and the column
+// partials of dy * xhat and dy. Rows past the end come with dy = x = mean =
+// rstd = 0 and add zeros.
+__device__ __forceinline__ void add_terms(float d, float xv, float w, float mu, float rs, float& s1, float& s2,
+                                          float& pdw, float& pdb) {
+  const float xh = (xv - mu) * rs;
+  const float g = d * w;
+  s1 += g;
+  s2 = fmaf(g, xh, s2);
+  pdw = fmaf(d, xh, pdw);
+  pdb += d;
+}
+
+// A row's dx coefficients from its means of g (m1) and of g * xhat (m2):
+//   dx = rs * (g - m1 - xhat * m2) = a * g + c - b * (x - mu)
+// with a = rs, b = rs^2 * m2, c = -rs * m1: two FMAs an element after g.
+struct DxRow {
+  float mu, a, b, c;
+  __device__ __forceinline__ DxRow(float mu_, float rs, float m1, float m2) : mu(mu_), a(rs), b(rs * rs * m2), c(-rs * m1) {}
+  __device__ __forceinline__ float operator()(float d, float xv, float w) const {
+    return fmaf(-b, xv - mu, fmaf(a, d * w, c));
+  }
+};
+
+// The weight of a thread's NV vectors as float32 (1 where there is no
+// weight), in shared memory for the whole kernel: float32 saves the
+// unpacking of a 16-bit weight in both passes, shared memory because every
+// cluster barrier's acquire invalidates L1 (a reload would wait on L2).
+// Each thread writes and reads back only its own float4s (no barrier).
+template <class E, int THREADS, int NV>
+struct WeightSmem {
+  static constexpr int VEC = E::vec, Q = VEC / 4, ES = 16 / VEC;
+  float4 v[NV][Q][THREADS];
+  __device__ __forceinline__ void fill(const LnBwdParams& p, const int (&col)[NV], const bool (&ok)[NV], int tid) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      const V4 raw = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        float f[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) f[i] = p.w ? lane(E{}, raw, 4 * q + i) : 1.0f;
+        v[j][q][tid] = make_float4(f[0], f[1], f[2], f[3]);
+      }
+    }
+  }
+  // A volatile load where it is used: the compiler may not hoist it out of
+  // the row loops and keep VEC more registers live.
+  __device__ __forceinline__ void get(int j, int tid, float (&w)[VEC]) const {
+#pragma unroll
+    for (int q = 0; q < Q; ++q)
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                   : "=f"(w[4 * q]), "=f"(w[4 * q + 1]), "=f"(w[4 * q + 2]), "=f"(w[4 * q + 3])
+                   : "r"(static_cast<u32>(__cvta_generic_to_shared(&v[j][q][tid]))));
+  }
+};
+
+// A warp's NS sums (NS a power of two, at most 32) in fewer shuffles than NS
+// butterflies: while a lane holds m > 1 values, it keeps half (the upper
+// half where its lane bit `o` is set) and adds the other half from lane ^ o,
+// so the first steps move m / 2 values, not m. After log2(NS) steps lane L
+// holds sum index L >> (5 - log2(NS)), summed over the lanes that share
+// those bits; plain butterflies finish the warp. NS = 4: 6 shuffles, not 20.
+template <int NS>
+__device__ __forceinline__ float warp_sums_transposed(const float (&s)[NS], int lane_id) {
+  static_assert(NS >= 1 && NS <= 32 && (NS & (NS - 1)) == 0, "a power of two");
+  float v[NS];
+#pragma unroll
+  for (int i = 0; i < NS; ++i) v[i] = s[i];
+  int o = 16;
+#pragma unroll
+  for (int m = NS; m > 1; m >>= 1, o >>= 1) {
+    const bool upper = (lane_id & o) != 0;
+#pragma unroll
+    for (int i = 0; i < m / 2; ++i) {
+      const float keep = upper ? v[i + m / 2] : v[i], send = upper ? v[i] : v[i + m / 2];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+  float t = v[0];
+#pragma unroll
+  for (; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  return t;
+}
+
+template <int NS>
+__device__ __forceinline__ constexpr int log2_of() {
+  return NS <= 1 ? 0 : 1 + log2_of<NS / 2>();
+}
+
+// ---------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------
 
-// The batch's NS row sums, from each thread's s[NS] to row_sums[NS] in
-// shared memory (visible to the whole block on return): warp shuffles, then
-// the block's warps in order, then the cluster's CTAs in rank order. `slot`
-// alternates between batches (see the header).
+// The batch's NS row means, from each thread's sums s[NS] to row_means[NS]
+// in shared memory (visible to the whole block on return): the warp tree,
+// then the block's warps in order, then the cluster's CTAs in rank order,
+// divided by n once (by NS threads, not by every thread). `slot` alternates
+// between batches (see the header).
 template <int THREADS, int C, int NS>
-__device__ __forceinline__ void reduce_rows(float (&s)[NS], float (*warp_sums)[NS], float (*block_sums)[NS], int slot,
-                                            float* row_sums) {
+__device__ __forceinline__ void reduce_rows(const float (&s)[NS], float (*warp_sums)[NS], float (*block_sums)[NS],
+                                            int slot, float* row_means, float nf) {
   constexpr int WARPS = THREADS / 32;
   const int tid = static_cast<int>(threadIdx.x), lane_id = tid & 31, warp = tid >> 5;
-#pragma unroll
-  for (int i = 0; i < NS; ++i)
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
-  if (lane_id == 0)
-#pragma unroll
-    for (int i = 0; i < NS; ++i) warp_sums[warp][i] = s[i];
+  const float t = warp_sums_transposed<NS>(s, lane_id);
+  if ((lane_id & (32 / NS - 1)) == 0) warp_sums[warp][lane_id >> (5 - log2_of<NS>())] = t;
   __syncthreads();
   if (tid < NS) {
     float t = 0.0f;
@@ -251,10 +342,10 @@ __device__ __forceinline__ void reduce_rows(float (&s)[NS], float (*warp_sums)[N
       float t = 0.0f;
 #pragma unroll
       for (int q = 0; q < C; ++q) t += ld_cluster(&block_sums[slot][tid], static_cast<u32>(q));
-      row_sums[tid] = t;
+      row_means[tid] = t / nf;
     }
   } else {
-    if (tid < NS) row_sums[tid] = block_sums[slot][tid];
+    if (tid < NS) row_means[tid] = block_sums[slot][tid] / nf;
   }
   __syncthreads();
 }
@@ -287,7 +378,8 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
   static_assert(C == 1 || C == 2 || C == 4 || C == 8, "a portable cluster");
   __shared__ float warp_sums[WARPS][NS];
   __shared__ float block_sums[2][NS];  // read by the cluster; batches alternate
-  __shared__ float row_sums[NS];
+  __shared__ float row_means[NS];
+  __shared__ WeightSmem<E, THREADS, NV> wsm;
 
   const int tid = static_cast<int>(threadIdx.x);
   const int rank = C > 1 ? static_cast<int>(cluster_rank()) : 0;
@@ -312,12 +404,7 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
       pdb[j][k] = 0.0f;
     }
   }
-  // The weight of the thread's columns, in shared memory for the whole
-  // kernel; each thread reads back only its own pieces (no barrier).
-  __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
-#pragma unroll
-  for (int j = 0; j < NV; ++j)
-    wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
+  wsm.fill(p, col, ok, tid);
 
   const int batches = (rows + R - 1) / R;
   int slot = 0;
@@ -341,53 +428,39 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
       mu[r] = live ? p.mean[row] : 0.0f;
       rs[r] = live ? p.rstd[row] : 0.0f;
     }
-    // The weight of the thread's columns, reloaded each batch from shared
-    // memory (registers are the limit; L1 is invalidated by every cluster
-    // barrier's acquire, so a global reload would wait on L2).
-    V4 wv[NV];
-#pragma unroll
-    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
 
     // This thread's sums and partials. Rows past the end and columns past n
     // hold dy = x = 0 and rstd = 0: they add zeros.
     float s[NS];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      float s1 = 0.0f, s2 = 0.0f;
+    for (int r = 0; r < R; ++r) s[2 * r] = 0.0f, s[2 * r + 1] = 0.0f;
 #pragma unroll
-      for (int j = 0; j < NV; ++j)
+    for (int j = 0; j < NV; ++j) {
+      float w[VEC];
+      wsm.get(j, tid, w);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float d = lane(E{}, vdy[r][j], k);
-          const float xh = (lane(E{}, vx[r][j], k) - mu[r]) * rs[r];
-          const float g = p.w ? d * lane(E{}, wv[j], k) : d;
-          s1 += g;
-          s2 += g * xh;
-          pdw[j][k] += d * xh;
-          pdb[j][k] += d;
-        }
-      s[2 * r] = s1;
-      s[2 * r + 1] = s2;
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          add_terms(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k], mu[r], rs[r], s[2 * r], s[2 * r + 1],
+                    pdw[j][k], pdb[j][k]);
     }
 
-    reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_sums);
+    reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_means, nf);
 
     if (dx) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (r0 + r >= rows) break;
-        const float m1 = row_sums[2 * r] / nf, m2 = row_sums[2 * r + 1] / nf;
+        const DxRow f(mu[r], rs[r], row_means[2 * r], row_means[2 * r + 1]);
         const i64 row = r0 + r;
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
           if (!ok[j]) continue;
-          float o[VEC];
+          float w[VEC], o[VEC];
+          wsm.get(j, tid, w);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) {
-            const float d = lane(E{}, vdy[r][j], k);
-            const float xh = (lane(E{}, vx[r][j], k) - mu[r]) * rs[r];
-            o[k] = ((p.w ? d * lane(E{}, wv[j], k) : d) - m1 - xh * m2) * rs[r];
-          }
+          for (int k = 0; k < VEC; ++k) o[k] = f(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k]);
           st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
         }
       }
@@ -404,7 +477,9 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
 // (STAGES slots of R rows x NV vectors x {dy, x} x THREADS pieces of 16
 // bytes). Each thread copies and reads back only its own pieces (no barrier
 // guards them); a batch's mean and rstd are copied by threads 0 .. 2R - 1
-// into `stats` and read by all after a __syncthreads.
+// into `stats` and read by all after a __syncthreads. Pieces that no copy
+// fills (columns past n, rows past the end) hold zeros, so the passes add
+// without tests.
 template <class E, int THREADS, int C, int R, int NV, int STAGES>
 struct RingCta {
   static constexpr int VEC = E::vec, ES = 16 / VEC, NS = 2 * R;
@@ -412,13 +487,14 @@ struct RingCta {
   const LnBwdParams& p;
   unsigned char* ring;
   float (*stats)[NS];  // [STAGES][NS]
-  V4 (*wsm)[THREADS];  // [NV][THREADS], 16-byte aligned
+  WeightSmem<E, THREADS, NV>& wsm;
   int tid, part, parts, batches;
   int col[NV];
   bool ok[NV];
   float pdw[NV][VEC], pdb[NV][VEC];
 
-  __device__ __forceinline__ RingCta(const LnBwdParams& p_, unsigned char* ring_, float (*stats_)[NS], V4 (*wsm_)[THREADS])
+  __device__ __forceinline__ RingCta(const LnBwdParams& p_, unsigned char* ring_, float (*stats_)[NS],
+                                     WeightSmem<E, THREADS, NV>& wsm_)
       : p(p_), ring(ring_), stats(stats_), wsm(wsm_) {
     tid = static_cast<int>(threadIdx.x);
     const int rank = C > 1 ? static_cast<int>(cluster_rank()) : 0;
@@ -430,18 +506,26 @@ struct RingCta {
       ok[j] = col[j] < p.n;
 #pragma unroll
       for (int k = 0; k < VEC; ++k) pdw[j][k] = 0.0f, pdb[j][k] = 0.0f;
-      // The weight of the thread's columns, in shared memory for the whole
-      // kernel (L1 is invalidated by every cluster barrier's acquire).
-      wsm[j][tid] = ok[j] && p.w ? ld_cached(static_cast<const char*>(p.w) + static_cast<i64>(col[j]) * ES) : V4{0, 0, 0, 0};
+      if (!ok[j])
+        for (int st = 0; st < STAGES; ++st)
+#pragma unroll
+          for (int r = 0; r < R; ++r) zero(st, r, j);
     }
+    wsm.fill(p, col, ok, tid);
   }
 
   // This thread's piece t (0 dy, 1 x) of row r, vector j, in slot st.
   __device__ __forceinline__ unsigned char* piece(int st, int r, int j, int t) const {
     return ring + ((((st * R + r) * NV + j) * 2 + t) * THREADS + tid) * 16;
   }
+  __device__ __forceinline__ void zero(int st, int r, int j) const {
+    *reinterpret_cast<uint4*>(piece(st, r, j, 0)) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(piece(st, r, j, 1)) = make_uint4(0, 0, 0, 0);
+  }
 
-  // Batch b's copies into slot st, one commit group (empty past the last batch).
+  // Batch b's copies into slot st, one commit group (empty past the last
+  // batch); the rows past the end zeroed (statistics too: 0 * NaN of a stale
+  // slot would poison the partials).
   __device__ __forceinline__ void issue(int b, int st) const {
     if (b < batches) {
       const char* dy = static_cast<const char*>(p.dy);
@@ -449,80 +533,70 @@ struct RingCta {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int row = b * R + r;
-        if (row >= p.rows) break;
 #pragma unroll
-        for (int j = 0; j < NV; ++j)
-          if (ok[j]) {
+        for (int j = 0; j < NV; ++j) {
+          if (!ok[j]) continue;
+          if (row < p.rows) {
             cp_async16(piece(st, r, j, 0), dy + (static_cast<i64>(row) * p.ld_dy + col[j]) * ES);
             cp_async16(piece(st, r, j, 1), x + (static_cast<i64>(row) * p.ld_x + col[j]) * ES);
+          } else {
+            zero(st, r, j);
           }
+        }
       }
-      if (tid < NS && b * R + tid / 2 < p.rows) cp_async4(&stats[st][tid], (tid & 1 ? p.rstd : p.mean) + b * R + tid / 2);
+      if (tid < NS) {
+        if (b * R + tid / 2 < p.rows) cp_async4(&stats[st][tid], (tid & 1 ? p.rstd : p.mean) + b * R + tid / 2);
+        else stats[st][tid] = 0.0f;
+      }
     }
     cp_async_commit();
   }
 
   // Pass 1 of the batch of rows r0.. in slot st (its copies and statistics
-  // waited for): its statistics into mu, rs, and this thread's sums of g
-  // and g * xhat of each row into s.
-  __device__ __forceinline__ void first_pass(int st, int r0, float (&mu)[R], float (&rs)[R], float (&s)[NS]) const {
-    V4 wv[NV];
-#pragma unroll
-    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
+  // waited for): its statistics into mu, rs, this thread's sums of g and
+  // g * xhat of each row into s, and the column partials.
+  __device__ __forceinline__ void first_pass(int st, float (&mu)[R], float (&rs)[R], float (&s)[NS]) {
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const bool live = r0 + r < p.rows;
-      mu[r] = live ? stats[st][2 * r] : 0.0f;
-      rs[r] = live ? stats[st][2 * r + 1] : 0.0f;
-      float s1 = 0.0f, s2 = 0.0f;
-      if (live) {
+      mu[r] = stats[st][2 * r];
+      rs[r] = stats[st][2 * r + 1];
+      s[2 * r] = 0.0f, s[2 * r + 1] = 0.0f;
+    }
 #pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          if (!ok[j]) continue;
-          const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
+    for (int j = 0; j < NV; ++j) {
+      float w[VEC];
+      wsm.get(j, tid, w);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) {
-            const float d = lane(E{}, vd, k);
-            const float xh = (lane(E{}, vx, k) - mu[r]) * rs[r];
-            const float g = p.w ? d * lane(E{}, wv[j], k) : d;
-            s1 += g;
-            s2 += g * xh;
-          }
-        }
+      for (int r = 0; r < R; ++r) {
+        const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          add_terms(lane(E{}, vd, k), lane(E{}, vx, k), w[k], mu[r], rs[r], s[2 * r], s[2 * r + 1], pdw[j][k],
+                    pdb[j][k]);
       }
-      s[2 * r] = s1;
-      s[2 * r + 1] = s2;
     }
   }
 
-  // Pass 2 of the same batch, with the rows' sums of the whole cluster:
-  // the partials, and dx (when asked), rounded once, 16-byte stores.
+  // Pass 2 of the same batch, with the rows' means of the whole cluster:
+  // dx (when asked), rounded once, 16-byte stores.
   __device__ __forceinline__ void second_pass(int st, int r0, const float (&mu)[R], const float (&rs)[R],
-                                              const float* row_sums) {
-    const float nf = static_cast<float>(p.n);
+                                              const float* row_means) const {
     char* dx = static_cast<char*>(p.dx);
-    V4 wv[NV];
-#pragma unroll
-    for (int j = 0; j < NV; ++j) wv[j] = ld_shared(&wsm[j][tid]);
+    if (!dx) return;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r0 + r >= p.rows) break;
-      const float m1 = row_sums[2 * r] / nf, m2 = row_sums[2 * r + 1] / nf;
+      const DxRow f(mu[r], rs[r], row_means[2 * r], row_means[2 * r + 1]);
       const i64 row = r0 + r;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
         if (!ok[j]) continue;
+        float w[VEC], o[VEC];
+        wsm.get(j, tid, w);
         const V4 vd = ld_shared(piece(st, r, j, 0)), vx = ld_shared(piece(st, r, j, 1));
-        float o[VEC];
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          const float d = lane(E{}, vd, k);
-          const float xh = (lane(E{}, vx, k) - mu[r]) * rs[r];
-          pdw[j][k] += d * xh;
-          pdb[j][k] += d;
-          o[k] = ((p.w ? d * lane(E{}, wv[j], k) : d) - m1 - xh * m2) * rs[r];
-        }
-        if (dx) st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
+        for (int k = 0; k < VEC; ++k) o[k] = f(lane(E{}, vd, k), lane(E{}, vx, k), w[k]);
+        st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
       }
     }
   }
@@ -546,9 +620,9 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
   constexpr int NS = 2 * R;
   __shared__ float warp_sums[WARPS][NS];
   __shared__ float block_sums[2][NS];
-  __shared__ float row_sums[NS];
+  __shared__ float row_means[NS];
   __shared__ float stats[STAGES][NS];  // mean, rstd of each row of a slot's batch
-  __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
+  __shared__ WeightSmem<E, THREADS, NV> wsm;
   extern __shared__ __align__(16) unsigned char ring[];
   RingCta<E, THREADS, C, R, NV, STAGES> cta(p, ring, stats, wsm);
 
@@ -560,9 +634,9 @@ __device__ __forceinline__ void lnbwd_staged_body(const LnBwdParams& p) {
     cp_async_wait<STAGES - 1>();  // this thread's copies of batch b
     __syncthreads();              // and threads 0 .. 2R - 1's statistics
     float mu[R], rs[R], s[NS];
-    cta.first_pass(st, b * R, mu, rs, s);
-    reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_sums);
-    cta.second_pass(st, b * R, mu, rs, row_sums);
+    cta.first_pass(st, mu, rs, s);
+    reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_means, static_cast<float>(p.n));
+    cta.second_pass(st, b * R, mu, rs, row_means);
     st = st + 1 == STAGES ? 0 : st + 1;
   }
   cta.finish();
@@ -585,9 +659,9 @@ __device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
   static_assert(C > 1, "the split barrier is the cluster's");
   __shared__ float warp_sums[2][WARPS][NS];
   __shared__ float block_sums[3][NS];
-  __shared__ float row_sums[NS];
+  __shared__ float row_means[NS];
   __shared__ float stats[STAGES][NS];
-  __shared__ __align__(16) V4 wsm[NV][THREADS];  // 16-byte aligned: ld.shared.v4
+  __shared__ WeightSmem<E, THREADS, NV> wsm;
   extern __shared__ __align__(16) unsigned char ring[];
   RingCta<E, THREADS, C, R, NV, STAGES> cta(p, ring, stats, wsm);
   const int tid = cta.tid, lane_id = tid & 31, warp = tid >> 5;
@@ -598,14 +672,9 @@ __device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
   // block_sums[k % 3], released to the cluster; warp sums in warp_sums[k % 2].
   auto first_pass = [&](int k, float (&mu)[R], float (&rs)[R]) {
     float s[NS];
-    cta.first_pass(k % STAGES, (cta.part + k * cta.parts) * R, mu, rs, s);
-#pragma unroll
-    for (int i = 0; i < NS; ++i)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s[i] += __shfl_xor_sync(0xffffffffu, s[i], off);
-    if (lane_id == 0)
-#pragma unroll
-      for (int i = 0; i < NS; ++i) warp_sums[k & 1][warp][i] = s[i];
+    cta.first_pass(k % STAGES, mu, rs, s);
+    const float t = warp_sums_transposed<NS>(s, lane_id);
+    if ((lane_id & (32 / NS - 1)) == 0) warp_sums[k & 1][warp][lane_id >> (5 - log2_of<NS>())] = t;
     __syncthreads();
     if (tid < NS) {
       float t = 0.0f;
@@ -639,11 +708,11 @@ __device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
       float t = 0.0f;
 #pragma unroll
       for (int q = 0; q < C; ++q) t += ld_cluster(&block_sums[k % 3][tid], static_cast<u32>(q));
-      row_sums[tid] = t;
+      row_means[tid] = t / static_cast<float>(cta.p.n);
     }
     __syncthreads();
-    cta.second_pass(k % STAGES, (cta.part + k * cta.parts) * R, mu, rs, row_sums);
-    // row_sums is rewritten only after the next wait, which every thread of
+    cta.second_pass(k % STAGES, (cta.part + k * cta.parts) * R, mu, rs, row_means);
+    // row_means is rewritten only after the next wait, which every thread of
     // this CTA reaches after the arrive below, i.e. after these reads.
     issue(k + STAGES);  // into slot k % STAGES, read for the last time above
     if (k + 1 < mine) {
