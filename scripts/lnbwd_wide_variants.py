@@ -61,7 +61,24 @@ def main():
         op = lambda: torch.ops.opfuse.layer_norm_backward(dy, x, mean, rstd, w, b, 1, [True, True, True])
         eager = lambda: aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
         print(f"{args.dtype} {shape}: floor {floor:.1f} us, default config {lw._C.lnbwd_wide_choose_config(args.dtype, n)}")
-        variants = [("eager", {}, eager), ("generated", {"OPFUSE_LNBWD_WIDE": "0"}, op), ("wide default", {}, op)]
+        def compiled():
+            # A compiled graph of the aten op (as the rows_bwd suite): the
+            # generated kernels specialised to the shape, or the routed op;
+            # compiled at its first call, under its variant's environment.
+            state = {}
+
+            def run():
+                if "f" not in state:
+                    torch._dynamo.reset()
+                    state["f"] = torch.compile(
+                        lambda *a: aten.native_layer_norm_backward(a[0], a[1], [n], *a[2:], [True, True, True]),
+                        backend="opfuse", dynamic=False)
+                return state["f"](dy, x, mean, rstd, w, b)
+            return run
+
+        variants = [("eager", {}, eager), ("generated (op)", {"OPFUSE_LNBWD_WIDE": "0"}, op),
+                    ("generated (compiled)", {"OPFUSE_LNBWD_WIDE": "0"}, compiled()), ("compiled", {}, compiled()),
+                    ("wide default", {}, op)]
         variants += [(f"wide {c}", {"OPFUSE_LNBWD_WIDE_CONFIG": c}, op) for c in args.configs.split(",") if c]
         for name, env, fn in variants:
             old = {k: os.environ.get(k) for k in env}

@@ -133,21 +133,29 @@ Config choose_config(DType t, int64_t n) {
     else c.min_blocks = 1;
   }
   if (c.columns(t) < n) c.cluster = 0;  // nothing covers n
+  if (t == DType::Float32) return c;
   // 16-bit rows with one vector a thread (up to 32768 columns) load two
-  // batches ahead through the shared-memory ring: H200, bf16, back-to-back
-  // calls (perf-notes, session 12): 8192x32768 514 against 537 us,
-  // 32768x4096 235 against 246 (c = 1), 16384x8192 245 against 252 (c = 2);
-  // 16384x16384 (c = 4) even (535 against 521, 517 against 523).
-  if (c.nv == 1 && t != DType::Float32) c.stages = 3;
+  // batches ahead through the shared-memory ring; two vectors a thread take
+  // a ring of two slots. H200, bf16, back-to-back calls at 8cff513
+  // (perf-notes, session 12), us: 8192x32768 452 against 487 (register
+  // variant), 16384x16384 468 against 475, 4096x65536 526 against 656.
+  c.stages = c.nv == 1 ? 3 : 2;
+  // Up to 4096 columns: 256-thread CTAs, four an SM, 2048 columns a CTA:
+  // 32768x4096 221 us against 237 for one 512-thread CTA a row.
+  if (n <= 4096) {
+    c.threads = 256, c.min_blocks = 4;
+    c.cluster = n <= 2048 ? 1 : 2;
+  }
   return c;
 }
 
 std::vector<Config> candidate_configs(DType t) {
   std::vector<Config> r;
-  // Clusters of 1 and 2 (4096 and 8192 16-bit columns): the defaults there
-  // when OPFUSE_LNBWD_WIDE_ABOVE sends such rows here.
+  // Rows of 2048 to 8192 columns (the defaults there, and the 512-thread
+  // alternatives at 4096).
+  if (t != DType::Float32) r.push_back(Config{256, 1, 2, 1, 4, 3}), r.push_back(Config{256, 2, 2, 1, 4, 3});
   if (t != DType::Float32) r.push_back(Config{512, 1, 2, 1, 2, 3}), r.push_back(Config{512, 2, 2, 1, 2, 3});
-  else r.push_back(Config{512, 2, 2, 1, 2}), r.push_back(Config{512, 4, 2, 1, 2});  // float32: 4096, 8192
+  else r.push_back(Config{512, 1, 2, 1, 2}), r.push_back(Config{512, 2, 2, 1, 2}), r.push_back(Config{512, 4, 2, 1, 2});  // float32
   if (t != DType::Float32) r.push_back(Config{512, 4, 2, 1, 2});
   r.push_back(Config{512, 8, 2, 1, 2});
   if (t == DType::Float32) r.push_back(Config{512, 8, 1, 2, 2});  // past 16384 columns

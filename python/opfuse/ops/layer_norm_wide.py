@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from typing import Optional, Sequence
 
 import torch
@@ -30,10 +31,10 @@ from ..stats import bump
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
-def _max_cols_from_env() -> int:
+def _line_from_env() -> int:
     raw = os.environ.get("OPFUSE_LNBWD_WIDE_ABOVE", "")
     if not raw:
-        return 8192
+        return 3072
     try:
         value = int(raw)
     except ValueError:
@@ -41,10 +42,21 @@ def _max_cols_from_env() -> int:
     return max(value, 0)
 
 
-# Rows of at most this many columns go to the generated kernels (which keep
-# the partials on chip up to 8192 columns); wider rows come here.
-# OPFUSE_LNBWD_WIDE_ABOVE (read at import) moves the line, for measuring.
-GENERATED_MAX_COLS = _max_cols_from_env()
+# Past 8192 columns the generated kernels cannot keep a row's partials on
+# chip (they re-read dy and x: ~40% of the floor); every such row comes here.
+GENERATED_MAX_COLS = 8192
+# Below that, 16-bit rows wider than this line come here too, where the
+# config's columns are at least three quarters full (the kernel's cost is its
+# config's width, not n): H200, bf16, the rows_bwd suite at 8cff513, 32768x4096
+# 0.231 ms against 0.245 for the generated kernels; back-to-back calls,
+# 16384x8192 226 us (84% of the floor). OPFUSE_LNBWD_WIDE_ABOVE (read at
+# import) moves the line; above 8192 it moves nothing.
+SMALL_ROWS_ABOVE = _line_from_env()
+
+
+def _config_columns(tag: str, dtype: torch.dtype) -> int:
+    threads, cluster, nv = (int(v) for v in re.match(r"t(\d+)c(\d+)r\d+v(\d+)", tag).groups())
+    return threads * cluster * nv * (4 if dtype == torch.float32 else 8)
 
 
 def enabled() -> bool:
@@ -73,14 +85,17 @@ def shape_reason(x_shape: Sequence[int], nd: int, dtype: torch.dtype, weight_dty
         return "normalized_ndim out of range"
     n = math.prod(x_shape[len(x_shape) - nd:])
     rows = math.prod(x_shape[:len(x_shape) - nd])
-    if n <= GENERATED_MAX_COLS:
-        return f"n = {n} <= {GENERATED_MAX_COLS}: the generated kernels take these rows (partials on chip)"
+    if n <= GENERATED_MAX_COLS and (n <= SMALL_ROWS_ABOVE or dtype == torch.float32):
+        return f"n = {n}: the generated kernels take these rows (partials on chip)"
     if rows < 1:
         return "no rows"
     if not ((mask[1] and weight_dtype is not None) or (mask[2] and bias_dtype is not None)):
         return "no weight or bias gradient asked"
-    if not _C.lnbwd_wide_choose_config(_ELEM[dtype], n):
+    tag = _C.lnbwd_wide_choose_config(_ELEM[dtype], n)
+    if not tag:
         return f"n = {n} is wider than the kernel covers"
+    if n <= GENERATED_MAX_COLS and 4 * n < 3 * _config_columns(tag, dtype):
+        return f"n = {n} fills less than three quarters of {tag}: the generated kernels take these rows"
     return ""
 
 
@@ -111,7 +126,7 @@ def try_run(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optiona
     if not x.is_cuda or not 1 <= nd <= x.dim():
         return None
     n = math.prod(x.shape[x.dim() - nd:])
-    if n <= GENERATED_MAX_COLS or not enabled() or not _sm90(x.device):
+    if n <= min(GENERATED_MAX_COLS, SMALL_ROWS_ABOVE) or not enabled() or not _sm90(x.device):
         return None
     wd = weight.dtype if weight is not None else None
     bd = bias.dtype if bias is not None else None
