@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.fixture(autouse=True)
 def _generated_rows_up_to_8192(monkeypatch):
     """These tests are the generated row kernels': 16-bit layer_norm backward
-    rows of 3073 to 8192 columns stay with them here (by default the
+    rows of 1537 to 8192 columns stay with them here (by default the
     hand-written wide-row kernel takes those; its tests are
     test_layer_norm_backward_wide.py)."""
     from opfuse.ops import layer_norm_wide

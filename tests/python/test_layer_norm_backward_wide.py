@@ -79,11 +79,12 @@ def test_what_it_declines():
     assert "wider" in r("bf16", 64, 70000, 70000, 70000, 70000, True, True, True, True, 16)
     shape_reason = lw.shape_reason
     assert shape_reason((64, 32768), 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, [True, True, True]) == ""
-    assert "on chip" in shape_reason((64, 3072), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
+    assert "on chip" in shape_reason((64, 1536), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
     assert "on chip" in shape_reason((64, 8192), 1, torch.float32, torch.float32, None, [True, True, False])
     assert shape_reason((64, 8192), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
     assert shape_reason((64, 4096), 1, torch.float16, torch.float16, None, [True, True, False]) == ""
-    assert "three quarters" in shape_reason((64, 5120), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
+    assert shape_reason((64, 5120), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
+    assert shape_reason((64, 1544), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
     assert "dtype" in shape_reason((64, 32768), 1, torch.float64, None, None, [True, True, True])
     assert "another dtype" in shape_reason((64, 32768), 1, torch.bfloat16, torch.float32, None, [True, True, True])
     assert "no weight or bias" in shape_reason((64, 32768), 1, torch.bfloat16, None, None, [True, True, True])
@@ -91,7 +92,7 @@ def test_what_it_declines():
 
 def test_width_line_from_the_environment(monkeypatch):
     monkeypatch.delenv("OPFUSE_LNBWD_WIDE_ABOVE", raising=False)
-    assert lw._line_from_env() == 3072
+    assert lw._line_from_env() == 1536
     monkeypatch.setenv("OPFUSE_LNBWD_WIDE_ABOVE", "8192")
     assert lw._line_from_env() == 8192
     monkeypatch.setenv("OPFUSE_LNBWD_WIDE_ABOVE", "wide")
@@ -165,6 +166,7 @@ CASES = [  # shape, nd
     ((6, 4, 4096), 2),  # two normalised dims: n = 16384
     ((129, 4096), 1),   # 16-bit: 256-thread CTAs, clusters of 2 (float32: the generated kernels)
     ((33, 3584), 1),    # 16-bit: the last CTA's columns seven eighths full
+    ((65, 1600), 1),    # 16-bit: one 256-thread CTA a row, 200 of its 256 vectors
     ((31, 8192), 1),
 ]
 

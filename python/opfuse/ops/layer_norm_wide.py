@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from typing import Optional, Sequence
 
 import torch
@@ -34,7 +33,7 @@ _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 def _line_from_env() -> int:
     raw = os.environ.get("OPFUSE_LNBWD_WIDE_ABOVE", "")
     if not raw:
-        return 3072
+        return 1536
     try:
         value = int(raw)
     except ValueError:
@@ -45,18 +44,14 @@ def _line_from_env() -> int:
 # Past 8192 columns the generated kernels cannot keep a row's partials on
 # chip (they re-read dy and x: ~40% of the floor); every such row comes here.
 GENERATED_MAX_COLS = 8192
-# Below that, 16-bit rows wider than this line come here too, where the
-# config's columns are at least three quarters full (the kernel's cost is its
-# config's width, not n): H200, bf16, the rows_bwd suite at 8cff513, 32768x4096
-# 0.231 ms against 0.245 for the generated kernels; back-to-back calls,
-# 16384x8192 226 us (84% of the floor). OPFUSE_LNBWD_WIDE_ABOVE (read at
-# import) moves the line; above 8192 it moves nothing.
+# Below that, 16-bit rows wider than this line come here too. H200, bf16,
+# compiled graphs, back-to-back calls at 992a87a (perf-notes, session 12),
+# us, this kernel against the generated ones: 32768x2048 137 / 171,
+# 65536x3584 399 / 430, 32768x4096 220 / 246, 24576x5120 309 / 471 (its
+# config only 5/8 full), 16384x8192 226 / 463. From 1537 columns the
+# 2048-column CTA is at least three quarters full. OPFUSE_LNBWD_WIDE_ABOVE
+# (read at import) moves the line; above 8192 it moves nothing.
 SMALL_ROWS_ABOVE = _line_from_env()
-
-
-def _config_columns(tag: str, dtype: torch.dtype) -> int:
-    threads, cluster, nv = (int(v) for v in re.match(r"t(\d+)c(\d+)r\d+v(\d+)", tag).groups())
-    return threads * cluster * nv * (4 if dtype == torch.float32 else 8)
 
 
 def enabled() -> bool:
@@ -94,8 +89,6 @@ def shape_reason(x_shape: Sequence[int], nd: int, dtype: torch.dtype, weight_dty
     tag = _C.lnbwd_wide_choose_config(_ELEM[dtype], n)
     if not tag:
         return f"n = {n} is wider than the kernel covers"
-    if n <= GENERATED_MAX_COLS and 4 * n < 3 * _config_columns(tag, dtype):
-        return f"n = {n} fills less than three quarters of {tag}: the generated kernels take these rows"
     return ""
 
 
