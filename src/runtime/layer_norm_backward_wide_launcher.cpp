@@ -90,13 +90,27 @@ Config config_for(DType t, int64_t n) {
 }  // namespace
 
 std::string Config::tag() const {
+  if (group)
+    return "t" + std::to_string(threads) + "g" + std::to_string(group) + "r" + std::to_string(rows) + "v" +
+           std::to_string(nv) + "b" + std::to_string(min_blocks);
   return "t" + std::to_string(threads) + "c" + std::to_string(cluster) + "r" + std::to_string(rows) + "v" +
          std::to_string(nv) + "b" + std::to_string(min_blocks) + (stages ? "s" + std::to_string(stages) : "") + (pipelined ? "p" : "");
 }
 
 Config Config::parse(const std::string& tag) {
   static const std::regex re(R"(t(\d+)c(\d+)r(\d+)v(\d+)b(\d+)(?:s(\d+))?(p?))");
+  static const std::regex re_group(R"(t(\d+)g(\d+)r(\d+)v(\d+)b(\d+))");
   std::smatch m;
+  if (std::regex_match(tag, m, re_group)) {
+    Config c{std::stoi(m[1]), 1, std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5])};
+    c.group = std::stoi(m[2]);
+    const int ns = 2 * c.rows;
+    bool ok = c.threads >= 64 && c.threads <= 1024 && c.threads % 32 == 0 && c.group >= 2 && c.group <= 32 &&
+              (c.group & (c.group - 1)) == 0 && (ns & (ns - 1)) == 0 && ns <= c.group && c.nv >= 1 && c.nv <= 4 &&
+              c.min_blocks >= 1 && c.min_blocks <= 8;
+    if (!ok) throw std::invalid_argument("layer_norm backward config '" + tag + "' is out of range");
+    return c;
+  }
   if (!std::regex_match(tag, m, re))
     throw std::invalid_argument("bad layer_norm backward config '" + tag + "' (want e.g. t512c8r2v1b2)");
   Config c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5]),
@@ -113,7 +127,9 @@ int Config::dynamic_smem() const { return stages * rows * nv * 2 * threads * 16;
 
 int vec_of(DType t) { return t == DType::Float32 ? 4 : 8; }
 
-int64_t Config::columns(DType t) const { return static_cast<int64_t>(cluster) * nv * threads * vec_of(t); }
+int64_t Config::columns(DType t) const {
+  return static_cast<int64_t>(group ? group : cluster * threads) * nv * vec_of(t);
+}
 
 // 512 threads and two CTAs an SM (64 registers: ptxas fits R x NV = 2 row
 // vectors of dy and x, the 2 x 8 partials and the sums without a spill);
@@ -146,6 +162,16 @@ Config choose_config(DType t, int64_t n) {
     c.threads = 256, c.min_blocks = 4;
     c.cluster = n <= 2048 ? 1 : 2;
   }
+  // Up to 512 columns: lane groups (the smallest power of two of lanes that
+  // covers n with one vector a lane, at least 4 (a lane a sum), at most 32,
+  // then two vectors a lane), 256 threads, four CTAs an SM (two with two
+  // vectors a lane: 64 registers would spill).
+  if (n <= 512) {
+    c = Config{256, 1, 2, 1, 4};
+    c.group = 4;
+    while (c.group < 32 && c.group * 8 < n) c.group *= 2;
+    if (c.group * 8 < n) c.nv = 2, c.min_blocks = 2;
+  }
   return c;
 }
 
@@ -153,6 +179,17 @@ std::vector<Config> candidate_configs(DType t) {
   std::vector<Config> r;
   // Rows of 2048 to 8192 columns (the defaults there, and the 512-thread
   // alternatives at 4096).
+  if (t != DType::Float32) {
+    // Lane groups for rows of up to 512 columns.
+    for (int g : {4, 8, 16, 32}) {
+      Config c{256, 1, 2, 1, 4};
+      c.group = g;
+      r.push_back(c);
+    }
+    Config two{256, 1, 2, 2, 2};
+    two.group = 32;
+    r.push_back(two);
+  }
   if (t != DType::Float32) r.push_back(Config{256, 1, 2, 1, 4, 3}), r.push_back(Config{256, 2, 2, 1, 4, 3});
   if (t != DType::Float32) r.push_back(Config{512, 1, 2, 1, 2, 3}), r.push_back(Config{512, 2, 2, 1, 2, 3});
   else r.push_back(Config{512, 1, 2, 1, 2}), r.push_back(Config{512, 2, 2, 1, 2}), r.push_back(Config{512, 4, 2, 1, 2});  // float32
@@ -173,6 +210,13 @@ std::vector<Config> candidate_configs(DType t) {
 
 std::string source(DType t, const Config& c) {
   std::string s(layer_norm_backward_wide_cu);
+  if (c.group) {
+    s += "\nOPFUSE_LNBWD_GROUPS_ENTRY(" + std::string(kEntryName) + ", " + elem_name(t) + ", " + std::to_string(c.threads) +
+         ", " + std::to_string(c.group) + ", " + std::to_string(c.rows) + ", " + std::to_string(c.nv) + ", " +
+         std::to_string(c.min_blocks) + ")\n";
+    s += "OPFUSE_LNBWD_FINISH_SPLIT_ENTRY(" + std::string(kFinishName) + ", " + elem_name(t) + ")\n";
+    return s;
+  }
   const char* entry = c.pipelined ? "\nOPFUSE_LNBWD_PIPELINED_ENTRY(" : c.stages ? "\nOPFUSE_LNBWD_STAGED_ENTRY(" : "\nOPFUSE_LNBWD_ENTRY(";
   s += std::string(entry) + kEntryName + ", " + elem_name(t) +
        ", " + std::to_string(c.threads) + ", " + std::to_string(c.cluster) + ", " + std::to_string(c.rows) + ", " +
@@ -210,7 +254,8 @@ bool enabled() { return !env_off(); }
 namespace {
 // The parts (clusters launched) for `rows` rows with the loaded kernel.
 int64_t parts_of(const Loaded& l, const Config& cfg, int64_t rows) {
-  const int64_t batches = (rows + cfg.rows - 1) / cfg.rows;
+  int64_t batches = (rows + cfg.rows - 1) / cfg.rows;
+  if (cfg.group) batches = (batches + cfg.threads / cfg.group - 1) / (cfg.threads / cfg.group);  // a CTA's groups
   return std::max<int64_t>(1, std::min<int64_t>(l.resident, batches));
 }
 }  // namespace
@@ -248,11 +293,13 @@ void run(const Args& a) {
                             static_cast<unsigned>(cfg.dynamic_smem()), s, params, nullptr),
              "cuLaunchKernel(layer_norm backward wide)");
   int parts32 = static_cast<int>(p), n32 = static_cast<int>(a.n);
-  const unsigned col_blocks = static_cast<unsigned>((a.n + 255) / 256);
+  // The lane-group kernel's finish: 32 columns x 32 slices of parts a block.
+  const unsigned cols_a_block = cfg.group ? 32 : 256, finish_threads = cfg.group ? 1024 : 256;
+  const unsigned col_blocks = static_cast<unsigned>((a.n + cols_a_block - 1) / cols_a_block);
   void* dw = a.dw;
   void* db = a.db;
   void* fp[] = {&k.part_dw, &k.part_db, &parts32, &n32, &dw, &db};
-  check_cuda(c.LaunchKernel(l->finish_fn, col_blocks, 2, 1, 256, 1, 1, 0, s, fp, nullptr),
+  check_cuda(c.LaunchKernel(l->finish_fn, col_blocks, 2, 1, finish_threads, 1, 1, 0, s, fp, nullptr),
              "cuLaunchKernel(layer_norm backward finish)");
   g_launches.fetch_add(1, std::memory_order_relaxed);
 }

@@ -45,10 +45,13 @@ static_assert(sizeof(LnBwdParams) == 96, "LnBwdParams layout is the kernel's lau
 // registers, loaded after the previous batch), with PIPELINED the split
 // cluster barrier (the next batch's first pass between its arrive and its
 // wait). Tag form "t512c8r2v1b2s3p" ("s0" may be left out, "p" is the
-// pipelined variant).
+// pipelined variant). GROUP > 0 is the lane-group kernel for short rows
+// instead: GROUP lanes a row, THREADS / GROUP rows side by side in a CTA, no
+// cluster; tag form "t256g32r2v1b4".
 struct Config {
   int threads = 512, cluster = 8, rows = 2, nv = 1, min_blocks = 2, stages = 0;
   bool pipelined = false;
+  int group = 0;
   std::string tag() const;
   static Config parse(const std::string& tag);  // throws std::invalid_argument
   int64_t columns(DType t) const;                // the most columns it covers

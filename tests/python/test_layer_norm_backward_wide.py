@@ -35,7 +35,7 @@ aten = torch.ops.aten
 def test_every_instantiation_compiles_without_spills(elem):
     nvrtc_or_skip()
     tags = set(_C.lnbwd_wide_candidates(elem))
-    for n in (2048, 4096, 8192, 8200, 16384, 32768, 65536):
+    for n in (8, 40, 256, 512, 2048, 4096, 8192, 8200, 16384, 32768, 65536):
         tag = _C.lnbwd_wide_choose_config(elem, n)
         if tag:
             assert tag in tags, f"{elem} n={n}: {tag} is not among the candidates CI compiles"
@@ -45,7 +45,7 @@ def test_every_instantiation_compiles_without_spills(elem):
         entry = log.split("opfuse_lnbwd_wide")[-1]
         regs = int(re.search(r"Used (\d+) registers", entry).group(1))
         assert re.search(r"(\d+) bytes spill stores", entry).group(1) == "0", f"{elem} {tag}:\n{log}"
-        threads, blocks = (int(x) for x in re.match(r"t(\d+)c\d+r\d+v\d+b(\d+)", tag).groups())
+        threads, blocks = (int(x) for x in re.match(r"t(\d+)[cg]\d+r\d+v\d+b(\d+)", tag).groups())
         assert regs * threads * blocks <= 65536, f"{tag}: {regs} registers miss __launch_bounds__"
 
 
@@ -62,6 +62,8 @@ def test_config_choice():
     assert choose("bf16", 16384) == "t512c4r2v1b2s3"
     assert choose("bf16", 4096) == "t256c2r2v1b4s3" and choose("f16", 8192) == "t512c2r2v1b2s3"
     assert choose("bf16", 2048) == "t256c1r2v1b4s3"
+    assert choose("bf16", 256) == "t256g32r2v1b4" and choose("f16", 40) == "t256g8r2v1b4"
+    assert choose("bf16", 512) == "t256g32r2v2b2"
     assert choose("bf16", 65536) == "t512c8r2v2b1s2"
     assert choose("f32", 32768) == "t512c8r1v2b2"
     assert choose("bf16", 65544) == "" and choose("f32", 32776) == ""
@@ -98,6 +100,13 @@ def test_width_line_from_the_environment(monkeypatch):
     monkeypatch.setenv("OPFUSE_LNBWD_WIDE_ABOVE", "wide")
     with pytest.raises(ValueError, match="OPFUSE_LNBWD_WIDE_ABOVE"):
         lw._line_from_env()
+    assert lw._columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 0) == 0
+    monkeypatch.setenv("OPFUSE_LNBWD_WIDE_SHORT", "512")
+    assert lw._columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 0) == 512
+    monkeypatch.setattr(lw, "SHORT_ROWS_UP_TO", 512)
+    assert lw.shape_reason((64, 256), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
+    assert "on chip" in lw.shape_reason((64, 256), 1, torch.float32, torch.float32, None, [True, True, False])
+    assert "on chip" in lw.shape_reason((64, 1024), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
 
 
 def _inputs(shape, nd, dtype, device, gen_stats=True):
@@ -209,8 +218,9 @@ def test_every_config_on_the_device(elem, monkeypatch):
     vec = 4 if elem == "f32" else 8
     monkeypatch.setattr(lw, "GENERATED_MAX_COLS", 0)  # the configs of 4096 and 8192 columns too
     for tag in _C.lnbwd_wide_candidates(elem):
-        threads, cluster, nv = (int(v) for v in re.match(r"t(\d+)c(\d+)r\d+v(\d+)", tag).groups())
-        n = min(cluster * nv * threads * vec, 65536) - 3 * vec  # the last vectors of the last CTA empty
+        threads, kind, size, nv = re.match(r"t(\d+)([cg])(\d+)r\d+v(\d+)", tag).groups()
+        lanes = int(size) * int(threads) if kind == "c" else int(size)  # a cluster's threads, or a group's lanes
+        n = min(lanes * int(nv) * vec, 65536) - 3 * vec  # the last vectors of the last CTA (group) empty
         monkeypatch.setenv("OPFUSE_LNBWD_WIDE_CONFIG", tag)
         torch.manual_seed(8)
         dy, x, mean, rstd, w, b = _inputs((67, n), 1, dtype, "cuda")
@@ -280,6 +290,47 @@ def test_strided_rows_with_offset_and_deterministic():
     eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
     for i in range(3):
         _check(a[i], ref[i], eag[i], ["dx", "dw", "db"][i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n,elem", [(20001, 256, "bf16"), (999, 392, "f16"), (33, 40, "bf16"),
+                                         (4099, 512, "bf16"), (3000, 128, "f16")])
+def test_short_rows_lane_groups(rows, n, elem, monkeypatch):
+    """Rows of at most 512 columns in lane groups (forced where the routing
+    line leaves them to the generated kernels): many batches a group, groups
+    with no rows, rows of a wider tensor at an offset, bitwise reruns."""
+    sm90_or_skip()
+    monkeypatch.setattr(lw, "SHORT_ROWS_UP_TO", 512)
+    assert "g" in _C.lnbwd_wide_choose_config(elem, n)
+    dtype = DTYPES[elem]
+    torch.manual_seed(rows)
+    big_x = torch.randn(rows, n + 24, device="cuda", dtype=dtype)
+    x = big_x[:, 8:8 + n]  # rows n + 24 apart, 16 bytes in
+    dy = torch.randn(rows, n, device="cuda", dtype=dtype)
+    xd = x.double()
+    mean = xd.mean(-1, keepdim=True).float()
+    rstd = (xd.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float()
+    w = (1 + 0.5 * torch.randn(n, device="cuda", dtype=torch.float64)).to(dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    before = lw.launch_count()
+    a = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    c = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before + 2, lw.last_error()
+    for u, v in zip(a, c):
+        assert torch.equal(u, v), "reruns differ"
+    ref = aten.native_layer_norm_backward(dy.double(), xd, [n], mean.double(), rstd.double(), w.double(), b.double(),
+                                          [True, True, True])
+    eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
+    for i in range(3):
+        _check(a[i], ref[i], eag[i], f"rows={rows} n={n} " + ["dx", "dw", "db"][i])
+    # no weight, dx and the bias gradient only
+    got = _run_op(dy, x, mean, rstd, None, b, 1, [True, False, True])
+    ref = aten.native_layer_norm_backward(dy.double(), xd, [n], mean.double(), rstd.double(), None, b.double(),
+                                          [True, False, True])
+    eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, None, b, [True, False, True])
+    _check(got[0], ref[0], eag[0], "dx without weight")
+    _check(got[1], ref[2], eag[2], "db without weight")
 
 
 @pytest.mark.gpu

@@ -30,15 +30,19 @@ from ..stats import bump
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
-def _line_from_env() -> int:
-    raw = os.environ.get("OPFUSE_LNBWD_WIDE_ABOVE", "")
+def _columns_from_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
     if not raw:
-        return 1536
+        return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"OPFUSE_LNBWD_WIDE_ABOVE={raw!r}: want a column count (rows wider than it take this kernel)")
+        raise ValueError(f"{name}={raw!r}: want a column count")
     return max(value, 0)
+
+
+def _line_from_env() -> int:
+    return _columns_from_env("OPFUSE_LNBWD_WIDE_ABOVE", 1536)
 
 
 # Past 8192 columns the generated kernels cannot keep a row's partials on
@@ -52,6 +56,9 @@ GENERATED_MAX_COLS = 8192
 # 2048-column CTA is at least three quarters full. OPFUSE_LNBWD_WIDE_ABOVE
 # (read at import) moves the line; above 8192 it moves nothing.
 SMALL_ROWS_ABOVE = _line_from_env()
+# 16-bit rows of at most this many columns (at most 512) come here too, to
+# the lane-group variant. OPFUSE_LNBWD_WIDE_SHORT (read at import).
+SHORT_ROWS_UP_TO = min(_columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 0), 512)
 
 
 def enabled() -> bool:
@@ -80,7 +87,8 @@ def shape_reason(x_shape: Sequence[int], nd: int, dtype: torch.dtype, weight_dty
         return "normalized_ndim out of range"
     n = math.prod(x_shape[len(x_shape) - nd:])
     rows = math.prod(x_shape[:len(x_shape) - nd])
-    if n <= GENERATED_MAX_COLS and (n <= SMALL_ROWS_ABOVE or dtype == torch.float32):
+    short = n <= SHORT_ROWS_UP_TO and dtype != torch.float32
+    if n <= GENERATED_MAX_COLS and (n <= SMALL_ROWS_ABOVE or dtype == torch.float32) and not short:
         return f"n = {n}: the generated kernels take these rows (partials on chip)"
     if rows < 1:
         return "no rows"
@@ -119,7 +127,7 @@ def try_run(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optiona
     if not x.is_cuda or not 1 <= nd <= x.dim():
         return None
     n = math.prod(x.shape[x.dim() - nd:])
-    if n <= min(GENERATED_MAX_COLS, SMALL_ROWS_ABOVE) or not enabled() or not _sm90(x.device):
+    if SHORT_ROWS_UP_TO < n <= min(GENERATED_MAX_COLS, SMALL_ROWS_ABOVE) or not enabled() or not _sm90(x.device):
         return None
     wd = weight.dtype if weight is not None else None
     bd = bias.dtype if bias is not None else None

@@ -302,6 +302,30 @@ __device__ __forceinline__ float warp_sums_transposed(const float (&s)[NS], int 
   return t;
 }
 
+// The same tree within groups of G lanes (G a power of two, NS <= G): after
+// it lane L holds sum index (L % G) >> (log2 G - log2 NS) of its group.
+template <int NS, int G>
+__device__ __forceinline__ float group_sums_transposed(const float (&s)[NS], int lane_id) {
+  static_assert(NS >= 1 && NS <= G && G <= 32 && (NS & (NS - 1)) == 0 && (G & (G - 1)) == 0, "powers of two");
+  float v[NS];
+#pragma unroll
+  for (int i = 0; i < NS; ++i) v[i] = s[i];
+  int o = G / 2;
+#pragma unroll
+  for (int m = NS; m > 1; m >>= 1, o >>= 1) {
+    const bool upper = (lane_id & o) != 0;
+#pragma unroll
+    for (int i = 0; i < m / 2; ++i) {
+      const float keep = upper ? v[i + m / 2] : v[i], send = upper ? v[i] : v[i + m / 2];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+  float t = v[0];
+#pragma unroll
+  for (; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+  return t;
+}
+
 template <int NS>
 __device__ __forceinline__ constexpr int log2_of() {
   return NS <= 1 ? 0 : 1 + log2_of<NS / 2>();
@@ -725,6 +749,123 @@ __device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
   cluster_sync();  // no CTA exits while another may still read its block_sums
 }
 
+// Short rows (at most 32 lanes x NV vectors): lane groups. G lanes share a
+// row (G a power of two, at most 32, within one warp), a CTA holds THREADS /
+// G groups side by side, and each group walks its own row batches: the row
+// sums cross the group by shuffles only, so no barrier is in the loop; dy
+// and x stay in registers between the two passes. A CTA's groups own the
+// same columns: at the end their partials add through shared memory (group
+// order) into the CTA's part, and the finish kernel (finish_split_body:
+// thousands of parts over a few hundred columns) adds the parts. Rows past
+// the end and columns past n hold zeros (add nothing, store nothing).
+template <class E, int THREADS, int G, int R, int NV>
+__device__ __forceinline__ void lnbwd_groups_body(const LnBwdParams& p) {
+  constexpr int VEC = E::vec, ES = 16 / VEC, NS = 2 * R, GPC = THREADS / G, COLS = G * NV * VEC;
+  static_assert(G >= 2 && G <= 32 && (G & (G - 1)) == 0 && THREADS % 32 == 0, "groups within a warp");
+  static_assert(NS <= G && (NS & (NS - 1)) == 0, "a group's lanes hold one sum each after the tree");
+  __shared__ WeightSmem<E, THREADS, NV> wsm;
+  __shared__ float merge[GPC][COLS];  // one gradient's partials of each group
+
+  const int tid = static_cast<int>(threadIdx.x), lane_id = tid & 31, g = tid / G, l = tid % G;
+  const int n = p.n, rows = p.rows;
+  const float nf = static_cast<float>(n);
+  const char* dy = static_cast<const char*>(p.dy);
+  const char* x = static_cast<const char*>(p.x);
+  char* dx = static_cast<char*>(p.dx);
+  int col[NV];
+  bool ok[NV];
+  float pdw[NV][VEC], pdb[NV][VEC];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    col[j] = (j * G + l) * VEC;
+    ok[j] = col[j] < n;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) pdw[j][k] = 0.0f, pdb[j][k] = 0.0f;
+  }
+  wsm.fill(p, col, ok, tid);
+
+  const int batches = (rows + R - 1) / R;
+  const int first = static_cast<int>(blockIdx.x) * GPC + g, step = static_cast<int>(gridDim.x) * GPC;
+  for (int b = first; b < batches; b += step) {
+    const int r0 = b * R;
+    V4 vdy[R][NV], vx[R][NV];
+    float mu[R], rs[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const bool live = r0 + r < rows;
+      const i64 row = live ? r0 + r : 0;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        vdy[r][j] = V4{0, 0, 0, 0};
+        vx[r][j] = V4{0, 0, 0, 0};
+        if (live && ok[j]) {
+          vdy[r][j] = ld_stream(dy + (row * p.ld_dy + col[j]) * ES);
+          vx[r][j] = ld_stream(x + (row * p.ld_x + col[j]) * ES);
+        }
+      }
+      mu[r] = live ? p.mean[row] : 0.0f;
+      rs[r] = live ? p.rstd[row] : 0.0f;
+    }
+    float s[NS];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[2 * r] = 0.0f, s[2 * r + 1] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      float w[VEC];
+      wsm.get(j, tid, w);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          add_terms(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k], mu[r], rs[r], s[2 * r], s[2 * r + 1],
+                    pdw[j][k], pdb[j][k]);
+    }
+    // The group's NS sums: the transposed tree over the group's lanes (lane
+    // l ends with sum l >> (log2 G - log2 NS)), each divided by n there,
+    // then every mean read from the lane that holds it.
+    const float mine = group_sums_transposed<NS, G>(s, lane_id) / nf;
+    float m[NS];
+#pragma unroll
+    for (int i = 0; i < NS; ++i) m[i] = __shfl_sync(0xffffffffu, mine, (lane_id & ~(G - 1)) + i * (G / NS));
+    if (dx) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r0 + r >= rows) break;
+        const DxRow f(mu[r], rs[r], m[2 * r], m[2 * r + 1]);
+        const i64 row = r0 + r;
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          if (!ok[j]) continue;
+          float w[VEC], o[VEC];
+          wsm.get(j, tid, w);
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) o[k] = f(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k]);
+          st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
+        }
+      }
+    }
+  }
+
+  // The CTA's part: each gradient's group partials added in group order.
+#pragma unroll
+  for (int grad = 0; grad < 2; ++grad) {
+    float* out = grad == 0 ? p.part_dw : p.part_db;
+    if (!out) continue;  // uniform: a kernel argument
+    __syncthreads();     // the previous gradient's reads are done
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) merge[g][(j * G + l) * VEC + k] = grad == 0 ? pdw[j][k] : pdb[j][k];
+    __syncthreads();
+    for (int c = tid; c < n && c < COLS; c += THREADS) {
+      float t = 0.0f;
+#pragma unroll
+      for (int q = 0; q < GPC; ++q) t += merge[q][c];
+      out[static_cast<i64>(blockIdx.x) * n + c] = t;
+    }
+  }
+}
+
 // out[c] = sum over p of part[p, c], in part order, rounded once to E.
 // Eight parts' loads go out together (one L2 round trip for eight, not one
 // a part: ~33 parts at 32768 columns); the adds keep the part order.
@@ -750,6 +891,42 @@ __device__ __forceinline__ void finish_body(const float* part_dw, const float* p
   else static_cast<u16*>(out)[c] = to_bits(E{}, t);
 }
 
+// The finish for many parts over few columns (the lane-group kernel's
+// parts, one a CTA): a block of 32 columns x 32 slices, slice q adding parts
+// q, q + 32, ... in order, then the 32 slices in order; blockIdx.y picks
+// the gradient. Grid (ceil(n / 32), 2), 1024 threads.
+template <class E>
+__device__ __forceinline__ void finish_split_body(const float* part_dw, const float* part_db, int parts, int n,
+                                                  void* dw, void* db) {
+  __shared__ float slices[32][33];
+  const int cl = static_cast<int>(threadIdx.x) & 31, q = static_cast<int>(threadIdx.x) >> 5;
+  const int c = static_cast<int>(blockIdx.x) * 32 + cl;
+  const float* part = blockIdx.y == 0 ? part_dw : part_db;
+  void* out = blockIdx.y == 0 ? dw : db;
+  if (!out) return;  // uniform across the block
+  float t = 0.0f;
+  if (c < n) {
+    int i = q;
+    for (; i + 7 * 32 < parts; i += 8 * 32) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = part[static_cast<i64>(i + u * 32) * n + c];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) t += v[u];
+    }
+    for (; i < parts; i += 32) t += part[static_cast<i64>(i) * n + c];
+  }
+  slices[q][cl] = t;
+  __syncthreads();
+  if (q == 0 && c < n) {
+    float r = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) r += slices[k][cl];
+    if constexpr (E::vec == 4) static_cast<float*>(out)[c] = r;
+    else static_cast<u16*>(out)[c] = to_bits(E{}, r);
+  }
+}
+
 }  // namespace opfuse_lnbwd
 
 #define OPFUSE_LNBWD_ENTRY(NAME, E, THREADS, C, R, NV, MIN_BLOCKS)                                      \
@@ -771,4 +948,13 @@ __device__ __forceinline__ void finish_body(const float* part_dw, const float* p
   extern "C" __global__ void __launch_bounds__(256)                                                    \
       NAME(const float* part_dw, const float* part_db, int parts, int n, void* dw, void* db) {         \
     opfuse_lnbwd::finish_body<opfuse_lnbwd::E>(part_dw, part_db, parts, n, dw, db);                    \
+  }
+#define OPFUSE_LNBWD_GROUPS_ENTRY(NAME, E, THREADS, G, R, NV, MIN_BLOCKS)                             \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) NAME(const opfuse_lnbwd::LnBwdParams p) { \
+    opfuse_lnbwd::lnbwd_groups_body<opfuse_lnbwd::E, THREADS, G, R, NV>(p);                           \
+  }
+#define OPFUSE_LNBWD_FINISH_SPLIT_ENTRY(NAME, E)                                                       \
+  extern "C" __global__ void __launch_bounds__(1024) NAME(const float* part_dw, const float* part_db, int parts, \
+                                                          int n, void* dw, void* db) {                 \
+    opfuse_lnbwd::finish_split_body<opfuse_lnbwd::E>(part_dw, part_db, parts, n, dw, db);             \
   }
