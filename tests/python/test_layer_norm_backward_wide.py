@@ -100,11 +100,13 @@ def test_width_line_from_the_environment(monkeypatch):
     monkeypatch.setenv("OPFUSE_LNBWD_WIDE_ABOVE", "wide")
     with pytest.raises(ValueError, match="OPFUSE_LNBWD_WIDE_ABOVE"):
         lw._line_from_env()
-    assert lw._columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 0) == 0
-    monkeypatch.setenv("OPFUSE_LNBWD_WIDE_SHORT", "512")
-    assert lw._columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 0) == 512
+    assert lw._columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 512) == 512
+    monkeypatch.setenv("OPFUSE_LNBWD_WIDE_SHORT", "0")
+    assert lw._columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 512) == 0
     monkeypatch.setattr(lw, "SHORT_ROWS_UP_TO", 512)
     assert lw.shape_reason((64, 256), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
+    assert lw.shape_reason((64, 400), 1, torch.float16, torch.float16, None, [True, True, False]) == ""
+    assert "on chip" in lw.shape_reason((64, 128), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
     assert "on chip" in lw.shape_reason((64, 256), 1, torch.float32, torch.float32, None, [True, True, False])
     assert "on chip" in lw.shape_reason((64, 1024), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
 
@@ -301,6 +303,7 @@ def test_short_rows_lane_groups(rows, n, elem, monkeypatch):
     with no rows, rows of a wider tensor at an offset, bitwise reruns."""
     sm90_or_skip()
     monkeypatch.setattr(lw, "SHORT_ROWS_UP_TO", 512)
+    monkeypatch.setattr(lw, "SHORT_ROWS_ABOVE", 0)  # 40 and 128 columns too (not routed by default)
     assert "g" in _C.lnbwd_wide_choose_config(elem, n)
     dtype = DTYPES[elem]
     torch.manual_seed(rows)

@@ -56,9 +56,13 @@ GENERATED_MAX_COLS = 8192
 # 2048-column CTA is at least three quarters full. OPFUSE_LNBWD_WIDE_ABOVE
 # (read at import) moves the line; above 8192 it moves nothing.
 SMALL_ROWS_ABOVE = _line_from_env()
-# 16-bit rows of at most this many columns (at most 512) come here too, to
-# the lane-group variant. OPFUSE_LNBWD_WIDE_SHORT (read at import).
-SHORT_ROWS_UP_TO = min(_columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 0), 512)
+# 16-bit rows of 193 to this many columns (at most 512) come here too, to
+# the lane-group variant: H200 at 3bf41ea, the rows_bwd suite, 262144x256
+# 0.112 ms (85% of the floor) against 0.122; back-to-back calls, 65536x512
+# 121 against 128 us, but 131072x128 118 against 57 (not routed).
+# OPFUSE_LNBWD_WIDE_SHORT (read at import; 0 turns it off) moves the top.
+SHORT_ROWS_ABOVE = 192
+SHORT_ROWS_UP_TO = min(_columns_from_env("OPFUSE_LNBWD_WIDE_SHORT", 512), 512)
 
 
 def enabled() -> bool:
@@ -87,7 +91,7 @@ def shape_reason(x_shape: Sequence[int], nd: int, dtype: torch.dtype, weight_dty
         return "normalized_ndim out of range"
     n = math.prod(x_shape[len(x_shape) - nd:])
     rows = math.prod(x_shape[:len(x_shape) - nd])
-    short = n <= SHORT_ROWS_UP_TO and dtype != torch.float32
+    short = SHORT_ROWS_ABOVE < n <= SHORT_ROWS_UP_TO and dtype != torch.float32
     if n <= GENERATED_MAX_COLS and (n <= SMALL_ROWS_ABOVE or dtype == torch.float32) and not short:
         return f"n = {n}: the generated kernels take these rows (partials on chip)"
     if rows < 1:
@@ -127,7 +131,8 @@ def try_run(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optiona
     if not x.is_cuda or not 1 <= nd <= x.dim():
         return None
     n = math.prod(x.shape[x.dim() - nd:])
-    if SHORT_ROWS_UP_TO < n <= min(GENERATED_MAX_COLS, SMALL_ROWS_ABOVE) or not enabled() or not _sm90(x.device):
+    if (n <= SHORT_ROWS_ABOVE or SHORT_ROWS_UP_TO < n <= min(GENERATED_MAX_COLS, SMALL_ROWS_ABOVE) or not enabled()
+            or not _sm90(x.device)):
         return None
     wd = weight.dtype if weight is not None else None
     bd = bias.dtype if bias is not None else None
