@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--copy-gbs", type=float, default=4220.0)
     ap.add_argument("--inner", type=int, default=1, help="back-to-back calls per timed pair of events")
     args = ap.parse_args()
-    max_cols = lw.GENERATED_MAX_COLS
+    max_cols, short_above = lw.GENERATED_MAX_COLS, lw.SHORT_ROWS_ABOVE
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     for shape in args.shapes.split(","):
         rows, n = (int(v) for v in shape.split("x"))
@@ -84,6 +84,7 @@ def main():
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
             lw.GENERATED_MAX_COLS = 0 if name.startswith("wide") else max_cols
+            lw.SHORT_ROWS_ABOVE = 0 if name.startswith("wide") else short_above
             try:
                 before = lw.launch_count()
                 outs = fn()
@@ -95,7 +96,7 @@ def main():
             except Exception as e:
                 print(f"  {name:24s} failed: {type(e).__name__}: {str(e)[:300]}")
             finally:
-                lw.GENERATED_MAX_COLS = max_cols
+                lw.GENERATED_MAX_COLS, lw.SHORT_ROWS_ABOVE = max_cols, short_above
                 for k, v in old.items():
                     if v is None:
                         os.environ.pop(k, None)
