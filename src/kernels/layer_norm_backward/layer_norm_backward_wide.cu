@@ -393,6 +393,80 @@ __device__ __forceinline__ void store_partials(const LnBwdParams& p, int part, c
   }
 }
 
+// A batch of R rows held in registers (the register and lane-group
+// variants): the thread's NV vectors of dy and x of each row and the rows'
+// statistics. Rows past the end and columns past n hold zeros (mean and rstd
+// too), so they add nothing.
+template <class E, int R, int NV>
+struct RegBatch {
+  static constexpr int VEC = E::vec, ES = 16 / VEC;
+  V4 vdy[R][NV], vx[R][NV];
+  float mu[R], rs[R];
+
+  __device__ __forceinline__ void load(const LnBwdParams& p, int r0, const int (&col)[NV], const bool (&ok)[NV]) {
+    const char* dy = static_cast<const char*>(p.dy);
+    const char* x = static_cast<const char*>(p.x);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const bool live = r0 + r < p.rows;
+      const i64 row = live ? r0 + r : 0;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        vdy[r][j] = V4{0, 0, 0, 0};
+        vx[r][j] = V4{0, 0, 0, 0};
+        if (live && ok[j]) {
+          vdy[r][j] = ld_stream(dy + (row * p.ld_dy + col[j]) * ES);
+          vx[r][j] = ld_stream(x + (row * p.ld_x + col[j]) * ES);
+        }
+      }
+      mu[r] = live ? p.mean[row] : 0.0f;
+      rs[r] = live ? p.rstd[row] : 0.0f;
+    }
+  }
+
+  // Pass 1: each row's sums of g and g * xhat into s, and the partials.
+  template <int THREADS>
+  __device__ __forceinline__ void sums(const WeightSmem<E, THREADS, NV>& wsm, int tid, float (&s)[2 * R],
+                                       float (&pdw)[NV][VEC], float (&pdb)[NV][VEC]) const {
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[2 * r] = 0.0f, s[2 * r + 1] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+      float w[VEC];
+      wsm.get(j, tid, w);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k)
+          add_terms(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k], mu[r], rs[r], s[2 * r], s[2 * r + 1],
+                    pdw[j][k], pdb[j][k]);
+    }
+  }
+
+  // Pass 2: dx of the live rows from their means m[2r] (g) and m[2r + 1]
+  // (g * xhat), rounded once, 16-byte stores.
+  template <int THREADS>
+  __device__ __forceinline__ void store_dx(const LnBwdParams& p, const WeightSmem<E, THREADS, NV>& wsm, int tid, int r0,
+                                           const int (&col)[NV], const bool (&ok)[NV], const float* m) const {
+    char* dx = static_cast<char*>(p.dx);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r0 + r >= p.rows) break;
+      const DxRow f(mu[r], rs[r], m[2 * r], m[2 * r + 1]);
+      const i64 row = r0 + r;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        if (!ok[j]) continue;
+        float w[VEC], o[VEC];
+        wsm.get(j, tid, w);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] = f(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k]);
+        st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
+      }
+    }
+  }
+};
+
 template <class E, int THREADS, int C, int R, int NV>
 __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
   constexpr int VEC = E::vec;
@@ -410,10 +484,6 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
   const int part = static_cast<int>(blockIdx.x) / C, parts = static_cast<int>(gridDim.x) / C;
   const int n = p.n, rows = p.rows;
   const float nf = static_cast<float>(n);
-  const char* dy = static_cast<const char*>(p.dy);
-  const char* x = static_cast<const char*>(p.x);
-  char* dx = static_cast<char*>(p.dx);
-  constexpr int ES = 16 / VEC;  // element bytes
 
   int col[NV];
   bool ok[NV];
@@ -433,62 +503,12 @@ __device__ __forceinline__ void lnbwd_body(const LnBwdParams& p) {
   const int batches = (rows + R - 1) / R;
   int slot = 0;
   for (int b = part; b < batches; b += parts, slot ^= 1) {
-    const int r0 = b * R;
-    V4 vdy[R][NV], vx[R][NV];
-    float mu[R], rs[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const bool live = r0 + r < rows;
-      const i64 row = live ? r0 + r : 0;
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        vdy[r][j] = V4{0, 0, 0, 0};
-        vx[r][j] = V4{0, 0, 0, 0};
-        if (live && ok[j]) {
-          vdy[r][j] = ld_stream(dy + (row * p.ld_dy + col[j]) * ES);
-          vx[r][j] = ld_stream(x + (row * p.ld_x + col[j]) * ES);
-        }
-      }
-      mu[r] = live ? p.mean[row] : 0.0f;
-      rs[r] = live ? p.rstd[row] : 0.0f;
-    }
-
-    // This thread's sums and partials. Rows past the end and columns past n
-    // hold dy = x = 0 and rstd = 0: they add zeros.
+    RegBatch<E, R, NV> batch;
+    batch.load(p, b * R, col, ok);
     float s[NS];
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[2 * r] = 0.0f, s[2 * r + 1] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      float w[VEC];
-      wsm.get(j, tid, w);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int k = 0; k < VEC; ++k)
-          add_terms(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k], mu[r], rs[r], s[2 * r], s[2 * r + 1],
-                    pdw[j][k], pdb[j][k]);
-    }
-
+    batch.template sums<THREADS>(wsm, tid, s, pdw, pdb);
     reduce_rows<THREADS, C, NS>(s, warp_sums, block_sums, slot, row_means, nf);
-
-    if (dx) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (r0 + r >= rows) break;
-        const DxRow f(mu[r], rs[r], row_means[2 * r], row_means[2 * r + 1]);
-        const i64 row = r0 + r;
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          if (!ok[j]) continue;
-          float w[VEC], o[VEC];
-          wsm.get(j, tid, w);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) o[k] = f(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k]);
-          st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
-        }
-      }
-    }
+    if (p.dx) batch.template store_dx<THREADS>(p, wsm, tid, b * R, col, ok, row_means);
   }
 
   store_partials<VEC, NV>(p, part, col, ok, pdw, pdb);
@@ -762,7 +782,7 @@ __device__ __forceinline__ void lnbwd_pipelined_body(const LnBwdParams& p) {
 // suite against 78% for the generated kernels (perf-notes, session 12).
 template <class E, int THREADS, int G, int R, int NV>
 __device__ __forceinline__ void lnbwd_groups_body(const LnBwdParams& p) {
-  constexpr int VEC = E::vec, ES = 16 / VEC, NS = 2 * R, GPC = THREADS / G, COLS = G * NV * VEC;
+  constexpr int VEC = E::vec, NS = 2 * R, GPC = THREADS / G, COLS = G * NV * VEC;
   static_assert(G >= 2 && G <= 32 && (G & (G - 1)) == 0 && THREADS % 32 == 0, "groups within a warp");
   static_assert(NS <= G && (NS & (NS - 1)) == 0, "a group's lanes hold one sum each after the tree");
   __shared__ WeightSmem<E, THREADS, NV> wsm;
@@ -771,9 +791,6 @@ __device__ __forceinline__ void lnbwd_groups_body(const LnBwdParams& p) {
   const int tid = static_cast<int>(threadIdx.x), lane_id = tid & 31, g = tid / G, l = tid % G;
   const int n = p.n, rows = p.rows;
   const float nf = static_cast<float>(n);
-  const char* dy = static_cast<const char*>(p.dy);
-  const char* x = static_cast<const char*>(p.x);
-  char* dx = static_cast<char*>(p.dx);
   int col[NV];
   bool ok[NV];
   float pdw[NV][VEC], pdb[NV][VEC];
@@ -794,39 +811,10 @@ __device__ __forceinline__ void lnbwd_groups_body(const LnBwdParams& p) {
   const int step = static_cast<int>(gridDim.x) * GPC, lead = (g / GPW) * GPW;
   for (int bw = static_cast<int>(blockIdx.x) * GPC + lead; bw < batches; bw += step) {
     const int b = bw + (g - lead);
-    const int r0 = b * R;
-    V4 vdy[R][NV], vx[R][NV];
-    float mu[R], rs[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const bool live = r0 + r < rows;
-      const i64 row = live ? r0 + r : 0;
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        vdy[r][j] = V4{0, 0, 0, 0};
-        vx[r][j] = V4{0, 0, 0, 0};
-        if (live && ok[j]) {
-          vdy[r][j] = ld_stream(dy + (row * p.ld_dy + col[j]) * ES);
-          vx[r][j] = ld_stream(x + (row * p.ld_x + col[j]) * ES);
-        }
-      }
-      mu[r] = live ? p.mean[row] : 0.0f;
-      rs[r] = live ? p.rstd[row] : 0.0f;
-    }
+    RegBatch<E, R, NV> batch;
+    batch.load(p, b * R, col, ok);
     float s[NS];
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[2 * r] = 0.0f, s[2 * r + 1] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      float w[VEC];
-      wsm.get(j, tid, w);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int k = 0; k < VEC; ++k)
-          add_terms(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k], mu[r], rs[r], s[2 * r], s[2 * r + 1],
-                    pdw[j][k], pdb[j][k]);
-    }
+    batch.template sums<THREADS>(wsm, tid, s, pdw, pdb);
     // The group's NS sums: the transposed tree over the group's lanes (lane
     // l ends with sum l >> (log2 G - log2 NS)), each divided by n there,
     // then every mean read from the lane that holds it.
@@ -834,23 +822,7 @@ __device__ __forceinline__ void lnbwd_groups_body(const LnBwdParams& p) {
     float m[NS];
 #pragma unroll
     for (int i = 0; i < NS; ++i) m[i] = __shfl_sync(0xffffffffu, mine, (lane_id & ~(G - 1)) + i * (G / NS));
-    if (dx) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (r0 + r >= rows) break;
-        const DxRow f(mu[r], rs[r], m[2 * r], m[2 * r + 1]);
-        const i64 row = r0 + r;
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          if (!ok[j]) continue;
-          float w[VEC], o[VEC];
-          wsm.get(j, tid, w);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) o[k] = f(lane(E{}, vdy[r][j], k), lane(E{}, vx[r][j], k), w[k]);
-          st_stream(dx + (row * p.ld_dx + col[j]) * ES, pack<E>(o));
-        }
-      }
-    }
+    if (p.dx) batch.template store_dx<THREADS>(p, wsm, tid, b * R, col, ok, m);
   }
 
   // The CTA's part: each gradient's group partials added in group order.
