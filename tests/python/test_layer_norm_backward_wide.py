@@ -168,6 +168,24 @@ def _run_op(dy, x, mean, rstd, w, b, nd, mask):
     return torch.ops.opfuse.layer_norm_backward(dy, x, mean, rstd, w, b, nd, mask)
 
 
+def _twice_bitwise_equal_and_close(dy, x, mean, rstd, w, b, what):
+    """Two runs of the wide-row kernel (rows of the last dim): bitwise equal,
+    and within _check of float64."""
+    n = x.shape[-1]
+    before = lw.launch_count()
+    a = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    c = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+    torch.cuda.synchronize()
+    assert lw.launch_count() == before + 2, lw.last_error()
+    for u, v in zip(a, c):
+        assert torch.equal(u, v), "reruns differ"
+    ref = aten.native_layer_norm_backward(dy.double(), x.double(), [n], mean.double(), rstd.double(), w.double(),
+                                          b.double(), [True, True, True])
+    eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
+    for i in range(3):
+        _check(a[i], ref[i], eag[i], what + ["dx", "dw", "db"][i])
+
+
 CASES = [  # shape, nd
     ((257, 32768), 1),  # rows not a multiple of the batch; the benchmark's width
     ((3, 9000), 1),     # n fills part of the cluster's last vectors
@@ -281,18 +299,7 @@ def test_strided_rows_with_offset_and_deterministic():
     rstd = (xd.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float()
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    before = lw.launch_count()
-    a = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
-    c = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
-    torch.cuda.synchronize()
-    assert lw.launch_count() == before + 2
-    for u, v in zip(a, c):
-        assert torch.equal(u, v), "reruns differ"
-    ref = aten.native_layer_norm_backward(dy.double(), xd, [n], mean.double(), rstd.double(), w.double(), b.double(),
-                                          [True, True, True])
-    eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
-    for i in range(3):
-        _check(a[i], ref[i], eag[i], ["dx", "dw", "db"][i])
+    _twice_bitwise_equal_and_close(dy, x, mean, rstd, w, b, "")
 
 
 @pytest.mark.gpu
@@ -316,18 +323,7 @@ def test_short_rows_lane_groups(rows, n, elem, monkeypatch):
     rstd = (xd.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float()
     w = (1 + 0.5 * torch.randn(n, device="cuda", dtype=torch.float64)).to(dtype)
     b = torch.randn(n, device="cuda", dtype=dtype)
-    before = lw.launch_count()
-    a = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
-    c = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
-    torch.cuda.synchronize()
-    assert lw.launch_count() == before + 2, lw.last_error()
-    for u, v in zip(a, c):
-        assert torch.equal(u, v), "reruns differ"
-    ref = aten.native_layer_norm_backward(dy.double(), xd, [n], mean.double(), rstd.double(), w.double(), b.double(),
-                                          [True, True, True])
-    eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
-    for i in range(3):
-        _check(a[i], ref[i], eag[i], f"rows={rows} n={n} " + ["dx", "dw", "db"][i])
+    _twice_bitwise_equal_and_close(dy, x, mean, rstd, w, b, f"rows={rows} n={n} ")
     # no weight, dx and the bias gradient only
     got = _run_op(dy, x, mean, rstd, None, b, 1, [True, False, True])
     ref = aten.native_layer_norm_backward(dy.double(), xd, [n], mean.double(), rstd.double(), None, b.double(),

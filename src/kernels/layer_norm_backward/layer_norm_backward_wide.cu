@@ -274,36 +274,13 @@ struct WeightSmem {
   }
 };
 
-// A warp's NS sums (NS a power of two, at most 32) in fewer shuffles than NS
-// butterflies: while a lane holds m > 1 values, it keeps half (the upper
-// half where its lane bit `o` is set) and adds the other half from lane ^ o,
-// so the first steps move m / 2 values, not m. After log2(NS) steps lane L
-// holds sum index L >> (5 - log2(NS)), summed over the lanes that share
-// those bits; plain butterflies finish the warp. NS = 4: 6 shuffles, not 20.
-template <int NS>
-__device__ __forceinline__ float warp_sums_transposed(const float (&s)[NS], int lane_id) {
-  static_assert(NS >= 1 && NS <= 32 && (NS & (NS - 1)) == 0, "a power of two");
-  float v[NS];
-#pragma unroll
-  for (int i = 0; i < NS; ++i) v[i] = s[i];
-  int o = 16;
-#pragma unroll
-  for (int m = NS; m > 1; m >>= 1, o >>= 1) {
-    const bool upper = (lane_id & o) != 0;
-#pragma unroll
-    for (int i = 0; i < m / 2; ++i) {
-      const float keep = upper ? v[i + m / 2] : v[i], send = upper ? v[i] : v[i + m / 2];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-    }
-  }
-  float t = v[0];
-#pragma unroll
-  for (; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-  return t;
-}
-
-// The same tree within groups of G lanes (G a power of two, NS <= G): after
-// it lane L holds sum index (L % G) >> (log2 G - log2 NS) of its group.
+// The NS sums of a group of G lanes (G and NS powers of two, NS <= G <= 32)
+// in fewer shuffles than NS butterflies: while a lane holds m > 1 values, it
+// keeps half (the upper half where its lane bit `o` is set, o from G / 2
+// down) and adds the other half from lane ^ o, so the first steps move m / 2
+// values, not m. After log2(NS) steps lane L holds sum index
+// (L % G) >> (log2 G - log2 NS), summed over the lanes that share those
+// bits; plain butterflies finish the group. NS = 4, G = 32: 6 shuffles, not 20.
 template <int NS, int G>
 __device__ __forceinline__ float group_sums_transposed(const float (&s)[NS], int lane_id) {
   static_assert(NS >= 1 && NS <= G && G <= 32 && (NS & (NS - 1)) == 0 && (G & (G - 1)) == 0, "powers of two");
@@ -324,6 +301,12 @@ __device__ __forceinline__ float group_sums_transposed(const float (&s)[NS], int
 #pragma unroll
   for (; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
   return t;
+}
+
+// The whole warp's: lane L ends with sum L >> (5 - log2 NS).
+template <int NS>
+__device__ __forceinline__ float warp_sums_transposed(const float (&s)[NS], int lane_id) {
+  return group_sums_transposed<NS, 32>(s, lane_id);
 }
 
 template <int NS>
