@@ -177,8 +177,6 @@ Config choose_config(DType t, int64_t n) {
 
 std::vector<Config> candidate_configs(DType t) {
   std::vector<Config> r;
-  // Rows of 2048 to 8192 columns (the defaults there, and the 512-thread
-  // alternatives at 4096).
   if (t != DType::Float32) {
     // Lane groups for rows of up to 512 columns.
     for (int g : {4, 8, 16, 32}) {
@@ -190,6 +188,8 @@ std::vector<Config> candidate_configs(DType t) {
     two.group = 32;
     r.push_back(two);
   }
+  // Rows of 513 to 8192 columns (the defaults there, and the 512-thread
+  // alternatives at 4096).
   if (t != DType::Float32) r.push_back(Config{256, 1, 2, 1, 4, 3}), r.push_back(Config{256, 2, 2, 1, 4, 3});
   if (t != DType::Float32) r.push_back(Config{512, 1, 2, 1, 2, 3}), r.push_back(Config{512, 2, 2, 1, 2, 3});
   else r.push_back(Config{512, 1, 2, 1, 2}), r.push_back(Config{512, 2, 2, 1, 2}), r.push_back(Config{512, 4, 2, 1, 2});  // float32

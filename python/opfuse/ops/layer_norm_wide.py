@@ -98,8 +98,7 @@ def shape_reason(x_shape: Sequence[int], nd: int, dtype: torch.dtype, weight_dty
         return "no rows"
     if not ((mask[1] and weight_dtype is not None) or (mask[2] and bias_dtype is not None)):
         return "no weight or bias gradient asked"
-    tag = _C.lnbwd_wide_choose_config(_ELEM[dtype], n)
-    if not tag:
+    if not _C.lnbwd_wide_choose_config(_ELEM[dtype], n):
         return f"n = {n} is wider than the kernel covers"
     return ""
 

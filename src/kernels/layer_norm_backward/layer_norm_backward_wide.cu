@@ -49,14 +49,19 @@
 // n % VEC == 0 and n <= C * NV * THREADS * VEC; dy, x, dx 16-byte aligned with
 // row strides (elements) multiples of VEC; the weight contiguous; mean and
 // rstd float32 contiguous; rows * stride < 2^63. Launch: grid P * C, block
-// THREADS, no dynamic shared memory, one argument LnBwdParams by value; then
-// the finish kernel over (ceil(n / 256), 2) blocks of 256 threads (both gradients).
+// THREADS, the ring's dynamic shared memory (staged variants), one argument
+// LnBwdParams by value; then the finish kernel over (ceil(n / 256), 2)
+// blocks of 256 threads (both gradients). Lane groups: n <= G * NV * VEC,
+// grid P CTAs, then the split finish over (ceil(n / 32), 2) blocks of 1024.
 //
 // Entry points: the launcher appends
 //   OPFUSE_LNBWD_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS)   or
 //   OPFUSE_LNBWD_STAGED_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS, STAGES)   or
 //   OPFUSE_LNBWD_PIPELINED_ENTRY(name, bf16, THREADS, C, R, NV, MIN_BLOCKS, STAGES)
 //   OPFUSE_LNBWD_FINISH_ENTRY(name, bf16)
+// or, for short rows (lane groups, G lanes a row),
+//   OPFUSE_LNBWD_GROUPS_ENTRY(name, bf16, THREADS, G, R, NV, MIN_BLOCKS)
+//   OPFUSE_LNBWD_FINISH_SPLIT_ENTRY(name, bf16)
 // which define extern "C" kernels (no name mangling to look up).
 
 namespace opfuse_lnbwd {
