@@ -693,6 +693,41 @@ def test_norm_kernels_compile_for_cuda(arch):
         assert len(cubin) > 0
 
 
+def test_backward_graphs_for_known_shapes_fold_the_column_sums():
+    """On CUDA the layer_norm and rms_norm backward ops build their graphs for
+    the concrete shape when a weight or bias gradient is asked: the planner
+    then folds the column sums into the dx kernel (column partials) instead of
+    a kernel that reads dy and x again."""
+    for text in (norms._layer_norm_backward_graph("bf16", "f32", 2, 1, "bf16", "bf16", (True, True, True), (32768, 4096)),
+                 norms._rms_norm_backward_graph("bf16", "f32", 2, 1, "bf16", (True, True), (4099, 256))):
+        plan = _C.CompiledGraph(text, target="cuda").plan_text()
+        assert "column_partials" in plan.splitlines()[0], plan
+    symbolic = norms._layer_norm_backward_graph("bf16", "f32", 2, 1, "bf16", "bf16", (True, True, True))
+    assert "column_partials" not in _C.CompiledGraph(symbolic, target="cuda").plan_text()
+
+
+def test_backward_shape_specialization_is_bounded(monkeypatch):
+    class FakeCuda:  # the attributes _column_sum_dims reads
+        is_cuda = True
+        device = "cuda:0"
+
+        def __init__(self, *shape):
+            self.shape = shape
+
+        def numel(self):
+            return math.prod(self.shape)
+
+    monkeypatch.setattr(norms, "_specialized", {})
+    monkeypatch.setattr(norms, "MAX_SHAPES_SPECIALIZED", 2)
+    key = ("layer_norm_backward", "test")
+    assert norms._column_sum_dims(key, FakeCuda(8, 64), True) == (8, 64)
+    assert norms._column_sum_dims(key, FakeCuda(8, 64), False) is None  # no column gradient asked
+    assert norms._column_sum_dims(key, FakeCuda(9, 64), True) == (9, 64)
+    assert norms._column_sum_dims(key, FakeCuda(10, 64), True) is None  # past the bound: the symbolic graph
+    assert norms._column_sum_dims(key, FakeCuda(8, 64), True) == (8, 64)  # already built
+    assert norms._column_sum_dims(key, FakeCuda(0, 64), True) is None
+
+
 # ---------------------------------------------------------------------------
 # GPU execution (skipped without a CUDA device)
 # ---------------------------------------------------------------------------

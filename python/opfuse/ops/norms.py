@@ -23,6 +23,7 @@ and are float32 for float32/bfloat16/float16 inputs, float64 for float64.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -37,6 +38,40 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _disabled() -> bool:
     return os.environ.get("OPFUSE_DISABLE") == "1"
+
+
+# The backward graphs' weight and bias gradients are column sums over the
+# rows. With symbolic sizes the planner gives them a kernel of their own that
+# reads dy and x again; with the sizes known it folds them into the dx kernel
+# as column partials (plus one small kernel a gradient), as in graphs that
+# torch.compile hands over. H200, bf16, the op with symbolic sizes against a
+# compiled graph: 32768x4096 517 against 246 us, 262144x256 2658 against 124
+# (perf-notes, session 12). So on CUDA these graphs are built for the
+# concrete shape, up to this many shapes per op variant (each is an NVRTC
+# compile, cached on disk); shapes past that share the symbolic graph.
+MAX_SHAPES_SPECIALIZED = 16
+_specialized: dict = {}
+_specialized_lock = threading.Lock()
+
+
+def _column_sum_dims(key: tuple, x: Tensor, columns_asked: bool) -> Optional[tuple]:
+    """x's sizes, when the backward graph of `key` should be built for them
+    (CUDA, a weight or bias gradient asked); None for the symbolic graph."""
+    if not (columns_asked and x.is_cuda and x.numel() > 0):
+        return None
+    dims = tuple(int(d) for d in x.shape)
+    with _specialized_lock:
+        seen = _specialized.setdefault((key, x.device), set())
+        if dims in seen:
+            return dims
+        if len(seen) >= MAX_SHAPES_SPECIALIZED:
+            return None
+        seen.add(dims)
+    return dims
+
+
+def _shape_of(rank: int, dims: Optional[tuple]) -> list[str]:
+    return [str(d) for d in dims] if dims is not None else sym_shape(rank)
 
 
 def _stat_dtype(dt: torch.dtype) -> torch.dtype:
@@ -111,9 +146,9 @@ def _reduce_batch(g, x, rank: int, nd: int, out_dtype: str):
 
 
 def _layer_norm_backward_graph(dt: str, st: str, rank: int, nd: int, wdt: Optional[str], bdt: Optional[str],
-                               mask: tuple) -> str:
+                               mask: tuple, dims: Optional[tuple] = None) -> str:
     g = _C.GraphBuilder()
-    shape = sym_shape(rank)
+    shape = _shape_of(rank, dims)
     stat_shape = shape[:rank - nd] + ["1"] * nd
     dy = g.input("grad", dt, shape)
     x = g.input("x", dt, shape)
@@ -144,9 +179,10 @@ def _rms_norm_graph(dt: str, rank: int, nd: int, wdt: Optional[str], eps: float)
     return g.text()
 
 
-def _rms_norm_backward_graph(dt: str, st: str, rank: int, nd: int, wdt: Optional[str], mask: tuple) -> str:
+def _rms_norm_backward_graph(dt: str, st: str, rank: int, nd: int, wdt: Optional[str], mask: tuple,
+                             dims: Optional[tuple] = None) -> str:
     g = _C.GraphBuilder()
-    shape = sym_shape(rank)
+    shape = _shape_of(rank, dims)
     dy = g.input("grad", dt, shape)
     x = g.input("x", dt, shape)
     rstd = g.input("rstd", st, shape[:rank - nd] + ["1"] * nd)
@@ -310,8 +346,9 @@ def _layer_norm_backward_op(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
         if wide is not None:
             return wide
     key = ("layer_norm_backward", x.dtype, mean.dtype, x.dim(), nd, _dn(weight), _dn(bias), mask)
-    k = graph_kernel(key, x.device, lambda: _layer_norm_backward_graph(
-        dtype_name(x.dtype), dtype_name(mean.dtype), x.dim(), nd, _dn(weight), _dn(bias), mask))
+    dims = _column_sum_dims(key, x, mask[1] or mask[2])
+    k = graph_kernel(key + (dims,), x.device, lambda: _layer_norm_backward_graph(
+        dtype_name(x.dtype), dtype_name(mean.dtype), x.dim(), nd, _dn(weight), _dn(bias), mask, dims))
     return k(*[t for t in (grad, x, mean, rstd, weight) if t is not None])
 
 
@@ -423,8 +460,9 @@ def _rms_norm_backward_op(grad: Tensor, x: Tensor, rstd: Tensor, weight: Optiona
             out.append((grad.to(st) * xhat).sum(list(range(x.dim() - nd))).to(weight.dtype))
         return out
     key = ("rms_norm_backward", x.dtype, rstd.dtype, x.dim(), nd, _dn(weight), mask)
-    k = graph_kernel(key, x.device, lambda: _rms_norm_backward_graph(
-        dtype_name(x.dtype), dtype_name(rstd.dtype), x.dim(), nd, _dn(weight), mask))
+    dims = _column_sum_dims(key, x, mask[1])
+    k = graph_kernel(key + (dims,), x.device, lambda: _rms_norm_backward_graph(
+        dtype_name(x.dtype), dtype_name(rstd.dtype), x.dim(), nd, _dn(weight), mask, dims))
     return k(*[t for t in (grad, x, rstd, weight) if t is not None])
 
 
