@@ -49,7 +49,8 @@ def _disabled() -> bool:
 # (perf-notes, session 12). So on CUDA these graphs are built for the
 # concrete shape, up to this many shapes per op variant (each is an NVRTC
 # compile, cached on disk); shapes past that share the symbolic graph.
-MAX_SHAPES_SPECIALIZED = 16
+# OPFUSE_NORM_BWD_SHAPES sets the bound (0: always the symbolic graph).
+MAX_SHAPES_SPECIALIZED = int(os.environ.get("OPFUSE_NORM_BWD_SHAPES", "16"))
 _specialized: dict = {}
 _specialized_lock = threading.Lock()
 
