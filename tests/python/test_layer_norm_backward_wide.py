@@ -357,6 +357,44 @@ def test_misaligned_falls_back_with_the_same_answer():
 
 
 @pytest.mark.gpu
+def test_layout_checks_cached_but_addresses_checked_each_call(monkeypatch):
+    """try_run checks a layout once (sizes, strides, dtypes, the routing
+    lines) and the pointers at every call: a misaligned view with the layout
+    of an earlier aligned call falls back with the same answer, and moving a
+    routing line changes the decision for a layout already seen."""
+    sm90_or_skip()
+    torch.manual_seed(9)
+    rows, n = 48, 16384
+    big = torch.randn(rows * n + 8, device="cuda", dtype=torch.bfloat16)
+    aligned, shifted = big[:rows * n].view(rows, n), big[1:1 + rows * n].view(rows, n)
+    assert aligned.stride() == shifted.stride() and shifted.data_ptr() % 16
+    dy = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for x, taken in ((aligned, True), (shifted, False), (aligned, True)):
+        xd = x.double()
+        mean = xd.mean(-1, keepdim=True).float()
+        rstd = (xd.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float()
+        before = lw.launch_count()
+        got = _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+        torch.cuda.synchronize()
+        assert lw.launch_count() == before + int(taken)
+        ref = aten.native_layer_norm_backward(dy.double(), xd, [n], mean.double(), rstd.double(), w.double(),
+                                              b.double(), [True, True, True])
+        eag = aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
+        for i in range(3):
+            _check(got[i], ref[i], eag[i], f"taken={taken} " + ["dx", "dw", "db"][i])
+    # 256 columns: lane groups by default; with the short range off, not.
+    dy, x, mean, rstd, w, b = _inputs((999, 256), 1, torch.bfloat16, "cuda")
+    for up_to, taken in ((512, True), (0, False), (512, True)):
+        monkeypatch.setattr(lw, "SHORT_ROWS_UP_TO", up_to)
+        before = lw.launch_count()
+        _run_op(dy, x, mean, rstd, w, b, 1, [True, True, True])
+        torch.cuda.synchronize()
+        assert lw.launch_count() == before + int(taken), up_to
+
+
+@pytest.mark.gpu
 def test_off_switch(monkeypatch):
     sm90_or_skip()
     monkeypatch.setenv("OPFUSE_LNBWD_WIDE", "0")

@@ -259,8 +259,8 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
         if node.op == "call_function" and node.target is not operator.getitem:
             if _packet(node.target) in VIEW_ONLY:
                 continue  # a view costs PyTorch nothing: not a fallback
-            if str(node.target).startswith("opfuse."):
-                continue  # opfuse's own fused ops (attention): its kernels, not a fallback
+            if str(node.target).startswith("opfuse.") or getattr(node.target, "opfuse_op", False):
+                continue  # opfuse's own fused ops (attention, routed layer_norm backward): not a fallback
             bump("fallback_ops")
             reason = "not supported by opfuse" if not _Support().is_node_supported(None, node) else "alone: a view"
             _record_fallback(str(node.target), reason)

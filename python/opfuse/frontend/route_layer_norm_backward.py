@@ -1,5 +1,6 @@
 """Routes aten.native_layer_norm_backward nodes of wide rows to
-opfuse.ops.layer_norm_backward, whose wide-row kernel
+layer_norm_backward_wide (below: the kernel of opfuse.ops.layer_norm_backward
+without the custom op's dispatch), whose wide-row kernel
 (ops/layer_norm_wide.py) reads dy and x once where the generated plan reads
 them twice past 8192 columns, and is faster from 1537 16-bit columns too
 (layer_norm_wide.shape_reason says which rows; the weight or bias gradient
@@ -20,6 +21,23 @@ from ..ops import layer_norm_wide
 
 log = logging.getLogger("opfuse")
 aten = torch.ops.aten
+
+
+def layer_norm_backward_wide(grad, x, mean, rstd, weight, bias, normalized_ndim: int, mask):
+    """What a routed node calls: the wide-row kernel straight away, and
+    opfuse.ops.layer_norm_backward (the generated kernels) for a call it does
+    not take, e.g. misaligned views. Not the custom op first: its dispatch
+    (autograd key, dynamo-disabled wrappers, alias checks) cost ~35 us of
+    host time a call on the H200's host, where the kernel at 65536x384 takes
+    ~90 (perf-notes, session 13). The graph is already AOTAutograd's
+    backward: no autograd, and the frontend's guards keep the devices."""
+    out = layer_norm_wide.try_run(grad, x, mean, rstd, weight, bias, normalized_ndim, mask)
+    if out is None:
+        out = torch.ops.opfuse.layer_norm_backward(grad, x, mean, rstd, weight, bias, normalized_ndim, mask)
+    return out
+
+
+layer_norm_backward_wide.opfuse_op = True  # opfuse's own kernel: the backend counts no fallback
 
 
 def _val(n):
@@ -74,7 +92,7 @@ def route_layer_norm_backward(gm: torch.fx.GraphModule) -> int:
         if any(u.args[1] not in index for u in node.users):
             continue  # a user reads an output that is not asked: leave it
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.opfuse.layer_norm_backward.default,
+            new = gm.graph.call_function(layer_norm_backward_wide,
                                          (grad, x, mean, rstd, weight, bias, len(normalized_shape), eff))
         vals = _val(node)
         if isinstance(vals, (list, tuple)):
