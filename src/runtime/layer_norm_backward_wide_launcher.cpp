@@ -117,7 +117,7 @@ Config Config::parse(const std::string& tag) {
            m[6].matched ? std::stoi(m[6]) : 0, m[7].length() > 0};
   bool ok = c.threads >= 64 && c.threads <= 1024 && c.threads % 32 == 0 &&
             (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && c.rows >= 1 && c.rows <= 8 &&
-            c.nv >= 1 && c.nv <= 4 && c.min_blocks >= 1 && c.min_blocks <= 4 && (c.stages == 0 || (c.stages >= 2 && c.stages <= 4)) &&
+            c.nv >= 1 && c.nv <= 4 && c.min_blocks >= 1 && c.min_blocks * c.threads <= 2048 && (c.stages == 0 || (c.stages >= 2 && c.stages <= 4)) &&
             c.dynamic_smem() <= 227 * 1024 && (!c.pipelined || (c.stages >= 2 && c.cluster > 1));
   if (!ok) throw std::invalid_argument("layer_norm backward config '" + tag + "' is out of range");
   return c;
@@ -191,6 +191,9 @@ std::vector<Config> candidate_configs(DType t) {
   // Rows of 513 to 8192 columns (the defaults there, and the 512-thread
   // alternatives at 4096).
   if (t != DType::Float32) r.push_back(Config{256, 1, 2, 1, 4, 3}), r.push_back(Config{256, 2, 2, 1, 4, 3});
+  // 128-thread CTAs (1024 columns), eight an SM, for 513 to 1024 columns.
+  if (t != DType::Float32)
+    r.push_back(Config{128, 1, 2, 1, 8, 3}), r.push_back(Config{128, 1, 2, 1, 8}), r.push_back(Config{128, 1, 4, 1, 8, 3});
   if (t != DType::Float32) r.push_back(Config{512, 1, 2, 1, 2, 3}), r.push_back(Config{512, 2, 2, 1, 2, 3});
   else r.push_back(Config{512, 1, 2, 1, 2}), r.push_back(Config{512, 2, 2, 1, 2}), r.push_back(Config{512, 4, 2, 1, 2});  // float32
   if (t != DType::Float32) r.push_back(Config{512, 4, 2, 1, 2});
