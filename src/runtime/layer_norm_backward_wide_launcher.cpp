@@ -162,6 +162,13 @@ Config choose_config(DType t, int64_t n) {
     c.threads = 256, c.min_blocks = 4;
     c.cluster = n <= 2048 ? 1 : 2;
   }
+  // 513 to 1024 columns: 128-thread CTAs (1024 columns a CTA, where a
+  // 256-thread one idles half its threads or more), four rows a batch. H200,
+  // bf16, back-to-back calls at 150f1ba (perf-notes, session 13), us, this
+  // against t256c1r2v1b4s3 and the generated kernels: 65536x576 93 / 149 /
+  // 186, 65536x768 105 / 151 / 178, 32768x1024 81 / 86 / 138, 131072x1024
+  // 241 / 283 / 341.
+  if (n <= 1024) c.threads = 128, c.rows = 4, c.min_blocks = 8;
   // Up to 512 columns: lane groups (the smallest power of two of lanes that
   // covers n with one vector a lane, at least 4 (a lane a sum), at most 32,
   // then two vectors a lane), 256 threads, four CTAs an SM (two with two

@@ -61,7 +61,8 @@ def test_config_choice():
     assert choose("f16", 20000) == "t512c8r2v1b2s3"
     assert choose("bf16", 16384) == "t512c4r2v1b2s3"
     assert choose("bf16", 4096) == "t256c2r2v1b4s3" and choose("f16", 8192) == "t512c2r2v1b2s3"
-    assert choose("bf16", 2048) == "t256c1r2v1b4s3"
+    assert choose("bf16", 2048) == "t256c1r2v1b4s3" and choose("bf16", 1032) == "t256c1r2v1b4s3"
+    assert choose("bf16", 1024) == "t128c1r4v1b8s3" and choose("f16", 520) == "t128c1r4v1b8s3"
     assert choose("bf16", 256) == "t256g32r2v1b4" and choose("f16", 40) == "t256g8r2v1b4"
     assert choose("bf16", 512) == "t256g32r2v2b2"
     assert choose("bf16", 65536) == "t512c8r2v2b1s2"
@@ -81,7 +82,9 @@ def test_what_it_declines():
     assert "wider" in r("bf16", 64, 70000, 70000, 70000, 70000, True, True, True, True, 16)
     shape_reason = lw.shape_reason
     assert shape_reason((64, 32768), 1, torch.bfloat16, torch.bfloat16, torch.bfloat16, [True, True, True]) == ""
-    assert "on chip" in shape_reason((64, 1536), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
+    assert shape_reason((64, 1536), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
+    assert shape_reason((64, 520), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
+    assert "on chip" in shape_reason((64, 1536), 1, torch.float32, torch.float32, None, [True, True, False])
     assert "on chip" in shape_reason((64, 8192), 1, torch.float32, torch.float32, None, [True, True, False])
     assert shape_reason((64, 8192), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
     assert shape_reason((64, 4096), 1, torch.float16, torch.float16, None, [True, True, False]) == ""
@@ -94,7 +97,7 @@ def test_what_it_declines():
 
 def test_width_line_from_the_environment(monkeypatch):
     monkeypatch.delenv("OPFUSE_LNBWD_WIDE_ABOVE", raising=False)
-    assert lw._line_from_env() == 1536
+    assert lw._line_from_env() == 512
     monkeypatch.setenv("OPFUSE_LNBWD_WIDE_ABOVE", "8192")
     assert lw._line_from_env() == 8192
     monkeypatch.setenv("OPFUSE_LNBWD_WIDE_ABOVE", "wide")
@@ -108,6 +111,8 @@ def test_width_line_from_the_environment(monkeypatch):
     assert lw.shape_reason((64, 400), 1, torch.float16, torch.float16, None, [True, True, False]) == ""
     assert "on chip" in lw.shape_reason((64, 128), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
     assert "on chip" in lw.shape_reason((64, 256), 1, torch.float32, torch.float32, None, [True, True, False])
+    assert lw.shape_reason((64, 1024), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False]) == ""
+    monkeypatch.setattr(lw, "SMALL_ROWS_ABOVE", 1536)
     assert "on chip" in lw.shape_reason((64, 1024), 1, torch.bfloat16, torch.bfloat16, None, [True, True, False])
 
 

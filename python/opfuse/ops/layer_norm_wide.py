@@ -46,7 +46,7 @@ def _columns_from_env(name: str, default: int) -> int:
 
 
 def _line_from_env() -> int:
-    return _columns_from_env("OPFUSE_LNBWD_WIDE_ABOVE", 1536)
+    return _columns_from_env("OPFUSE_LNBWD_WIDE_ABOVE", 512)
 
 
 # Past 8192 columns the generated kernels cannot keep a row's partials on
@@ -56,9 +56,12 @@ GENERATED_MAX_COLS = 8192
 # compiled graphs, back-to-back calls at 992a87a (perf-notes, session 12),
 # us, this kernel against the generated ones: 32768x2048 137 / 171,
 # 65536x3584 399 / 430, 32768x4096 220 / 246, 24576x5120 309 / 471 (its
-# config only 5/8 full), 16384x8192 226 / 463. From 1537 columns the
-# 2048-column CTA is at least three quarters full. OPFUSE_LNBWD_WIDE_ABOVE
-# (read at import) moves the line; above 8192 it moves nothing.
+# config only 5/8 full), 16384x8192 226 / 463; and with 128-thread CTAs up
+# to 1024 columns (session 13, 150f1ba, the kernel alone): 65536x576 93 /
+# 186, 65536x768 105 / 178, 32768x1024 81 / 138, 32768x1280 92 / 136,
+# 32768x1536 101 / 149. So from 513 columns, where the lane groups end.
+# OPFUSE_LNBWD_WIDE_ABOVE (read at import) moves the line; above 8192 it
+# moves nothing.
 SMALL_ROWS_ABOVE = _line_from_env()
 # 16-bit rows of 193 to this many columns (at most 512) come here too, to
 # the lane-group variant: H200 at 3bf41ea, the rows_bwd suite, 262144x256
