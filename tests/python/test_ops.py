@@ -728,6 +728,16 @@ def test_backward_shape_specialization_is_bounded(monkeypatch):
     assert norms._column_sum_dims(key, FakeCuda(0, 64), True) is None
 
 
+def test_backward_shape_bound_from_the_environment(monkeypatch):
+    monkeypatch.delenv("OPFUSE_NORM_BWD_SHAPES", raising=False)
+    assert norms._shapes_from_env() == 16
+    monkeypatch.setenv("OPFUSE_NORM_BWD_SHAPES", "0")
+    assert norms._shapes_from_env() == 0
+    monkeypatch.setenv("OPFUSE_NORM_BWD_SHAPES", "many")
+    with pytest.raises(ValueError, match="OPFUSE_NORM_BWD_SHAPES"):
+        norms._shapes_from_env()
+
+
 # ---------------------------------------------------------------------------
 # GPU execution (skipped without a CUDA device)
 # ---------------------------------------------------------------------------
@@ -796,3 +806,4 @@ def test_attention_cuda_stream_and_compile():
     torch.testing.assert_close(o, ref, rtol=0, atol=0)
     compiled = torch.compile(lambda q, k, v: ops.attention(q, k, v, causal=True), backend="inductor", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v), ref, rtol=0, atol=0)
+

@@ -2,7 +2,7 @@
 layer_norm_backward_wide (below: the kernel of opfuse.ops.layer_norm_backward
 without the custom op's dispatch), whose wide-row kernel
 (ops/layer_norm_wide.py) reads dy and x once where the generated plan reads
-them twice past 8192 columns, and is faster from 1537 16-bit columns too
+them twice past 8192 columns, and is faster from 193 16-bit columns too
 (layer_norm_wide.shape_reason says which rows; the weight or bias gradient
 asked, CUDA sm_90). The node then runs as opfuse's own op, outside the fused
 partitions: its dx no longer fuses with neighbouring element-wise ops, a

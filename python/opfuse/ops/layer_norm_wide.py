@@ -127,9 +127,10 @@ def _layout_key(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Opt
     """What the checks of a call depend on: every tensor's sizes, strides and
     dtype (not its address), nd, the mask, the device and the routing lines
     (module constants, which tests move)."""
-    return (SHORT_ROWS_ABOVE, SHORT_ROWS_UP_TO, SMALL_ROWS_ABOVE, GENERATED_MAX_COLS, x.shape, x.stride(), x.dtype, x.device, grad.shape, grad.stride(), grad.dtype, mean.shape, mean.stride(),
-            mean.dtype, rstd.shape, rstd.stride(), rstd.dtype, _tensor_key(weight), _tensor_key(bias), nd,
-            bool(mask[0]), bool(mask[1]), bool(mask[2]))
+    return (SHORT_ROWS_ABOVE, SHORT_ROWS_UP_TO, SMALL_ROWS_ABOVE, GENERATED_MAX_COLS,
+            x.shape, x.stride(), x.dtype, x.device, grad.shape, grad.stride(), grad.dtype,
+            mean.shape, mean.stride(), mean.dtype, rstd.shape, rstd.stride(), rstd.dtype,
+            _tensor_key(weight), _tensor_key(bias), nd, bool(mask[0]), bool(mask[1]), bool(mask[2]))
 
 
 class _Layout:

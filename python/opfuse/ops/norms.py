@@ -50,7 +50,15 @@ def _disabled() -> bool:
 # concrete shape, up to this many shapes per op variant (each is an NVRTC
 # compile, cached on disk); shapes past that share the symbolic graph.
 # OPFUSE_NORM_BWD_SHAPES sets the bound (0: always the symbolic graph).
-MAX_SHAPES_SPECIALIZED = int(os.environ.get("OPFUSE_NORM_BWD_SHAPES", "16"))
+def _shapes_from_env() -> int:
+    raw = os.environ.get("OPFUSE_NORM_BWD_SHAPES", "")
+    try:
+        return max(int(raw), 0) if raw else 16
+    except ValueError:
+        raise ValueError(f"OPFUSE_NORM_BWD_SHAPES={raw!r}: want a count of shapes") from None
+
+
+MAX_SHAPES_SPECIALIZED = _shapes_from_env()
 _specialized: dict = {}
 _specialized_lock = threading.Lock()
 
