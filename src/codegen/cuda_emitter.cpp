@@ -184,14 +184,19 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
       // opf_to_float of each element).
       std::string arr = "rl" + std::to_string(lane_of_.size());
       lane_of_[key] = arr;
-      line("const opf_vec<16> " + arr + " = *reinterpret_cast<const opf_vec<16>*>(b" + std::to_string(s.buffer) + " + " +
-           offset(s.buffer, idx) + ");");
+      std::string src = "b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx);
+      if (!l2_policy_.empty()) line("const opf_vec<16> " + arr + " = opf_ld16_hint(" + src + ", " + l2_policy_ + ");");
+      else line("const opf_vec<16> " + arr + " = *reinterpret_cast<const opf_vec<16>*>(" + src + ");");
     } else {
       std::string arr = "lv" + std::to_string(lane_of_.size());
       lane_of_[key] = arr;
       line(storage_type(k_->buffers[static_cast<size_t>(s.buffer)].dtype) + " " + arr + "[" + std::to_string(vec_) + "];");
+      bool whole = dtype_size(k_->buffers[static_cast<size_t>(s.buffer)].dtype) * vec_ == 16;
+      std::string src = "b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx);
       if (!pipe.empty()) line("opf_vunpack<" + std::to_string(vec_) + ">(" + pipe + ", " + arr + ");");
-      else line("opf_vload<" + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " + arr + ");");
+      else if (!l2_policy_.empty() && whole && !k_->buffers[static_cast<size_t>(s.buffer)].written)
+        line("opf_vunpack<" + std::to_string(vec_) + ">(opf_ld16_hint(" + src + ", " + l2_policy_ + "), " + arr + ");");
+      else line("opf_vload<" + std::to_string(vec_) + ">(" + src + ", " + arr + ");");
     }
     if (prefetch_ && !pipeline_) {
       bool row_varying = false;
@@ -223,12 +228,15 @@ void CudaEmitter::vector_loads(const std::vector<KStmt>& stmts, const std::strin
 void CudaEmitter::vector_stores(const std::vector<KStmt>& stmts, const std::string& lane0) {
   const char* w = std::getenv("OPFUSE_VSTORE_WORDS");
   std::string fn = w && *w && std::atoi(w) <= 0 ? "opf_vstore<" : "opf_vstore_w<";
+  // A loop stage with an L2 policy (OPFUSE_ROW_L2_HINTS) stores with it too.
+  std::string hint = l2_policy_.empty() || fn != "opf_vstore_w<" ? "" : ", " + l2_policy_;
+  if (!hint.empty()) fn = "opf_vstore_w_hint<";
   for (const KStmt& s : stmts) {
     if (s.kind != KStmt::Store || !vec_buffer_[static_cast<size_t>(s.buffer)]) continue;
     std::vector<Expr> idx = s.index;
     for (auto& e : idx) e = substitute(e, [&](const ExprNode& v) -> Expr { return v.name == last_var_ ? var(lane0) : nullptr; });
     line(fn + std::to_string(vec_) + ">(b" + std::to_string(s.buffer) + " + " + offset(s.buffer, idx) + ", " +
-         lane_of_.at(access_key(s)) + ");");
+         lane_of_.at(access_key(s)) + hint + ");");
   }
 }
 

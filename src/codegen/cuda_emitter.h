@@ -141,6 +141,7 @@ class CudaEmitter : public CEmitter {
   // vector loads read as raw lanes (OPFUSE_ROW_RAW_LANES).
   int64_t ncols_ = -1;
   bool raw_lanes_ = false;
+  std::string l2_policy_;  // a loop stage's L2 eviction policy register (OPFUSE_ROW_L2_HINTS), or empty
   std::string offset(int buffer, const std::vector<Expr>& idx) const override;
 
   std::map<std::string, std::string> lane_of_;  // access (buffer@offset) -> lane array

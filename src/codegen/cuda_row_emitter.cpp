@@ -73,6 +73,16 @@ int prefetch_ahead(int threads) {
 // default it goes with the 1024-thread loop blocks of rows that overflow L2
 // (see choose_geometry).
 int reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", -1); }
+// L2 eviction priorities in loop stages that re-read their row from L2
+// (createpolicy + ld/st .L2::cache_hint, sm_80+): every stage but the last
+// loads with evict_last, so the row stays for the next pass; the last
+// stage's loads and stores go evict_first, so the pass that is done with
+// the row and the output it writes do not push out the rows other blocks
+// still re-read. The idea is Inductor's evict_last/evict_first loads in its
+// looped reductions. OPFUSE_ROW_L2_HINTS=0: none; 1: the kernels whose
+// re-reads overflow L2 at 512 threads (softmax backward 8192x32768); 2:
+// every loop-stage kernel.
+int l2_hints() { return env_int("OPFUSE_ROW_L2_HINTS", 0); }
 // A register pipeline in kernels that loop over rows (column partials): the
 // first stage's 16-byte loads of the row-varying tensors of row r + 1 are
 // issued into registers right after row r's first stage loop, so they are
@@ -427,6 +437,13 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
   if (!unrolled && !columns_) {
     int forced = reverse_loops();
     backwards = (forced >= 0 ? forced != 0 : loop_overflow_) && (loop_stages_printed_++ % 2 == 1);
+  }
+  l2_policy_.clear();
+  if (!unrolled && !columns_ && vec_ > 1 && cluster_ == 1 && stage_bytes_ == 0 && k_->stages.size() > 1 &&
+      (l2_hints() >= 2 || (l2_hints() == 1 && loop_overflow_))) {
+    bool last = stage_index_ + 1 == static_cast<int>(k_->stages.size());
+    l2_policy_ = "l2p" + std::to_string(stage_index_) + "_";
+    line("const unsigned long long " + l2_policy_ + " = opf_l2_policy<" + (last ? "false" : "true") + ">();");
   }
   const std::string& I = index_type_;
   // Every thread's columns of the unrolled loop inside the row (see exact_cols).

@@ -257,6 +257,40 @@ template <int V, class T> static __device__ __forceinline__ void opf_vstore_w(T*
   }
 }
 
+// L2 eviction priorities (OPFUSE_ROW_L2_HINTS, cuda_row_emitter.cpp): a
+// policy for every line an access touches (fraction 1.0), evict_last to keep
+// a row that is read again, evict_first for the last pass over it.
+template <bool LAST> static __device__ __forceinline__ unsigned long long opf_l2_policy() {
+  unsigned long long p;
+  if constexpr (LAST)
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+  else
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+// 16 bytes from global memory with an L2 policy (read-only buffers).
+static __device__ __forceinline__ opf_vec<16> opf_ld16_hint(const void* p, unsigned long long policy) {
+  opf_vec<16> v;
+  asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+               : "l"(p), "l"(policy));
+  return v;
+}
+// opf_vstore_w with an L2 policy on whole 16-byte vectors (others as opf_vstore_w).
+template <int V, class T>
+static __device__ __forceinline__ void opf_vstore_w_hint(T* __restrict__ p, const T* in, unsigned long long policy) {
+  if constexpr (sizeof(T) * V == 16) {
+    opf_lanes<T, V> l;
+#pragma unroll
+    for (int j = 0; j < V; ++j) l.e[j] = in[j];
+    asm volatile("st.global.L2::cache_hint.v4.b32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(l.v.w[0]), "r"(l.v.w[1]),
+                 "r"(l.v.w[2]), "r"(l.v.w[3]), "l"(policy)
+                 : "memory");
+  } else {
+    opf_vstore_w<V>(p, in);
+  }
+}
+
 // The row cache of 16-bit loads kept as the raw 128-bit vector
 // (OPFUSE_ROW_CACHE_RAW): 4 registers for 8 values instead of 8 floats, so
 // more blocks fit an SM; a later stage converts lane j again (a shift or a

@@ -356,7 +356,9 @@ KNOBS = [{"OPFUSE_ROW_PREFETCH": "1"}, {"OPFUSE_ROW_PREFETCH": "1", "OPFUSE_ROW_
          {"OPFUSE_ROW_BLOCK_PARTIALS": "1", "OPFUSE_COLUMN_PARTS": "256"},
          # fewer instructions a row (lnbwd-4, off by default): each alone and the four together
          {"OPFUSE_ROW_INDEX32": "1"}, {"OPFUSE_ROW_EXACT_COLS": "1"}, {"OPFUSE_ROW_RAW_LANES": "1"},
-         {"OPFUSE_ROW_SUM2_CONST": "1"}, {"OPFUSE_ROW_ISSUE": "1"}]
+         {"OPFUSE_ROW_SUM2_CONST": "1"}, {"OPFUSE_ROW_ISSUE": "1"},
+         # L2 eviction priorities in every loop-stage kernel
+         {"OPFUSE_ROW_L2_HINTS": "2"}]
 
 
 def _knob_id(knobs):

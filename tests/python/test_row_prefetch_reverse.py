@@ -78,6 +78,23 @@ def test_reverse_knob_forces_either_way(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", [80, 90])
+def test_l2_hints_knob(arch, monkeypatch):
+    """OPFUSE_ROW_L2_HINTS=1: the loop stages of rows overflowing L2 load
+    with evict_last but the last, whose loads and stores go evict_first; the
+    rows that fit (or are cached) get no hints; off by default."""
+    nvrtc_or_skip()
+    assert "_hint" not in vector_twin(source_and_log("softmax_backward", 8192, 32768, arch)[0])[1]
+    monkeypatch.setenv("OPFUSE_ROW_L2_HINTS", "1")
+    src, log = source_and_log("softmax_backward", 8192, 32768, arch)
+    _, body = vector_twin(src)
+    first, last = body.split("opf_l2_policy<false>")
+    assert "opf_l2_policy<true>" in first and first.count("opf_ld16_hint(") == 2, body
+    assert last.count("opf_ld16_hint(") == 2 and "opf_vstore_w_hint<8>" in last, body
+    assert no_spills(log), log[-2000:]
+    assert "_hint" not in vector_twin(source_and_log("softmax_backward", 32768, 4096, arch)[0])[1]
+
+
+@pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "layer_norm", "rms_norm", "softmax_backward",
                                 "layer_norm_backward"])
 def test_block_per_row_kernels_prefetch_the_next_row(op, arch):
