@@ -729,12 +729,13 @@ def test_backward_shape_specialization_is_bounded(monkeypatch):
 
 
 def test_backward_shape_bound_from_the_environment(monkeypatch):
-    monkeypatch.delenv("OPFUSE_NORM_BWD_SHAPES", raising=False)
-    assert norms._shapes_from_env() == 16
-    monkeypatch.setenv("OPFUSE_NORM_BWD_SHAPES", "0")
-    assert norms._shapes_from_env() == 0
+    """OPFUSE_NORM_BWD_SHAPES: 16 by default, 0 for the symbolic graph
+    always, a clear error naming the variable for a value that is no count."""
+    for raw, bound in (("", 16), ("0", 0), ("3", 3), ("-2", 0)):
+        monkeypatch.setenv("OPFUSE_NORM_BWD_SHAPES", raw)
+        assert norms._shapes_from_env() == bound, raw
     monkeypatch.setenv("OPFUSE_NORM_BWD_SHAPES", "many")
-    with pytest.raises(ValueError, match="OPFUSE_NORM_BWD_SHAPES"):
+    with pytest.raises(ValueError, match="OPFUSE_NORM_BWD_SHAPES='many'"):
         norms._shapes_from_env()
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from ..knobs import count_from_env
 from ..frontend.runtime import _current_device, _raw_stream, ensure_context
 from ..stats import bump
 
@@ -35,14 +36,7 @@ _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
 def _columns_from_env(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: want a column count")
-    return max(value, 0)
+    return count_from_env(name, default, "a column count")
 
 
 def _line_from_env() -> int:

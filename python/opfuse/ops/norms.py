@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from ..knobs import count_from_env
 from . import layer_norm_wide
 from ._kernel import check_device, dtype_name, graph_kernel, sym_shape
 
@@ -51,11 +52,7 @@ def _disabled() -> bool:
 # compile, cached on disk); shapes past that share the symbolic graph.
 # OPFUSE_NORM_BWD_SHAPES sets the bound (0: always the symbolic graph).
 def _shapes_from_env() -> int:
-    raw = os.environ.get("OPFUSE_NORM_BWD_SHAPES", "")
-    try:
-        return max(int(raw), 0) if raw else 16
-    except ValueError:
-        raise ValueError(f"OPFUSE_NORM_BWD_SHAPES={raw!r}: want a count of shapes") from None
+    return count_from_env("OPFUSE_NORM_BWD_SHAPES", 16, "a count of shapes")
 
 
 MAX_SHAPES_SPECIALIZED = _shapes_from_env()
