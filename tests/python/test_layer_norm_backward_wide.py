@@ -460,6 +460,30 @@ def test_compiled_graph_routes_native_layer_norm_backward():
 
 
 @pytest.mark.gpu
+def test_dynamic_shapes_route_it_too():
+    """A graph compiled with symbolic row counts (dynamic shapes) routes the
+    node as well (the width decides); each call's rows are checked then."""
+    sm90_or_skip()
+    torch.manual_seed(10)
+    n = 4096
+
+    def fn(dy, x, mean, rstd, w, b):
+        return aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
+
+    compiled = torch.compile(fn, backend="opfuse", dynamic=True)
+    for rows in (300, 517, 1):
+        dy, x, mean, rstd, w, b = _inputs((rows, n), 1, torch.bfloat16, "cuda")
+        before = lw.launch_count()
+        got = compiled(dy, x, mean, rstd, w, b)
+        torch.cuda.synchronize()
+        assert lw.launch_count() == before + 1, rows
+        ref = fn(dy.double(), x.double(), mean.double(), rstd.double(), w.double(), b.double())
+        eag = fn(dy, x, mean, rstd, w, b)
+        for i in range(3):
+            _check(got[i], ref[i], eag[i], f"rows={rows} " + ["dx", "dw", "db"][i])
+
+
+@pytest.mark.gpu
 def test_training_step_through_layer_norm_uses_it():
     sm90_or_skip()
     torch.manual_seed(7)

@@ -7,9 +7,10 @@ them twice past 8192 columns, and is faster from 193 16-bit columns too
 asked, CUDA sm_90). The node then runs as opfuse's own op, outside the fused
 partitions: its dx no longer fuses with neighbouring element-wise ops, a
 trade that pays at these row lengths (the re-read costs ~0.7x the op's
-whole floor). Shapes and dtypes are checked here from the node's fake
-values; alignment and strides are checked at each call, where the op falls
-back to the generated kernels (the same answer)."""
+whole floor). The width and dtypes are checked here from the node's fake
+values (the row count may be symbolic: dynamic shapes); the rows, alignment
+and strides are checked at each call, where the op falls back to the
+generated kernels (the same answer)."""
 from __future__ import annotations
 
 import logging
@@ -54,8 +55,16 @@ def _reason(node) -> str:
         return "not on CUDA"
     if torch.cuda.get_device_capability(xv.device) < (9, 0):
         return "older than sm_90"
-    if any(not isinstance(s, int) for s in xv.shape):
-        return "symbolic sizes"
+    nd = len(normalized_shape)
+    row_dims, norm_dims = tuple(xv.shape[:xv.dim() - nd]), tuple(xv.shape[xv.dim() - nd:])
+    if any(not isinstance(s, int) for s in norm_dims):
+        return "symbolic normalized sizes"
+    # Dynamic shapes leave the row dims symbolic: the width decides, and
+    # try_run checks the rows at each call. Without the route such a graph
+    # gets the generated plan of symbolic sizes, which re-reads dy and x for
+    # the column sums (2x the time of the concrete plan at 32768x4096,
+    # perf-notes session 12), where the wide kernel beats even that one.
+    shape = tuple(s if isinstance(s, int) else 1 for s in row_dims) + norm_dims
     wv, bv = _val(weight), _val(bias)
     gv = _val(grad)
     if gv is None or gv.dtype != xv.dtype:
@@ -63,7 +72,7 @@ def _reason(node) -> str:
     for u in node.users:
         if u.target is not operator.getitem:
             return "a user other than getitem"
-    return layer_norm_wide.shape_reason(tuple(xv.shape), len(normalized_shape), xv.dtype,
+    return layer_norm_wide.shape_reason(shape, nd, xv.dtype,
                                         wv.dtype if wv is not None else None, bv.dtype if bv is not None else None,
                                         list(mask))
 
