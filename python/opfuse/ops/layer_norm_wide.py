@@ -129,19 +129,15 @@ def _layout_key(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Opt
 
 class _Layout:
     """A layout the kernel takes: what a call needs besides the pointers."""
-    __slots__ = ("dt", "rows", "n", "ld_dy", "ld_x", "dx_size", "dx_stride", "dx_dtype", "w_size", "b_size",
-                 "w_dtype", "b_dtype", "device")
+    __slots__ = ("dt", "rows", "n", "ld_dy", "ld_x", "specs", "device", "index")
 
     def __init__(self, dt, rows, n, ld_dy, ld_x, x, weight, bias, want):
         self.dt, self.rows, self.n, self.ld_dy, self.ld_x = dt, rows, n, ld_dy, ld_x
-        self.dx_size = tuple(x.shape) if want[0] else None
-        self.dx_stride = _contiguous(self.dx_size) if want[0] else None
-        self.dx_dtype = x.dtype
-        self.w_size = tuple(weight.shape) if want[1] else None
-        self.b_size = tuple(bias.shape) if want[2] else None
-        self.w_dtype = weight.dtype if weight is not None else None
-        self.b_dtype = bias.dtype if bias is not None else None
-        self.device = x.device.index
+        # (sizes, strides, dtype) of dx, dw and db, None where not asked: set
+        # here, so a call only allocates.
+        self.specs = tuple((tuple(t.shape), _contiguous(t.shape), t.dtype) if w else None
+                           for t, w in zip((x, weight, bias), want))
+        self.device, self.index = x.device, x.device.index
 
 
 def _contiguous(size) -> tuple:
@@ -206,8 +202,8 @@ def try_run(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optiona
         return None
     if (grad.data_ptr() | x.data_ptr() | (weight.data_ptr() if weight is not None else 0)) & 15:
         return None  # the 128-bit loads need 16-byte aligned rows
-    index = lay.device
-    ensure_context(x.device)
+    index = lay.index
+    ensure_context(lay.device)
     parts = _C.lnbwd_wide_parts(lay.dt, lay.rows, lay.n)
     if parts <= 0:
         return None
@@ -215,10 +211,8 @@ def try_run(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optiona
         empty = _empty_cuda
     else:
         def empty(size, stride, dtype):
-            return torch.empty_strided(size, stride, dtype=dtype, device=x.device)
-    dx = empty(lay.dx_size, lay.dx_stride, lay.dx_dtype) if lay.dx_size is not None else None
-    dw = empty(lay.w_size, _contiguous(lay.w_size), lay.w_dtype) if lay.w_size is not None else None
-    db = empty(lay.b_size, _contiguous(lay.b_size), lay.b_dtype) if lay.b_size is not None else None
+            return torch.empty_strided(size, stride, dtype=dtype, device=lay.device)
+    dx, dw, db = (empty(*spec) if spec is not None else None for spec in lay.specs)
     ws = empty((2 * parts * lay.n,), (1,), torch.float32)
     _C.lnbwd_wide_run(lay.dt, lay.rows, lay.n, grad.data_ptr(), lay.ld_dy, x.data_ptr(), lay.ld_x, mean.data_ptr(),
                       rstd.data_ptr(), weight.data_ptr() if weight is not None else 0,
