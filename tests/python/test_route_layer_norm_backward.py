@@ -27,8 +27,11 @@ def sm90(monkeypatch):
     return enable
 
 
-def _graph(rows, n, dtype, dynamic_rows, n_dynamic=False):
-    """dy, x, mean, rstd, w, b -> native_layer_norm_backward -> three getitems."""
+def _graph(rows, n, dtype, dynamic_rows, n_dynamic=False, constant_normalized_shape=False):
+    """dy, x, mean, rstd, w, b -> native_layer_norm_backward -> three getitems.
+    constant_normalized_shape: the normalized_shape argument is the int n even
+    where x's width is symbolic, as in graphs of torch.compile(dynamic=True)
+    whose model passes a constant shape."""
     mode = FakeTensorMode(shape_env=ShapeEnv())
     dims = [DimDynamic.DYNAMIC if dynamic_rows else DimDynamic.STATIC,
             DimDynamic.DYNAMIC if n_dynamic else DimDynamic.STATIC]
@@ -50,7 +53,7 @@ def _graph(rows, n, dtype, dynamic_rows, n_dynamic=False):
     for k, v in zip(names, (dy, x, stat, stat, w, w)):
         ph[k].meta["val"] = v
     node = g.call_function(aten.native_layer_norm_backward.default,
-                           (ph["dy"], ph["x"], [x.shape[1]], ph["mean"], ph["rstd"], ph["w"], ph["b"], [True, True, True]))
+                           (ph["dy"], ph["x"], [n if constant_normalized_shape else x.shape[1]], ph["mean"], ph["rstd"], ph["w"], ph["b"], [True, True, True]))
     node.meta["val"] = outs
     items = [g.call_function(operator.getitem, (node, i)) for i in range(3)]
     g.output(tuple(items))
@@ -96,3 +99,19 @@ def test_leaves_symbolic_widths_and_older_devices(sm90, monkeypatch):
     gm = old_gm
     monkeypatch.setenv("OPFUSE_LNBWD_WIDE", "0")
     assert route.route_layer_norm_backward(gm) == 0
+
+
+@pytest.mark.parametrize("n", [768, 4096])
+def test_routes_symbolic_widths_of_a_constant_normalized_shape(sm90, n):
+    """torch.compile(dynamic=True) makes every dim of x symbolic, but the
+    model's normalized_shape stays an int: that int decides, as for static
+    graphs (the GPU test test_dynamic_shapes_route_it_too failed on this)."""
+    gm, node = _graph(4096, n, torch.bfloat16, True, n_dynamic=True, constant_normalized_shape=True)
+    sm90()
+    assert isinstance(node.args[1].meta["val"].shape[1], torch.SymInt)
+    assert route._reason(node) == ""
+    assert route.route_layer_norm_backward(gm) == 1
+    assert _targets(gm) == [route.layer_norm_backward_wide]
+    small, _ = _graph(4096, 128, torch.bfloat16, True, n_dynamic=True, constant_normalized_shape=True)
+    sm90()
+    assert route.route_layer_norm_backward(small) == 0

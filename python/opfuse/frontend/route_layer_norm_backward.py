@@ -57,6 +57,11 @@ def _reason(node) -> str:
         return "older than sm_90"
     nd = len(normalized_shape)
     row_dims, norm_dims = tuple(xv.shape[:xv.dim() - nd]), tuple(xv.shape[xv.dim() - nd:])
+    # Dynamo's dynamic=True marks x's trailing dims symbolic too, while the
+    # normalized_shape argument stays the constant the model passed: that
+    # constant is the width (the op requires x's trailing dims to equal it,
+    # and try_run checks them at each call).
+    norm_dims = tuple(s if isinstance(s, int) else c for s, c in zip(norm_dims, normalized_shape))
     if any(not isinstance(s, int) for s in norm_dims):
         return "symbolic normalized sizes"
     # Dynamic shapes leave the row dims symbolic: the width decides, and
