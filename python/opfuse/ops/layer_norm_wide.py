@@ -17,6 +17,7 @@ path off.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from typing import Optional, Sequence
@@ -28,6 +29,8 @@ from .. import _C
 from ..knobs import count_from_env
 from ..frontend.runtime import _current_device, _raw_stream, ensure_context
 from ..stats import bump
+
+log = logging.getLogger("opfuse")
 
 _empty_cuda = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "_empty_strided_cuda", None) or (
     lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype, device="cuda"))
@@ -149,32 +152,37 @@ def _contiguous(size) -> tuple:
 
 
 def _check_layout(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
-                  bias: Optional[Tensor], nd: int, mask) -> Optional[_Layout]:
+                  bias: Optional[Tensor], nd: int, mask):
     """The checks that depend on the layout alone (not the addresses): a
-    _Layout when the kernel takes it, None when not."""
+    _Layout when the kernel takes it, else why not (a string)."""
     if not x.is_cuda or not 1 <= nd <= x.dim():
-        return None
+        return "not CUDA, or normalized_ndim out of range"
     n = math.prod(x.shape[x.dim() - nd:])
-    if (n <= SHORT_ROWS_ABOVE or SHORT_ROWS_UP_TO < n <= min(GENERATED_MAX_COLS, SMALL_ROWS_ABOVE)
-            or not _sm90(x.device)):
-        return None
+    if n <= SHORT_ROWS_ABOVE or SHORT_ROWS_UP_TO < n <= min(GENERATED_MAX_COLS, SMALL_ROWS_ABOVE):
+        return f"n = {n}: the generated kernels take these rows"
+    if not _sm90(x.device):
+        return "older than sm_90"
     wd = weight.dtype if weight is not None else None
     bd = bias.dtype if bias is not None else None
-    if grad.dtype != x.dtype or shape_reason(tuple(x.shape), nd, x.dtype, wd, bd, mask):
-        return None
+    if grad.dtype != x.dtype:
+        return "grad of another dtype"
+    why = shape_reason(tuple(x.shape), nd, x.dtype, wd, bd, mask)
+    if why:
+        return why
     rows = x.numel() // n
     if mean.dtype != torch.float32 or rstd.dtype != torch.float32 or mean.numel() != rows or rstd.numel() != rows:
-        return None
+        return "mean or rstd not float32 with one value a row"
     x2, g2 = _rows_view(x, rows, n), _rows_view(grad, rows, n)
     if x2 is None or g2 is None or not mean.is_contiguous() or not rstd.is_contiguous():
-        return None
+        return "x or grad not rows of unit stride, or mean or rstd not contiguous"
     if weight is not None and not weight.is_contiguous():
-        return None
+        return "weight not contiguous"
     want = (bool(mask[0]), bool(mask[1]) and weight is not None, bool(mask[2]) and bias is not None)
     dt = _ELEM[x.dtype]
     # Alignment is checked at each call (pointers): 16 stands in here.
-    if _C.lnbwd_wide_unsupported_reason(dt, rows, n, g2.stride(0), x2.stride(0), n, *want, weight is not None, 16):
-        return None
+    why = _C.lnbwd_wide_unsupported_reason(dt, rows, n, g2.stride(0), x2.stride(0), n, *want, weight is not None, 16)
+    if why:
+        return why
     return _Layout(dt, rows, n, g2.stride(0), x2.stride(0), x, weight, bias, want)
 
 
@@ -195,6 +203,10 @@ def try_run(grad: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optiona
     lay = _layouts.get(key, _layouts)
     if lay is _layouts:
         lay = _check_layout(grad, x, mean, rstd, weight, bias, nd, mask)
+        if isinstance(lay, str):  # said once a layout: later calls find None
+            log.info("opfuse: layer_norm backward of x %s %s on the generated kernels: %s",
+                     tuple(x.shape), x.dtype, lay)
+            lay = None
         if len(_layouts) >= _MAX_LAYOUTS:
             _layouts.clear()
         _layouts[key] = lay
