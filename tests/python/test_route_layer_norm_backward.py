@@ -27,12 +27,14 @@ def sm90(monkeypatch):
     return enable
 
 
-def _graph(rows, n, dtype, dynamic_rows, n_dynamic=False, constant_normalized_shape=False):
+def _graph(rows, n, dtype, dynamic_rows, n_dynamic=False, norm_arg="size", unbacked_n=False):
     """dy, x, mean, rstd, w, b -> native_layer_norm_backward -> three getitems.
-    constant_normalized_shape: the normalized_shape argument is the int n even
-    where x's width is symbolic, as in graphs of torch.compile(dynamic=True)
-    whose model passes a constant shape."""
-    mode = FakeTensorMode(shape_env=ShapeEnv())
+    norm_arg, the normalized_shape argument: "size" x's width as is (a SymInt
+    where n_dynamic), "int" the int n (a model's constant), "node" a graph
+    input holding x's width (torch.compile(dynamic=True) makes a closure's
+    int one). unbacked_n: x's width a SymInt with no example value."""
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
     dims = [DimDynamic.DYNAMIC if dynamic_rows else DimDynamic.STATIC,
             DimDynamic.DYNAMIC if n_dynamic else DimDynamic.STATIC]
 
@@ -41,6 +43,8 @@ def _graph(rows, n, dtype, dynamic_rows, n_dynamic=False, constant_normalized_sh
         return mode.from_tensor(torch.empty(shape, dtype=dt, device="meta"), symbolic_context=ctx)
 
     shape = fake((rows, n), dtype, dims).shape
+    if unbacked_n:
+        shape = (shape[0], env.create_unbacked_symint())
     with mode:
         x = torch.empty(shape, dtype=dtype, device="cuda")
         dy = torch.empty_like(x)
@@ -52,8 +56,13 @@ def _graph(rows, n, dtype, dynamic_rows, n_dynamic=False, constant_normalized_sh
     ph = {k: g.placeholder(k) for k in names}
     for k, v in zip(names, (dy, x, stat, stat, w, w)):
         ph[k].meta["val"] = v
+    if norm_arg == "node":
+        width = g.placeholder("n")
+        width.meta["val"] = x.shape[1]
+    else:
+        width = n if norm_arg == "int" else x.shape[1]
     node = g.call_function(aten.native_layer_norm_backward.default,
-                           (ph["dy"], ph["x"], [n if constant_normalized_shape else x.shape[1]], ph["mean"], ph["rstd"], ph["w"], ph["b"], [True, True, True]))
+                           (ph["dy"], ph["x"], [width], ph["mean"], ph["rstd"], ph["w"], ph["b"], [True, True, True]))
     node.meta["val"] = outs
     items = [g.call_function(operator.getitem, (node, i)) for i in range(3)]
     g.output(tuple(items))
@@ -88,11 +97,11 @@ def test_leaves_what_the_generated_kernels_take(sm90, dynamic_rows):
         assert _targets(gm) == [aten.native_layer_norm_backward.default]
 
 
-def test_leaves_symbolic_widths_and_older_devices(sm90, monkeypatch):
-    gm, node = _graph(4096, 4096, torch.bfloat16, True, n_dynamic=True)
+def test_leaves_unbacked_widths_and_older_devices(sm90, monkeypatch):
+    gm, node = _graph(4096, 4096, torch.bfloat16, True, n_dynamic=True, unbacked_n=True)
     old_gm, old_node = _graph(4096, 4096, torch.bfloat16, False)
     sm90()
-    assert route._reason(node) == "symbolic normalized sizes"
+    assert route._reason(node) == "symbolic normalized sizes without an example value"
     assert route.route_layer_norm_backward(gm) == 0
     sm90((8, 0))
     assert route._reason(old_node) == "older than sm_90"
@@ -101,17 +110,21 @@ def test_leaves_symbolic_widths_and_older_devices(sm90, monkeypatch):
     assert route.route_layer_norm_backward(gm) == 0
 
 
+@pytest.mark.parametrize("norm_arg", ["size", "int", "node"])
 @pytest.mark.parametrize("n", [768, 4096])
-def test_routes_symbolic_widths_of_a_constant_normalized_shape(sm90, n):
-    """torch.compile(dynamic=True) makes every dim of x symbolic, but the
-    model's normalized_shape stays an int: that int decides, as for static
-    graphs (the GPU test test_dynamic_shapes_route_it_too failed on this)."""
-    gm, node = _graph(4096, n, torch.bfloat16, True, n_dynamic=True, constant_normalized_shape=True)
+def test_routes_symbolic_widths_by_their_example(sm90, n, norm_arg):
+    """torch.compile(dynamic=True) makes every dim of x symbolic; the
+    normalized_shape argument is then the model's int, x's SymInt width, or
+    a graph input holding it (a closure's int: what failed on the GPU at
+    5bad02b and eb4b140). The int, else the example width, decides as for
+    static graphs; try_run checks each call's width."""
+    gm, node = _graph(4096, n, torch.bfloat16, True, n_dynamic=True, norm_arg=norm_arg)
     sm90()
     assert isinstance(node.args[1].meta["val"].shape[1], torch.SymInt)
     assert route._reason(node) == ""
     assert route.route_layer_norm_backward(gm) == 1
     assert _targets(gm) == [route.layer_norm_backward_wide]
-    small, _ = _graph(4096, 128, torch.bfloat16, True, n_dynamic=True, constant_normalized_shape=True)
+    small, small_node = _graph(4096, 128, torch.bfloat16, True, n_dynamic=True, norm_arg=norm_arg)
     sm90()
+    assert "generated kernels" in route._reason(small_node)
     assert route.route_layer_norm_backward(small) == 0

@@ -8,15 +8,17 @@ asked, CUDA sm_90). The node then runs as opfuse's own op, outside the fused
 partitions: its dx no longer fuses with neighbouring element-wise ops, a
 trade that pays at these row lengths (the re-read costs ~0.7x the op's
 whole floor). The width and dtypes are checked here from the node's fake
-values (the row count may be symbolic: dynamic shapes); the rows, alignment
-and strides are checked at each call, where the op falls back to the
-generated kernels (the same answer)."""
+values (under dynamic shapes the row count may be symbolic, and the width
+too: then the example's width decides); the rows, width, alignment and
+strides are checked at each call, where the op falls back to the generated
+kernels (the same answer)."""
 from __future__ import annotations
 
 import logging
 import operator
 
 import torch
+from torch.fx.experimental.symbolic_shapes import size_hint
 
 from ..ops import layer_norm_wide
 
@@ -45,6 +47,21 @@ def _val(n):
     return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
 
 
+def _width(dim, arg):
+    """A normalized dim as an int: x's size if concrete, else the
+    normalized_shape argument if that is, else a size hint; None if none."""
+    for v in (dim, _val(arg) if isinstance(arg, torch.fx.Node) else arg):
+        if isinstance(v, int):
+            return v
+    for v in (dim, _val(arg) if isinstance(arg, torch.fx.Node) else arg):
+        if isinstance(v, torch.SymInt):
+            try:
+                return int(size_hint(v))
+            except Exception:  # unbacked: no example value
+                pass
+    return None
+
+
 def _reason(node) -> str:
     args = list(node.args) + [None] * (8 - len(node.args))
     grad, x, normalized_shape, mean, rstd, weight, bias, mask = args[:8]
@@ -57,13 +74,15 @@ def _reason(node) -> str:
         return "older than sm_90"
     nd = len(normalized_shape)
     row_dims, norm_dims = tuple(xv.shape[:xv.dim() - nd]), tuple(xv.shape[xv.dim() - nd:])
-    # Dynamo's dynamic=True marks x's trailing dims symbolic too, while the
-    # normalized_shape argument stays the constant the model passed: that
-    # constant is the width (the op requires x's trailing dims to equal it,
-    # and try_run checks them at each call).
-    norm_dims = tuple(s if isinstance(s, int) else c for s, c in zip(norm_dims, normalized_shape))
-    if any(not isinstance(s, int) for s in norm_dims):
-        return "symbolic normalized sizes"
+    # Dynamo's dynamic=True marks x's trailing dims symbolic too. The width
+    # is then the normalized_shape argument where the model passed a
+    # constant, else the example's (the size hint; normalized_shape is then
+    # a SymInt, or a graph input node holding one, e.g. a closure's int):
+    # the route is a choice of kernel, and try_run checks each call's width,
+    # sending the ones the wide kernel does not take to the generated ones.
+    norm_dims = tuple(_width(s, c) for s, c in zip(norm_dims, normalized_shape))
+    if any(d is None for d in norm_dims):
+        return "symbolic normalized sizes without an example value"
     # Dynamic shapes leave the row dims symbolic: the width decides, and
     # try_run checks the rows at each call. Without the route such a graph
     # gets the generated plan of symbolic sizes, which re-reads dy and x for
