@@ -7,7 +7,7 @@ on and off. Fractions are of the floor: the weight's bytes read once at the
 copy bandwidth (--bandwidth GB/s, 4221 measured on the H200; the copy
 bandwidth measured here is printed beside it).
 
-  python3 scripts/bench_skinny_gemm.py [--bandwidth 4221] [--iters 50]
+  python3 scripts/bench_skinny_gemm.py [--bandwidth 4221] [--iters 50] [--configs n8u1w8b2c1,n4u2w8b2c2p1]
 """
 import argparse
 import os
@@ -50,6 +50,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bandwidth", type=float, default=4221.0, help="copy bandwidth for the floor, GB/s")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--configs", default="", help="comma-separated config tags to time (default: the candidates)")
+    ap.add_argument("--no-blocks", action="store_true", help="the GEMMs only, not the compiled blocks")
     args = ap.parse_args()
     dev = torch.device("cuda")
     major, minor = torch.cuda.get_device_capability()
@@ -57,7 +59,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}  sm_{major}{minor}  {sms} SMs  copy bandwidth here "
           f"{copy_bandwidth_gb_s():.0f} GB/s  floor uses {args.bandwidth:.0f} GB/s")
     bw = args.bandwidth * 1e9
-    configs = _C.skinny_gemm_candidates(major * 10 + minor)
+    configs = args.configs.split(",") if args.configs else _C.skinny_gemm_candidates(major * 10 + minor)
     print(f"\n{'GEMM (M x K -> N)':<26}{'floor us':>9}{'cuBLAS':>16}{'skinny default':>24}  best config")
     for m in (16, 1):
         for k, n in ((4096, 16384), (16384, 4096), (4096, 11008), (11008, 4096)):
@@ -78,10 +80,13 @@ def main():
                 per_config[cfg] = time_us(lambda: sg.linear(x, w, b, out=out), args.iters)
                 del os.environ["OPFUSE_SKINNY_CONFIG"]
             best = min(per_config, key=per_config.get)
+            print("    " + "  ".join(f"{c} {t:.1f}" for c, t in per_config.items()))
             print(f"{m:>3} x {k:>5} -> {n:<12}{floor:>9.1f}{t_cublas:>9.1f} ({floor / t_cublas:4.0%})"
                   f"{t_default:>9.1f} ({floor / t_default:4.0%}) {default}  {best} {per_config[best]:.1f}"
                   f" ({floor / per_config[best]:.0%})")
 
+    if args.no_blocks:
+        return
     print(f"\n{'block (compiled by opfuse)':<34}{'floor us':>9}{'skinny':>16}{'cuBLASLt':>16}")
     blocks = [("mlp 16x4096x16384", mlp_block, (16, 4096, 16384), True),
               ("llama 16x4096x11008", llama_mlp, (16, 4096, 11008), False)]

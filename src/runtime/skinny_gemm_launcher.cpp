@@ -33,17 +33,19 @@ struct LoadedFn {
 
 std::string SkinnyConfig::tag() const {
   return "n" + std::to_string(nt) + "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" +
-         std::to_string(min_blocks) + "c" + std::to_string(cluster);
+         std::to_string(min_blocks) + "c" + std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "");
 }
 
 SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
-  static const std::regex re(R"(n(\d+)u(\d+)w(\d+)b(\d+)c(\d+))");
+  static const std::regex re(R"(n(\d+)u(\d+)w(\d+)b(\d+)c(\d+)(?:p(\d+))?)");
   std::smatch m;
-  if (!std::regex_match(tag, m, re)) throw std::invalid_argument("bad skinny GEMM config '" + tag + "' (want e.g. n8u1w8b2c1)");
-  SkinnyConfig c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5])};
+  if (!std::regex_match(tag, m, re))
+    throw std::invalid_argument("bad skinny GEMM config '" + tag + "' (want e.g. n8u1w8b2c1 or n4u1w8b3c2p1)");
+  SkinnyConfig c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5]),
+                 m[6].matched ? std::stoi(m[6]) : 0};
   bool ok = c.nt >= 1 && (c.nt <= 8 || c.nt % 8 == 0) && c.nt <= 16 && c.u >= 1 && c.u <= 4 && c.warps >= 1 &&
             c.warps <= 16 && c.min_blocks >= 1 && c.min_blocks <= 4 &&
-            (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8);
+            (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && (c.pipe == 0 || c.pipe == 1);
   if (!ok) throw std::invalid_argument("skinny GEMM config '" + tag + "' is out of range");
   return c;
 }
@@ -83,7 +85,8 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
 std::string source(DType dtype, const SkinnyConfig& c) {
   std::string s(skinny_gemm_cu);
   std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
-                     std::to_string(c.u) + ", " + std::to_string(c.warps) + ", " + std::to_string(c.min_blocks);
+                     std::to_string(c.u) + ", " + std::to_string(c.warps) + ", " + std::to_string(c.min_blocks) + ", " +
+                     std::to_string(c.pipe);
   if (c.cluster > 1) s += "\nOPFUSE_SKINNY_CLUSTER_ENTRY(" + args + ", " + std::to_string(c.cluster) + ")\n";
   else s += "\nOPFUSE_SKINNY_ENTRY(" + args + ")\n";
   return s;
@@ -134,7 +137,7 @@ bool try_run(const GemmArgs& g) {
 
   static std::map<CUcontext, SmallMDevice> devices;
   // Integers only: this runs on every call.
-  static std::map<std::tuple<CUcontext, DType, int, int, int, int, int>, LoadedFn> functions;
+  static std::map<std::tuple<CUcontext, DType, int, int, int, int, int, int>, LoadedFn> functions;
   CUfunction fn = nullptr;
   SkinnyConfig cfg;
   {
@@ -145,7 +148,7 @@ bool try_run(const GemmArgs& g) {
     const char* forced = std::getenv("OPFUSE_SKINNY_CONFIG");
     cfg = forced && *forced ? SkinnyConfig::parse(forced) : choose_config(g.m, g.n, g.k, info.arch, info.sms);
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
-    LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster}];
+    LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe}];
     if (lf.failed) return false;
     if (!lf.fn) {
       try {

@@ -48,6 +48,7 @@ static_assert(sizeof(SkinnyParams) == 112, "SkinnyParams layout is the kernel's 
 // Tag form "n8u1w8b2c4".
 struct SkinnyConfig {
   int nt = 8, u = 1, warps = 8, min_blocks = 2, cluster = 1;
+  int pipe = 0;  // 1: the next chunk's loads before this chunk's MMAs (tag suffix "p1")
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
   int rows() const { return 8 * nt; }                 // BN

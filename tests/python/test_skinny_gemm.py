@@ -52,6 +52,17 @@ def test_every_instantiation_compiles_without_spills(arch, elem):
         assert regs * warps * 32 * blocks <= 65536, f"{tag}: {regs} registers miss __launch_bounds__"
 
 
+def test_pipelined_configs_compile_without_spills():
+    """PIPE = 1 holds two chunks' operands: the configs measured with it keep
+    within their __launch_bounds__ without spills."""
+    nvrtc_or_skip()
+    for tag in ("n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b1c2p1", "n4u2w8b2c1p1"):
+        cubin, log = _C.skinny_gemm_compile("bf16", tag, 90)
+        assert re.search(r"(\d+) bytes spill stores", log).group(1) == "0", f"{tag}:\n{log}"
+    with pytest.raises(Exception, match="out of range"):
+        _C.skinny_gemm_compile("bf16", "n8u1w8b2c1p2", 90)
+
+
 def test_clusters_only_from_sm_90():
     nvrtc_or_skip()
     with pytest.raises(Exception, match="sm_90"):
@@ -149,7 +160,8 @@ def test_kernel_against_reference_and_eager(m, k, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["n8u1w8b2c1", "n8u1w8b2c2", "n8u1w8b2c4", "n8u1w8b2c8", "n4u2w8b1c1"])
+@pytest.mark.parametrize("config", ["n8u1w8b2c1", "n8u1w8b2c2", "n8u1w8b2c4", "n8u1w8b2c8", "n4u2w8b1c1",
+                                    "n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b2c1p1", "n4u1w8b3c2p1", "n4u2w8b2c1p1"])
 def test_every_config_on_the_device(config, monkeypatch):
     cuda_or_skip()
     if config[-2:] != "c1" and torch.cuda.get_device_capability()[0] < 9:

@@ -26,7 +26,8 @@
 //   warp covers all BN rows of each of its chunks.
 // - W goes straight from global memory to the MMA's B registers, no shared
 //   memory: a lane reads 16 bytes (8 consecutive k) of one row with
-//   ld.global.nc.L1::no_allocate, NT * U such loads in flight per thread.
+//   ld.global.nc.L1::no_allocate, NT * U such loads in flight per thread
+//   (2 * NT * U with PIPE = 1, below).
 //   The MMA fragment wants lane (g = lane / 4, t = lane % 4) to hold k
 //   {2t, 2t+1, 2t+8, 2t+9} of row g; a sum over k does not care how k is
 //   numbered, so logical k {2t, 2t+1 | 2t+8, 2t+9} of the first MMA are
@@ -50,8 +51,8 @@
 // WARPS * 32, no dynamic shared memory, one argument SkinnyParams by value.
 //
 // Entry points: the launcher appends one line,
-//   OPFUSE_SKINNY_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS)   or
-//   OPFUSE_SKINNY_CLUSTER_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS, CLUSTER)
+//   OPFUSE_SKINNY_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS, PIPE)   or
+//   OPFUSE_SKINNY_CLUSTER_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS, PIPE, CLUSTER)
 // which defines an extern "C" kernel (no name mangling to look up).
 
 namespace opfuse_skinny {
@@ -212,12 +213,19 @@ __device__ __forceinline__ void store_tile_value(const SkinnyParams& p, int n0, 
 // Main loop
 // ---------------------------------------------------------------------------
 
-// One chunk (32 * U values of k, every row of the tile) of one warp. CHECK:
-// the chunk crosses K (only the last one does), so groups past K load zeros.
-template <class E, int NT, int U, bool CHECK>
-__device__ __forceinline__ void chunk(float (&acc)[NT][4], const char* wbase, const int (&roff)[NT], const char* alo,
-                                      const char* ahi, int group0, int t, int groups) {
+// One chunk's operands in registers: W's 16-byte pieces of every row of the
+// tile and A's rows g and g + 8, U loads along k each.
+template <int NT, int U>
+struct Operands {
   V4 w[U][NT], a0[U], a1[U];
+};
+
+// Issues one chunk's loads (32 * U values of k, every row of the tile) of one
+// warp. CHECK: the chunk crosses K (only the last one does), so groups past K
+// load zeros.
+template <int NT, int U, bool CHECK>
+__device__ __forceinline__ void load_chunk(Operands<NT, U>& o, const char* wbase, const int (&roff)[NT],
+                                           const char* alo, const char* ahi, int group0, int t, int groups) {
   const V4 zero = {0, 0, 0, 0};
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -225,20 +233,59 @@ __device__ __forceinline__ void chunk(float (&acc)[NT][4], const char* wbase, co
     const bool in = !CHECK || gi + t < groups;
     const i64 off = static_cast<i64>(gi) * 16;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) w[u][j] = in ? ld_stream(wbase + roff[j] + off) : zero;
-    a0[u] = in && alo ? ld_cached(alo + off) : zero;
-    a1[u] = in && ahi ? ld_cached(ahi + off) : zero;
+    for (int j = 0; j < NT; ++j) o.w[u][j] = in ? ld_stream(wbase + roff[j] + off) : zero;
+    o.a0[u] = in && alo ? ld_cached(alo + off) : zero;
+    o.a1[u] = in && ahi ? ld_cached(ahi + off) : zero;
   }
+}
+
+template <class E, int NT, int U>
+__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const Operands<NT, U>& o) {
 #pragma unroll
   for (int u = 0; u < U; ++u)
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      mma(E{}, acc[j], a0[u].x, a1[u].x, a0[u].y, a1[u].y, w[u][j].x, w[u][j].y);
-      mma(E{}, acc[j], a0[u].z, a1[u].z, a0[u].w, a1[u].w, w[u][j].z, w[u][j].w);
+      mma(E{}, acc[j], o.a0[u].x, o.a1[u].x, o.a0[u].y, o.a1[u].y, o.w[u][j].x, o.w[u][j].y);
+      mma(E{}, acc[j], o.a0[u].z, o.a1[u].z, o.a0[u].w, o.a1[u].w, o.w[u][j].z, o.w[u][j].w);
     }
 }
 
-template <class E, int NT, int U, int WARPS, int CLUSTER>
+// A warp's full chunks c, c + WARPS, ... below c_full_end; returns the
+// first chunk past them. PIPE = 0: each chunk's loads, then its MMAs, so a
+// warp's loads in flight fall to zero while it waits for them and runs the
+// MMAs. PIPE = 1: the next chunk's loads go out before this chunk's MMAs
+// (two operand sets in registers), so a warp always has a chunk in flight.
+// scripts/micro/weight_stream_runs.cu on the H200: the read rate follows
+// the bytes in flight an SM (64 KB in bursts: 3.2-4.2 TB/s; 128 KB:
+// 4.1-4.24), not the 64-byte pieces' run length (3% between 128-byte and
+// 16 KB runs).
+template <class E, int NT, int U, int WARPS, int PIPE>
+__device__ __forceinline__ int full_chunks(float (&acc)[NT][4], const char* wbase, const int (&roff)[NT],
+                                           const char* alo, const char* ahi, int c, int c_full_end, int t,
+                                           int groups) {
+  if constexpr (PIPE == 0) {
+    for (; c < c_full_end; c += WARPS) {
+      Operands<NT, U> o;
+      load_chunk<NT, U, false>(o, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+      mma_chunk<E>(acc, o);
+    }
+    return c;
+  } else {
+    if (c >= c_full_end) return c;
+    Operands<NT, U> cur;
+    load_chunk<NT, U, false>(cur, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+    for (c += WARPS; c < c_full_end; c += WARPS) {
+      Operands<NT, U> next;
+      load_chunk<NT, U, false>(next, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+      mma_chunk<E>(acc, cur);
+      cur = next;
+    }
+    mma_chunk<E>(acc, cur);
+    return c;
+  }
+}
+
+template <class E, int NT, int U, int WARPS, int CLUSTER, int PIPE>
 __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
   static_assert(NT >= 1 && U >= 1 && WARPS >= 1, "bad tile");
   static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4 || CLUSTER == 8, "cluster of 1, 2, 4 or 8 CTAs");
@@ -277,10 +324,13 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-  int c = c_begin + warp;
   const int c_full_end = c_end < full ? c_end : full;
-  for (; c < c_full_end; c += WARPS) chunk<E, NT, U, false>(acc, wbase, roff, alo, ahi, c * 4 * U, t, groups);
-  if (c < c_end) chunk<E, NT, U, true>(acc, wbase, roff, alo, ahi, c * 4 * U, t, groups);  // the ragged last chunk
+  const int c = full_chunks<E, NT, U, WARPS, PIPE>(acc, wbase, roff, alo, ahi, c_begin + warp, c_full_end, t, groups);
+  if (c < c_end) {  // the ragged last chunk
+    Operands<NT, U> o;
+    load_chunk<NT, U, true>(o, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+    mma_chunk<E>(acc, o);
+  }
 
   // Warps' partials: summed in warp order, RJ tiles per round.
 #pragma unroll
@@ -315,13 +365,13 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
 
 }  // namespace opfuse_skinny
 
-#define OPFUSE_SKINNY_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS)                                    \
+#define OPFUSE_SKINNY_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, PIPE)                              \
   extern "C" __global__ void __launch_bounds__((WARPS) * 32, MIN_BLOCKS)                          \
       NAME(const opfuse_skinny::SkinnyParams p) {                                                 \
-    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, 1>(p);                        \
+    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, 1, PIPE>(p);                  \
   }
-#define OPFUSE_SKINNY_CLUSTER_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, CLUSTER)                   \
+#define OPFUSE_SKINNY_CLUSTER_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, PIPE, CLUSTER)             \
   extern "C" __global__ void __launch_bounds__((WARPS) * 32, MIN_BLOCKS) __cluster_dims__(CLUSTER, 1, 1) \
       NAME(const opfuse_skinny::SkinnyParams p) {                                                 \
-    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, CLUSTER>(p);                  \
+    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, CLUSTER, PIPE>(p);            \
   }
