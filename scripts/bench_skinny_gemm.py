@@ -20,7 +20,7 @@ from opfuse.bench.cases import llama_mlp, mlp_block
 from opfuse import _C
 from opfuse import skinny_gemm as sg
 
-os.environ["OPFUSE_SKINNY_GEMM"] = "1"  # opt-in; the blocks below time it on and off
+os.environ["OPFUSE_SKINNY_GEMM"] = "1"  # every shape; the blocks below time it on, off and by default
 
 
 def time_us(fn, iters):
@@ -87,7 +87,7 @@ def main():
 
     if args.no_blocks:
         return
-    print(f"\n{'block (compiled by opfuse)':<34}{'floor us':>9}{'skinny':>16}{'cuBLASLt':>16}")
+    print(f"\n{'block (compiled by opfuse)':<34}{'floor us':>9}{'skinny':>16}{'cuBLASLt':>16}{'default':>16}")
     blocks = [("mlp 16x4096x16384", mlp_block, (16, 4096, 16384), True),
               ("llama 16x4096x11008", llama_mlp, (16, 4096, 11008), False)]
     for name, fn, (m, k, h), bias in blocks:
@@ -103,23 +103,23 @@ def main():
         floor = weight_bytes / bw * 1e6
         f = torch.compile(fn, backend="opfuse")
         times = {}
-        for skinny in ("1", "0"):
+        for skinny in ("1", "0", ""):  # every GEMM it supports, none, the default's shapes
             os.environ["OPFUSE_SKINNY_GEMM"] = skinny
             f(*params)
             opfuse.reset_stats()
             f(*params)
             s = opfuse.stats()
             times[skinny] = (time_us(lambda: f(*params), args.iters), s["library_calls"], s["kernel_launches"])
-        os.environ["OPFUSE_SKINNY_GEMM"] = "1"
-        (ts, cs, ks), (tl, cl, kl) = times["1"], times["0"]
+        (ts, cs, ks), (tl, cl, kl), (td, cd, kd) = times["1"], times["0"], times[""]
         print(f"{name:<34}{floor:>9.1f}{ts:>9.1f} ({floor / ts:4.0%}){tl:>9.1f} ({floor / tl:4.0%})"
-              f"   calls/kernels {cs}/{ks} vs {cl}/{kl}")
-        # The same block replayed as a CUDA graph: no host launch overhead.
+              f"{td:>9.1f} ({floor / td:4.0%})   calls/kernels {cs}/{ks} vs {cl}/{kl} vs {cd}/{kd}")
+        # The default replayed as a CUDA graph: no host launch overhead.
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             f(*params)
         tg = time_us(g.replay, args.iters)
-        print(f"{'  as a CUDA graph (skinny)':<34}{floor:>9.1f}{tg:>9.1f} ({floor / tg:4.0%})")
+        print(f"{'  as a CUDA graph (default)':<34}{floor:>9.1f}{tg:>9.1f} ({floor / tg:4.0%})")
+        os.environ["OPFUSE_SKINNY_GEMM"] = "1"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Direct access to opfuse's skinny GEMM kernel (the GEMM path for M <= 16 on
 the GPU, src/kernels/skinny_gemm/): for tests and the microbenchmark. Graphs
-compiled by opfuse use it when OPFUSE_SKINNY_GEMM=1 (off by default: on the
-H200 it was slower than cuBLASLt on three of the four M = 16 GEMMs measured)."""
+compiled by opfuse use it for every GEMM it supports when
+OPFUSE_SKINNY_GEMM=1, for none with =0, and by default for the shapes where
+it measured faster than cuBLASLt on the H200 (sm_90, N <= 4224, K >= 8192:
+decode MLPs' down projections; _C.skinny_gemm_default_takes). linear()
+follows the same switch."""
 from __future__ import annotations
 
 import torch

@@ -63,8 +63,10 @@ void bind_skinny_gemm(nb::module_& m) {
       nb::arg("dtype"), nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("a"), nb::arg("lda"), nb::arg("w"),
       nb::arg("ldw"), nb::arg("d"), nb::arg("bias") = 0, nb::arg("bias_stride") = 1, nb::arg("c") = 0,
       nb::arg("ldc") = 0, nb::arg("activation") = "", nb::arg("aux") = 0, nb::arg("stream") = 0,
-      "Enqueues D = act(a @ w^T + bias + c) with the skinny GEMM; False (nothing enqueued) when it does not apply "
-      "or is not enabled (OPFUSE_SKINNY_GEMM=1 enables it).");
+      "Enqueues D = act(a @ w^T + bias + c) with the skinny GEMM; False (nothing enqueued) when it does not apply, "
+      "OPFUSE_SKINNY_GEMM=0, or, without OPFUSE_SKINNY_GEMM=1, outside skinny_gemm_default_takes.");
+  m.def("skinny_gemm_default_takes", &skinny::default_takes, nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("arch"),
+        nb::arg("sms"), "Whether the skinny GEMM takes a GEMM of this shape without OPFUSE_SKINNY_GEMM.");
   m.def(
       "skinny_gemm_unsupported_reason",
       [](const std::string& dtype, int64_t m_, int64_t n, int64_t k, uintptr_t a, int64_t lda, uintptr_t w, int64_t ldw,

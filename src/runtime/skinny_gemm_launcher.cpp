@@ -53,19 +53,23 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
 // One wave of CTAs: the kernel is bound by HBM, so every CTA should be
 // resident from the start (no tail wave), and there should be enough of them
 // to put every SM to work. On sm_90, when N / 64 tiles are too few (N = 4096
-// on 132 SMs), a cluster splits K over 2 to 8 CTAs per tile; elsewhere
-// narrower tiles (32 rows) serve the same end.
+// on 132 SMs), a cluster splits K over 2 to 8 CTAs per tile, one pipelined
+// 256-thread CTA an SM (n8u1w8b1c2p1 for N = 4096); elsewhere narrower tiles
+// (32 rows) serve the same end. H200, bench/results/h200/skinny-pipe-569bf43.txt,
+// us: 16x16384->4096 n8u1w8b1c2p1 36.8, the old n8u1w8b2c2 39.9, cuBLASLt
+// 40.5; 16x11008->4096 26.0 / 29.2 / 29.6. A cluster of 2 with 256 CTAs of
+// 8 warps (n8u1w8b2c4 before 9a63bb0) had run 16x16384->4096 in 47.8.
 SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms) {
   (void)m;
   SkinnyConfig c;  // n8u1w8b2c1: 128 registers, 64 KB of loads in flight per SM
   const int64_t tiles = (n + c.rows() - 1) / c.rows();
   const int64_t chunks = (k / 8 + 4 * c.u - 1) / (4 * c.u);
   if (arch >= 90) {
+    if (tiles * 2 > sms) return c;  // N = 16384: 256 CTAs; the pipelined n8u1w8b2c1p1 ran within 1% of it
+    c.min_blocks = 1;
+    c.pipe = 1;
     // Double the cluster while there stays at most one CTA per SM and each
-    // warp keeps >= 2 chunks. Measured on the H200 (bench/results/h200/
-    // skinny-gemm-20261129T2222.txt): for N = 4096 a cluster of 2 (128 CTAs)
-    // ran 16x16384->4096 in 40.3 us and 16x11008->4096 in 29.1 us, a cluster
-    // of 4 (256 CTAs, two per SM) in 47.8 and 34.5.
+    // warp keeps >= 2 chunks.
     while (c.cluster < 8 && tiles * c.cluster * 2 <= sms && chunks >= 2LL * c.cluster * 2 * c.warps) c.cluster *= 2;
     return c;
   }
@@ -73,10 +77,25 @@ SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms) {
   return c;
 }
 
+// Without OPFUSE_SKINNY_GEMM, the shapes where the kernel measured faster
+// than cuBLASLt's timed choice on the H200: sm_90, few N tiles (the
+// pipelined cluster configs above) and a long K. The same run, us, kernel /
+// cuBLASLt: 16x16384->4096 36.8 / 40.5, 16x11008->4096 26.0 / 29.6,
+// 1x16384->4096 37.0 / 37.0, 1x11008->4096 25.9 / 28.4; and where it is
+// not taken: 16x4096->16384 36.1 / 35.7, 16x4096->11008 26.6 / 26.8.
+bool default_takes(int64_t m, int64_t n, int64_t k, int arch, int sms) {
+  (void)m;
+  const int64_t tiles = (n + 63) / 64;
+  return arch >= 90 && tiles * 2 <= sms && k >= 8192;
+}
+
 std::vector<SkinnyConfig> candidate_configs(int arch) {
   std::vector<SkinnyConfig> r{SkinnyConfig{}};
   if (arch >= 90)
-    for (int cl : {2, 4, 8}) r.push_back(SkinnyConfig{8, 1, 8, 2, cl});
+    for (int cl : {2, 4, 8}) {
+      r.push_back(SkinnyConfig{8, 1, 8, 2, cl});
+      r.push_back(SkinnyConfig{8, 1, 8, 1, cl, 1});
+    }
   else
     r.push_back(SkinnyConfig{4, 2, 8, 1, 1});
   return r;
@@ -120,31 +139,64 @@ std::string unsupported_reason(const GemmArgs& g) {
   return {};
 }
 
-// Opt-in: on the H200 (scripts/bench_skinny_gemm.py, docs/perf-notes.md) it
-// was slower than cuBLASLt's timed choice on three of the four M = 16 GEMMs
-// of the gemm suite, so cuBLASLt stays the default.
-bool enabled() {
+// OPFUSE_SKINNY_GEMM: "1" every GEMM the kernel supports, "0" none, unset
+// the shapes of default_takes (elsewhere it was slower than cuBLASLt's timed
+// choice on the H200: scripts/bench_skinny_gemm.py, docs/perf-notes.md).
+namespace {
+enum class Mode { kOff, kDefault, kAll };
+Mode mode() {
   const char* e = std::getenv("OPFUSE_SKINNY_GEMM");
-  return e && std::string(e) == "1";
+  if (e && std::string(e) == "1") return Mode::kAll;
+  if (e && std::string(e) == "0") return Mode::kOff;
+  return Mode::kDefault;
+}
+
+std::map<CUcontext, SmallMDevice>& devices() {  // guarded by g_mu
+  static std::map<CUcontext, SmallMDevice> d;
+  return d;
+}
+
+// The current context's device (0 arch: none), asked of the driver once a context.
+bool current_device(CUcontext* ctx, SmallMDevice* info) {
+  const CudaApi& c = cuda();
+  if (!c.loaded || c.CtxGetCurrent(ctx) != 0 || !*ctx) return false;
+  SmallMDevice& d = devices()[*ctx];
+  if (d.arch == 0) d = small_m_current_device();
+  *info = d;
+  return d.arch >= 80;  // mma.sync bf16 and cvt.rn.bf16 need sm_80
+}
+
+bool mode_takes(Mode md, const GemmArgs& g, const SmallMDevice& info) {
+  return md == Mode::kAll || (md == Mode::kDefault && default_takes(g.m, g.n, g.k, info.arch, info.sms));
+}
+}  // namespace
+
+bool enabled() { return mode() != Mode::kOff; }
+
+bool takes(const GemmArgs& g) {
+  const Mode md = mode();
+  if (md == Mode::kOff || !unsupported_reason(g).empty()) return false;
+  CUcontext ctx = nullptr;
+  SmallMDevice info;
+  std::lock_guard<std::mutex> lock(g_mu);
+  return current_device(&ctx, &info) && mode_takes(md, g, info);
 }
 
 bool try_run(const GemmArgs& g) {
-  if (!enabled() || !unsupported_reason(g).empty()) return false;
+  const Mode md = mode();
+  if (md == Mode::kOff || !unsupported_reason(g).empty()) return false;
   const CudaApi& c = cuda();
   if (!c.loaded) return false;
   CUcontext ctx = nullptr;
-  if (c.CtxGetCurrent(&ctx) != 0 || !ctx) return false;
 
-  static std::map<CUcontext, SmallMDevice> devices;
   // Integers only: this runs on every call.
   static std::map<std::tuple<CUcontext, DType, int, int, int, int, int, int>, LoadedFn> functions;
   CUfunction fn = nullptr;
   SkinnyConfig cfg;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    SmallMDevice& info = devices[ctx];
-    if (info.arch == 0) info = small_m_current_device();
-    if (info.arch < 80) return false;  // mma.sync bf16 and cvt.rn.bf16 need sm_80
+    SmallMDevice info;
+    if (!current_device(&ctx, &info) || !mode_takes(md, g, info)) return false;
     const char* forced = std::getenv("OPFUSE_SKINNY_CONFIG");
     cfg = forced && *forced ? SkinnyConfig::parse(forced) : choose_config(g.m, g.n, g.k, info.arch, info.sms);
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;

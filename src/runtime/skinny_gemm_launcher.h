@@ -8,9 +8,11 @@
 // NVRTC compiles one instantiation per (dtype, tile config, arch), cached on
 // disk (OPFUSE_CACHE_DIR/skinny_gemm) and loaded once per CUDA context; the
 // launch allocates nothing and never synchronizes (CUDA-graph safe once the
-// instantiation is loaded). Environment: OPFUSE_SKINNY_GEMM=1 turns the path
-// on (it is off by default: slower than cuBLASLt on most measured shapes);
-// OPFUSE_SKINNY_CONFIG=<tag> forces a tile config (benchmarking).
+// instantiation is loaded). Environment: OPFUSE_SKINNY_GEMM=1 sends every
+// GEMM it supports here, =0 none; by default only the shapes where it
+// measured faster than cuBLASLt (default_takes: sm_90, N <= 4224, K >= 8192,
+// the down projections of decode MLPs); OPFUSE_SKINNY_CONFIG=<tag> forces a
+// tile config (benchmarking).
 #pragma once
 #include "runtime/nvrtc_cached.h"
 #include <cstdint>
@@ -72,7 +74,13 @@ Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache = 
 // Empty when the kernel covers the GEMM (shapes, dtype, layouts, alignment,
 // epilogue), else why not. Does not look at OPFUSE_SKINNY_GEMM.
 std::string unsupported_reason(const GemmArgs& g);
-bool enabled();  // OPFUSE_SKINNY_GEMM is "1" (opt-in)
+bool enabled();  // OPFUSE_SKINNY_GEMM is not "0"
+// Whether try_run would take this GEMM on the current context's device
+// (OPFUSE_SKINNY_GEMM, the kernel's limits and, by default, default_takes).
+bool takes(const GemmArgs& g);
+// The shapes the kernel takes without OPFUSE_SKINNY_GEMM (measured faster
+// than cuBLASLt there).
+bool default_takes(int64_t m, int64_t n, int64_t k, int arch, int sms);
 
 // Enqueues the GEMM on g.stream with the skinny kernel and returns true, or
 // returns false (nothing enqueued) when it is disabled or does not apply, or

@@ -83,9 +83,9 @@ TEST(SkinnyGemmConfig, TagsRoundTripAndBadTagsThrow) {
 // a cluster split of K where N / 64 tiles alone would leave SMs idle.
 TEST(SkinnyGemmConfig, ChoiceForTheDecodeShapes) {
   EXPECT_EQ(skinny::choose_config(16, 16384, 4096, 90, 132).tag(), "n8u1w8b2c1");   // MLP up: 256 CTAs
-  EXPECT_EQ(skinny::choose_config(16, 4096, 16384, 90, 132).tag(), "n8u1w8b2c2");   // MLP down: 64 tiles x 2 (measured best)
+  EXPECT_EQ(skinny::choose_config(16, 4096, 16384, 90, 132).tag(), "n8u1w8b1c2p1");  // MLP down: 64 tiles x 2, pipelined (measured best)
   EXPECT_EQ(skinny::choose_config(16, 11008, 4096, 90, 132).tag(), "n8u1w8b2c1");   // Llama gate/up: 172 CTAs
-  EXPECT_EQ(skinny::choose_config(16, 4096, 11008, 90, 132).tag(), "n8u1w8b2c2");   // Llama down
+  EXPECT_EQ(skinny::choose_config(16, 4096, 11008, 90, 132).tag(), "n8u1w8b1c2p1");  // Llama down
   EXPECT_EQ(skinny::choose_config(16, 4096, 16384, 80, 108).cluster, 1);            // no clusters before sm_90
   for (int arch : {80, 90})
     for (int64_t n : {1, 1001, 4096, 11008, 16384, 100000})
@@ -94,6 +94,18 @@ TEST(SkinnyGemmConfig, ChoiceForTheDecodeShapes) {
         auto all = skinny::candidate_configs(arch);
         EXPECT_NE(std::find(all.begin(), all.end(), c), all.end()) << c.tag() << " is not compiled by CI";
       }
+}
+
+// Without OPFUSE_SKINNY_GEMM: the down projections (few N tiles, long K)
+// on sm_90, where the kernel measured faster than cuBLASLt; not the up
+// projections, short K or older GPUs.
+TEST(SkinnyGemmConfig, DefaultShapes) {
+  EXPECT_TRUE(skinny::default_takes(16, 4096, 16384, 90, 132));
+  EXPECT_TRUE(skinny::default_takes(1, 4096, 11008, 90, 132));
+  EXPECT_FALSE(skinny::default_takes(16, 16384, 4096, 90, 132));
+  EXPECT_FALSE(skinny::default_takes(16, 11008, 4096, 90, 132));
+  EXPECT_FALSE(skinny::default_takes(16, 4096, 4096, 90, 132));
+  EXPECT_FALSE(skinny::default_takes(16, 4096, 16384, 80, 108));
 }
 
 GemmArgs linear_args(int64_t m, int64_t n, int64_t k) {

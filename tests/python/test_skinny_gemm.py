@@ -7,9 +7,10 @@ rules, and the float64 CPU reference against torch's float64 matmul.
 On a GPU (marked gpu): the kernel against the float64 reference and eager
 PyTorch (M in {1, 3, 8, 16}, K in {4096, 4104, 1000}, N = 1001, bias at a
 storage offset, relu, tanh-gelu with its aux output, a residual), every
-config, determinism, CUDA-graph capture, and that compiled graphs take the
-skinny path (opfuse.stats() and the launch counter) when
-OPFUSE_SKINNY_GEMM=1 and cuBLASLt otherwise (the default)."""
+config (the pipelined ones too), determinism, CUDA-graph capture, and that
+compiled graphs take the skinny path (opfuse.stats() and the launch
+counter) when OPFUSE_SKINNY_GEMM=1, cuBLASLt with =0, and by default the
+kernel for the down projections of default_takes only."""
 import re
 
 import pytest
@@ -27,7 +28,8 @@ ELEMS = {"bf16": torch.bfloat16, "f16": torch.float16}
 
 @pytest.fixture(autouse=True)
 def skinny_enabled(monkeypatch):
-    """The skinny path is opt-in (OPFUSE_SKINNY_GEMM=1); these tests enable it."""
+    """OPFUSE_SKINNY_GEMM=1 (every shape it supports); the default takes only
+    some shapes (test_by_default_it_takes_the_down_projection)."""
     monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
 
 
@@ -73,9 +75,9 @@ def test_clusters_only_from_sm_90():
 def test_config_choice_for_the_benchmark_shapes():
     choose = _C.skinny_gemm_choose_config
     assert choose(16, 16384, 4096, 90, 132) == "n8u1w8b2c1"
-    assert choose(16, 4096, 16384, 90, 132) == "n8u1w8b2c2"  # the best measured (one CTA per SM)
+    assert choose(16, 4096, 16384, 90, 132) == "n8u1w8b1c2p1"  # the best measured (one pipelined CTA an SM)
     assert choose(16, 11008, 4096, 90, 132) == "n8u1w8b2c1"
-    assert choose(16, 4096, 11008, 90, 132) == "n8u1w8b2c2"
+    assert choose(16, 4096, 11008, 90, 132) == "n8u1w8b1c2p1"
 
 
 def test_what_it_declines():
@@ -161,7 +163,8 @@ def test_kernel_against_reference_and_eager(m, k, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["n8u1w8b2c1", "n8u1w8b2c2", "n8u1w8b2c4", "n8u1w8b2c8", "n4u2w8b1c1",
-                                    "n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b2c1p1", "n4u1w8b3c2p1", "n4u2w8b2c1p1"])
+                                    "n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b2c1p1", "n4u1w8b3c2p1", "n4u2w8b2c1p1",
+                                    "n8u1w8b1c2p1", "n8u1w8b1c4p1", "n8u1w8b1c8p1"])
 def test_every_config_on_the_device(config, monkeypatch):
     cuda_or_skip()
     if config[-2:] != "c1" and torch.cuda.get_device_capability()[0] < 9:
@@ -234,9 +237,34 @@ def test_compiled_graph_takes_the_skinny_path_when_enabled(m, monkeypatch):
     out, calls, kernels, skinny = counted(f, *args)
     assert (calls, kernels, skinny) == (2, 0, 0)
     check(out, ref, mlp_block(*args))
-    monkeypatch.delenv("OPFUSE_SKINNY_GEMM")  # the default: cuBLASLt
+    monkeypatch.delenv("OPFUSE_SKINNY_GEMM")  # the default: cuBLASLt at these shapes (short K)
     out, calls, kernels, skinny = counted(f, *args)
     assert (calls, kernels, skinny) == (2, 0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_by_default_it_takes_the_down_projection(m, monkeypatch):
+    """Without OPFUSE_SKINNY_GEMM on sm_90: the down projection (N = 1024,
+    K = 8192: default_takes) runs the kernel, the up projection (N = 8192,
+    K = 1024) cuBLASLt."""
+    cuda_or_skip()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the default takes sm_90 shapes only")
+    monkeypatch.delenv("OPFUSE_SKINNY_GEMM")
+    monkeypatch.setenv("OPFUSE_DECODE_MLP", "0")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert _C.skinny_gemm_default_takes(m, 1024, 8192, 90, sms)
+    assert not _C.skinny_gemm_default_takes(m, 8192, 1024, 90, sms)
+    torch.manual_seed(5)
+    k, h = 1024, 8192
+    args = [torch.randn(m, k, device="cuda").bfloat16(), (torch.randn(h, k, device="cuda") * k ** -0.5).bfloat16(),
+            torch.randn(h, device="cuda").bfloat16(), (torch.randn(k, h, device="cuda") * h ** -0.5).bfloat16(),
+            torch.randn(k, device="cuda").bfloat16()]
+    f = torch.compile(mlp_block, backend="opfuse")
+    out, calls, kernels, skinny = counted(f, *args)
+    assert (calls, kernels, skinny) == (1, 1, 1), sg.last_error()
+    check(out, mlp_block(*[a.double() for a in args]), mlp_block(*args))
 
 
 @pytest.mark.gpu
