@@ -95,6 +95,7 @@ const CudaApi& cuda() {
     bind(h, api.MemsetD32Async, "cuMemsetD32Async", &ignore);
     bind(h, api.OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor", &ignore);
     bind(h, api.OccupancyMaxActiveClusters, "cuOccupancyMaxActiveClusters", &ignore);
+    bind(h, api.LaunchKernelEx, "cuLaunchKernelEx", &ignore);
     if (ok && api.Init(0) == 0) api.loaded = true;
     else if (ok) api.error = "cuInit failed (no usable GPU or driver)";
   });

@@ -80,10 +80,30 @@ struct CudaApi {
   // Optional (CUDA 12+): clusters of a kernel resident at once (the staged
   // ring's grid); `config` as CuLaunchConfig below.
   CUresult (*OccupancyMaxActiveClusters)(int* clusters, CUfunction, const void* config) = nullptr;
+  // Optional (CUDA 12+): a launch with attributes (`config` as CuLaunchConfig
+  // below): the skinny GEMM's programmatic dependent launch.
+  CUresult (*LaunchKernelEx)(const void* config, CUfunction, void** params, void** extra) = nullptr;
 };
 
-// cuda.h's CUlaunchConfig (CUDA 12+), for OccupancyMaxActiveClusters: the
-// kernel's own __cluster_dims__ stand, so no attributes are passed.
+// cuda.h's CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union.
+struct CuLaunchAttribute {
+  int id = 0;
+  char pad[4] = {};
+  union {
+    char bytes[64];
+    int value;  // e.g. programmaticStreamSerializationAllowed
+  } val = {};
+};
+static_assert(sizeof(CuLaunchAttribute) == 72, "CUlaunchAttribute's layout");
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the grid may start
+// before the previous kernel of its stream ends, once every CTA of that
+// kernel has exited or run griddepcontrol.launch_dependents; it must then
+// run griddepcontrol.wait before it reads what that kernel wrote.
+inline constexpr int kLaunchAttrProgrammaticSerialization = 6;
+
+// cuda.h's CUlaunchConfig (CUDA 12+), for OccupancyMaxActiveClusters (the
+// kernel's own __cluster_dims__ stand, so no attributes are passed) and
+// LaunchKernelEx (attrs: CuLaunchAttribute[num_attrs]).
 struct CuLaunchConfig {
   unsigned grid_x = 1, grid_y = 1, grid_z = 1;
   unsigned block_x = 1, block_y = 1, block_z = 1;

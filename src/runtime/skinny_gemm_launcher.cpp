@@ -173,6 +173,18 @@ bool mode_takes(Mode md, const GemmArgs& g, const SmallMDevice& info) {
 
 bool enabled() { return mode() != Mode::kOff; }
 
+// Programmatic dependent launch on sm_90 (the kernel's griddepcontrol): it
+// may start while the kernel before it in the stream ends, its first W
+// chunks prefetched into L2 before it waits for that kernel's results. A
+// chain's kernel boundaries cost the skinny kernel there: H200 at ec1839a,
+// the MLP block at M = 16 ran 74.9 us with it after cuBLASLt's up
+// projection, where the two kernels alone take 36.3 + 37.0 us (and the
+// cuBLASLt pair 75.1 against 36.3 + 41.0). OPFUSE_SKINNY_PDL=0 turns it off.
+bool pdl_enabled() {
+  const char* e = std::getenv("OPFUSE_SKINNY_PDL");
+  return !(e && std::string(e) == "0");
+}
+
 bool takes(const GemmArgs& g) {
   const Mode md = mode();
   if (md == Mode::kOff || !unsupported_reason(g).empty()) return false;
@@ -193,10 +205,12 @@ bool try_run(const GemmArgs& g) {
   static std::map<std::tuple<CUcontext, DType, int, int, int, int, int, int>, LoadedFn> functions;
   CUfunction fn = nullptr;
   SkinnyConfig cfg;
+  bool pdl = false;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     SmallMDevice info;
     if (!current_device(&ctx, &info) || !mode_takes(md, g, info)) return false;
+    pdl = info.arch >= 90 && pdl_enabled();
     const char* forced = std::getenv("OPFUSE_SKINNY_CONFIG");
     cfg = forced && *forced ? SkinnyConfig::parse(forced) : choose_config(g.m, g.n, g.k, info.arch, info.sms);
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
@@ -238,8 +252,21 @@ bool try_run(const GemmArgs& g) {
   p.act = small_m_act_code(g.activation);
   const unsigned grid = static_cast<unsigned>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
   void* params[] = {&p};
-  check_cuda(c.LaunchKernel(fn, grid, 1, 1, static_cast<unsigned>(cfg.warps * 32), 1, 1, 0, g.stream, params, nullptr),
-             "cuLaunchKernel(skinny GEMM)");
+  if (pdl && c.LaunchKernelEx) {
+    CuLaunchAttribute attr;
+    attr.id = kLaunchAttrProgrammaticSerialization;
+    attr.val.value = 1;
+    CuLaunchConfig lc;
+    lc.grid_x = grid;
+    lc.block_x = static_cast<unsigned>(cfg.warps * 32);
+    lc.stream = g.stream;
+    lc.attrs = &attr;
+    lc.num_attrs = 1;
+    check_cuda(c.LaunchKernelEx(&lc, fn, params, nullptr), "cuLaunchKernelEx(skinny GEMM)");
+  } else {
+    check_cuda(c.LaunchKernel(fn, grid, 1, 1, static_cast<unsigned>(cfg.warps * 32), 1, 1, 0, g.stream, params, nullptr),
+               "cuLaunchKernel(skinny GEMM)");
+  }
   g_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }

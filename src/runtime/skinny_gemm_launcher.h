@@ -74,7 +74,8 @@ Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache = 
 // Empty when the kernel covers the GEMM (shapes, dtype, layouts, alignment,
 // epilogue), else why not. Does not look at OPFUSE_SKINNY_GEMM.
 std::string unsupported_reason(const GemmArgs& g);
-bool enabled();  // OPFUSE_SKINNY_GEMM is not "0"
+bool enabled();      // OPFUSE_SKINNY_GEMM is not "0"
+bool pdl_enabled();  // OPFUSE_SKINNY_PDL is not "0": programmatic dependent launch on sm_90
 // Whether try_run would take this GEMM on the current context's device
 // (OPFUSE_SKINNY_GEMM, the kernel's limits and, by default, default_takes).
 bool takes(const GemmArgs& g);

@@ -175,6 +175,28 @@ __device__ __forceinline__ F4 ld_cluster(const void* local, u32 rank) {
 
 __device__ __forceinline__ F4 add(F4 a, F4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
 
+// Programmatic dependent launch (sm_90; the launcher sets the launch
+// attribute there, and without it both are no-ops): the kernel may start
+// while the previous kernel of the stream (e.g. the up projection whose
+// output is A) still runs. Nothing it reads may be touched before
+// grid_dependency_wait, except through L2 prefetches: L2 is the point of
+// coherence, so a line prefetched early is still the line written last.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Lets the next kernel of the stream start its own prologue (its wait still
+// waits for this grid to end and flush).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // ---------------------------------------------------------------------------
 // Epilogue
 // ---------------------------------------------------------------------------
@@ -325,12 +347,23 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
   const int c_full_end = c_end < full ? c_end : full;
+  // Before the wait: the warp's first two chunks of W into L2 (W is read
+  // once, and its bytes do not depend on the previous kernel's results in
+  // any way the prefetch could get wrong), so HBM is busy from the start.
+  for (int pc = c_begin + warp, i = 0; i < 2 && pc < c_full_end; pc += WARPS, ++i)
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) prefetch_l2(wbase + roff[j] + static_cast<i64>(pc * 4 * U + 4 * u) * 16);
+  grid_dependency_wait();
   const int c = full_chunks<E, NT, U, WARPS, PIPE>(acc, wbase, roff, alo, ahi, c_begin + warp, c_full_end, t, groups);
   if (c < c_end) {  // the ragged last chunk
     Operands<NT, U> o;
     load_chunk<NT, U, true>(o, wbase, roff, alo, ahi, c * 4 * U, t, groups);
     mma_chunk<E>(acc, o);
   }
+
+  launch_dependents();  // the rest is this tile's sums and stores
 
   // Warps' partials: summed in warp order, RJ tiles per round.
 #pragma unroll
