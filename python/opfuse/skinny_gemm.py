@@ -2,8 +2,8 @@
 the GPU, src/kernels/skinny_gemm/): for tests and the microbenchmark. Graphs
 compiled by opfuse use it for every GEMM it supports when
 OPFUSE_SKINNY_GEMM=1, for none with =0, and by default for the shapes where
-it measured faster than cuBLASLt on the H200 (sm_90, N <= 4224, K >= 8192:
-decode MLPs' down projections; _C.skinny_gemm_default_takes). linear()
+it was measured on the H200 (sm_90, N and K of 4096 to 16384:
+_C.skinny_gemm_default_takes; GEMM pairs stay with cuBLASLt). linear()
 follows the same switch."""
 from __future__ import annotations
 

@@ -187,8 +187,8 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
 // Returns false, and the caller runs the two calls, where this run's
 // pointers do not allow it: a distance that is not a multiple of 16 bytes
 // (the heuristic sees the first batch's alignment only), results that
-// overlap, cuBLASLt refusing the batched call, or the skinny GEMM kernel
-// taking these GEMMs. The two results are scratch buffers of one
+// overlap, cuBLASLt refusing the batched call, or OPFUSE_SKINNY_GEMM=1
+// giving these GEMMs to the skinny kernel. The two results are scratch buffers of one
 // shape that no caller sees, so when the weights lie in the opposite order
 // to the results, their pointers are swapped in `ptrs` (which every later
 // step reads) rather than asking for a negative stride.
@@ -201,7 +201,9 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
       gx.a.row_stride != gy.a.row_stride || gx.a.col_stride != gy.a.col_stride ||
       gx.b.row_stride != gy.b.row_stride || gx.b.col_stride != gy.b.col_stride)
     return not_paired("operands differ", gx);
-  if (skinny::takes(gx)) return not_paired("the skinny GEMM takes it", gx);
+  // A pair streams both weights at ~93% of the copy (one ramp, one tail):
+  // it stays a pair unless OPFUSE_SKINNY_GEMM=1 asks the skinny kernel for everything.
+  if (skinny::mode_all() && skinny::takes(gx)) return not_paired("the skinny GEMM takes it", gx);
   int64_t elem = static_cast<int64_t>(dtype_size(gx.dtype));
   int64_t b_diff = static_cast<int64_t>(reinterpret_cast<intptr_t>(gy.b.ptr) - reinterpret_cast<intptr_t>(gx.b.ptr));
   int64_t d_diff = static_cast<int64_t>(reinterpret_cast<intptr_t>(gy.d) - reinterpret_cast<intptr_t>(gx.d));

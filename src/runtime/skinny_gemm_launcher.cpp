@@ -77,16 +77,21 @@ SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms) {
   return c;
 }
 
-// Without OPFUSE_SKINNY_GEMM, the shapes where the kernel measured faster
-// than cuBLASLt's timed choice on the H200: sm_90, few N tiles (the
-// pipelined cluster configs above) and a long K. The same run, us, kernel /
-// cuBLASLt: 16x16384->4096 36.8 / 40.5, 16x11008->4096 26.0 / 29.6,
-// 1x16384->4096 37.0 / 37.0, 1x11008->4096 25.9 / 28.4; and where it is
-// not taken: 16x4096->16384 36.1 / 35.7, 16x4096->11008 26.6 / 26.8.
+// Without OPFUSE_SKINNY_GEMM: the box of shapes measured on the H200 (sm_90,
+// N and K of 4096 to 16384), where the kernel is faster than cuBLASLt's
+// timed choice alone or as fast, and faster in a chain, whose next skinny
+// kernel starts early (programmatic dependent launch). bench/results/h200/
+// skinny-default-ec1839a.txt and session14-sixth-8d40c0a.txt, us, kernel /
+// cuBLASLt: 16x16384->4096 37.0 / 41.0, 16x11008->4096 26.1 / 30.0,
+// 16x4096->16384 36.6 / 36.3, 16x4096->11008 26.7 / 27.0; the MLP block at
+// M = 16, both GEMMs here, 70.1 and 71.6 against cuBLASLt's 75.1 and 75.2.
+// Outside the box (a vocabulary projection's N, short K) cuBLASLt stays.
+// Pairs (Llama's gate and up projections as one batched cuBLASLt call)
+// stay pairs: CompiledGraph::launch_gemm_pair asks only mode_all().
 bool default_takes(int64_t m, int64_t n, int64_t k, int arch, int sms) {
   (void)m;
-  const int64_t tiles = (n + 63) / 64;
-  return arch >= 90 && tiles * 2 <= sms && k >= 8192;
+  (void)sms;
+  return arch >= 90 && n >= 4096 && n <= 16384 && k >= 4096 && k <= 16384;
 }
 
 std::vector<SkinnyConfig> candidate_configs(int arch) {
@@ -172,6 +177,7 @@ bool mode_takes(Mode md, const GemmArgs& g, const SmallMDevice& info) {
 }  // namespace
 
 bool enabled() { return mode() != Mode::kOff; }
+bool mode_all() { return mode() == Mode::kAll; }
 
 // Programmatic dependent launch on sm_90 (the kernel's griddepcontrol): it
 // may start while the kernel before it in the stream ends, its first W

@@ -9,10 +9,11 @@
 // disk (OPFUSE_CACHE_DIR/skinny_gemm) and loaded once per CUDA context; the
 // launch allocates nothing and never synchronizes (CUDA-graph safe once the
 // instantiation is loaded). Environment: OPFUSE_SKINNY_GEMM=1 sends every
-// GEMM it supports here, =0 none; by default only the shapes where it
-// measured faster than cuBLASLt (default_takes: sm_90, N <= 4224, K >= 8192,
-// the down projections of decode MLPs); OPFUSE_SKINNY_CONFIG=<tag> forces a
-// tile config (benchmarking).
+// GEMM it supports here, GEMM pairs included, =0 none; by default the box
+// of shapes measured on the H200 (default_takes: sm_90, N and K of 4096 to
+// 16384), pairs staying with cuBLASLt; OPFUSE_SKINNY_PDL=0 turns off its
+// programmatic dependent launch; OPFUSE_SKINNY_CONFIG=<tag> forces a tile
+// config (benchmarking).
 #pragma once
 #include "runtime/nvrtc_cached.h"
 #include <cstdint>
@@ -75,6 +76,7 @@ Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache = 
 // epilogue), else why not. Does not look at OPFUSE_SKINNY_GEMM.
 std::string unsupported_reason(const GemmArgs& g);
 bool enabled();      // OPFUSE_SKINNY_GEMM is not "0"
+bool mode_all();     // OPFUSE_SKINNY_GEMM is "1": every shape, pairs included
 bool pdl_enabled();  // OPFUSE_SKINNY_PDL is not "0": programmatic dependent launch on sm_90
 // Whether try_run would take this GEMM on the current context's device
 // (OPFUSE_SKINNY_GEMM, the kernel's limits and, by default, default_takes).

@@ -10,7 +10,7 @@ storage offset, relu, tanh-gelu with its aux output, a residual), every
 config (the pipelined ones too), determinism, CUDA-graph capture, and that
 compiled graphs take the skinny path (opfuse.stats() and the launch
 counter) when OPFUSE_SKINNY_GEMM=1, cuBLASLt with =0, and by default the
-kernel for the down projections of default_takes only."""
+kernel for the shapes of default_takes only."""
 import re
 
 import pytest
@@ -244,34 +244,44 @@ def test_compiled_graph_takes_the_skinny_path_when_enabled(m, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16])
-def test_by_default_it_takes_the_down_projection(m, monkeypatch):
-    """Without OPFUSE_SKINNY_GEMM on sm_90: the down projection (N = 1024,
-    K = 8192: default_takes) runs the kernel, the up projection (N = 8192,
-    K = 1024) cuBLASLt."""
+def test_by_default_it_takes_the_measured_shapes(m, monkeypatch):
+    """Without OPFUSE_SKINNY_GEMM on sm_90: GEMMs with N and K of 4096 to
+    16384 (default_takes) run the kernel, both of this block's, the second
+    starting before the first ends (programmatic dependent launch); a block
+    outside the box stays with cuBLASLt."""
     cuda_or_skip()
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the default takes sm_90 shapes only")
     monkeypatch.delenv("OPFUSE_SKINNY_GEMM")
     monkeypatch.setenv("OPFUSE_DECODE_MLP", "0")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert _C.skinny_gemm_default_takes(m, 1024, 8192, 90, sms)
-    assert not _C.skinny_gemm_default_takes(m, 8192, 1024, 90, sms)
+
+    def block_args(k, h):
+        return [torch.randn(m, k, device="cuda").bfloat16(), (torch.randn(h, k, device="cuda") * k ** -0.5).bfloat16(),
+                torch.randn(h, device="cuda").bfloat16(), (torch.randn(k, h, device="cuda") * h ** -0.5).bfloat16(),
+                torch.randn(k, device="cuda").bfloat16()]
+
     torch.manual_seed(5)
-    k, h = 1024, 8192
-    args = [torch.randn(m, k, device="cuda").bfloat16(), (torch.randn(h, k, device="cuda") * k ** -0.5).bfloat16(),
-            torch.randn(h, device="cuda").bfloat16(), (torch.randn(k, h, device="cuda") * h ** -0.5).bfloat16(),
-            torch.randn(k, device="cuda").bfloat16()]
+    assert _C.skinny_gemm_default_takes(m, 4096, 4096, 90, sms)
+    args = block_args(4096, 4096)
     f = torch.compile(mlp_block, backend="opfuse")
     out, calls, kernels, skinny = counted(f, *args)
-    assert (calls, kernels, skinny) == (1, 1, 1), sg.last_error()
+    assert (calls, kernels, skinny) == (0, 2, 2), sg.last_error()
     check(out, mlp_block(*[a.double() for a in args]), mlp_block(*args))
-    # The down projection starts before the up projection ends (programmatic
-    # dependent launch on sm_90) and waits for its result: the same bits as
-    # a launch that starts after it.
+    # The same bits as launches that start only after the kernel before ends.
     for _ in range(3):
         assert torch.equal(f(*args), out)
     monkeypatch.setenv("OPFUSE_SKINNY_PDL", "0")
     assert torch.equal(f(*args), out)
+    monkeypatch.delenv("OPFUSE_SKINNY_PDL")
+
+    assert not _C.skinny_gemm_default_takes(m, 8192, 1024, 90, sms)  # short K
+    assert not _C.skinny_gemm_default_takes(m, 1024, 8192, 90, sms)  # narrow N
+    args = block_args(1024, 8192)
+    g = torch.compile(mlp_block, backend="opfuse")
+    out, calls, kernels, skinny = counted(g, *args)
+    assert (calls, kernels, skinny) == (2, 0, 0)
+    check(out, mlp_block(*[a.double() for a in args]), mlp_block(*args))
 
 
 @pytest.mark.gpu
