@@ -212,10 +212,16 @@ def test_cuda_graph_capture_of_an_mlp():
 
 
 @pytest.mark.gpu
-def test_tf32_follows_pytorchs_setting():
+def test_tf32_follows_pytorchs_setting(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    x, w = randn(256, 512, device="cuda"), randn(512, 256, device="cuda")
+    # cuBLASLt's fast-TF32 compute type allows TF32 but does not require it,
+    # and the first call's timing keeps whichever candidate ran fastest: on a
+    # loaded H200 (6194d7e) that was once a full-float32 kernel, errors 8e-5.
+    # The heuristic's first answer is a TF32 kernel; a shape of this test
+    # alone, so no earlier test has tuned it.
+    monkeypatch.setenv("OPFUSE_GEMM_AUTOTUNE", "0")
+    x, w = randn(256, 520, device="cuda"), randn(520, 264, device="cuda")
     f = compiled(lambda x, w: x @ w)
     ref = x.double() @ w.double()
     old = torch.backends.cuda.matmul.allow_tf32
@@ -226,4 +232,4 @@ def test_tf32_follows_pytorchs_setting():
         tf32 = (f(x, w).double() - ref).abs().max().item()
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
-    assert exact < 1e-3 < tf32  # TF32 keeps 10 mantissa bits: errors ~1e-2 at K = 512
+    assert exact < 1e-3 < tf32  # TF32 keeps 10 mantissa bits: errors ~1e-2 at K = 520
