@@ -107,6 +107,31 @@ class DDPBucketLog(logging.Handler):
         return log
 
 
+class OpfuseLog(logging.Handler):
+    """The opfuse logger's INFO messages while entered (`with OpfuseLog() as
+    log: ...; log.messages`). Not pytest's caplog: the GPU scripts run pytest
+    with -p no:logging."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logger = logging.getLogger("opfuse")
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logger = logging.getLogger("opfuse")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+
 def ptxas_report(log):
     """{entry function: (registers, spill-store bytes)} from NVRTC's
     `--ptxas-options=-v` log (compile_cuda's third result)."""

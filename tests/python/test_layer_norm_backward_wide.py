@@ -14,7 +14,6 @@ bitwise-equal reruns; CUDA-graph capture; misaligned inputs fall back to
 the generated kernels with the same answer; and compiled graphs route
 aten.native_layer_norm_backward there (the launch counter, opfuse.stats()).
 """
-import logging
 import re
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 import opfuse
 from opfuse import _C
 from opfuse.ops import layer_norm_wide as lw
+from opfuse.testing import OpfuseLog
 
 from conftest import nvrtc_or_skip
 
@@ -460,30 +460,6 @@ def test_compiled_graph_routes_native_layer_norm_backward():
         _check(got[i], ref[i], eag[i], ["dx", "dw", "db"][i])
 
 
-class _OpfuseLog(logging.Handler):
-    """The opfuse logger's INFO lines while entered (not pytest's caplog: the
-    GPU scripts run pytest with -p no:logging)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-    def __enter__(self):
-        logger = logging.getLogger("opfuse")
-        self._level = logger.level
-        logger.setLevel(logging.INFO)
-        logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logger = logging.getLogger("opfuse")
-        logger.removeHandler(self)
-        logger.setLevel(self._level)
-
-
 @pytest.mark.gpu
 def test_dynamic_shapes_route_it_too():
     """A graph compiled with symbolic row counts (dynamic shapes) routes the
@@ -496,14 +472,14 @@ def test_dynamic_shapes_route_it_too():
         return aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b, [True, True, True])
 
     compiled = torch.compile(fn, backend="opfuse", dynamic=True)
-    said = _OpfuseLog()  # the routing pass's and try_run's reasons, for a failure's message
+    said = OpfuseLog()  # the routing pass's and try_run's reasons, for a failure's message
     for rows in (300, 517, 1):
         dy, x, mean, rstd, w, b = _inputs((rows, n), 1, torch.bfloat16, "cuda")
         before = lw.launch_count()
         with said:
             got = compiled(dy, x, mean, rstd, w, b)
         torch.cuda.synchronize()
-        assert lw.launch_count() == before + 1, (rows, said.lines)
+        assert lw.launch_count() == before + 1, (rows, said.messages)
         ref = fn(dy.double(), x.double(), mean.double(), rstd.double(), w.double(), b.double())
         eag = fn(dy, x, mean, rstd, w, b)
         for i in range(3):

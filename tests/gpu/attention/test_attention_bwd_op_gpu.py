@@ -11,7 +11,6 @@ fallback for a mask (logged, still correct).
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -24,32 +23,9 @@ opfuse = pytest.importorskip("opfuse")
 import attn_bwd_runtime as br  # noqa: E402
 import attn_runtime as ar  # noqa: E402
 from test_attention_bwd_gpu import attention_autograd, randn  # noqa: E402
+from opfuse.testing import OpfuseLog  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-class _Records(logging.Handler):
-    """Collects the opfuse logger's messages (pytest's caplog needs the logging
-    plugin, which the GPU check script turns off)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        lg = logging.getLogger("opfuse")
-        self._level = lg.level
-        lg.setLevel(logging.INFO)
-        lg.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        lg = logging.getLogger("opfuse")
-        lg.removeHandler(self)
-        lg.setLevel(self._level)
 
 
 def _grads(q, k, v, dout, **kw):
@@ -67,7 +43,7 @@ def test_op_backward_uses_the_kernel_and_meets_the_rule(D, dt, causal):
     v = randn(2, 2, 211, D, dtype=dt, seed=D + 2)
     dout = randn(2, 8, 300, D, dtype=dt, seed=D + 3)
     opfuse.reset_stats()
-    with _Records() as logs:
+    with OpfuseLog() as logs:
         _, dq, dk, dv = _grads(q, k, v, dout, causal=causal)
     torch.cuda.synchronize()
     assert not [m for m in logs.messages if "PyTorch backward path" in m or "failed" in m], logs.messages
@@ -113,7 +89,7 @@ def test_op_backward_non_contiguous_and_mask_fallback():
     # A boolean key-padding mask takes the PyTorch-ops backward, logged once.
     mask = torch.ones(B, 1, 1, S, dtype=torch.bool, device="cuda")
     mask[1, ..., 150:] = False
-    with _Records():
+    with OpfuseLog():
         _, dq, dk, dv = _grads(q, k, v, dout, attn_mask=mask)
     assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
     assert (dk[1, :, 150:] == 0).all() and (dv[1, :, 150:] == 0).all()
