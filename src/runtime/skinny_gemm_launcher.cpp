@@ -65,12 +65,16 @@ SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms) {
   const int64_t tiles = (n + c.rows() - 1) / c.rows();
   const int64_t chunks = (k / 8 + 4 * c.u - 1) / (4 * c.u);
   if (arch >= 90) {
-    if (tiles * 2 > sms) return c;  // N = 16384: 256 CTAs; the pipelined n8u1w8b2c1p1 ran within 1% of it
-    c.min_blocks = 1;
-    c.pipe = 1;
     // Double the cluster while there stays at most one CTA per SM and each
-    // warp keeps >= 2 chunks.
+    // warp keeps >= 2 chunks. A cluster's CTAs then run pipelined, one an
+    // SM (measured); without one (N = 16384: 256 CTAs; or K too short to
+    // split) the two-CTA config stays (the pipelined n8u1w8b2c1p1 ran
+    // within 1% of it at N = 16384).
     while (c.cluster < 8 && tiles * c.cluster * 2 <= sms && chunks >= 2LL * c.cluster * 2 * c.warps) c.cluster *= 2;
+    if (c.cluster > 1) {
+      c.min_blocks = 1;
+      c.pipe = 1;
+    }
     return c;
   }
   if (tiles < sms) c = SkinnyConfig{4, 2, 8, 1, 1};
