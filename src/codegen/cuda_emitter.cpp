@@ -71,6 +71,15 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   std::string bounds = std::to_string(threads) + (k_->row ? ", " + min_blocks : "");
   line("extern \"C\" __global__ void __launch_bounds__(" + bounds + ") " + dims + name + "(const " + args + " a) {");
   ++indent_;
+  // OPFUSE_PDL=1 (sm_90, off by default, not yet measured): the kernel may
+  // start while the one before it ends (its launch and first instructions
+  // overlap that kernel's tail) and waits before it reads anything.
+  const char* pdl = std::getenv("OPFUSE_PDL");
+  if (arch_ >= 90 && pdl && std::string(pdl) == "1") {
+    line("opf_grid_dependency_wait();");
+    line("opf_launch_dependents();");
+    launch_.pdl = true;
+  }
   line("const void* const* bufs = a.b;");
   line("const int64_t* syms = a.s;");
   line("const int64_t* strides = a.st;");

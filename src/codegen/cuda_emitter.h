@@ -38,6 +38,10 @@ struct CudaLaunch {
   // The vector twin loops over rows with a staged ring (OPFUSE_ROW_STAGE_RING):
   // its grid is as many row groups (clusters) as the device holds at once.
   bool vec_ring = false;
+  // Both twins begin with opf_grid_dependency_wait (OPFUSE_PDL=1, sm_90): the
+  // launcher may then launch them with the programmatic serialization
+  // attribute, and only then.
+  bool pdl = false;
   Expr numel, rows, cols;  // launch geometry in terms of size symbols
   std::string name, vec_name;  // scalar and vector entry points
 };

@@ -437,6 +437,21 @@ static __device__ __forceinline__ void opf_cluster_sync() {
 // does not wait there for the slowest peer's output stage.
 static __device__ __forceinline__ void opf_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 static __device__ __forceinline__ void opf_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// Programmatic dependent launch (OPFUSE_PDL=1, sm_90): a kernel launched
+// with the programmatic serialization attribute may start while the kernel
+// before it in the stream ends; it waits here, before touching memory, for
+// that kernel to finish and flush, and at once lets the kernel after it
+// start too (which waits likewise).
+static __device__ __forceinline__ void opf_grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+static __device__ __forceinline__ void opf_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 template <class T> static __device__ __forceinline__ T opf_cluster_load(const T* local, unsigned rank) {
   unsigned a = (unsigned)__cvta_generic_to_shared(local), remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
