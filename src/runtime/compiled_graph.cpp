@@ -357,24 +357,9 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
         throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
       size_t k = static_cast<size_t>(st.kernel);
       void* params[] = {args};
-      CUfunction fn = vec ? v.cu_vector[k] : v.cu_scalar[k];
-      const unsigned grid = vec ? st.vec_grid : st.grid, threads = vec ? st.vec_threads : st.threads;
-      const unsigned smem = vec ? st.vec_smem : 0;
-      if (v.launches[k].pdl && c.LaunchKernelEx) {  // the kernel waits for the one before it (OPFUSE_PDL=1)
-        CuLaunchAttribute attr;
-        attr.id = kLaunchAttrProgrammaticSerialization;
-        attr.val.value = 1;
-        CuLaunchConfig lc;
-        lc.grid_x = grid;
-        lc.block_x = threads;
-        lc.shared_bytes = smem;
-        lc.stream = options.stream;
-        lc.attrs = &attr;
-        lc.num_attrs = 1;
-        check_cuda(c.LaunchKernelEx(&lc, fn, params, nullptr), "cuLaunchKernelEx");
-      } else {
-        check_cuda(c.LaunchKernel(fn, grid, 1, 1, threads, 1, 1, smem, options.stream, params, nullptr), "cuLaunchKernel");
-      }
+      // v.launches[k].pdl: the kernel waits for the one before it (OPFUSE_PDL=1).
+      launch_1d(vec ? v.cu_vector[k] : v.cu_scalar[k], vec ? st.vec_grid : st.grid, vec ? st.vec_threads : st.threads,
+                vec ? st.vec_smem : 0, options.stream, params, v.launches[k].pdl, "cuLaunchKernel");
     }
     return;
   }

@@ -102,6 +102,26 @@ const CudaApi& cuda() {
   return api;
 }
 
+void launch_1d(CUfunction f, unsigned grid, unsigned block, unsigned shared_bytes, CUstream stream, void** params,
+               bool programmatic, const char* what) {
+  const CudaApi& c = cuda();
+  if (programmatic && c.LaunchKernelEx) {
+    CuLaunchAttribute attr;
+    attr.id = kLaunchAttrProgrammaticSerialization;
+    attr.val.value = 1;
+    CuLaunchConfig lc;
+    lc.grid_x = grid;
+    lc.block_x = block;
+    lc.shared_bytes = shared_bytes;
+    lc.stream = stream;
+    lc.attrs = &attr;
+    lc.num_attrs = 1;
+    check_cuda(c.LaunchKernelEx(&lc, f, params, nullptr), what);
+  } else {
+    check_cuda(c.LaunchKernel(f, grid, 1, 1, block, 1, 1, shared_bytes, stream, params, nullptr), what);
+  }
+}
+
 void check_cuda(CUresult r, const char* what) {
   if (r == 0) return;
   const char* s = nullptr;

@@ -113,6 +113,13 @@ struct CuLaunchConfig {
   unsigned num_attrs = 0;
 };
 
+// cuLaunchKernel of a 1-D grid, or with `programmatic` (the kernel runs
+// griddepcontrol.wait before it reads anything) cuLaunchKernelEx with the
+// programmatic serialization attribute, where the driver has it. Throws
+// with `what` on failure.
+void launch_1d(CUfunction f, unsigned grid, unsigned block, unsigned shared_bytes, CUstream stream, void** params,
+               bool programmatic, const char* what);
+
 // How many row groups of a persistent kernel the current context's device
 // holds at once: clusters of `cluster` blocks (cluster > 1, when the driver
 // can say) or blocks; at least 1.

@@ -262,21 +262,7 @@ bool try_run(const GemmArgs& g) {
   p.act = small_m_act_code(g.activation);
   const unsigned grid = static_cast<unsigned>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
   void* params[] = {&p};
-  if (pdl && c.LaunchKernelEx) {
-    CuLaunchAttribute attr;
-    attr.id = kLaunchAttrProgrammaticSerialization;
-    attr.val.value = 1;
-    CuLaunchConfig lc;
-    lc.grid_x = grid;
-    lc.block_x = static_cast<unsigned>(cfg.warps * 32);
-    lc.stream = g.stream;
-    lc.attrs = &attr;
-    lc.num_attrs = 1;
-    check_cuda(c.LaunchKernelEx(&lc, fn, params, nullptr), "cuLaunchKernelEx(skinny GEMM)");
-  } else {
-    check_cuda(c.LaunchKernel(fn, grid, 1, 1, static_cast<unsigned>(cfg.warps * 32), 1, 1, 0, g.stream, params, nullptr),
-               "cuLaunchKernel(skinny GEMM)");
-  }
+  launch_1d(fn, grid, static_cast<unsigned>(cfg.warps * 32), 0, g.stream, params, pdl, "cuLaunchKernel(skinny GEMM)");
   g_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
