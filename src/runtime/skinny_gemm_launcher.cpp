@@ -92,10 +92,12 @@ SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms) {
 // Outside the box (a vocabulary projection's N, short K) cuBLASLt stays.
 // Pairs (Llama's gate and up projections as one batched cuBLASLt call)
 // stay pairs: CompiledGraph::launch_gemm_pair asks only mode_all().
+static bool in_default_box(int64_t n, int64_t k) { return n >= 4096 && n <= 16384 && k >= 4096 && k <= 16384; }
+
 bool default_takes(int64_t m, int64_t n, int64_t k, int arch, int sms) {
   (void)m;
   (void)sms;
-  return arch >= 90 && n >= 4096 && n <= 16384 && k >= 4096 && k <= 16384;
+  return arch >= 90 && in_default_box(n, k);
 }
 
 std::vector<SkinnyConfig> candidate_configs(int arch) {
@@ -178,6 +180,14 @@ bool current_device(CUcontext* ctx, SmallMDevice* info) {
 bool mode_takes(Mode md, const GemmArgs& g, const SmallMDevice& info) {
   return md == Mode::kAll || (md == Mode::kDefault && default_takes(g.m, g.n, g.k, info.arch, info.sms));
 }
+
+// What rules a GEMM out from its sizes alone, before unsupported_reason
+// builds its answer: every CUDA GEMM step asks try_run, and by default
+// (the skinny path on) most of them are larger than M = 16.
+bool ruled_out(Mode md, const GemmArgs& g) {
+  return md == Mode::kOff || g.m > kMaxM || (md == Mode::kDefault && !in_default_box(g.n, g.k)) ||
+         !unsupported_reason(g).empty();
+}
 }  // namespace
 
 bool enabled() { return mode() != Mode::kOff; }
@@ -197,7 +207,7 @@ bool pdl_enabled() {
 
 bool takes(const GemmArgs& g) {
   const Mode md = mode();
-  if (md == Mode::kOff || !unsupported_reason(g).empty()) return false;
+  if (ruled_out(md, g)) return false;
   CUcontext ctx = nullptr;
   SmallMDevice info;
   std::lock_guard<std::mutex> lock(g_mu);
@@ -206,7 +216,7 @@ bool takes(const GemmArgs& g) {
 
 bool try_run(const GemmArgs& g) {
   const Mode md = mode();
-  if (md == Mode::kOff || !unsupported_reason(g).empty()) return false;
+  if (ruled_out(md, g)) return false;
   const CudaApi& c = cuda();
   if (!c.loaded) return false;
   CUcontext ctx = nullptr;

@@ -50,10 +50,11 @@ def _val(n):
 def _width(dim, arg):
     """A normalized dim as an int: x's size if concrete, else the
     normalized_shape argument if that is, else a size hint; None if none."""
-    for v in (dim, _val(arg) if isinstance(arg, torch.fx.Node) else arg):
-        if isinstance(v, int):
-            return v
-    for v in (dim, _val(arg) if isinstance(arg, torch.fx.Node) else arg):
+    values = (dim, _val(arg) if isinstance(arg, torch.fx.Node) else arg)
+    concrete = [v for v in values if isinstance(v, int)]
+    if concrete:
+        return concrete[0]
+    for v in values:
         if isinstance(v, torch.SymInt):
             try:
                 return int(size_hint(v))
