@@ -19,16 +19,19 @@ def _stream(device: torch.device) -> int:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-           activation: str = "", aux: bool = False, out: torch.Tensor | None = None):
+           activation: str = "", aux: bool = False, out: torch.Tensor | None = None, up: torch.Tensor | None = None):
     """act(x @ w.T + bias + residual) for x [M, K], w [N, K] (nn.Linear's
-    layout), bias [N], residual [M, N], on the current stream. Returns
-    (out, aux or None), or None when the kernel does not take the problem
-    (nothing is launched then)."""
+    layout), bias [N], residual [M, N], on the current stream; with `up`
+    ([M, K] like x) the gated form, (silu(x) * up) @ w.T + ..., the product
+    rounded to x's dtype. Returns (out, aux or None), or None when the kernel
+    does not take the problem (nothing is launched then)."""
     if x.dtype not in _ELEM or w.dtype != x.dtype or x.dim() != 2 or w.dim() != 2 or not x.is_cuda:
         return None
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
+        return None
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.stride(1) != 1 or up.device != x.device):
         return None
     _C.ensure_cuda_context(x.device.index)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
@@ -39,14 +42,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, r
                         c=residual.data_ptr() if residual is not None else 0,
                         ldc=residual.stride(0) if residual is not None else 0,
                         activation=activation, aux=aux_t.data_ptr() if aux_t is not None else 0,
-                        stream=_stream(x.device))
+                        stream=_stream(x.device), a2=up.data_ptr() if up is not None else 0,
+                        lda2=up.stride(0) if up is not None else 0)
     return (out, aux_t) if ok else None
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, bias=None, residual=None, activation: str = ""):
+def reference(x: torch.Tensor, w: torch.Tensor, bias=None, residual=None, activation: str = "", up=None):
     """The C++ float64 reference (skinny_gemm_reference.h): (out, aux) as
-    float64 CPU tensors holding values of x's dtype."""
+    float64 CPU tensors holding values of x's dtype; `up`: the gated form."""
     xd, wd = x.detach().double().cpu(), w.detach().double().cpu()
+    ud = up.detach().double().cpu() if up is not None else None
     bd = bias.detach().double().cpu() if bias is not None else None
     cd = residual.detach().double().cpu() if residual is not None else None
     m, k = xd.shape
@@ -57,7 +62,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias=None, residual=None, activa
                              out.data_ptr(), bias=bd.data_ptr() if bd is not None else 0,
                              bias_stride=bd.stride(0) if bd is not None else 1,
                              c=cd.data_ptr() if cd is not None else 0, ldc=cd.stride(0) if cd is not None else 0,
-                             activation=activation, aux=aux.data_ptr())
+                             activation=activation, aux=aux.data_ptr(),
+                             a2=ud.data_ptr() if ud is not None else 0, lda2=ud.stride(0) if ud is not None else 0)
     return out, aux
 
 

@@ -20,6 +20,7 @@
 #include <functional>
 #include <set>
 
+#include "fusion/gate_kernel.h"
 #include "fusion/passes.h"
 #include "fusion/plan.h"
 #include "ir/ops.h"
@@ -78,71 +79,6 @@ class DecodeMlpFuser {
 
   int kernel_of(int node) const { return p_.kernel_of[static_cast<size_t>(node)]; }
 
-  // `node` is stored only for kernels in `inside`: no graph output (or
-  // output alias source), no other reader.
-  bool private_to(int node, const std::set<int>& inside) const {
-    for (int o : g_.outputs)
-      if (o == node) return false;
-    for (auto [o, src] : p_.output_alias)
-      if (src == node || o == node) return false;
-    for (size_t k = 0; k < p_.kernels.size(); ++k) {
-      if (inside.count(static_cast<int>(k))) continue;
-      const auto& r = p_.kernels[k].reads;
-      if (std::find(r.begin(), r.end(), node) != r.end()) return false;
-    }
-    return true;
-  }
-
-  // The node `a` whose silu `node` computes, or -1: silu(a); a * sigmoid(a);
-  // or PyTorch's decomposition at 16 bits, cast(c * sigmoid(c)) with c a's
-  // float32 cast. Every node on the way is inlined (computed in the gate
-  // kernel, read nowhere else).
-  int silu_input(int node, DType dt) const {
-    auto inlined = [&](int id) { return kernel_of(id) < 0 && g_.node(id).op != "input"; };
-    const Node& n = g_.node(node);
-    if (!inlined(node)) return -1;
-    if (n.op == "silu" && n.dtype == dt) return g_.node(n.inputs[0]).dtype == dt ? n.inputs[0] : -1;
-    int prod = node;
-    if (n.op == "cast") {
-      if (n.dtype != dt) return -1;
-      prod = n.inputs[0];
-      if (!inlined(prod)) return -1;
-    }
-    const Node& mul = g_.node(prod);
-    if (mul.op != "mul" || mul.inputs.size() != 2) return -1;
-    for (int side = 0; side < 2; ++side) {
-      const int c = mul.inputs[static_cast<size_t>(side)];
-      const Node& sig = g_.node(mul.inputs[static_cast<size_t>(1 - side)]);
-      if (sig.op != "sigmoid" || sig.inputs[0] != c || !inlined(sig.id)) continue;
-      const Node& cn = g_.node(c);
-      if (cn.dtype == dt && prod == node) return c;  // a * sigmoid(a) in the element type
-      if (cn.op == "cast" && cn.dtype == DType::Float32 && mul.dtype == DType::Float32 && inlined(c) &&
-          g_.node(cn.inputs[0]).dtype == dt && prod != node)
-        return cn.inputs[0];
-    }
-    return -1;
-  }
-
-  // The pointwise kernel `k` computes exactly silu(a) * b (either order) as
-  // its one root: returns true and sets a, b (realized nodes). The kernel
-  // rounds once where the graph may round silu(a) first: one rounding fewer,
-  // as a GEMM epilogue.
-  bool gate_kernel(int k, int root, int* a, int* b) const {
-    const KernelGroup& kg = p_.kernels[static_cast<size_t>(k)];
-    if (kg.kind != Kind::Pointwise || kg.roots.size() != 1 || kg.roots[0] != root) return false;
-    const Node& mul = g_.node(root);
-    if (mul.op != "mul" || mul.inputs.size() != 2) return false;
-    for (int side = 0; side < 2; ++side) {
-      const int other = mul.inputs[static_cast<size_t>(1 - side)];
-      const int x = silu_input(mul.inputs[static_cast<size_t>(side)], mul.dtype);
-      if (x < 0 || g_.node(other).dtype != mul.dtype) continue;
-      *a = x;
-      *b = other;
-      return kernel_of(*a) >= 0 && kernel_of(*b) >= 0 && *a != *b;
-    }
-    return false;
-  }
-
   bool fuse_one() {
     for (size_t k2 = 0; k2 < p_.kernels.size(); ++k2) {
       const KernelGroup& second = p_.kernels[k2];
@@ -182,7 +118,7 @@ class DecodeMlpFuser {
         fused.decode_activation = c1.activation;
       } else {
         int a = -1, b = -1;
-        if (!gate_kernel(kh, hop.node, &a, &b)) continue;
+        if (!is_gate_kernel(p_, kh, hop.node, &a, &b)) continue;
         const int ka = kernel_of(a), kb = kernel_of(b);
         if (ka == kb || p_.kernels[static_cast<size_t>(ka)].kind != Kind::Gemm ||
             p_.kernels[static_cast<size_t>(kb)].kind != Kind::Gemm)
@@ -207,7 +143,7 @@ class DecodeMlpFuser {
       }
       if (kdim % 8 != 0 || hdim % 8 != 0 || kdim < 1 || n < 1) continue;
       bool ok = true;
-      for (int node : privates) ok = ok && private_to(node, inside);
+      for (int node : privates) ok = ok && private_to(p_, node, inside);
       // (The calls' other roots are their epilogue nodes, which only the
       // call reads: match_gemm_epilogue takes single-use nodes.)
       if (!ok) continue;

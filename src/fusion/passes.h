@@ -29,6 +29,11 @@ struct PlannerOptions;
 // calls and the gate kernel between them) becomes one call of the decode
 // MLP kernel (decode_mlp.cpp). Only with opt.decode_mlp and gemm_epilogues.
 void fuse_decode_mlp(FusionPlan& plan, const PlannerOptions& opt);
+// After planning, with GEMM library calls (CUDA): a GEMM whose A is the gate
+// kernel's silu(x) * y, computed just before it and read nowhere else, is
+// marked (GemmCall::gate_silu, gate_mul) so the runtime may read x and y in
+// its place and skip that kernel (gated_gemm_input.cpp).
+void mark_gated_gemm_inputs(FusionPlan& plan);
 
 struct GraphPass {
   const char* name;

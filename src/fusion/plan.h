@@ -48,6 +48,11 @@ struct GemmCall {
   int decode_w1 = -1, decode_w3 = -1, decode_b1 = -1;
   std::string decode_activation;  // "", "relu", "gelu_tanh", "silu_gate"
   bool is_decode_mlp() const { return decode_w1 >= 0; }
+  // A gated A (gated_gemm_input.cpp): the kernel just before this call
+  // computes a as exactly silu(gate_silu) * gate_mul (Llama's gate), and a
+  // is read nowhere else. A runtime whose GEMM can form that product as it
+  // loads A (the skinny GEMM) may skip that kernel; otherwise both run.
+  int gate_silu = -1, gate_mul = -1;
   static constexpr int kBiasGradOfA = 0, kBiasGradOfB = 1, kBiasGradOfResult = 2;
   bool reads_aux() const { return activation == "dgelu_tanh"; }
   std::vector<int> written() const;   // result, aux when written, bias_grad (those set)

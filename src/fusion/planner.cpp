@@ -409,6 +409,7 @@ FusionPlan plan_fusion(const Graph& g, const PlannerOptions& opt) {
   if (opt.column_partials) plan.graph = split_column_sums(plan.graph, opt.column_partials_max_cols);
   Planner(plan, opt).run();
   if (opt.decode_mlp && opt.gemm_epilogues) fuse_decode_mlp(plan, opt);
+  if (opt.gemm_epilogues) mark_gated_gemm_inputs(plan);
   return plan;
 }
 
@@ -460,6 +461,7 @@ std::string FusionPlan::to_string() const {
         return "%" + std::to_string(o.node) + (o.transposed ? "^T" : "");
       };
       os << " call=" << operand(kg.gemm.a) << "@" << operand(kg.gemm.b) << " epilogue=" << kg.gemm.epilogue_name();
+      if (kg.gemm.gate_silu >= 0) os << " a=silu(%" << kg.gemm.gate_silu << ")*%" << kg.gemm.gate_mul;
     }
     if (kg.kind == KernelGroup::Kind::Row) {
       os << " reduce=[";

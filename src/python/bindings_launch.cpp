@@ -348,15 +348,17 @@ void bind_launch(nb::module_& m) {
             std::vector<void*> p = pointers_from(ptrs);
             RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm, decode_workspace,
                                                    decode_workspace_bytes);
-            int gemm_kernels = 0, gemm_merged = 0;
+            int gemm_kernels = 0, gemm_merged = 0, folded = 0;
             o.gemm_kernels = &gemm_kernels;
             o.gemm_merged = &gemm_merged;
+            o.kernels_folded = &folded;
             {
               nb::gil_scoped_release release;
               r.graph->run_prepared(r.run, p, o);
             }
-            // GEMM steps run as opfuse kernels, and those run inside another's batched call: not library calls
-            return nb::make_tuple(gemm_kernels, gemm_merged);
+            // GEMM steps run as opfuse kernels, and those run inside another's batched call: not library
+            // calls; generated kernels a GEMM took in (a gated A): not launched
+            return nb::make_tuple(gemm_kernels, gemm_merged, folded);
           },
           nb::arg("ptrs"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
           nb::arg("allow_tf32") = false, nb::arg("cpu_gemm") = nb::none(), nb::arg("decode_workspace") = 0,

@@ -26,7 +26,7 @@ DType parse_elem(const std::string& name) { return small_m_parse_elem(name, "ski
 // (row stride ldw), i.e. B = w^T; bias [n] and residual [m, n] optional (0).
 GemmArgs gemm_args(const std::string& dtype, int64_t m, int64_t n, int64_t k, uintptr_t a, int64_t lda, uintptr_t w,
                    int64_t ldw, uintptr_t d, uintptr_t bias, int64_t bias_stride, uintptr_t c, int64_t ldc,
-                   const std::string& activation, uintptr_t aux, uintptr_t stream) {
+                   const std::string& activation, uintptr_t aux, uintptr_t stream, uintptr_t a2 = 0, int64_t lda2 = 0) {
   GemmArgs g;
   g.dtype = parse_elem(dtype);
   g.m = m, g.n = n, g.k = k;
@@ -45,6 +45,11 @@ GemmArgs gemm_args(const std::string& dtype, int64_t m, int64_t n, int64_t k, ui
   g.activation = activation;
   g.aux = reinterpret_cast<void*>(aux);
   g.stream = reinterpret_cast<void*>(stream);
+  if (a2) {
+    g.a_mul.ptr = reinterpret_cast<const void*>(a2);
+    g.a_mul.row_stride = lda2;
+    g.a_mul.col_stride = 1;
+  }
   return g;
 }
 
@@ -55,15 +60,18 @@ void bind_skinny_gemm(nb::module_& m) {
       "skinny_gemm",
       [](const std::string& dtype, int64_t m_, int64_t n, int64_t k, uintptr_t a, int64_t lda, uintptr_t w, int64_t ldw,
          uintptr_t d, uintptr_t bias, int64_t bias_stride, uintptr_t c, int64_t ldc, const std::string& activation,
-         uintptr_t aux, uintptr_t stream) {
-        GemmArgs g = gemm_args(dtype, m_, n, k, a, lda, w, ldw, d, bias, bias_stride, c, ldc, activation, aux, stream);
+         uintptr_t aux, uintptr_t stream, uintptr_t a2, int64_t lda2) {
+        GemmArgs g =
+            gemm_args(dtype, m_, n, k, a, lda, w, ldw, d, bias, bias_stride, c, ldc, activation, aux, stream, a2, lda2);
         nb::gil_scoped_release release;
         return skinny::try_run(g);
       },
       nb::arg("dtype"), nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("a"), nb::arg("lda"), nb::arg("w"),
       nb::arg("ldw"), nb::arg("d"), nb::arg("bias") = 0, nb::arg("bias_stride") = 1, nb::arg("c") = 0,
-      nb::arg("ldc") = 0, nb::arg("activation") = "", nb::arg("aux") = 0, nb::arg("stream") = 0,
-      "Enqueues D = act(a @ w^T + bias + c) with the skinny GEMM; False (nothing enqueued) when it does not apply, "
+      nb::arg("ldc") = 0, nb::arg("activation") = "", nb::arg("aux") = 0, nb::arg("stream") = 0, nb::arg("a2") = 0,
+      nb::arg("lda2") = 0,
+      "Enqueues D = act(a @ w^T + bias + c) with the skinny GEMM (a2: A = silu(a) * a2); False (nothing enqueued) "
+      "when it does not apply, "
       "OPFUSE_SKINNY_GEMM=0, or, without OPFUSE_SKINNY_GEMM=1, outside skinny_gemm_default_takes.");
   m.def("skinny_gemm_default_takes", &skinny::default_takes, nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("arch"),
         nb::arg("sms"), "Whether the skinny GEMM takes a GEMM of this shape without OPFUSE_SKINNY_GEMM.");
@@ -96,7 +104,7 @@ void bind_skinny_gemm(nb::module_& m) {
       "skinny_gemm_reference",
       [](const std::string& dtype, int64_t m_, int64_t n, int64_t k, uintptr_t a, int64_t lda, uintptr_t w, int64_t ldw,
          uintptr_t d, uintptr_t bias, int64_t bias_stride, uintptr_t c, int64_t ldc, const std::string& activation,
-         uintptr_t aux) {
+         uintptr_t aux, uintptr_t a2, int64_t lda2) {
         kernels::skinny_gemm::ReferenceArgs r;
         r.dtype = parse_elem(dtype);
         r.m = m_, r.n = n, r.k = k;
@@ -107,11 +115,12 @@ void bind_skinny_gemm(nb::module_& m) {
         r.c = reinterpret_cast<const double*>(c), r.ldc = ldc;
         r.activation = activation;
         r.aux = reinterpret_cast<double*>(aux);
+        r.a2 = reinterpret_cast<const double*>(a2), r.lda2 = lda2;
         nb::gil_scoped_release release;
         kernels::skinny_gemm::skinny_gemm_reference(r);
       },
       nb::arg("dtype"), nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("a"), nb::arg("lda"), nb::arg("w"),
       nb::arg("ldw"), nb::arg("d"), nb::arg("bias") = 0, nb::arg("bias_stride") = 1, nb::arg("c") = 0,
-      nb::arg("ldc") = 0, nb::arg("activation") = "", nb::arg("aux") = 0,
+      nb::arg("ldc") = 0, nb::arg("activation") = "", nb::arg("aux") = 0, nb::arg("a2") = 0, nb::arg("lda2") = 0,
       "skinny_gemm_reference.h on float64 CPU tensors (pointers): D and aux rounded to the dtype's values.");
 }

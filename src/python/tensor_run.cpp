@@ -111,11 +111,12 @@ nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n
   }
   RunOptions o;
   o.stream = reinterpret_cast<void*>(stream);
-  int gemm_kernels = 0, gemm_merged = 0;
+  int gemm_kernels = 0, gemm_merged = 0, folded = 0;
   nb::object everything;  // the CPU GEMM callback's buffers: inputs, then written ones
   if (n_gemms) {
     o.gemm_kernels = &gemm_kernels;
     o.gemm_merged = &gemm_merged;
+    o.kernels_folded = &folded;
     if (cuda) {
       o.workspace = reinterpret_cast<void*>(lib->workspace);
       o.workspace_bytes = lib->workspace_bytes;
@@ -142,8 +143,9 @@ nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n
     r.graph->run_prepared(r.run, p, o);
   }
   // GEMM steps run as opfuse's skinny GEMM kernel are kernel launches, not
-  // library calls; those run inside a paired step's batched call are neither.
-  g_kernel_launches.fetch_add(static_cast<int64_t>(r.graph->kernels().size()) + gemm_kernels,
+  // library calls; those run inside a paired step's batched call are neither;
+  // generated kernels a GEMM took in (a gated A) did not run.
+  g_kernel_launches.fetch_add(static_cast<int64_t>(r.graph->kernels().size()) + gemm_kernels - folded,
                               std::memory_order_relaxed);
   if (n_gemms)
     g_library_calls.fetch_add(static_cast<int64_t>(n_gemms) - gemm_kernels - gemm_merged, std::memory_order_relaxed);

@@ -113,6 +113,11 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
       s.w1 = buf(k.gemm.decode_w1);
       s.w3 = buf(k.gemm.decode_w3);
       s.b1 = buf(k.gemm.decode_b1);
+      s.gate_silu = buf(k.gemm.gate_silu);
+      s.gate_mul = buf(k.gemm.gate_mul);
+      // The plan marks a gated A only right after its gate kernel (gated_gemm_input.cpp).
+      if (s.gate_silu >= 0 && !steps_.empty() && !steps_.back().first)
+        gate_gemm_of_.at(static_cast<size_t>(steps_.back().second)) = static_cast<int>(gemms_.size());
       s.dtype = pg.node(k.gemm.matmul).dtype;
       s.name = "gemm" + std::to_string(gemms_.size());
       if (k.gemm.epilogue_name() != "none") s.name += "_" + k.gemm.epilogue_name();
@@ -136,6 +141,7 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
     for (auto& s : kernels_.back().symbols)
       l.symbols.push_back(static_cast<int>(std::find(symbols_.begin(), symbols_.end(), s) - symbols_.begin()));
     launches_.push_back(l);
+    gate_gemm_of_.push_back(-1);
     info_.push_back(info);
     steps_.emplace_back(false, static_cast<int>(kernels_.size()) - 1);
   }
@@ -325,11 +331,11 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
     bool pairs = std::any_of(pair_of_.begin(), pair_of_.end(), [](int j) { return j >= 0; });
     if (pairs) swapped = ptrs;
     const std::vector<void*>& run_ptrs = pairs ? swapped : ptrs;
-    std::vector<char> done(pairs ? gemms_.size() : 0, 0);
+    std::vector<char> done(gemms_.size(), 0);
     for (const PreparedRun::Step& st : p.steps) {
       if (st.gemm >= 0) {
         size_t gi = static_cast<size_t>(st.gemm);
-        if (pairs && done[gi]) continue;
+        if (done[gi]) continue;
         int partner = pairs ? pair_of_[gi] : -1;
         if (partner >= 0 && launch_gemm_pair(gemms_[gi], gemms_[static_cast<size_t>(partner)], p.env, swapped,
                                              p.input_strides, options)) {
@@ -341,6 +347,14 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
         continue;
       }
       if (st.empty) continue;
+      // A gate kernel whose product the next GEMM can read in its place: that
+      // GEMM runs now, and this kernel not at all.
+      if (const int gg = gate_gemm_of_[static_cast<size_t>(st.kernel)];
+          gg >= 0 && launch_gated_gemm(gemms_[static_cast<size_t>(gg)], p.env, run_ptrs, p.input_strides, options)) {
+        done[static_cast<size_t>(gg)] = 1;
+        if (options.kernels_folded) ++*options.kernels_folded;
+        continue;
+      }
       int64_t* args = local;
       if (st.args.size() > 64) {
         heap.assign(st.args.size(), 0);

@@ -43,6 +43,10 @@ struct GemmStep {
   int a = -1, b = -1;     // operand buffers; the matrix views are call.a/b.shape, maybe transposed
   int out = -1, bias = -1, residual = -1, aux = -1, bias_grad = -1;
   int w1 = -1, w3 = -1, b1 = -1;  // a decode MLP call (call.is_decode_mlp()): the first layer's inputs
+  // A gated A (call.gate_silu >= 0): a's buffer is silu(gate_silu) * gate_mul,
+  // written by the kernel step just before this one, which the skinny GEMM
+  // may take in (CompiledGraph::launch_gated_gemm).
+  int gate_silu = -1, gate_mul = -1;
   DType dtype = DType::Float32;
   std::string name;       // e.g. "gemm0_bias_relu"
 };
@@ -66,6 +70,9 @@ struct RunOptions {
   // Out (CUDA): incremented for each GEMM step that ran inside another
   // step's batched call (a pair, CompiledGraph::gemm_pairs()): no call of its own.
   int* gemm_merged = nullptr;
+  // Out (CUDA): incremented for each generated kernel not launched because
+  // the GEMM step after it read its inputs in its place (a gated A).
+  int* kernels_folded = nullptr;
 };
 
 struct KernelInfo {
@@ -199,6 +206,7 @@ class CompiledGraph {
   std::vector<std::pair<int, Expr>> large_written_;  // written buffers that may take huge pages: (buffer, bytes)
   std::vector<GemmStep> gemms_;
   std::vector<int> pair_of_;  // per GEMM step: the later step it runs with as one batched call (pair_gemms()), or -1
+  std::vector<int> gate_gemm_of_;  // per generated kernel: the next step's GEMM, which may take it in (gated A), or -1
   int64_t gemm_pair_max_rows_ = kPairDefaultMaxRows;  // pairs run as one call up to this many rows of A
   static constexpr int64_t kPairDefaultMaxRows = 64;
   int gemm_candidates_ = 8, gemm_split_k_ = 0;  // GemmArgs::candidates, split_k_max (OPFUSE_GEMM_CANDIDATES, _SPLITK)
@@ -224,6 +232,8 @@ class CompiledGraph {
   void launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                    const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
   void launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
+                         const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
+  bool launch_gated_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                          const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
 
   std::string signature(const std::vector<std::vector<int64_t>>& shapes, const std::vector<std::vector<int64_t>>& strides,

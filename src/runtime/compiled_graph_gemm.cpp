@@ -85,6 +85,23 @@ void CompiledGraph::launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, c
   if (o.gemm_kernels) ++*o.gemm_kernels;  // an opfuse kernel, not a library call
 }
 
+// A GEMM step whose A is silu(gate_silu) * gate_mul, both buffers of A's
+// shape (contiguous, like A's own), read in place of A by the skinny GEMM.
+// Returns false, with nothing enqueued, when the skinny GEMM does not take it
+// (OPFUSE_SKINNY_GEMM, shape, device, alignment): the gate kernel and the
+// step then run as planned.
+bool CompiledGraph::launch_gated_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
+                                      const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+  if (s.gate_silu < 0 || s.gate_mul < 0 || buffers_[static_cast<size_t>(s.a)].is_input) return false;
+  GemmArgs g = gemm_args(s, env, ptrs, input_strides, o);
+  g.a_mul = g.a;
+  g.a.ptr = ptrs[static_cast<size_t>(s.gate_silu)];
+  g.a_mul.ptr = ptrs[static_cast<size_t>(s.gate_mul)];
+  if (!skinny::try_run(g)) return false;
+  if (o.gemm_kernels) ++*o.gemm_kernels;
+  return true;
+}
+
 GemmArgs CompiledGraph::gemm_args(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                                   const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
   auto concrete = [&](const Shape& sh) {

@@ -355,6 +355,7 @@ void run_gemm(const GemmArgs& g) {
   if (!api.loaded) throw std::runtime_error("cuBLASLt not available: " + api.error);
   if (g.m == 0 || g.n == 0 || g.batch == 0) return;
   if (g.k == 0) throw GemmUnsupported("a GEMM over an empty dim (k = 0)");
+  if (g.a_mul.ptr) throw GemmUnsupported("a gated A (silu(a) * a_mul) is the skinny GEMM's, not cuBLASLt's");
   if (g.bias && g.n > 1 && g.bias_stride != 1) throw GemmUnsupported("the bias is not contiguous");
   if (g.aux) {  // cuBLASLt: the gelu aux's leading dimension is a multiple of 8, at least D's rows (n)
     int64_t ld = g.aux_ld ? g.aux_ld : g.n;

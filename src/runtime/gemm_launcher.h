@@ -37,6 +37,10 @@ struct GemmArgs {
   int64_t bias_stride = 1;
   bool float32_bias = false;     // bias or bias_grad is float32 while dtype is 16-bit (BIAS_DATA_TYPE)
   GemmMatrix residual;           // [m, n], used when ptr is set
+  // When ptr is set, A is silu(a) * a_mul (elementwise, [m, k] like a, both
+  // 16-bit): Llama's gated product read in place of its own buffer. Only the
+  // skinny GEMM takes it (run_gemm refuses it).
+  GemmMatrix a_mul;
   std::string activation;        // "", "relu", "gelu_tanh"; "dgelu_tanh": D = gelu_backward(A @ B, aux)
   void* aux = nullptr;           // [m, n] row-major: the gelu's input, written (gelu_tanh) or read (dgelu_tanh)
   int64_t aux_ld = 0;            // aux's row stride in elements (0: n, contiguous)

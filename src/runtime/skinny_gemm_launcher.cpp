@@ -33,19 +33,21 @@ struct LoadedFn {
 
 std::string SkinnyConfig::tag() const {
   return "n" + std::to_string(nt) + "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" +
-         std::to_string(min_blocks) + "c" + std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "");
+         std::to_string(min_blocks) + "c" + std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "") +
+         (gate ? "g" + std::to_string(gate) : "");
 }
 
 SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
-  static const std::regex re(R"(n(\d+)u(\d+)w(\d+)b(\d+)c(\d+)(?:p(\d+))?)");
+  static const std::regex re(R"(n(\d+)u(\d+)w(\d+)b(\d+)c(\d+)(?:p(\d+))?(?:g(\d+))?)");
   std::smatch m;
   if (!std::regex_match(tag, m, re))
     throw std::invalid_argument("bad skinny GEMM config '" + tag + "' (want e.g. n8u1w8b2c1 or n4u1w8b3c2p1)");
   SkinnyConfig c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5]),
-                 m[6].matched ? std::stoi(m[6]) : 0};
+                 m[6].matched ? std::stoi(m[6]) : 0, m[7].matched ? std::stoi(m[7]) : 0};
   bool ok = c.nt >= 1 && (c.nt <= 8 || c.nt % 8 == 0) && c.nt <= 16 && c.u >= 1 && c.u <= 4 && c.warps >= 1 &&
             c.warps <= 16 && c.min_blocks >= 1 && c.min_blocks <= 4 &&
-            (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && (c.pipe == 0 || c.pipe == 1);
+            (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && (c.pipe == 0 || c.pipe == 1) &&
+            (c.gate == 0 || c.gate == 1);
   if (!ok) throw std::invalid_argument("skinny GEMM config '" + tag + "' is out of range");
   return c;
 }
@@ -116,7 +118,7 @@ std::string source(DType dtype, const SkinnyConfig& c) {
   std::string s(skinny_gemm_cu);
   std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
                      std::to_string(c.u) + ", " + std::to_string(c.warps) + ", " + std::to_string(c.min_blocks) + ", " +
-                     std::to_string(c.pipe);
+                     std::to_string(c.pipe) + ", " + std::to_string(c.gate);
   if (c.cluster > 1) s += "\nOPFUSE_SKINNY_CLUSTER_ENTRY(" + args + ", " + std::to_string(c.cluster) + ")\n";
   else s += "\nOPFUSE_SKINNY_ENTRY(" + args + ")\n";
   return s;
@@ -147,6 +149,11 @@ std::string unsupported_reason(const GemmArgs& g) {
   if (g.n > 1 && g.b.col_stride * 2 * 128 >= (int64_t(1) << 31)) return "b's row stride is too large";
   if (g.residual.ptr && g.n > 1 && g.residual.col_stride != 1) return "the residual is not n-contiguous";
   if (!g.d) return "no output";
+  if (g.a_mul.ptr) {  // silu(a) * a_mul: read like a
+    if (g.a_mul.col_stride != 1) return "a_mul is not k-contiguous";
+    if (g.m > 1 && g.a_mul.row_stride % 8 != 0) return "a_mul's row stride is not a multiple of 8";
+    if (!aligned16(g.a_mul.ptr)) return "a_mul not 16-byte aligned";
+  }
   return {};
 }
 
@@ -222,7 +229,7 @@ bool try_run(const GemmArgs& g) {
   CUcontext ctx = nullptr;
 
   // Integers only: this runs on every call.
-  static std::map<std::tuple<CUcontext, DType, int, int, int, int, int, int>, LoadedFn> functions;
+  static std::map<std::tuple<CUcontext, DType, int, int, int, int, int, int, int>, LoadedFn> functions;
   CUfunction fn = nullptr;
   SkinnyConfig cfg;
   bool pdl = false;
@@ -234,7 +241,8 @@ bool try_run(const GemmArgs& g) {
     const char* forced = std::getenv("OPFUSE_SKINNY_CONFIG");
     cfg = forced && *forced ? SkinnyConfig::parse(forced) : choose_config(g.m, g.n, g.k, info.arch, info.sms);
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
-    LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe}];
+    cfg.gate = g.a_mul.ptr ? 1 : 0;  // the operand decides it, not the tuning
+    LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate}];
     if (lf.failed) return false;
     if (!lf.fn) {
       try {
@@ -270,6 +278,8 @@ bool try_run(const GemmArgs& g) {
   p.n = static_cast<int32_t>(g.n);
   p.k = static_cast<int32_t>(g.k);
   p.act = small_m_act_code(g.activation);
+  p.a2 = g.a_mul.ptr;
+  p.lda2 = g.a_mul.ptr && g.m > 1 ? g.a_mul.row_stride : 0;
   const unsigned grid = static_cast<unsigned>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
   void* params[] = {&p};
   launch_1d(fn, grid, static_cast<unsigned>(cfg.warps * 32), 0, g.stream, params, pdl, "cuLaunchKernel(skinny GEMM)");

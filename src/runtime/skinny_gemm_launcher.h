@@ -42,8 +42,10 @@ struct SkinnyParams {
   int64_t ldaux;
   int32_t m, n, k;
   int32_t act;  // 0 none, 1 relu, 2 gelu_tanh
+  const void* a2;  // gated A (GemmArgs::a_mul): A = silu(a) * a2
+  int64_t lda2;
 };
-static_assert(sizeof(SkinnyParams) == 112, "SkinnyParams layout is the kernel's launch ABI");
+static_assert(sizeof(SkinnyParams) == 128, "SkinnyParams layout is the kernel's launch ABI");
 
 // A tile config: NT n-tiles of 8 rows per CTA, U 16-byte loads per row and
 // lane per chunk, WARPS warps splitting K, MIN_BLOCKS CTAs per SM
@@ -52,13 +54,14 @@ static_assert(sizeof(SkinnyParams) == 112, "SkinnyParams layout is the kernel's 
 struct SkinnyConfig {
   int nt = 8, u = 1, warps = 8, min_blocks = 2, cluster = 1;
   int pipe = 0;  // 1: the next chunk's loads before this chunk's MMAs (tag suffix "p1")
+  int gate = 0;  // 1: A read as silu(a) * a2 (GemmArgs::a_mul; tag suffix "g1"): not a tuning choice
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
   int rows() const { return 8 * nt; }                 // BN
   bool operator==(const SkinnyConfig&) const = default;
 };
 
-// The default config for a problem on a GPU of `sms` SMs of sm_<arch>.
+// The default config for a problem on a GPU of `sms` SMs of sm_<arch> (gate 0).
 SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms);
 // Every config choose_config can return on sm_<arch> (the instantiations CI compiles).
 std::vector<SkinnyConfig> candidate_configs(int arch);

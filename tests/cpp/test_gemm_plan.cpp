@@ -117,6 +117,10 @@ TEST(GemmPlan, LlamaMlpIsThreeCallsAndOneKernel) {
     FusionPlan p = plan(kLlama, epi);
     EXPECT_EQ(count(p, KernelGroup::Kind::Gemm), 3u);
     EXPECT_EQ(p.kernels.size(), 4u);  // silu(a) * b in one kernel
+    // With library calls (CUDA), the down projection may read silu(a) * b's
+    // inputs in its place (gated_gemm_input.cpp): a = %4, b = %6.
+    EXPECT_EQ(p.kernels[3].gemm.gate_silu, epi ? 4 : -1);
+    EXPECT_EQ(p.kernels[3].gemm.gate_mul, epi ? 6 : -1);
   }
   EXPECT_TRUE(golden::matches_golden("planner/gemm_llama.txt", plan_text(plan(kLlama, true))));
 }

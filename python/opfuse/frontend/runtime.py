@@ -405,18 +405,19 @@ class FusedPartition(_C.Launcher):
         ptrs += [b.data_ptr() for b in bufs]
         if self.cuda:
             dws = decode_mlp_workspace(lay.device, stream) if self.decode_mlp else None
-            gemm_kernels, merged = lay.prepared.run(ptrs, stream, _workspace(lay.device, stream).data_ptr(),
-                                                    WORKSPACE_BYTES, torch.backends.cuda.matmul.allow_tf32,
-                                                    decode_workspace=dws.data_ptr() if dws is not None else 0,
-                                                    decode_workspace_bytes=dws.numel() if dws is not None else 0)
+            gemm_kernels, merged, folded = lay.prepared.run(
+                ptrs, stream, _workspace(lay.device, stream).data_ptr(), WORKSPACE_BYTES,
+                torch.backends.cuda.matmul.allow_tf32, decode_workspace=dws.data_ptr() if dws is not None else 0,
+                decode_workspace_bytes=dws.numel() if dws is not None else 0)
         else:
             everything = [*tensors, *bufs]
             gemms = lay.gemms
-            gemm_kernels, merged = lay.prepared.run(ptrs, stream,
-                                                    cpu_gemm=lambda g: _cpu_gemm(gemms[g], everything))
+            gemm_kernels, merged, folded = lay.prepared.run(ptrs, stream,
+                                                            cpu_gemm=lambda g: _cpu_gemm(gemms[g], everything))
         # GEMM steps that ran as opfuse's skinny GEMM kernel are kernel launches, not library calls;
-        # those that ran inside a paired step's batched call are neither.
-        bump_launch(self.num_kernels + gemm_kernels, self.num_library_calls - gemm_kernels - merged)
+        # those that ran inside a paired step's batched call are neither; generated kernels a GEMM
+        # took in (the skinny GEMM reading Llama's gate) did not run.
+        bump_launch(self.num_kernels + gemm_kernels - folded, self.num_library_calls - gemm_kernels - merged)
         return bufs
 
     def _gemm_fallback(self, key, args, reason):

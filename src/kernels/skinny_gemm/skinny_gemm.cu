@@ -6,6 +6,15 @@
 //
 //   D[m, n] = act(sum_k A[m, k] W[n, k] + bias[n] + C[m, n]),  aux[m, n] = the act's input
 //
+// or, in the gated form (GATE = 1, Llama's down projection), with A the
+// product of two [M, K] operands read in its place:
+//
+//   A[m, k] = round(silu(G[m, k]) * U[m, k])     (G = p.a, U = p.a2)
+//
+// so that silu(x @ w1^T) * (x @ w3^T) never makes its own trip through HBM
+// and its kernel and launch go (the runtime falls back to that kernel and
+// cuBLASLt where this one does not apply).
+//
 // for 1 <= M <= 16, W the [N, K] weight of nn.Linear (B = W^T), bf16 or f16
 // elements, float32 accumulation; act is none, relu or tanh-gelu. The CPU
 // reference with the same semantics is skinny_gemm_reference.{h,cpp}.
@@ -46,13 +55,13 @@
 //   a workspace, a second kernel or atomics.
 //
 // Requirements (checked by the launcher, src/runtime/skinny_gemm_launcher.cpp):
-// K % 8 == 0; A, W 16-byte aligned with row strides multiples of 8 elements;
+// K % 8 == 0; A (G and U with GATE), W 16-byte aligned with row strides multiples of 8 elements;
 // M <= 16; N, K < 2^31; 2 * 8 * NT * ldw < 2^31. Launch: grid (ceil(N / BN) * CLUSTER), block
 // WARPS * 32, no dynamic shared memory, one argument SkinnyParams by value.
 //
 // Entry points: the launcher appends one line,
-//   OPFUSE_SKINNY_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS, PIPE)   or
-//   OPFUSE_SKINNY_CLUSTER_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS, PIPE, CLUSTER)
+//   OPFUSE_SKINNY_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS, PIPE, GATE)   or
+//   OPFUSE_SKINNY_CLUSTER_ENTRY(name, bf16, NT, U, WARPS, MIN_BLOCKS, PIPE, GATE, CLUSTER)
 // which defines an extern "C" kernel (no name mangling to look up).
 
 namespace opfuse_skinny {
@@ -80,8 +89,10 @@ struct SkinnyParams {
   i64 ldaux;
   int m, n, k;
   int act;           // 0 none, 1 relu, 2 gelu (tanh approximation)
+  const void* a2;    // GATE: U [M, K], k unit-stride (A = silu(p.a) * U)
+  i64 lda2;
 };
-static_assert(sizeof(SkinnyParams) == 112, "SkinnyParams layout is a launch ABI");
+static_assert(sizeof(SkinnyParams) == 128, "SkinnyParams layout is a launch ABI");
 
 struct V4 { u32 x, y, z, w; };
 struct F4 { float x, y, z, w; };
@@ -237,17 +248,23 @@ __device__ __forceinline__ void store_tile_value(const SkinnyParams& p, int n0, 
 
 // One chunk's operands in registers: W's 16-byte pieces of every row of the
 // tile and A's rows g and g + 8, U loads along k each.
-template <int NT, int U>
+template <int NT, int U, int GATE>
 struct Operands {
   V4 w[U][NT], a0[U], a1[U];
+  V4 u0[GATE ? U : 1], u1[GATE ? U : 1];  // GATE: U's rows g and g + 8 (A = silu(a) * u)
+};
+
+// A's row pointers of a lane: G (or A) rows g and g + 8, and with GATE U's.
+struct ARows {
+  const char *lo, *hi, *ulo, *uhi;
 };
 
 // Issues one chunk's loads (32 * U values of k, every row of the tile) of one
 // warp. CHECK: the chunk crosses K (only the last one does), so groups past K
 // load zeros.
-template <int NT, int U, bool CHECK>
-__device__ __forceinline__ void load_chunk(Operands<NT, U>& o, const char* wbase, const int (&roff)[NT],
-                                           const char* alo, const char* ahi, int group0, int t, int groups) {
+template <int NT, int U, int GATE, bool CHECK>
+__device__ __forceinline__ void load_chunk(Operands<NT, U, GATE>& o, const char* wbase, const int (&roff)[NT],
+                                           const ARows& ar, int group0, int t, int groups) {
   const V4 zero = {0, 0, 0, 0};
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -256,20 +273,52 @@ __device__ __forceinline__ void load_chunk(Operands<NT, U>& o, const char* wbase
     const i64 off = static_cast<i64>(gi) * 16;
 #pragma unroll
     for (int j = 0; j < NT; ++j) o.w[u][j] = in ? ld_stream(wbase + roff[j] + off) : zero;
-    o.a0[u] = in && alo ? ld_cached(alo + off) : zero;
-    o.a1[u] = in && ahi ? ld_cached(ahi + off) : zero;
+    o.a0[u] = in && ar.lo ? ld_cached(ar.lo + off) : zero;
+    o.a1[u] = in && ar.hi ? ld_cached(ar.hi + off) : zero;
+    if constexpr (GATE) {
+      o.u0[u] = in && ar.ulo ? ld_cached(ar.ulo + off) : zero;
+      o.u1[u] = in && ar.uhi ? ld_cached(ar.uhi + off) : zero;
+    }
   }
 }
 
-template <class E, int NT, int U>
-__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const Operands<NT, U>& o) {
+// silu(g) * u of two packed 16-bit pairs, in float32, rounded once to E
+// (as the gate kernel it replaces: one rounding of the product). silu(x) =
+// x / (1 + 2^(-x log2 e)); rows and k past the data are zeros: silu(0) * 0 = 0.
+template <class E>
+__device__ __forceinline__ u32 gate_pair(u32 g, u32 u) {
+  u32 r = 0;
 #pragma unroll
-  for (int u = 0; u < U; ++u)
+  for (int h = 0; h < 2; ++h) {
+    const float x = to_float(E{}, static_cast<u16>(g >> (16 * h)));
+    const float y = to_float(E{}, static_cast<u16>(u >> (16 * h)));
+    const float s = x / (1.0f + ex2(-1.4426950408889634f * x));
+    r |= static_cast<u32>(from_float(E{}, s * y)) << (16 * h);
+  }
+  return r;
+}
+template <class E>
+__device__ __forceinline__ V4 gate4(V4 g, V4 u) {
+  return {gate_pair<E>(g.x, u.x), gate_pair<E>(g.y, u.y), gate_pair<E>(g.z, u.z), gate_pair<E>(g.w, u.w)};
+}
+
+template <class E, int NT, int U, int GATE>
+__device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const Operands<NT, U, GATE>& o) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    // GATE: the product formed here, once the loads have landed (at load
+    // time it would wait for them and empty the pipeline).
+    V4 a0 = o.a0[u], a1 = o.a1[u];
+    if constexpr (GATE) {
+      a0 = gate4<E>(a0, o.u0[u]);
+      a1 = gate4<E>(a1, o.u1[u]);
+    }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      mma(E{}, acc[j], o.a0[u].x, o.a1[u].x, o.a0[u].y, o.a1[u].y, o.w[u][j].x, o.w[u][j].y);
-      mma(E{}, acc[j], o.a0[u].z, o.a1[u].z, o.a0[u].w, o.a1[u].w, o.w[u][j].z, o.w[u][j].w);
+      mma(E{}, acc[j], a0.x, a1.x, a0.y, a1.y, o.w[u][j].x, o.w[u][j].y);
+      mma(E{}, acc[j], a0.z, a1.z, a0.w, a1.w, o.w[u][j].z, o.w[u][j].w);
     }
+  }
 }
 
 // A warp's full chunks c, c + WARPS, ... below c_full_end; returns the
@@ -281,24 +330,23 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const Operands<NT
 // the bytes in flight an SM (64 KB in bursts: 3.2-4.2 TB/s; 128 KB:
 // 4.1-4.24), not the 64-byte pieces' run length (3% between 128-byte and
 // 16 KB runs).
-template <class E, int NT, int U, int WARPS, int PIPE>
+template <class E, int NT, int U, int WARPS, int PIPE, int GATE>
 __device__ __forceinline__ int full_chunks(float (&acc)[NT][4], const char* wbase, const int (&roff)[NT],
-                                           const char* alo, const char* ahi, int c, int c_full_end, int t,
-                                           int groups) {
+                                           const ARows& ar, int c, int c_full_end, int t, int groups) {
   if constexpr (PIPE == 0) {
     for (; c < c_full_end; c += WARPS) {
-      Operands<NT, U> o;
-      load_chunk<NT, U, false>(o, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+      Operands<NT, U, GATE> o;
+      load_chunk<NT, U, GATE, false>(o, wbase, roff, ar, c * 4 * U, t, groups);
       mma_chunk<E>(acc, o);
     }
     return c;
   } else {
     if (c >= c_full_end) return c;
-    Operands<NT, U> cur;
-    load_chunk<NT, U, false>(cur, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+    Operands<NT, U, GATE> cur;
+    load_chunk<NT, U, GATE, false>(cur, wbase, roff, ar, c * 4 * U, t, groups);
     for (c += WARPS; c < c_full_end; c += WARPS) {
-      Operands<NT, U> next;
-      load_chunk<NT, U, false>(next, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+      Operands<NT, U, GATE> next;
+      load_chunk<NT, U, GATE, false>(next, wbase, roff, ar, c * 4 * U, t, groups);
       mma_chunk<E>(acc, cur);
       cur = next;
     }
@@ -307,7 +355,7 @@ __device__ __forceinline__ int full_chunks(float (&acc)[NT][4], const char* wbas
   }
 }
 
-template <class E, int NT, int U, int WARPS, int CLUSTER, int PIPE>
+template <class E, int NT, int U, int WARPS, int CLUSTER, int PIPE, int GATE>
 __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
   static_assert(NT >= 1 && U >= 1 && WARPS >= 1, "bad tile");
   static_assert(CLUSTER == 1 || CLUSTER == 2 || CLUSTER == 4 || CLUSTER == 8, "cluster of 1, 2, 4 or 8 CTAs");
@@ -332,9 +380,16 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
     const int row = n0 + 8 * j + g < p.n ? n0 + 8 * j + g : p.n - 1;  // past N: read a real row, store nothing
     roff[j] = static_cast<int>((row - row0) * p.ldw * 2);
   }
+  ARows ar;
   const char* abase = static_cast<const char*>(p.a) + 16 * t;
-  const char* alo = g < p.m ? abase + static_cast<i64>(g) * p.lda * 2 : nullptr;
-  const char* ahi = g + 8 < p.m ? abase + static_cast<i64>(g + 8) * p.lda * 2 : nullptr;
+  ar.lo = g < p.m ? abase + static_cast<i64>(g) * p.lda * 2 : nullptr;
+  ar.hi = g + 8 < p.m ? abase + static_cast<i64>(g + 8) * p.lda * 2 : nullptr;
+  ar.ulo = ar.uhi = nullptr;
+  if constexpr (GATE) {
+    const char* ubase = static_cast<const char*>(p.a2) + 16 * t;
+    ar.ulo = g < p.m ? ubase + static_cast<i64>(g) * p.lda2 * 2 : nullptr;
+    ar.uhi = g + 8 < p.m ? ubase + static_cast<i64>(g + 8) * p.lda2 * 2 : nullptr;
+  }
 
   // K in 16-byte groups; a chunk is 4 * U groups (4 lanes of a row, U loads each).
   const int groups = p.k >> 3;
@@ -356,10 +411,10 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
 #pragma unroll
       for (int j = 0; j < NT; ++j) prefetch_l2(wbase + roff[j] + static_cast<i64>(pc * 4 * U + 4 * u) * 16);
   grid_dependency_wait();
-  const int c = full_chunks<E, NT, U, WARPS, PIPE>(acc, wbase, roff, alo, ahi, c_begin + warp, c_full_end, t, groups);
+  const int c = full_chunks<E, NT, U, WARPS, PIPE, GATE>(acc, wbase, roff, ar, c_begin + warp, c_full_end, t, groups);
   if (c < c_end) {  // the ragged last chunk
-    Operands<NT, U> o;
-    load_chunk<NT, U, true>(o, wbase, roff, alo, ahi, c * 4 * U, t, groups);
+    Operands<NT, U, GATE> o;
+    load_chunk<NT, U, GATE, true>(o, wbase, roff, ar, c * 4 * U, t, groups);
     mma_chunk<E>(acc, o);
   }
 
@@ -398,13 +453,13 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
 
 }  // namespace opfuse_skinny
 
-#define OPFUSE_SKINNY_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, PIPE)                              \
+#define OPFUSE_SKINNY_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, PIPE, GATE)                        \
   extern "C" __global__ void __launch_bounds__((WARPS) * 32, MIN_BLOCKS)                          \
       NAME(const opfuse_skinny::SkinnyParams p) {                                                 \
-    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, 1, PIPE>(p);                  \
+    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, 1, PIPE, GATE>(p);            \
   }
-#define OPFUSE_SKINNY_CLUSTER_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, PIPE, CLUSTER)             \
+#define OPFUSE_SKINNY_CLUSTER_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, PIPE, GATE, CLUSTER)       \
   extern "C" __global__ void __launch_bounds__((WARPS) * 32, MIN_BLOCKS) __cluster_dims__(CLUSTER, 1, 1) \
       NAME(const opfuse_skinny::SkinnyParams p) {                                                 \
-    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, CLUSTER, PIPE>(p);            \
+    opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, CLUSTER, PIPE, GATE>(p);      \
   }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <stdexcept>
+#include <vector>
 
 namespace opfuse::kernels::skinny_gemm {
 
@@ -10,15 +11,26 @@ double gelu_tanh(double x) {
   return 0.5 * x * (1.0 + std::tanh(u));
 }
 
+double gated_input(double x, double y, DType dtype) { return round_to_dtype(x / (1.0 + std::exp(-x)) * y, dtype); }
+
 void skinny_gemm_reference(const ReferenceArgs& r) {
   if (r.m < 0 || r.n < 0 || r.k < 0) throw std::invalid_argument("skinny_gemm_reference: negative size");
   if (!r.a || !r.w || !r.d) throw std::invalid_argument("skinny_gemm_reference: null operand");
   if (!r.activation.empty() && r.activation != "relu" && r.activation != "gelu_tanh")
     throw std::invalid_argument("skinny_gemm_reference: unknown activation " + r.activation);
+  // The gated A, formed once (the kernel forms it per CTA, the same values).
+  std::vector<double> gated;
+  if (r.a2) {
+    gated.resize(static_cast<size_t>(r.m * r.k));
+    for (int64_t i = 0; i < r.m; ++i)
+      for (int64_t kk = 0; kk < r.k; ++kk)
+        gated[static_cast<size_t>(i * r.k + kk)] = gated_input(r.a[i * r.lda + kk], r.a2[i * r.lda2 + kk], r.dtype);
+  }
   for (int64_t i = 0; i < r.m; ++i)
     for (int64_t j = 0; j < r.n; ++j) {
       double s = 0;
-      for (int64_t kk = 0; kk < r.k; ++kk) s += r.a[i * r.lda + kk] * r.w[j * r.ldw + kk];
+      for (int64_t kk = 0; kk < r.k; ++kk)
+        s += (r.a2 ? gated[static_cast<size_t>(i * r.k + kk)] : r.a[i * r.lda + kk]) * r.w[j * r.ldw + kk];
       if (r.bias) s += r.bias[j * r.bias_stride];
       if (r.c) s += r.c[i * r.ldc + j];
       if (r.aux) r.aux[i * r.n + j] = round_to_dtype(s, r.dtype);

@@ -6,6 +6,10 @@
 // representable in the dtype, as doubles, with element strides; the kernel
 // rounds once at the end too, so it differs from this only by its float32
 // accumulation.
+//
+// Gated form (a2 set): A[m, k] = round(silu(a[m, k]) * a2[m, k]), silu(x) =
+// x / (1 + exp(-x)) in float64, rounded to the dtype once, as the kernel
+// forms it in float32 before its MMAs.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -28,7 +32,12 @@ struct ReferenceArgs {
   std::string activation;  // "", "relu", "gelu_tanh"
   double* d = nullptr;     // [m, n] contiguous
   double* aux = nullptr;   // [m, n] contiguous, or null
+  const double* a2 = nullptr;  // gated: [m, k] with lda2 (A = silu(a) * a2), or null
+  int64_t lda2 = 0;
 };
+
+// silu(x) * y rounded to dtype: one element of the gated A.
+double gated_input(double x, double y, DType dtype);
 
 // Throws std::invalid_argument for null operands, negative sizes, an unknown activation.
 void skinny_gemm_reference(const ReferenceArgs& args);
