@@ -5,13 +5,19 @@
 //   kernel k:      h @ w2^T (+ epilogue)
 //
 // with h read by nothing else (no output, no other kernel), is marked with
-// a and b (GemmCall::gate_silu, gate_mul). The plan keeps both kernels: at
-// run time the skinny GEMM (M <= 16) reads a and b and forms silu(a) * b as
-// it loads A, and the gate kernel is not launched, which saves a launch, a
-// kernel boundary and h's round trip through HBM (CompiledGraph's
-// launch_gated_gemm); where the skinny GEMM does not take the call, the two
-// kernels run as planned. Only adjacent kernels are marked, so skipping the
-// gate kernel never reorders anything else.
+// a and b (GemmCall::gate_silu, gate_mul). The plan keeps both kernels: with
+// OPFUSE_GATED_GEMM=1 the skinny GEMM (M <= 16) reads a and b at run time
+// and forms silu(a) * b as it loads A, and the gate kernel is not launched,
+// which saves a launch, a kernel boundary and h's round trip through HBM
+// (CompiledGraph's launch_gated_gemm); where the skinny GEMM does not take
+// the call, the two kernels run as planned. Only adjacent kernels are
+// marked, so skipping the gate kernel never reorders anything else.
+//
+// Opt-in because on the H200 it lost (docs/perf-notes.md, "H200, session
+// 15"): every one of the down projection's 64 column tiles forms the
+// product again (2 special-function ops an element, 11 M at Llama's M = 16),
+// and the loads of A double, which cost the GEMM more than the gate
+// kernel's 1-3 us.
 #include <set>
 
 #include "fusion/gate_kernel.h"

@@ -51,7 +51,8 @@ struct GemmCall {
   // A gated A (gated_gemm_input.cpp): the kernel just before this call
   // computes a as exactly silu(gate_silu) * gate_mul (Llama's gate), and a
   // is read nowhere else. A runtime whose GEMM can form that product as it
-  // loads A (the skinny GEMM) may skip that kernel; otherwise both run.
+  // loads A (the skinny GEMM, OPFUSE_GATED_GEMM=1) may skip that kernel;
+  // otherwise both run.
   int gate_silu = -1, gate_mul = -1;
   static constexpr int kBiasGradOfA = 0, kBiasGradOfB = 1, kBiasGradOfResult = 2;
   bool reads_aux() const { return activation == "dgelu_tanh"; }

@@ -2,6 +2,7 @@
 #include "runtime/huge_pages.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 #include <stdexcept>
 
@@ -115,8 +116,12 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
       s.b1 = buf(k.gemm.decode_b1);
       s.gate_silu = buf(k.gemm.gate_silu);
       s.gate_mul = buf(k.gemm.gate_mul);
-      // The plan marks a gated A only right after its gate kernel (gated_gemm_input.cpp).
-      if (s.gate_silu >= 0 && !steps_.empty() && !steps_.back().first)
+      // The plan marks a gated A only right after its gate kernel
+      // (gated_gemm_input.cpp). Opt-in, OPFUSE_GATED_GEMM=1: on the H200 the
+      // gated skinny GEMM cost more than the kernel it saves (docs/perf-notes.md,
+      // "H200, session 15").
+      const char* gated = std::getenv("OPFUSE_GATED_GEMM");
+      if (gated && std::string(gated) == "1" && s.gate_silu >= 0 && !steps_.empty() && !steps_.back().first)
         gate_gemm_of_.at(static_cast<size_t>(steps_.back().second)) = static_cast<int>(gemms_.size());
       s.dtype = pg.node(k.gemm.matmul).dtype;
       s.name = "gemm" + std::to_string(gemms_.size());

@@ -1,7 +1,8 @@
 """Llama's gate read by the down projection (src/fusion/gated_gemm_input.cpp,
-the skinny GEMM's gated form in src/kernels/skinny_gemm/): where the GEMM
-after the gate kernel takes silu(a) * b as its A, the skinny GEMM forms the
-product as it loads A and the gate kernel is not launched.
+the skinny GEMM's gated form in src/kernels/skinny_gemm/): with
+OPFUSE_GATED_GEMM=1, where the GEMM after the gate kernel takes silu(a) * b
+as its A, the skinny GEMM forms the product as it loads A and the gate
+kernel is not launched. Off by default (slower on the H200).
 
 Without a GPU: which plans are marked (only a product read by that GEMM
 alone, only silu, only on CUDA), every gated instantiation compiles with
@@ -10,8 +11,8 @@ against torch.
 
 On a GPU (marked gpu): the gated kernel against the float64 reference for
 every config, rows and K that leave partial tiles; compiled Llama blocks at
-M <= 16 run one kernel fewer by default where the skinny GEMM takes the down
-projection (counted: library calls, kernel launches, skinny launches),
+M <= 16 run one kernel fewer with the knob where the skinny GEMM takes the down
+projection, and the gate kernel without it (counted: library calls, kernel launches, skinny launches),
 the weights in either memory order (a pair swaps its results), the same
 bits with and without the fold, with OPFUSE_SKINNY_GEMM=0 the gate kernel
 and cuBLASLt, and CUDA graph capture."""
@@ -28,6 +29,12 @@ from opfuse import skinny_gemm as sg
 from conftest import nvrtc_or_skip
 from test_gemm import compiled
 from test_skinny_gemm import check, counted, cuda_or_skip
+
+
+@pytest.fixture(autouse=True)
+def gated_gemm(monkeypatch):
+    """The fold is opt-in; read when a graph is compiled."""
+    monkeypatch.setenv("OPFUSE_GATED_GEMM", "1")
 
 
 def llama_ir(m=16, k=64, h=88, dt="bf16", gate="silu", out_h=False):
@@ -181,11 +188,12 @@ def reference_and_eager(args):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,m,w3_first", [(torch.bfloat16, 16, False), (torch.bfloat16, 16, True),
                                               (torch.bfloat16, 5, False), (torch.float16, 1, True)])
-def test_by_default_the_down_projection_reads_the_gate(dtype, m, w3_first, monkeypatch):
+def test_the_down_projection_reads_the_gate(dtype, m, w3_first, monkeypatch):
     """sm_90, the down projection in the skinny GEMM's default box (N = K =
     4096): the gate and up projections run as one cuBLASLt pair (K = 512
     is outside the box), then one skinny GEMM reading both results; no
-    generated kernel runs."""
+    generated kernel runs. Without OPFUSE_GATED_GEMM the gate kernel runs
+    before the skinny GEMM."""
     cuda_or_skip()
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the default takes sm_90 shapes only")
@@ -208,6 +216,14 @@ def test_by_default_the_down_projection_reads_the_gate(dtype, m, w3_first, monke
     out0, calls, kernels, skinny = counted(f, *args)
     assert (calls, kernels, skinny) == (2, 1, 0)
     check(out0, ref, eager)
+
+    # The default (knob unset when compiled): the gate kernel, then the skinny GEMM.
+    monkeypatch.delenv("OPFUSE_SKINNY_GEMM")
+    monkeypatch.delenv("OPFUSE_GATED_GEMM")
+    torch._dynamo.reset()
+    out1, calls, kernels, skinny = counted(compiled(llama), *args)
+    assert (calls, kernels, skinny) == (1, 2, 1)
+    check(out1, ref, eager)
 
 
 @pytest.mark.gpu
