@@ -38,7 +38,7 @@ struct CudaLaunch {
   // The vector twin loops over rows with a staged ring (OPFUSE_ROW_STAGE_RING):
   // its grid is as many row groups (clusters) as the device holds at once.
   bool vec_ring = false;
-  // Both twins begin with opf_grid_dependency_wait (OPFUSE_PDL=1, sm_90): the
+  // Both twins begin with opf_grid_dependency_wait (sm_90 unless OPFUSE_PDL=0): the
   // launcher may then launch them with the programmatic serialization
   // attribute, and only then.
   bool pdl = false;

@@ -437,7 +437,7 @@ static __device__ __forceinline__ void opf_cluster_sync() {
 // does not wait there for the slowest peer's output stage.
 static __device__ __forceinline__ void opf_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
 static __device__ __forceinline__ void opf_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// Programmatic dependent launch (OPFUSE_PDL=1, sm_90): a kernel launched
+// Programmatic dependent launch (sm_90 unless OPFUSE_PDL=0): a kernel launched
 // with the programmatic serialization attribute may start while the kernel
 // before it in the stream ends; it waits here, before touching memory, for
 // that kernel to finish and flush, and at once lets the kernel after it

@@ -376,7 +376,7 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
         throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
       size_t k = static_cast<size_t>(st.kernel);
       void* params[] = {args};
-      // v.launches[k].pdl: the kernel waits for the one before it (OPFUSE_PDL=1).
+      // v.launches[k].pdl: the kernel waits for the one before it (sm_90 unless OPFUSE_PDL=0).
       launch_1d(vec ? v.cu_vector[k] : v.cu_scalar[k], vec ? st.vec_grid : st.grid, vec ? st.vec_threads : st.threads,
                 vec ? st.vec_smem : 0, options.stream, params, v.launches[k].pdl, "cuLaunchKernel");
     }

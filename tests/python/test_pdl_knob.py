@@ -1,9 +1,10 @@
-"""OPFUSE_PDL=1 (sm_90, off by default): every generated kernel begins with
-griddepcontrol.wait (opf_grid_dependency_wait) and lets its dependents
-start (opf_launch_dependents), and the C++ launcher gives those kernels,
-and only those, the programmatic serialization attribute. Without a GPU:
-the source and an NVRTC compile; on a GPU (marked gpu): the same bits as
-without the knob in a graph of several dependent kernels."""
+"""Programmatic dependent launch of the generated kernels (sm_90, on by
+default since session 15; OPFUSE_PDL=0 turns it off): every generated kernel
+begins with griddepcontrol.wait (opf_grid_dependency_wait) and lets its
+dependents start (opf_launch_dependents), and the C++ launcher gives those
+kernels, and only those, the programmatic serialization attribute. Without
+a GPU: the source and an NVRTC compile; on a GPU (marked gpu): the same bits
+as with OPFUSE_PDL=0 in a graph of several dependent kernels."""
 import os
 import re
 import sys
@@ -35,11 +36,12 @@ def _kernel_bodies(src):
 
 
 @pytest.mark.parametrize("op,rows,cols", [("softmax", 32768, 4096), ("layer_norm", 4096, 262144), ("softmax", 262144, 256)])
-def test_every_kernel_waits_first_with_the_knob(op, rows, cols, monkeypatch):
+def test_every_kernel_waits_first_by_default(op, rows, cols, monkeypatch):
     nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_PDL", "0")
     src, _ = _source(op, rows, cols, 90)
-    assert "opf_grid_dependency_wait();" not in src  # off by default
-    monkeypatch.setenv("OPFUSE_PDL", "1")
+    assert "opf_grid_dependency_wait();" not in src  # off with the knob
+    monkeypatch.delenv("OPFUSE_PDL")
     src, log = _source(op, rows, cols, 90)
     names, bodies = _kernel_bodies(src)
     assert names
@@ -62,9 +64,9 @@ def test_dependent_kernels_give_the_same_bits(monkeypatch):
         s = torch.softmax(x, -1)
         return s - s.mean(0)  # a row kernel, then a column sum and the subtraction that wait for it
 
-    monkeypatch.delenv("OPFUSE_PDL", raising=False)
+    monkeypatch.setenv("OPFUSE_PDL", "0")
     plain = torch.compile(fn, backend="opfuse")(x)
-    monkeypatch.setenv("OPFUSE_PDL", "1")
+    monkeypatch.delenv("OPFUSE_PDL")
     torch._dynamo.reset()
     f = torch.compile(fn, backend="opfuse")
     f(x)
