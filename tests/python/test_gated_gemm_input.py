@@ -28,35 +28,14 @@ from opfuse import skinny_gemm as sg
 
 from conftest import nvrtc_or_skip
 from test_gemm import compiled
-from test_skinny_gemm import check, counted, cuda_or_skip
+from test_gemm_pairs import llama_ir
+from test_skinny_gemm import captured_and_replayed, check, counted, cuda_or_skip
 
 
 @pytest.fixture(autouse=True)
 def gated_gemm(monkeypatch):
     """The fold is opt-in; read when a graph is compiled."""
     monkeypatch.setenv("OPFUSE_GATED_GEMM", "1")
-
-
-def llama_ir(m=16, k=64, h=88, dt="bf16", gate="silu", out_h=False):
-    """Llama's MLP as the converter writes it; gate: the activation of the
-    gate projection; out_h also returns the gated product."""
-    lines = []
-
-    def node(text):
-        lines.append(f"%{len(lines)} = {text}")
-        return f"%{len(lines) - 1}"
-
-    x = node(f'input() {{name="x"}} : {dt}[{m}, {k}]')
-    w1 = node(f'input() {{name="w1"}} : {dt}[{h}, {k}]')
-    w3 = node(f'input() {{name="w3"}} : {dt}[{h}, {k}]')
-    w2 = node(f'input() {{name="w2"}} : {dt}[{k}, {h}]')
-    g = node(f"matmul({x}, {node(f'permute({w1}) {{dims=[1, 0]}} : {dt}[{k}, {h}]')}) : {dt}[{m}, {h}]")
-    act = node(f"{gate}({g}) : {dt}[{m}, {h}]")
-    up = node(f"matmul({x}, {node(f'permute({w3}) {{dims=[1, 0]}} : {dt}[{k}, {h}]')}) : {dt}[{m}, {h}]")
-    prod = node(f"mul({act}, {up}) : {dt}[{m}, {h}]")
-    out = node(f"matmul({prod}, {node(f'permute({w2}) {{dims=[1, 0]}} : {dt}[{h}, {k}]')}) : {dt}[{m}, {k}]")
-    outs = f"{out}, {prod}" if out_h else out
-    return "graph {\n  " + "\n  ".join(lines) + f"\n  return ({outs})\n}}"
 
 
 def gated_lines(ir, target="cuda"):
@@ -227,29 +206,19 @@ def test_the_down_projection_reads_the_gate(dtype, m, w3_first, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_every_gemm_skinny_with_the_gate_read_in(monkeypatch):
-    """OPFUSE_SKINNY_GEMM=1 at small sizes: the gate and up projections as two
-    skinny GEMMs (no pair), the down projection a third reading the gate."""
+@pytest.mark.parametrize("m,k,h,counts", [(16, 72, 136, (0, 3, 3)), (17, 64, 88, (2, 1, 0))])
+def test_every_gemm_skinny_with_the_gate_read_in(m, k, h, counts, monkeypatch):
+    """OPFUSE_SKINNY_GEMM=1 at small sizes: at 16 rows the gate and up
+    projections as two skinny GEMMs (no pair), the down projection a third
+    reading the gate; at 17 rows no skinny GEMM: the pair, the gate kernel
+    and cuBLASLt. counts: (library calls, kernel launches, skinny launches)."""
     cuda_or_skip()
     monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
     monkeypatch.setenv("OPFUSE_DECODE_MLP", "0")
-    torch.manual_seed(8)
-    args = llama_args(16, 72, 136, torch.bfloat16)
+    torch.manual_seed(m)
+    args = llama_args(m, k, h, torch.bfloat16)
     out, calls, kernels, skinny = counted(compiled(llama), *args)
-    assert (calls, kernels, skinny) == (0, 3, 3), sg.last_error()
-    check(out, *reference_and_eager(args))
-
-
-@pytest.mark.gpu
-def test_outside_the_skinny_gemm_the_gate_kernel_runs(monkeypatch):
-    """17 rows: no skinny GEMM; the pair, the gate kernel and cuBLASLt."""
-    cuda_or_skip()
-    monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
-    monkeypatch.setenv("OPFUSE_DECODE_MLP", "0")
-    torch.manual_seed(9)
-    args = llama_args(17, 64, 88, torch.bfloat16)
-    out, calls, kernels, skinny = counted(compiled(llama), *args)
-    assert (calls, kernels, skinny) == (2, 1, 0)
+    assert (calls, kernels, skinny) == counts, sg.last_error()
     check(out, *reference_and_eager(args))
 
 
@@ -260,15 +229,5 @@ def test_cuda_graph_capture_with_the_gate_read_in(monkeypatch):
     monkeypatch.setenv("OPFUSE_DECODE_MLP", "0")
     torch.manual_seed(10)
     args = llama_args(16, 64, 96, torch.bfloat16)
-    f = compiled(llama)
-    f(*args)  # compiles and loads the kernels outside capture
-    torch.cuda.synchronize()
-    before = sg.launch_count()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = f(*args)
-    assert sg.launch_count() == before + 3
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    out = captured_and_replayed(compiled(llama), args, skinny_launches=3)
     check(out, *reference_and_eager(args))

@@ -17,9 +17,10 @@ from test_gemm import assert_gemm_close, compiled, randn, run_counted
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def llama_ir(m=16, k=64, h=88, dt="bf16", out_gate=False, bias=False):
+def llama_ir(m=16, k=64, h=88, dt="bf16", out_gate=False, bias=False, gate="silu", out_h=False):
     """Llama's MLP as the converter writes it (F.linear layers); out_gate also
-    returns the gate GEMM's result; bias adds a bias to the up projection."""
+    returns the gate GEMM's result, out_h the gated product; bias adds a bias
+    to the up projection; gate: the gate projection's activation."""
     lines = []
 
     def node(text):
@@ -31,14 +32,14 @@ def llama_ir(m=16, k=64, h=88, dt="bf16", out_gate=False, bias=False):
     w3 = node(f'input() {{name="w3"}} : {dt}[{h}, {k}]')
     w2 = node(f'input() {{name="w2"}} : {dt}[{k}, {h}]')
     b3 = node(f'input() {{name="b3"}} : {dt}[{h}]') if bias else None
-    gate = node(f"matmul({x}, {node(f'permute({w1}) {{dims=[1, 0]}} : {dt}[{k}, {h}]')}) : {dt}[{m}, {h}]")
-    act = node(f"silu({gate}) : {dt}[{m}, {h}]")
+    g = node(f"matmul({x}, {node(f'permute({w1}) {{dims=[1, 0]}} : {dt}[{k}, {h}]')}) : {dt}[{m}, {h}]")
+    act = node(f"{gate}({g}) : {dt}[{m}, {h}]")
     up = node(f"matmul({x}, {node(f'permute({w3}) {{dims=[1, 0]}} : {dt}[{k}, {h}]')}) : {dt}[{m}, {h}]")
     if bias:
         up = node(f"add({up}, {b3}) : {dt}[{m}, {h}]")
     prod = node(f"mul({act}, {up}) : {dt}[{m}, {h}]")
     out = node(f"matmul({prod}, {node(f'permute({w2}) {{dims=[1, 0]}} : {dt}[{h}, {k}]')}) : {dt}[{m}, {k}]")
-    outs = f"{out}, {gate}" if out_gate else out
+    outs = f"{out}, {g}" if out_gate else f"{out}, {prod}" if out_h else out
     return "graph {\n  " + "\n  ".join(lines) + f"\n  return ({outs})\n}}"
 
 

@@ -303,15 +303,22 @@ def test_cuda_graph_capture_with_the_skinny_path(monkeypatch):
     args = [torch.randn(16, 256, device="cuda").bfloat16(), (torch.randn(512, 256, device="cuda") * 0.06).bfloat16(),
             torch.randn(512, device="cuda").bfloat16(), (torch.randn(128, 512, device="cuda") * 0.04).bfloat16(),
             torch.randn(128, device="cuda").bfloat16()]
-    f = torch.compile(mlp_block, backend="opfuse")
-    f(*args)  # compiles and loads the kernels outside capture
+    out = captured_and_replayed(torch.compile(mlp_block, backend="opfuse"), args, skinny_launches=2)
+    check(out, mlp_block(*[a.double() for a in args]), mlp_block(*args))
+
+
+def captured_and_replayed(f, args, skinny_launches):
+    """f's call captured in a CUDA graph (compiled and loaded outside the
+    capture; skinny_launches of the skinny GEMM recorded), its output
+    zeroed, the graph replayed: the output."""
+    f(*args)
     torch.cuda.synchronize()
     before = sg.launch_count()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = f(*args)
-    assert sg.launch_count() == before + 2
+    assert sg.launch_count() == before + skinny_launches
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    check(out, mlp_block(*[a.double() for a in args]), mlp_block(*args))
+    return out
