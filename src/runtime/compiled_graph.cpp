@@ -336,7 +336,12 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
     bool pairs = std::any_of(pair_of_.begin(), pair_of_.end(), [](int j) { return j >= 0; });
     if (pairs) swapped = ptrs;
     const std::vector<void*>& run_ptrs = pairs ? swapped : ptrs;
-    std::vector<char> done(gemms_.size(), 0);
+    // GEMM steps already run by an earlier step (a pair's second, a gated
+    // GEMM run at its gate kernel's place); on the stack for the usual few.
+    char done_local[32] = {};
+    std::vector<char> done_heap;
+    if (gemms_.size() > sizeof(done_local)) done_heap.assign(gemms_.size(), 0);
+    char* done = done_heap.empty() ? done_local : done_heap.data();
     for (const PreparedRun::Step& st : p.steps) {
       if (st.gemm >= 0) {
         size_t gi = static_cast<size_t>(st.gemm);
