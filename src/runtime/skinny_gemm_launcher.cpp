@@ -46,7 +46,7 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
                  m[6].matched ? std::stoi(m[6]) : 0, m[7].matched ? std::stoi(m[7]) : 0};
   bool ok = c.nt >= 1 && (c.nt <= 8 || c.nt % 8 == 0) && c.nt <= 16 && c.u >= 1 && c.u <= 4 && c.warps >= 1 &&
             c.warps <= 16 && c.min_blocks >= 1 && c.min_blocks <= 4 &&
-            (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && (c.pipe == 0 || c.pipe == 1) &&
+            (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && c.pipe >= 0 && c.pipe <= 2 &&
             (c.gate == 0 || c.gate == 1);
   if (!ok) throw std::invalid_argument("skinny GEMM config '" + tag + "' is out of range");
   return c;
@@ -108,6 +108,7 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
     for (int cl : {2, 4, 8}) {
       r.push_back(SkinnyConfig{8, 1, 8, 2, cl});
       r.push_back(SkinnyConfig{8, 1, 8, 1, cl, 1});
+      r.push_back(SkinnyConfig{8, 1, 8, 1, cl, 2});  // not chosen yet: p1's rival, to be measured
     }
   else
     r.push_back(SkinnyConfig{4, 2, 8, 1, 1});
@@ -240,6 +241,10 @@ bool try_run(const GemmArgs& g) {
     pdl = info.arch >= 90 && pdl_enabled();
     const char* forced = std::getenv("OPFUSE_SKINNY_CONFIG");
     cfg = forced && *forced ? SkinnyConfig::parse(forced) : choose_config(g.m, g.n, g.k, info.arch, info.sms);
+    // OPFUSE_SKINNY_PIPE=2: the pipelined configs as p2 (the ping-pong
+    // ptxas keeps in order; docs/perf-notes.md, "H200, session 15"), to measure.
+    const char* pipe = std::getenv("OPFUSE_SKINNY_PIPE");
+    if (!(forced && *forced) && cfg.pipe == 1 && pipe && std::string(pipe) == "2") cfg.pipe = 2;
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
     cfg.gate = g.a_mul.ptr ? 1 : 0;  // the operand decides it, not the tuning
     LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate}];

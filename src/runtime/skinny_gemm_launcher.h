@@ -13,7 +13,8 @@
 // of shapes measured on the H200 (default_takes: sm_90, N and K of 4096 to
 // 16384), pairs staying with cuBLASLt; OPFUSE_SKINNY_PDL=0 turns off its
 // programmatic dependent launch; OPFUSE_SKINNY_CONFIG=<tag> forces a tile
-// config (benchmarking).
+// config and OPFUSE_SKINNY_PIPE=2 makes the chosen pipelined configs p2
+// (benchmarking).
 #pragma once
 #include "runtime/nvrtc_cached.h"
 #include <cstdint>
@@ -53,7 +54,7 @@ static_assert(sizeof(SkinnyParams) == 128, "SkinnyParams layout is the kernel's 
 // Tag form "n8u1w8b2c4".
 struct SkinnyConfig {
   int nt = 8, u = 1, warps = 8, min_blocks = 2, cluster = 1;
-  int pipe = 0;  // 1: the next chunk's loads before this chunk's MMAs (tag suffix "p1")
+  int pipe = 0;  // 1: the next chunk's loads before this chunk's MMAs (tag suffix "p1"); 2: the same as a ping-pong (kernel comment)
   int gate = 0;  // 1: A read as silu(a) * a2 (GemmArgs::a_mul; tag suffix "g1"): not a tuning choice
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument

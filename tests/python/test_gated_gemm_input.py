@@ -130,7 +130,7 @@ def test_gated_kernel_against_reference_and_eager(m, k, dtype, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["n8u1w8b2c1", "n8u1w8b2c2", "n8u1w8b1c2p1", "n8u1w8b1c4p1", "n4u2w8b1c1",
-                                    "n8u1w8b2c1p1"])
+                                    "n8u1w8b2c1p1", "n8u1w8b1c2p2"])
 def test_every_gated_config_on_the_device(config, monkeypatch):
     cuda_or_skip()
     if config[-2:] != "c1" and "c1p" not in config and torch.cuda.get_device_capability()[0] < 9:

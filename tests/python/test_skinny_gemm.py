@@ -58,11 +58,11 @@ def test_pipelined_configs_compile_without_spills():
     """PIPE = 1 holds two chunks' operands: the configs measured with it keep
     within their __launch_bounds__ without spills."""
     nvrtc_or_skip()
-    for tag in ("n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b1c2p1", "n4u2w8b2c1p1"):
+    for tag in ("n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b1c2p1", "n4u2w8b2c1p1", "n8u1w8b1c2p2", "n8u2w8b1c2p2"):
         cubin, log = _C.skinny_gemm_compile("bf16", tag, 90)
         assert re.search(r"(\d+) bytes spill stores", log).group(1) == "0", f"{tag}:\n{log}"
     with pytest.raises(Exception, match="out of range"):
-        _C.skinny_gemm_compile("bf16", "n8u1w8b2c1p2", 90)
+        _C.skinny_gemm_compile("bf16", "n8u1w8b2c1p3", 90)
 
 
 def test_clusters_only_from_sm_90():
@@ -164,7 +164,8 @@ def test_kernel_against_reference_and_eager(m, k, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["n8u1w8b2c1", "n8u1w8b2c2", "n8u1w8b2c4", "n8u1w8b2c8", "n4u2w8b1c1",
                                     "n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b2c1p1", "n4u1w8b3c2p1", "n4u2w8b2c1p1",
-                                    "n8u1w8b1c2p1", "n8u1w8b1c4p1", "n8u1w8b1c8p1"])
+                                    "n8u1w8b1c2p1", "n8u1w8b1c4p1", "n8u1w8b1c8p1", "n8u1w8b1c2p2", "n8u1w8b1c8p2",
+                                    "n8u2w8b1c2p2"])
 def test_every_config_on_the_device(config, monkeypatch):
     cuda_or_skip()
     if config[-2:] != "c1" and torch.cuda.get_device_capability()[0] < 9:
@@ -274,6 +275,14 @@ def test_by_default_it_takes_the_measured_shapes(m, monkeypatch):
     monkeypatch.setenv("OPFUSE_SKINNY_PDL", "0")
     assert torch.equal(f(*args), out)
     monkeypatch.delenv("OPFUSE_SKINNY_PDL")
+    # Both GEMMs (N = 4096) take a pipelined config; as the p2 ping-pong: the
+    # same MMAs in the same order, so the same bits.
+    assert _C.skinny_gemm_choose_config(m, 4096, 4096, 90, sms).endswith("p1")
+    monkeypatch.setenv("OPFUSE_SKINNY_PIPE", "2")
+    before = sg.launch_count()
+    assert torch.equal(f(*args), out)
+    assert sg.launch_count() == before + 2, sg.last_error()
+    monkeypatch.delenv("OPFUSE_SKINNY_PIPE")
 
     assert not _C.skinny_gemm_default_takes(m, 8192, 1024, 90, sms)  # short K
     assert not _C.skinny_gemm_default_takes(m, 1024, 8192, 90, sms)  # narrow N

@@ -325,7 +325,8 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[NT][4], const Operands<NT
 // first chunk past them. PIPE = 0: each chunk's loads, then its MMAs, so a
 // warp's loads in flight fall to zero while it waits for them and runs the
 // MMAs. PIPE = 1: the next chunk's loads go out before this chunk's MMAs
-// (two operand sets in registers), so a warp always has a chunk in flight.
+// (two operand sets in registers), so a warp always has a chunk in flight;
+// PIPE = 2 the same as a ping-pong that keeps ptxas from undoing it (below).
 // scripts/micro/weight_stream_runs.cu on the H200: the read rate follows
 // the bytes in flight an SM (64 KB in bursts: 3.2-4.2 TB/s; 128 KB:
 // 4.1-4.24), not the 64-byte pieces' run length (3% between 128-byte and
@@ -340,6 +341,35 @@ __device__ __forceinline__ int full_chunks(float (&acc)[NT][4], const char* wbas
       mma_chunk<E>(acc, o);
     }
     return c;
+  } else if constexpr (PIPE == 2) {
+    // The same two chunks in flight as PIPE = 1, written as a ping-pong of
+    // two named operand sets in a loop that is not unrolled. Why: in PIPE =
+    // 1's SASS (sm_90, n8u1w8b1c2p1) ptxas unrolls the loop by two and
+    // renames registers so that, in one half, the next chunk's loads reuse
+    // registers the current chunk's MMAs still read: those MMAs go first,
+    // the warp waits for its one chunk in flight, and the loads follow.
+    // Fixed sets keep every load ahead of the MMAs it does not feed.
+    if (c >= c_full_end) return c;
+    Operands<NT, U, GATE> x, y;
+    load_chunk<NT, U, GATE, false>(x, wbase, roff, ar, c * 4 * U, t, groups);
+    c += WARPS;
+#pragma unroll 1
+    for (;;) {
+      if (c >= c_full_end) {
+        mma_chunk<E>(acc, x);
+        return c;
+      }
+      load_chunk<NT, U, GATE, false>(y, wbase, roff, ar, c * 4 * U, t, groups);
+      c += WARPS;
+      mma_chunk<E>(acc, x);
+      if (c >= c_full_end) {
+        mma_chunk<E>(acc, y);
+        return c;
+      }
+      load_chunk<NT, U, GATE, false>(x, wbase, roff, ar, c * 4 * U, t, groups);
+      c += WARPS;
+      mma_chunk<E>(acc, y);
+    }
   } else {
     if (c >= c_full_end) return c;
     Operands<NT, U, GATE> cur;
