@@ -110,6 +110,8 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
       r.push_back(SkinnyConfig{8, 1, 8, 1, cl, 1});
       r.push_back(SkinnyConfig{8, 1, 8, 1, cl, 2});  // not chosen yet: p1's rival, to be measured
     }
+  if (arch >= 90)  // not chosen yet: 128-row tiles, 128 KB of loads in flight an SM, in order in SASS
+    for (int cl : {1, 2, 4}) r.push_back(SkinnyConfig{16, 1, 8, 1, cl, 1});
   else
     r.push_back(SkinnyConfig{4, 2, 8, 1, 1});
   return r;

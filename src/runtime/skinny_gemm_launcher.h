@@ -64,7 +64,8 @@ struct SkinnyConfig {
 
 // The default config for a problem on a GPU of `sms` SMs of sm_<arch> (gate 0).
 SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms);
-// Every config choose_config can return on sm_<arch> (the instantiations CI compiles).
+// Every config choose_config can return on sm_<arch>, and the rivals still
+// to be measured against them (the instantiations CI compiles).
 std::vector<SkinnyConfig> candidate_configs(int arch);
 
 // The CUDA source of one instantiation: the embedded kernel and its entry line.

@@ -165,7 +165,7 @@ def test_kernel_against_reference_and_eager(m, k, dtype):
 @pytest.mark.parametrize("config", ["n8u1w8b2c1", "n8u1w8b2c2", "n8u1w8b2c4", "n8u1w8b2c8", "n4u2w8b1c1",
                                     "n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b2c1p1", "n4u1w8b3c2p1", "n4u2w8b2c1p1",
                                     "n8u1w8b1c2p1", "n8u1w8b1c4p1", "n8u1w8b1c8p1", "n8u1w8b1c2p2", "n8u1w8b1c8p2",
-                                    "n8u2w8b1c2p2"])
+                                    "n8u2w8b1c2p2", "n16u1w8b1c1p1", "n16u1w8b1c4p1"])
 def test_every_config_on_the_device(config, monkeypatch):
     cuda_or_skip()
     if config[-2:] != "c1" and torch.cuda.get_device_capability()[0] < 9:
