@@ -98,6 +98,8 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
     if (!bound.count(s)) throw GraphError("size symbol " + s + " is not the size of any input dim");
   symbols_.assign(all.begin(), all.end());
 
+  const char* gated_env = std::getenv("OPFUSE_GATED_GEMM");
+  const bool gated_gemm = gated_env && std::string(gated_env) == "1";  // see gate_gemm_of_ below
   for (size_t i = 0; i < plan_.kernels.size(); ++i) {
     const KernelGroup& k = plan_.kernels[i];
     if (k.kind == KernelGroup::Kind::Gemm) {
@@ -120,8 +122,7 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
       // (gated_gemm_input.cpp). Opt-in, OPFUSE_GATED_GEMM=1: on the H200 the
       // gated skinny GEMM cost more than the kernel it saves (docs/perf-notes.md,
       // "H200, session 15").
-      const char* gated = std::getenv("OPFUSE_GATED_GEMM");
-      if (gated && std::string(gated) == "1" && s.gate_silu >= 0 && !steps_.empty() && !steps_.back().first)
+      if (gated_gemm && s.gate_silu >= 0 && !steps_.empty() && !steps_.back().first)
         gate_gemm_of_.at(static_cast<size_t>(steps_.back().second)) = static_cast<int>(gemms_.size());
       s.dtype = pg.node(k.gemm.matmul).dtype;
       s.name = "gemm" + std::to_string(gemms_.size());

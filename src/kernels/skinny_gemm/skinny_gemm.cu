@@ -353,23 +353,22 @@ __device__ __forceinline__ int full_chunks(float (&acc)[NT][4], const char* wbas
     Operands<NT, U, GATE> x, y;
     load_chunk<NT, U, GATE, false>(x, wbase, roff, ar, c * 4 * U, t, groups);
     c += WARPS;
+    // One half of the ping-pong: `next`'s loads, then `cur`'s MMAs; true
+    // once `cur` was the last chunk.
+    auto half = [&](Operands<NT, U, GATE>& cur, Operands<NT, U, GATE>& next) {
+      if (c >= c_full_end) {
+        mma_chunk<E>(acc, cur);
+        return true;
+      }
+      load_chunk<NT, U, GATE, false>(next, wbase, roff, ar, c * 4 * U, t, groups);
+      c += WARPS;
+      mma_chunk<E>(acc, cur);
+      return false;
+    };
 #pragma unroll 1
-    for (;;) {
-      if (c >= c_full_end) {
-        mma_chunk<E>(acc, x);
-        return c;
-      }
-      load_chunk<NT, U, GATE, false>(y, wbase, roff, ar, c * 4 * U, t, groups);
-      c += WARPS;
-      mma_chunk<E>(acc, x);
-      if (c >= c_full_end) {
-        mma_chunk<E>(acc, y);
-        return c;
-      }
-      load_chunk<NT, U, GATE, false>(x, wbase, roff, ar, c * 4 * U, t, groups);
-      c += WARPS;
-      mma_chunk<E>(acc, y);
+    while (!half(x, y) && !half(y, x)) {
     }
+    return c;
   } else {
     if (c >= c_full_end) return c;
     Operands<NT, U, GATE> cur;
