@@ -4,7 +4,8 @@
 // the skinny kernel's 64-byte pieces do no better.) A pure read of a 256 MiB
 // bf16 "weight" by persistent CTAs that each own R rows and walk along K in
 // steps of L bytes (a tile of R x L = 16 KB a step, U = 2 or 4 steps in flight a
-// thread), for R x L from 128 x 128 (cuBLAS's tile) to 1 x 16384, against a
+// thread), for R x L from 512 x 32 and 256 x 64 (the skinny kernel's warp loads:
+// 8 rows x 64 bytes) through 128 x 128 (cuBLAS's tile) to 1 x 16384, against a
 // flat sequential read. No arithmetic but an XOR, so only the access pattern
 // differs. Build and run on the GPU machine:
 //   nvcc -O3 -arch=sm_90 -o /tmp/wsr scripts/micro/weight_stream_runs.cu && /tmp/wsr
@@ -23,7 +24,17 @@ constexpr int kLoads = kTileBytes / (kThreads * 16);     // 4
 // Tiles t = 0 .. rows/R * K_bytes/L - 1, row block t / steps, step t % steps
 // (K fastest, as a GEMM's CTA walks K); CTA c takes the contiguous range
 // [c * per, (c + 1) * per).
-template <int U>
+// HINT: the skinny kernel's weight load (ld.global.nc.L1::no_allocate.L2::256B,
+// which asks L2 to fetch 256 bytes around each miss) in place of __ldg.
+__device__ __forceinline__ uint4 ld_hinted(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+template <int U, bool HINT = false>
 __global__ void __launch_bounds__(kThreads) runs(const uint4* __restrict__ w, int64_t row_bytes, int R, int L,
                                                  int64_t tiles, int64_t per, unsigned* out) {
   const int64_t first = blockIdx.x * per;
@@ -41,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) runs(const uint4* __restrict__ w, in
         const int o = (j * kThreads + threadIdx.x) * 16;
         const int64_t row = rb * R + o / L;
         const int64_t byte = row * row_bytes + step * L + o % L;
-        v[u][j] = __ldg(w + byte / 16);
+        v[u][j] = HINT ? ld_hinted(w + byte / 16) : __ldg(w + byte / 16);
       }
     }
 #pragma unroll
@@ -109,7 +120,7 @@ int main() {
     CHECK(cudaGetLastError());
     std::printf("flat          ctas/SM %d  U 4: %7.1f GB/s\n", ctas_per_sm, bytes / ms / 1e6);
   }
-  const int shapes[][2] = {{128, 128}, {64, 256}, {32, 512}, {16, 1024}, {8, 2048}, {4, 4096}, {2, 8192}, {1, 16384}};
+  const int shapes[][2] = {{512, 32}, {256, 64}, {128, 128}, {64, 256}, {32, 512}, {16, 1024}, {8, 2048}, {4, 4096}, {2, 8192}, {1, 16384}};
   for (int ctas_per_sm : {1, 2}) {
     for (auto& s : shapes) {
       const int R = s[0], L = s[1];
@@ -119,6 +130,21 @@ int main() {
       float ms2 = time_ms([&] { runs<2><<<grid, kThreads>>>(w, row_bytes, R, L, tiles, per, out); }, reps);
       CHECK(cudaGetLastError());
       std::printf("R %3d x L %5d ctas/SM %d: U 4 %7.1f GB/s  U 2 %7.1f GB/s\n", R, L, ctas_per_sm,
+                  bytes / ms4 / 1e6, bytes / ms2 / 1e6);
+    }
+  }
+  // The same with the skinny kernel's L2::256B load: does the hint make
+  // 64-byte pieces (its warp loads: 8 rows x 64 bytes) as fast as 128?
+  const int hinted[][2] = {{256, 64}, {128, 128}, {8, 2048}};
+  for (int ctas_per_sm : {1, 2}) {
+    for (auto& s : hinted) {
+      const int R = s[0], L = s[1];
+      const int grid = sms * ctas_per_sm;
+      const int64_t tiles = (rows / R) * (row_bytes / L), per = (tiles + grid - 1) / grid;
+      float ms4 = time_ms([&] { runs<4, true><<<grid, kThreads>>>(w, row_bytes, R, L, tiles, per, out); }, reps);
+      float ms2 = time_ms([&] { runs<2, true><<<grid, kThreads>>>(w, row_bytes, R, L, tiles, per, out); }, reps);
+      CHECK(cudaGetLastError());
+      std::printf("R %3d x L %5d ctas/SM %d L2::256B: U 4 %7.1f GB/s  U 2 %7.1f GB/s\n", R, L, ctas_per_sm,
                   bytes / ms4 / 1e6, bytes / ms2 / 1e6);
     }
   }
