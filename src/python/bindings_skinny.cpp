@@ -98,6 +98,9 @@ void bind_skinny_gemm(nb::module_& m) {
   m.def("skinny_gemm_choose_config", [](int64_t m_, int64_t n, int64_t k, int arch, int sms) {
     return skinny::choose_config(m_, n, k, arch, sms).tag();
   });
+  m.def("skinny_gemm_choose_tma_config", [](int64_t m_, int64_t n, int64_t k, int sms) {
+    return skinny::choose_tma_config(m_, n, k, sms).tag();
+  });
   m.def("skinny_gemm_launch_count", [] { return skinny::launch_count(); });
   m.def("skinny_gemm_last_error", [] { return skinny::last_error(); });
   m.def(

@@ -1,5 +1,6 @@
 #include "runtime/skinny_gemm_launcher.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -12,7 +13,8 @@
 #include "runtime/nvrtc_cached.h"
 #include "runtime/small_m_launch.h"
 
-#include "skinny_gemm_cu.inc"  // static const char skinny_gemm_cu[]
+#include "skinny_gemm_cu.inc"      // static const char skinny_gemm_cu[]
+#include "skinny_gemm_tma_cu.inc"  // static const char skinny_gemm_tma_cu[]
 
 namespace opfuse::skinny {
 namespace {
@@ -29,19 +31,85 @@ struct LoadedFn {
   bool failed = false;  // could not be built or loaded here: cuBLASLt runs instead
 };
 
+// CUtensorMap, as skinny_gemm_tma.cu's TmaMap: 128 bytes, 64-byte aligned.
+struct alignas(64) TmaMap {
+  unsigned char bytes[128];
+};
+
+// cuTensorMapEncodeTiled's enums (cuda.h): bf16 9, f16 6; no interleave;
+// 128-byte swizzle (the kernel's ldmatrix reads undo it); L2 promotion to
+// 256 bytes; zeros outside the tensor.
+constexpr int kTmaBf16 = 9, kTmaF16 = 6, kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo256B = 3,
+              kTmaOobZero = 0;
+constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+// The map of a [rows, k] k-contiguous matrix (row stride ld elements; one
+// row: any), boxes of [box_rows, 64]. Kept per (pointer, sizes, stride, box,
+// dtype), which is all a map encodes, so a hit is the same map (weights are
+// the same tensors call after call). Guarded by g_mu.
+const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_t ld, int box_rows) {
+  static std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int, int>, TmaMap> maps;
+  const int dtype = dt == DType::BFloat16 ? kTmaBf16 : kTmaF16;
+  const auto key = std::make_tuple(ptr, rows, k, ld, box_rows, dtype);
+  auto it = maps.find(key);
+  if (it != maps.end()) return it->second;
+  const CudaApi& c = cuda();
+  if (!c.TensorMapEncodeTiled) throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled");
+  if (maps.size() >= 256) maps.clear();  // activations come and go; bounded
+  TmaMap m{};
+  const uint64_t dims[2] = {static_cast<uint64_t>(k), static_cast<uint64_t>(rows)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(rows > 1 ? ld : k) * 2};
+  const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
+  const uint32_t estr[2] = {1, 1};
+  check_cuda(c.TensorMapEncodeTiled(m.bytes, dtype, 2, const_cast<void*>(ptr), dims, strides, box, estr,
+                                    kTmaInterleaveNone, kTmaSwizzle128B, kTmaL2Promo256B, kTmaOobZero),
+             "cuTensorMapEncodeTiled(skinny GEMM)");
+  return maps.emplace(key, m).first->second;
+}
+
+bool tma_wanted() {
+  const char* e = std::getenv("OPFUSE_SKINNY_TMA");
+  return e && std::string(e) == "1";
+}
+
 }  // namespace
 
 std::string SkinnyConfig::tag() const {
+  if (stages)
+    return "n" + std::to_string(nt) + "w" + std::to_string(warps) + "s" + std::to_string(stages) + "c" +
+           std::to_string(cluster);
   return "n" + std::to_string(nt) + "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" +
          std::to_string(min_blocks) + "c" + std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "") +
          (gate ? "g" + std::to_string(gate) : "");
 }
 
+int SkinnyConfig::dynamic_smem() const {
+  if (!stages) return 0;
+  const int bn = rows();  // skinny_gemm_tma.cu's tma_smem_bytes
+  return 1024 + stages * (bn * 128 + 16 * 128) + (cluster > 1 ? bn * 64 : 0) + 16 * stages;
+}
+
 SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
+  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+))");
+  std::smatch t;
+  if (std::regex_match(tag, t, tma)) {
+    SkinnyConfig c;
+    c.nt = std::stoi(t[1]);
+    c.warps = std::stoi(t[2]);
+    c.stages = std::stoi(t[3]);
+    c.cluster = std::stoi(t[4]);
+    c.u = 1;
+    c.min_blocks = 1;
+    const bool ok = c.nt >= 1 && c.nt <= 16 && c.warps >= 1 && c.warps <= 8 && c.rows() <= 256 && c.stages >= 2 &&
+                    c.stages <= 16 && (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) &&
+                    c.dynamic_smem() <= 227 * 1024;
+    if (!ok) throw std::invalid_argument("skinny GEMM config '" + tag + "' is out of range");
+    return c;
+  }
   static const std::regex re(R"(n(\d+)u(\d+)w(\d+)b(\d+)c(\d+)(?:p(\d+))?(?:g(\d+))?)");
   std::smatch m;
   if (!std::regex_match(tag, m, re))
-    throw std::invalid_argument("bad skinny GEMM config '" + tag + "' (want e.g. n8u1w8b2c1 or n4u1w8b3c2p1)");
+    throw std::invalid_argument("bad skinny GEMM config '" + tag + "' (want e.g. n8u1w8b2c1, n4u1w8b3c2p1 or n4w4s10c1)");
   SkinnyConfig c{std::stoi(m[1]), std::stoi(m[2]), std::stoi(m[3]), std::stoi(m[4]), std::stoi(m[5]),
                  m[6].matched ? std::stoi(m[6]) : 0, m[7].matched ? std::stoi(m[7]) : 0};
   bool ok = c.nt >= 1 && (c.nt <= 8 || c.nt % 8 == 0) && c.nt <= 16 && c.u >= 1 && c.u <= 4 && c.warps >= 1 &&
@@ -83,6 +151,28 @@ SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms) {
   return c;
 }
 
+SkinnyConfig choose_tma_config(int64_t m, int64_t n, int64_t k, int sms) {
+  (void)m;
+  const int64_t tiles8 = (n + 7) / 8, chunks = (k + 63) / 64;
+  SkinnyConfig c;
+  c.u = 1;
+  c.min_blocks = 1;
+  for (c.cluster = 1;; c.cluster *= 2) {
+    const int64_t per = std::min<int64_t>(32, (tiles8 * c.cluster + sms - 1) / sms);  // 8-row tiles a CTA
+    // Enough rows that A's box (16 rows) stays a small part of a stage, and
+    // enough chunks per CTA to fill the ring.
+    if (per >= 8 || c.cluster == 8 || chunks / (2 * c.cluster) < 8) {
+      int cw = 4;
+      while (per % cw != 0) --cw;  // consumer warps: the largest divisor of the tiles up to 4
+      c.warps = cw;
+      c.nt = static_cast<int>(per / cw);
+      break;
+    }
+  }
+  c.stages = std::min(12, (200 * 1024) / (8 * c.nt * c.warps * 128 + 16 * 128));  // a stage: BN rows of W and A's 16
+  return c;
+}
+
 // Without OPFUSE_SKINNY_GEMM: the box of shapes measured on the H200 (sm_90,
 // N and K of 4096 to 16384), where the kernel is faster than cuBLASLt's
 // timed choice alone or as fast, and faster in a chain, whose next skinny
@@ -110,15 +200,25 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
       r.push_back(SkinnyConfig{8, 1, 8, 1, cl, 1});
       r.push_back(SkinnyConfig{8, 1, 8, 1, cl, 2});  // not chosen yet: p1's rival, to be measured
     }
-  if (arch >= 90)  // not chosen yet: 128-row tiles, 128 KB of loads in flight an SM, in order in SASS
+  if (arch >= 90) {  // not chosen yet: 128-row tiles, 128 KB of loads in flight an SM, in order in SASS
     for (int cl : {1, 2, 4}) r.push_back(SkinnyConfig{16, 1, 8, 1, cl, 1});
-  else
+    // The TMA kernel (OPFUSE_SKINNY_TMA=1) at the benchmark shapes on 132 SMs, and rivals.
+    for (const char* t : {"n4w4s11c1", "n4w4s11c4", "n11w1s12c1", "n4w4s8c1", "n2w4s12c2"}) r.push_back(SkinnyConfig::parse(t));
+  } else
     r.push_back(SkinnyConfig{4, 2, 8, 1, 1});
   return r;
 }
 
 std::string source(DType dtype, const SkinnyConfig& c) {
   std::string s(skinny_gemm_cu);
+  if (c.stages) {
+    s += skinny_gemm_tma_cu;
+    const std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
+                             std::to_string(c.warps) + ", " + std::to_string(c.stages);
+    if (c.cluster > 1) s += "\nOPFUSE_SKINNY_TMA_CLUSTER_ENTRY(" + args + ", " + std::to_string(c.cluster) + ")\n";
+    else s += "\nOPFUSE_SKINNY_TMA_ENTRY(" + args + ")\n";
+    return s;
+  }
   std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
                      std::to_string(c.u) + ", " + std::to_string(c.warps) + ", " + std::to_string(c.min_blocks) + ", " +
                      std::to_string(c.pipe) + ", " + std::to_string(c.gate);
@@ -129,6 +229,7 @@ std::string source(DType dtype, const SkinnyConfig& c) {
 
 Compiled compile(DType dtype, const SkinnyConfig& c, int arch, bool use_cache) {
   if (c.cluster > 1 && arch < 90) throw std::invalid_argument("skinny GEMM: clusters need sm_90 or newer");
+  if (c.stages && arch < 90) throw std::invalid_argument("skinny GEMM: the TMA kernel needs sm_90 or newer");
   const std::string src = source(dtype, c);
   return nvrtc_cubin_cached(src, "skinny_gemm.cu", arch, "skinny_gemm", "skinny GEMM", use_cache);
 }
@@ -232,9 +333,10 @@ bool try_run(const GemmArgs& g) {
   CUcontext ctx = nullptr;
 
   // Integers only: this runs on every call.
-  static std::map<std::tuple<CUcontext, DType, int, int, int, int, int, int, int>, LoadedFn> functions;
+  static std::map<std::tuple<CUcontext, DType, int, int, int, int, int, int, int, int>, LoadedFn> functions;
   CUfunction fn = nullptr;
   SkinnyConfig cfg;
+  TmaMap wmap{}, amap{};  // the TMA kernel's
   bool pdl = false;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -247,9 +349,14 @@ bool try_run(const GemmArgs& g) {
     // ptxas keeps in order; docs/perf-notes.md, "H200, session 15"), to measure.
     const char* pipe = std::getenv("OPFUSE_SKINNY_PIPE");
     if (!(forced && *forced) && cfg.pipe == 1 && pipe && std::string(pipe) == "2") cfg.pipe = 2;
+    if (!(forced && *forced) && info.arch >= 90 && !g.a_mul.ptr && tma_wanted())
+      cfg = choose_tma_config(g.m, g.n, g.k, info.sms);
+    // The TMA kernel has no gated form and needs sm_90.
+    if (cfg.stages && (g.a_mul.ptr || info.arch < 90)) cfg = choose_config(g.m, g.n, g.k, info.arch, info.sms);
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
     cfg.gate = g.a_mul.ptr ? 1 : 0;  // the operand decides it, not the tuning
-    LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate}];
+    LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate,
+                              cfg.stages}];
     if (lf.failed) return false;
     if (!lf.fn) {
       try {
@@ -259,6 +366,9 @@ bool try_run(const GemmArgs& g) {
           check_cuda(c.ModuleLoadData(&lf.module, comp.cubin.data()), "cuModuleLoadData(skinny GEMM)");
         }
         check_cuda(c.ModuleGetFunction(&lf.fn, lf.module, kEntryName), "cuModuleGetFunction(skinny GEMM)");
+        if (cfg.dynamic_smem() > 48 * 1024)
+          check_cuda(c.FuncSetAttribute(lf.fn, kAttrMaxDynamicSharedBytes, cfg.dynamic_smem()),
+                     "cuFuncSetAttribute(skinny GEMM, max dynamic smem)");
       } catch (const std::exception& e) {
         lf.failed = true;
         g_error = e.what();
@@ -266,6 +376,15 @@ bool try_run(const GemmArgs& g) {
       }
     }
     fn = lf.fn;
+    if (cfg.stages) {
+      try {
+        wmap = tma_map(g.dtype, g.b.ptr, g.n, g.k, g.b.col_stride, cfg.rows());
+        amap = tma_map(g.dtype, g.a.ptr, g.m, g.k, g.a.row_stride, 16);
+      } catch (const std::exception& e) {
+        g_error = e.what();
+        return false;
+      }
+    }
   }
 
   SkinnyParams p{};
@@ -288,8 +407,9 @@ bool try_run(const GemmArgs& g) {
   p.a2 = g.a_mul.ptr;
   p.lda2 = g.a_mul.ptr && g.m > 1 ? g.a_mul.row_stride : 0;
   const unsigned grid = static_cast<unsigned>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
-  void* params[] = {&p};
-  launch_1d(fn, grid, static_cast<unsigned>(cfg.warps * 32), 0, g.stream, params, pdl, "cuLaunchKernel(skinny GEMM)");
+  void* params[] = {&p, &wmap, &amap};  // the register kernel takes p only
+  launch_1d(fn, grid, static_cast<unsigned>(cfg.threads()), static_cast<unsigned>(cfg.dynamic_smem()), g.stream, params,
+            pdl, "cuLaunchKernel(skinny GEMM)");
   g_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }

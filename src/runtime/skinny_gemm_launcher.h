@@ -13,8 +13,8 @@
 // of shapes measured on the H200 (default_takes: sm_90, N and K of 4096 to
 // 16384), pairs staying with cuBLASLt; OPFUSE_SKINNY_PDL=0 turns off its
 // programmatic dependent launch; OPFUSE_SKINNY_CONFIG=<tag> forces a tile
-// config and OPFUSE_SKINNY_PIPE=2 makes the chosen pipelined configs p2
-// (benchmarking).
+// config, OPFUSE_SKINNY_PIPE=2 makes the chosen pipelined configs p2 and
+// OPFUSE_SKINNY_TMA=1 chooses the TMA kernel's configs (benchmarking).
 #pragma once
 #include "runtime/nvrtc_cached.h"
 #include <cstdint>
@@ -52,15 +52,28 @@ static_assert(sizeof(SkinnyParams) == 128, "SkinnyParams layout is the kernel's 
 // lane per chunk, WARPS warps splitting K, MIN_BLOCKS CTAs per SM
 // (__launch_bounds__), CLUSTER CTAs of a cluster splitting K (sm_90).
 // Tag form "n8u1w8b2c4".
+//
+// With stages > 0 the TMA kernel (skinny_gemm_tma.cu, sm_90): nt n-tiles per
+// consumer warp, `warps` consumer warps (plus a producer), a ring of
+// `stages` boxes of W, CLUSTER CTAs splitting K; tag form "n4w4s10c1".
 struct SkinnyConfig {
   int nt = 8, u = 1, warps = 8, min_blocks = 2, cluster = 1;
   int pipe = 0;  // 1: the next chunk's loads before this chunk's MMAs (tag suffix "p1"); 2: the same as a ping-pong (kernel comment)
   int gate = 0;  // 1: A read as silu(a) * a2 (GemmArgs::a_mul; tag suffix "g1"): not a tuning choice
+  int stages = 0;  // > 0: the TMA kernel
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
-  int rows() const { return 8 * nt; }                 // BN
+  int rows() const { return stages ? 8 * nt * warps : 8 * nt; }  // BN
+  int threads() const { return stages ? (warps + 1) * 32 : warps * 32; }
+  int dynamic_smem() const;  // the TMA kernel's ring, partials and barriers; 0 for the register kernel
   bool operator==(const SkinnyConfig&) const = default;
 };
+
+// The TMA kernel's config for a problem (OPFUSE_SKINNY_TMA=1 picks it; not
+// the default until measured faster): BN rows so that one wave of at most
+// `sms` CTAs covers N, a cluster splitting K when BN would fall below 64
+// rows, as many stages as ~200 KB of shared memory holds (at most 12).
+SkinnyConfig choose_tma_config(int64_t m, int64_t n, int64_t k, int sms);
 
 // The default config for a problem on a GPU of `sms` SMs of sm_<arch> (gate 0).
 SkinnyConfig choose_config(int64_t m, int64_t n, int64_t k, int arch, int sms);

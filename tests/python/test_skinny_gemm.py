@@ -50,7 +50,12 @@ def test_every_instantiation_compiles_without_spills(arch, elem):
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         spills = re.search(r"(\d+) bytes spill stores", log).group(1)
         assert spills == "0", f"{tag} sm_{arch}:\n{log}"
-        warps, blocks = (int(x) for x in re.match(r"n\d+u\d+w(\d+)b(\d+)c\d+", tag).groups())
+        tma = re.fullmatch(r"n\d+w(\d+)s\d+c\d+", tag)  # the TMA kernel: a producer warp more, one CTA an SM
+        if tma:
+            assert arch >= 90, tag
+            warps, blocks = int(tma.group(1)) + 1, 1
+        else:
+            warps, blocks = (int(x) for x in re.match(r"n\d+u\d+w(\d+)b(\d+)c\d+", tag).groups())
         assert regs * warps * 32 * blocks <= 65536, f"{tag}: {regs} registers miss __launch_bounds__"
 
 
@@ -69,7 +74,26 @@ def test_clusters_only_from_sm_90():
     nvrtc_or_skip()
     with pytest.raises(Exception, match="sm_90"):
         _C.skinny_gemm_compile("bf16", "n8u1w8b2c4", 80)
+    with pytest.raises(Exception, match="sm_90"):
+        _C.skinny_gemm_compile("bf16", "n4w4s11c1", 80)  # the TMA kernel
     assert all(t.endswith("c1") for t in _C.skinny_gemm_candidates(80))
+
+
+def test_tma_config_choice_for_the_benchmark_shapes():
+    """One wave on 132 SMs, at least 64 rows a CTA (A's 16-row box a small
+    part of each stage), a ring of ~200 KB; the tags parse and round-trip."""
+    choose = _C.skinny_gemm_choose_tma_config
+    assert choose(16, 16384, 4096, 132) == "n4w4s11c1"   # 128 rows, 128 CTAs
+    assert choose(16, 4096, 16384, 132) == "n2w4s12c2"   # 64 rows x a cluster of 2: 128 CTAs
+    assert choose(16, 11008, 4096, 132) == "n11w1s12c1"  # 88 rows: 125 CTAs
+    assert choose(1, 4096, 11008, 132) == "n2w4s12c2"
+    assert choose(16, 64, 64, 132).endswith("c1")        # one chunk of K: no cluster to split it
+    for tag in ("n4w4s11c1", "n2w4s12c2", "n11w1s12c1"):
+        assert tag in _C.skinny_gemm_candidates(90)
+    with pytest.raises(Exception, match="out of range"):
+        _C.skinny_gemm_compile("bf16", "n16w4s11c1", 90)  # 512 rows: more than a box holds
+    with pytest.raises(Exception, match="out of range"):
+        _C.skinny_gemm_compile("bf16", "n4w4s16c1", 90)  # 16 stages of 18 KB: more shared memory than an SM has
 
 
 def test_config_choice_for_the_benchmark_shapes():
@@ -165,11 +189,12 @@ def test_kernel_against_reference_and_eager(m, k, dtype):
 @pytest.mark.parametrize("config", ["n8u1w8b2c1", "n8u1w8b2c2", "n8u1w8b2c4", "n8u1w8b2c8", "n4u2w8b1c1",
                                     "n4u2w8b2c2p1", "n8u2w8b1c2p1", "n8u1w8b2c1p1", "n4u1w8b3c2p1", "n4u2w8b2c1p1",
                                     "n8u1w8b1c2p1", "n8u1w8b1c4p1", "n8u1w8b1c8p1", "n8u1w8b1c2p2", "n8u1w8b1c8p2",
-                                    "n8u2w8b1c2p2", "n16u1w8b1c1p1", "n16u1w8b1c4p1"])
+                                    "n8u2w8b1c2p2", "n16u1w8b1c1p1", "n16u1w8b1c4p1",
+                                    "n4w4s11c1", "n4w4s11c4", "n11w1s12c1", "n4w4s8c1", "n2w4s12c2", "n1w1s2c8"])
 def test_every_config_on_the_device(config, monkeypatch):
     cuda_or_skip()
-    if config[-2:] != "c1" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("clusters need sm_90")
+    if (config[-2:] != "c1" or re.fullmatch(r"n\d+w\d+s\d+c\d+", config)) and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("clusters and the TMA kernel need sm_90")
     monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", config)
     torch.manual_seed(1)
     for m, k, n in [(16, 4104, 1001), (3, 1000, 200), (16, 8, 64), (1, 16384, 136)]:
@@ -192,6 +217,49 @@ def test_deterministic_and_row_strides():
     for _ in range(3):
         assert torch.equal(sg.linear(x, w)[0], first)
     check(first, sg.reference(x, w)[0], F.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["n4w4s11c1", "n2w4s12c2"])
+def test_tma_kernel_with_views_and_odd_sizes(config, monkeypatch):
+    """The TMA kernel's tensor maps: A a row-strided view at a 128-byte
+    offset, W a column slice (row stride past K), M of 1 and 5, N and K
+    that leave partial boxes (zeros past them); float64 reference."""
+    cuda_or_skip()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernel needs sm_90")
+    monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", config)
+    torch.manual_seed(3)
+    for m, k, n in [(16, 4096, 4096), (5, 4168, 1000), (1, 2056, 136)]:
+        big = torch.randn(m, k + 64, device="cuda").to(torch.bfloat16)
+        x = big[:, 64:]  # row stride k + 64, 128 bytes in
+        w = (torch.randn(n, k + 8, device="cuda") * k ** -0.5).to(torch.bfloat16)[:, :k]
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        got = sg.linear(x, w, bias, activation="relu")
+        assert got is not None, sg.last_error()
+        check(got[0], sg.reference(x, w, bias, activation="relu")[0], F.relu(F.linear(x, w, bias)))
+        again = sg.linear(x, w, bias, activation="relu")[0]
+        assert torch.equal(again, got[0])  # deterministic: fixed order, no atomics
+
+
+@pytest.mark.gpu
+def test_tma_kernel_chosen_by_the_knob(monkeypatch):
+    """OPFUSE_SKINNY_TMA=1 sends the benchmark shapes to the TMA kernel's
+    configs; the gated form stays with the register kernel."""
+    cuda_or_skip()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernel needs sm_90")
+    monkeypatch.setenv("OPFUSE_SKINNY_TMA", "1")
+    torch.manual_seed(4)
+    x, w, bias, _ = operands(16, 4096, 4096, torch.bfloat16)
+    before = sg.launch_count()
+    got = sg.linear(x, w, bias)
+    assert got is not None and sg.launch_count() == before + 1
+    check(got[0], sg.reference(x, w, bias)[0], F.linear(x, w, bias))
+    up = torch.randn_like(x)
+    gated = sg.linear(x, w, bias, up=up)
+    assert gated is not None, sg.last_error()
+    check(gated[0], sg.reference(x, w, bias, up=up)[0], F.linear((F.silu(x.float()) * up.float()).to(x.dtype), w, bias))
 
 
 @pytest.mark.gpu

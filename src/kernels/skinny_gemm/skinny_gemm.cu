@@ -242,6 +242,24 @@ __device__ __forceinline__ void store_tile_value(const SkinnyParams& p, int n0, 
   store_one<E>(p, g + 8, n + 1, v.w);
 }
 
+// The cluster's partial sums of a tile (part[i]: value i of this CTA's
+// partial tile, as store_tile_value numbers them), added in rank order through
+// distributed shared memory: each CTA finishes 1 / CLUSTER of the tile. Every
+// thread of the CTA calls it (the cluster barriers are .aligned).
+template <class E, int CLUSTER, int VALUES, int THREADS>
+__device__ __forceinline__ void cluster_sum_store(const SkinnyParams& p, int n0, F4* part, int rank) {
+  cluster_sync();
+  constexpr int share = VALUES / CLUSTER;
+  for (int i = threadIdx.x; i < share; i += THREADS) {
+    const int idx = rank * share + i;
+    F4 s = ld_cluster(&part[idx], 0);
+#pragma unroll
+    for (int q = 1; q < CLUSTER; ++q) s = add(s, ld_cluster(&part[idx], static_cast<u32>(q)));
+    store_tile_value<E>(p, n0, idx, s);
+  }
+  cluster_sync();  // no CTA exits while another still reads its shared memory
+}
+
 // ---------------------------------------------------------------------------
 // Main loop
 // ---------------------------------------------------------------------------
@@ -464,20 +482,7 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
       else store_tile_value<E>(p, n0, r * RJ * 32 + i, s);
     }
   }
-  if constexpr (CLUSTER > 1) {
-    // Each CTA of the cluster finishes 1 / CLUSTER of the tile, adding the
-    // CTAs' partials in rank order.
-    cluster_sync();
-    constexpr int share = NT * 32 / CLUSTER;
-    for (int i = threadIdx.x; i < share; i += WARPS * 32) {
-      const int idx = rank * share + i;
-      F4 s = ld_cluster(&part[idx], 0);
-#pragma unroll
-      for (int q = 1; q < CLUSTER; ++q) s = add(s, ld_cluster(&part[idx], static_cast<u32>(q)));
-      store_tile_value<E>(p, n0, idx, s);
-    }
-    cluster_sync();  // no CTA exits while another still reads its shared memory
-  }
+  if constexpr (CLUSTER > 1) cluster_sum_store<E, CLUSTER, NT * 32, WARPS * 32>(p, n0, part, rank);
 }
 
 }  // namespace opfuse_skinny

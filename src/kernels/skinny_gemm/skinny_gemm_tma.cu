@@ -1,0 +1,223 @@
+// opfuse skinny GEMM, weights through the tensor memory accelerator (sm_90).
+//
+// Appended by the launcher after skinny_gemm.cu (same namespace, its element
+// types, MMA, epilogue and cluster helpers); inline PTX only, no headers.
+// Same contract as skinny_gemm.cu's kernel (D = act(A W^T + bias + C), aux,
+// M <= 16); no gated form. The CPU reference is the same one.
+//
+// Why a second kernel: ncu of the register-streaming kernel on the H200
+// (bench/results/h200/ncu-skinny-3a54332/) reads W at 71-72% of DRAM peak
+// where cuBLAS's nvjet kernel (TMA, 11 stages of 128 x 64) reads it at 79%;
+// called alone (the gemm suite's timer) it takes 38.2 us on 16x4096->16384
+// against cuBLAS's 37.5, and is faster only back to back, where programmatic
+// launch hides its ramp (skinny-call-cost-a950a82.txt). Its bytes in flight
+// live in registers (at most ~128 KB an SM, and more did not help); here they
+// live in shared memory: STAGES boxes of BN rows x 128 bytes each, issued by
+// one thread.
+//
+// Design:
+// - A CTA owns BN = 8 * NTW * CW rows of W and a range of K in chunks of 64
+//   elements (128 bytes, one TMA box row); with CLUSTER > 1 the CTAs of a
+//   cluster split the chunks and add their partials in rank order through
+//   distributed shared memory (cluster_sum_store), as the register kernel.
+// - Warp CW is the producer: lane 0 issues, per chunk, the W box [BN, 64]
+//   and the A box [16, 64] into one stage of a ring (128-byte swizzle, zeros
+//   past M, N and K), completing on the stage's full barrier. W's first
+//   stages go out before griddepcontrol.wait (W does not depend on the
+//   previous kernel; A may).
+// - Consumer warps 0 .. CW - 1 each own NTW n-tiles of 8 rows and all of K:
+//   no reduction between warps. Per chunk a warp loads A's fragments with 4
+//   ldmatrix.x4 and each tile's W fragments with 2, runs 4 MMAs a tile, and
+//   releases the stage (its empty barrier counts CW arrivals).
+// - The 128-byte swizzle puts 16-byte piece c of row r at piece c ^ (r % 8)
+//   of the row: the 8 rows an ldmatrix matrix reads land in 8 different
+//   bank groups (no conflicts).
+//
+// Requirements (the launcher checks): as skinny_gemm.cu's, plus A and W
+// 16-byte aligned with row strides multiples of 16 bytes (tensor maps);
+// BN <= 256 (box rows). Launch: grid ceil(N / BN) * CLUSTER, block
+// (CW + 1) * 32, dynamic shared memory tma_smem_bytes(BN, STAGES, CLUSTER)
+// (the launcher computes the same), arguments (SkinnyParams, W's map, A's map).
+//
+// Entry point: the launcher appends
+//   OPFUSE_SKINNY_TMA_ENTRY(name, bf16, NTW, CW, STAGES)   or
+//   OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(name, bf16, NTW, CW, STAGES, CLUSTER)
+
+namespace opfuse_skinny {
+
+typedef unsigned long long u64;
+
+// CUtensorMap: 128 opaque bytes, made on the host by cuTensorMapEncodeTiled;
+// a __grid_constant__ parameter, so its address can be handed to the TMA unit.
+struct alignas(64) TmaMap {
+  u64 opaque[16];
+};
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  u32 done = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// W is read once: first out of L2.
+__device__ __forceinline__ u64 evict_first() {
+  u64 p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar, u64 policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], "
+      "[%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+                   dst),
+               "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+// Byte offset of 16-byte piece `c` of row `r` in a 128-byte-swizzled box.
+__device__ __forceinline__ u32 swizzled(int r, int c) { return static_cast<u32>(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+constexpr int kTmaA = 16 * 128;  // A's box: 16 rows x 64 elements
+__host__ __device__ constexpr int tma_stage_bytes(int bn) { return bn * 128 + kTmaA; }
+// The ring (1024-byte aligned for the swizzle: 1024 bytes of slack), the
+// cluster's partial tile, then 2 * STAGES mbarriers.
+__host__ __device__ constexpr int tma_smem_bytes(int bn, int stages, int cluster) {
+  return 1024 + stages * tma_stage_bytes(bn) + (cluster > 1 ? bn * 64 : 0) + 16 * stages;
+}
+
+template <class E, int NTW, int CW, int STAGES, int CLUSTER>
+__device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, const TmaMap* wmap, const TmaMap* amap) {
+  constexpr int BN = 8 * NTW * CW, STAGE = tma_stage_bytes(BN);
+  static_assert(BN <= 256, "a TMA box has at most 256 rows");
+  extern __shared__ unsigned char smem_raw[];
+  const u32 raw = smem_u32(smem_raw);
+  const u32 ring = (raw + 1023) & ~1023u;
+  unsigned char* const ring_ptr = smem_raw + (ring - raw);
+  F4* const part = reinterpret_cast<F4*>(ring_ptr + STAGES * STAGE);
+  const u32 bars = ring + STAGES * STAGE + (CLUSTER > 1 ? BN * 64 : 0);
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int n0 = static_cast<int>(blockIdx.x / CLUSTER) * BN;
+  const int chunks = (p.k + 63) / 64;
+  const int c_begin = static_cast<int>(static_cast<i64>(chunks) * rank / CLUSTER);
+  const int count = static_cast<int>(static_cast<i64>(chunks) * (rank + 1) / CLUSTER) - c_begin;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), CW);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  float acc[NTW][4];
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  if (warp == CW) {  // the producer
+    if (lane == 0) {
+      const u64 policy = evict_first();
+      const int first = count < STAGES ? count : STAGES;
+      for (int i = 0; i < first; ++i) {  // W does not depend on the previous kernel
+        mbar_arrive_expect_tx(full(i), STAGE);
+        tma_2d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, full(i), policy);
+      }
+      grid_dependency_wait();  // A may be the previous kernel's output
+      for (int i = 0; i < first; ++i) tma_2d(ring + i * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(i));
+      for (int i = STAGES; i < count; ++i) {
+        const int s = i % STAGES;
+        mbar_wait(empty(s), ((i / STAGES) - 1) & 1);
+        mbar_arrive_expect_tx(full(s), STAGE);
+        tma_2d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, full(s), policy);
+        tma_2d(ring + s * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(s));
+      }
+    }
+    __syncwarp();
+  } else {  // a consumer: tiles warp * NTW .. + NTW - 1
+    grid_dependency_wait();  // the epilogue reads the bias and the residual
+    // ldmatrix.x4: lane l gives row l % 8 of matrix l / 8. A's matrices
+    // (a0..a3 of a k16 step kk): rows 0-7 / 8-15 (bit 0), pieces 2kk / 2kk+1 (bit 1).
+    const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_piece = lane >> 4;
+    // W's: 8 rows of the tile, pieces 4h + l / 8 (b0, b1 of kk = 2h, then of 2h + 1).
+    const int w_row = warp * NTW * 8 + (lane & 7), w_piece = lane >> 3;
+    for (int i = 0; i < count; ++i) {
+      const int s = i % STAGES;
+      mbar_wait(full(s), (i / STAGES) & 1);
+      const u32 wst = ring + s * STAGE, ast = wst + BN * 128;
+      u32 a[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        ldmatrix_x4(ast + swizzled(a_row, 2 * kk + a_piece), a[kk][0], a[kk][1], a[kk][2], a[kk][3]);
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          u32 b0, b1, b2, b3;
+          ldmatrix_x4(wst + swizzled(w_row + 8 * j, 4 * h + w_piece), b0, b1, b2, b3);
+          mma(E{}, acc[j], a[2 * h][0], a[2 * h][1], a[2 * h][2], a[2 * h][3], b0, b1);
+          mma(E{}, acc[j], a[2 * h + 1][0], a[2 * h + 1][1], a[2 * h + 1][2], a[2 * h + 1][3], b2, b3);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(s));
+    }
+  }
+  launch_dependents();  // what is left is the tile's stores
+
+  const int n_warp = n0 + warp * NTW * 8;  // store_tile_value's tile j is this warp's tile j
+  if constexpr (CLUSTER > 1) {
+    if (warp < CW)
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) part[(warp * NTW + j) * 32 + lane] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
+    cluster_sum_store<E, CLUSTER, BN / 8 * 32, (CW + 1) * 32>(p, n0, part, rank);
+  } else if (warp < CW) {
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) store_tile_value<E>(p, n_warp, j * 32 + lane, {acc[j][0], acc[j][1], acc[j][2], acc[j][3]});
+  }
+}
+
+}  // namespace opfuse_skinny
+
+#define OPFUSE_SKINNY_TMA_ENTRY(NAME, E, NTW, CW, STAGES)                                                       \
+  extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1)                                               \
+      NAME(const opfuse_skinny::SkinnyParams p, const __grid_constant__ opfuse_skinny::TmaMap wmap,            \
+           const __grid_constant__ opfuse_skinny::TmaMap amap) {                                               \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, 1>(p, &wmap, &amap);                \
+  }
+#define OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(NAME, E, NTW, CW, STAGES, CLUSTER)                                      \
+  extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1) __cluster_dims__(CLUSTER, 1, 1)            \
+      NAME(const opfuse_skinny::SkinnyParams p, const __grid_constant__ opfuse_skinny::TmaMap wmap,            \
+           const __grid_constant__ opfuse_skinny::TmaMap amap) {                                               \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, CLUSTER>(p, &wmap, &amap);          \
+  }
