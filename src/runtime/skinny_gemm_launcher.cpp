@@ -77,7 +77,7 @@ bool tma_wanted() {
 std::string SkinnyConfig::tag() const {
   if (stages)
     return "n" + std::to_string(nt) + "w" + std::to_string(warps) + "s" + std::to_string(stages) + "c" +
-           std::to_string(cluster);
+           std::to_string(cluster) + (early && early != stages ? "e" + std::to_string(early) : "");
   return "n" + std::to_string(nt) + "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" +
          std::to_string(min_blocks) + "c" + std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "") +
          (gate ? "g" + std::to_string(gate) : "");
@@ -90,7 +90,7 @@ int SkinnyConfig::dynamic_smem() const {
 }
 
 SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
-  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+))");
+  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+)(?:e(\d+))?)");
   std::smatch t;
   if (std::regex_match(tag, t, tma)) {
     SkinnyConfig c;
@@ -98,11 +98,13 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
     c.warps = std::stoi(t[2]);
     c.stages = std::stoi(t[3]);
     c.cluster = std::stoi(t[4]);
+    c.early = t[5].matched ? std::stoi(t[5]) : 0;
     c.u = 1;
     c.min_blocks = 1;
     const bool ok = c.nt >= 1 && c.nt <= 16 && c.warps >= 1 && c.warps <= 8 && c.rows() <= 256 && c.stages >= 2 &&
                     c.stages <= 16 && (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) &&
-                    c.dynamic_smem() <= 227 * 1024;
+                    c.dynamic_smem() <= 227 * 1024 && c.early >= 0 && c.early <= c.stages;
+    if (c.early == c.stages) c.early = 0;  // one spelling per config
     if (!ok) throw std::invalid_argument("skinny GEMM config '" + tag + "' is out of range");
     return c;
   }
@@ -214,7 +216,8 @@ std::string source(DType dtype, const SkinnyConfig& c) {
   if (c.stages) {
     s += skinny_gemm_tma_cu;
     const std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
-                             std::to_string(c.warps) + ", " + std::to_string(c.stages);
+                             std::to_string(c.warps) + ", " + std::to_string(c.stages) + ", " +
+                             std::to_string(c.early ? c.early : c.stages);
     if (c.cluster > 1) s += "\nOPFUSE_SKINNY_TMA_CLUSTER_ENTRY(" + args + ", " + std::to_string(c.cluster) + ")\n";
     else s += "\nOPFUSE_SKINNY_TMA_ENTRY(" + args + ")\n";
     return s;
@@ -356,7 +359,7 @@ bool try_run(const GemmArgs& g) {
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
     cfg.gate = g.a_mul.ptr ? 1 : 0;  // the operand decides it, not the tuning
     LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate,
-                              cfg.stages}];
+                              cfg.stages * 32 + cfg.early}];
     if (lf.failed) return false;
     if (!lf.fn) {
       try {

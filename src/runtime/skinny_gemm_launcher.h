@@ -55,12 +55,14 @@ static_assert(sizeof(SkinnyParams) == 128, "SkinnyParams layout is the kernel's 
 //
 // With stages > 0 the TMA kernel (skinny_gemm_tma.cu, sm_90): nt n-tiles per
 // consumer warp, `warps` consumer warps (plus a producer), a ring of
-// `stages` boxes of W, CLUSTER CTAs splitting K; tag form "n4w4s10c1".
+// `stages` boxes of W, CLUSTER CTAs splitting K, `early` of them issued
+// before the wait for the previous kernel; tag form "n4w4s10c1" or "n4w4s11c1e2".
 struct SkinnyConfig {
   int nt = 8, u = 1, warps = 8, min_blocks = 2, cluster = 1;
   int pipe = 0;  // 1: the next chunk's loads before this chunk's MMAs (tag suffix "p1"); 2: the same as a ping-pong (kernel comment)
   int gate = 0;  // 1: A read as silu(a) * a2 (GemmArgs::a_mul; tag suffix "g1"): not a tuning choice
   int stages = 0;  // > 0: the TMA kernel
+  int early = 0;   // the TMA kernel: W stages issued before griddepcontrol.wait (tag suffix "e2"; 0 or absent: all)
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
   int rows() const { return stages ? 8 * nt * warps : 8 * nt; }  // BN

@@ -40,8 +40,8 @@
 // (the launcher computes the same), arguments (SkinnyParams, W's map, A's map).
 //
 // Entry point: the launcher appends
-//   OPFUSE_SKINNY_TMA_ENTRY(name, bf16, NTW, CW, STAGES)   or
-//   OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(name, bf16, NTW, CW, STAGES, CLUSTER)
+//   OPFUSE_SKINNY_TMA_ENTRY(name, bf16, NTW, CW, STAGES, EARLY)   or
+//   OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(name, bf16, NTW, CW, STAGES, EARLY, CLUSTER)
 
 namespace opfuse_skinny {
 
@@ -112,10 +112,11 @@ __host__ __device__ constexpr int tma_smem_bytes(int bn, int stages, int cluster
   return 1024 + stages * tma_stage_bytes(bn) + (cluster > 1 ? bn * 64 : 0) + 16 * stages;
 }
 
-template <class E, int NTW, int CW, int STAGES, int CLUSTER>
+template <class E, int NTW, int CW, int STAGES, int CLUSTER, int EARLY>
 __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, const TmaMap* wmap, const TmaMap* amap) {
   constexpr int BN = 8 * NTW * CW, STAGE = tma_stage_bytes(BN);
   static_assert(BN <= 256, "a TMA box has at most 256 rows");
+  static_assert(EARLY >= 1 && EARLY <= STAGES, "1 to STAGES early stages");
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_u32(smem_raw);
   const u32 ring = (raw + 1023) & ~1023u;
@@ -148,16 +149,20 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
   if (warp == CW) {  // the producer
     if (lane == 0) {
       const u64 policy = evict_first();
-      const int first = count < STAGES ? count : STAGES;
-      for (int i = 0; i < first; ++i) {  // W does not depend on the previous kernel
+      // EARLY stages of W go out before the wait: W does not depend on the
+      // previous kernel, so behind one they stream during its tail. Alone,
+      // the first A box queues behind them (a longer ramp): EARLY < STAGES
+      // trades the one for the other.
+      const int early = count < EARLY ? count : EARLY;
+      for (int i = 0; i < early; ++i) {
         mbar_arrive_expect_tx(full(i), STAGE);
         tma_2d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, full(i), policy);
       }
       grid_dependency_wait();  // A may be the previous kernel's output
-      for (int i = 0; i < first; ++i) tma_2d(ring + i * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(i));
-      for (int i = STAGES; i < count; ++i) {
+      for (int i = 0; i < early; ++i) tma_2d(ring + i * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(i));
+      for (int i = early; i < count; ++i) {
         const int s = i % STAGES;
-        mbar_wait(empty(s), ((i / STAGES) - 1) & 1);
+        if (i >= STAGES) mbar_wait(empty(s), ((i / STAGES) - 1) & 1);
         mbar_arrive_expect_tx(full(s), STAGE);
         tma_2d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, full(s), policy);
         tma_2d(ring + s * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(s));
@@ -209,15 +214,15 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
 
 }  // namespace opfuse_skinny
 
-#define OPFUSE_SKINNY_TMA_ENTRY(NAME, E, NTW, CW, STAGES)                                                       \
+#define OPFUSE_SKINNY_TMA_ENTRY(NAME, E, NTW, CW, STAGES, EARLY)                                                      \
   extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1)                                               \
       NAME(const opfuse_skinny::SkinnyParams p, const __grid_constant__ opfuse_skinny::TmaMap wmap,            \
            const __grid_constant__ opfuse_skinny::TmaMap amap) {                                               \
-    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, 1>(p, &wmap, &amap);                \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, 1, EARLY>(p, &wmap, &amap);               \
   }
-#define OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(NAME, E, NTW, CW, STAGES, CLUSTER)                                      \
+#define OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(NAME, E, NTW, CW, STAGES, EARLY, CLUSTER)                                     \
   extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1) __cluster_dims__(CLUSTER, 1, 1)            \
       NAME(const opfuse_skinny::SkinnyParams p, const __grid_constant__ opfuse_skinny::TmaMap wmap,            \
            const __grid_constant__ opfuse_skinny::TmaMap amap) {                                               \
-    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, CLUSTER>(p, &wmap, &amap);          \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, CLUSTER, EARLY>(p, &wmap, &amap);         \
   }
