@@ -101,6 +101,11 @@ void bind_skinny_gemm(nb::module_& m) {
   m.def("skinny_gemm_choose_tma_config", [](int64_t m_, int64_t n, int64_t k, int sms) {
     return skinny::choose_tma_config(m_, n, k, sms).tag();
   });
+  m.def(
+      "skinny_gemm_set_trace_buffer", [](uintptr_t buffer) { skinny::set_trace_buffer(reinterpret_cast<uint64_t*>(buffer)); },
+      nb::arg("buffer"),
+      "Device buffer (6 int64 a CTA) that launches of a trace config (tag suffix 't', forced with "
+      "OPFUSE_SKINNY_CONFIG) write their CTAs' %globaltimer stamps to; 0 for none.");
   m.def("skinny_gemm_launch_count", [] { return skinny::launch_count(); });
   m.def("skinny_gemm_last_error", [] { return skinny::last_error(); });
   m.def(

@@ -20,6 +20,7 @@ namespace opfuse::skinny {
 namespace {
 
 std::atomic<uint64_t> g_launches{0};
+std::atomic<uint64_t*> g_trace{nullptr};  // set_trace_buffer
 std::mutex g_mu;  // the maps below and g_error
 std::string g_error;
 
@@ -75,12 +76,14 @@ bool tma_wanted() {
 }  // namespace
 
 std::string SkinnyConfig::tag() const {
+  std::string s = "n" + std::to_string(nt);
   if (stages)
-    return "n" + std::to_string(nt) + "w" + std::to_string(warps) + "s" + std::to_string(stages) + "c" +
-           std::to_string(cluster) + (early && early != stages ? "e" + std::to_string(early) : "");
-  return "n" + std::to_string(nt) + "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" +
-         std::to_string(min_blocks) + "c" + std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "") +
-         (gate ? "g" + std::to_string(gate) : "");
+    s += "w" + std::to_string(warps) + "s" + std::to_string(stages) + "c" + std::to_string(cluster) +
+         (early && early != stages ? "e" + std::to_string(early) : "");
+  else
+    s += "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" + std::to_string(min_blocks) + "c" +
+         std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "") + (gate ? "g" + std::to_string(gate) : "");
+  return trace ? s + "t" : s;
 }
 
 int SkinnyConfig::dynamic_smem() const {
@@ -89,7 +92,10 @@ int SkinnyConfig::dynamic_smem() const {
   return 1024 + stages * (bn * 128 + 16 * 128) + (cluster > 1 ? bn * 64 : 0) + 16 * stages;
 }
 
-SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
+SkinnyConfig SkinnyConfig::parse(const std::string& tag_in) {
+  // A trailing "t": the same config built with its CTAs' timeline (diagnosis).
+  const bool traced = !tag_in.empty() && tag_in.back() == 't';
+  const std::string tag = traced ? tag_in.substr(0, tag_in.size() - 1) : tag_in;
   static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+)(?:e(\d+))?)");
   std::smatch t;
   if (std::regex_match(tag, t, tma)) {
@@ -106,6 +112,7 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
                     c.dynamic_smem() <= 227 * 1024 && c.early >= 0 && c.early <= c.stages;
     if (c.early == c.stages) c.early = 0;  // one spelling per config
     if (!ok) throw std::invalid_argument("skinny GEMM config '" + tag + "' is out of range");
+    c.trace = traced;
     return c;
   }
   static const std::regex re(R"(n(\d+)u(\d+)w(\d+)b(\d+)c(\d+)(?:p(\d+))?(?:g(\d+))?)");
@@ -119,6 +126,7 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag) {
             (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) && c.pipe >= 0 && c.pipe <= 2 &&
             (c.gate == 0 || c.gate == 1);
   if (!ok) throw std::invalid_argument("skinny GEMM config '" + tag + "' is out of range");
+  c.trace = traced;
   return c;
 }
 
@@ -214,7 +222,8 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
 }
 
 std::string source(DType dtype, const SkinnyConfig& c) {
-  std::string s(skinny_gemm_cu);
+  std::string s = c.trace ? "#define OPFUSE_SKINNY_TRACE 1\n" : "";
+  s += skinny_gemm_cu;
   if (c.stages) {
     s += skinny_gemm_tma_cu;
     const std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
@@ -361,7 +370,7 @@ bool try_run(const GemmArgs& g) {
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
     cfg.gate = g.a_mul.ptr ? 1 : 0;  // the operand decides it, not the tuning
     LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate,
-                              cfg.stages * 32 + cfg.early}];
+                              (cfg.stages * 32 + cfg.early) * 2 + (cfg.trace ? 1 : 0)}];
     if (lf.failed) return false;
     if (!lf.fn) {
       try {
@@ -412,12 +421,18 @@ bool try_run(const GemmArgs& g) {
   p.a2 = g.a_mul.ptr;
   p.lda2 = g.a_mul.ptr && g.m > 1 ? g.a_mul.row_stride : 0;
   const unsigned grid = static_cast<unsigned>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
-  void* params[] = {&p, &wmap, &amap};  // the register kernel takes p only
+  // The register kernel takes p, the TMA kernel p and its maps; a trace
+  // config also the trace buffer, last.
+  uint64_t* trace = g_trace.load(std::memory_order_relaxed);
+  void* params[] = {&p, &wmap, &amap, &trace};
+  if (cfg.trace && !cfg.stages) params[1] = &trace;
   launch_1d(fn, grid, static_cast<unsigned>(cfg.threads()), static_cast<unsigned>(cfg.dynamic_smem()), g.stream, params,
             pdl, "cuLaunchKernel(skinny GEMM)");
   g_launches.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
+
+void set_trace_buffer(uint64_t* buffer) { g_trace.store(buffer, std::memory_order_relaxed); }
 
 uint64_t launch_count() { return g_launches.load(std::memory_order_relaxed); }
 

@@ -63,6 +63,7 @@ struct SkinnyConfig {
   int gate = 0;  // 1: A read as silu(a) * a2 (GemmArgs::a_mul; tag suffix "g1"): not a tuning choice
   int stages = 0;  // > 0: the TMA kernel
   int early = 0;   // the TMA kernel: W stages issued before griddepcontrol.wait (tag suffix "e2"; 0 or absent: all)
+  bool trace = false;  // tag suffix "t": a build that writes each CTA's timeline (diagnosis; set_trace_buffer)
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
   int rows() const { return stages ? 8 * nt * warps : 8 * nt; }  // BN
@@ -110,6 +111,11 @@ bool default_takes(int64_t m, int64_t n, int64_t k, int arch, int sms);
 // when its instantiation cannot be built here (the error is kept, see
 // last_error()). Throws only when a launch itself fails.
 bool try_run(const GemmArgs& g);
+
+// Diagnosis: the buffer (device memory, 6 words per CTA) that the next
+// launches of a trace config ("...t", forced with OPFUSE_SKINNY_CONFIG)
+// write their CTAs' %globaltimer stamps to; 0 for none. Read at launch.
+void set_trace_buffer(uint64_t* buffer);
 
 // Debug queries: launches so far (process-wide), and the last build error.
 uint64_t launch_count();

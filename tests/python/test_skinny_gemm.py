@@ -96,6 +96,18 @@ def test_tma_config_choice_for_the_benchmark_shapes():
         _C.skinny_gemm_compile("bf16", "n4w4s16c1", 90)  # 16 stages of 18 KB: more shared memory than an SM has
 
 
+def test_trace_configs_parse_and_compile():
+    """A trailing "t" is the same config built with its CTAs' timeline
+    (diagnosis only: scripts/skinny_timeline.py); it round-trips through the
+    parser and compiles without spills for both kernels."""
+    nvrtc_or_skip()
+    for tag in ("n8u1w8b1c2p1t", "n8u1w8b2c1t", "n4w4s11c1t", "n2w4s12c2e2t"):
+        cubin, log = _C.skinny_gemm_compile("bf16", tag, 90)
+        assert re.search(r"(\d+) bytes spill stores", log).group(1) == "0", f"{tag}:\n{log}"
+    with pytest.raises(Exception, match="bad skinny GEMM config"):
+        _C.skinny_gemm_compile("bf16", "n8u1w8b2c1tt", 90)
+
+
 def test_config_choice_for_the_benchmark_shapes():
     choose = _C.skinny_gemm_choose_config
     assert choose(16, 16384, 4096, 90, 132) == "n8u1w8b2c1"
@@ -261,6 +273,37 @@ def test_tma_kernel_chosen_by_the_knob(monkeypatch):
     gated = sg.linear(x, w, bias, up=up)
     assert gated is not None, sg.last_error()
     check(gated[0], sg.reference(x, w, bias, up=up)[0], F.linear((F.silu(x.float()) * up.float()).to(x.dtype), w, bias))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, ctas", [("n8u1w8b1c2p1t", 128), ("n4w4s11c1t", 32), ("n2w4s12c2t", 128)])
+def test_trace_config_stamps_every_cta(config, ctas, monkeypatch):
+    """A trace build computes the same product and writes, for every CTA,
+    entry <= main loop done <= exit and its SM; with no buffer it writes
+    nothing and still runs."""
+    cuda_or_skip()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the configs need sm_90")
+    monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", config)
+    torch.manual_seed(5)
+    x, w, bias, _ = operands(16, 4096, 4096, torch.bfloat16)
+    buf = torch.zeros(2048 * 6, dtype=torch.int64, device="cuda")
+    try:
+        _C.skinny_gemm_set_trace_buffer(buf.data_ptr())
+        got = sg.linear(x, w, bias)
+    finally:
+        _C.skinny_gemm_set_trace_buffer(0)
+    assert got is not None, sg.last_error()
+    check(got[0], sg.reference(x, w, bias)[0], F.linear(x, w, bias))
+    t = buf.view(-1, 6).cpu()
+    ran = t[t[:, 0] != 0]
+    assert ran.shape[0] == ctas and (t[ctas:] == 0).all()
+    assert (ran[:, 0] <= ran[:, 2]).all() and (ran[:, 2] <= ran[:, 3]).all()
+    assert (ran[:, 4] < torch.cuda.get_device_properties(0).multi_processor_count).all()
+    if "s" in config:  # the TMA kernel stamps its first stage's MMAs
+        assert (ran[:, 0] <= ran[:, 1]).all() and (ran[:, 1] <= ran[:, 2]).all()
+    again = sg.linear(x, w, bias)  # no buffer: nothing written, same result
+    assert again is not None and torch.equal(again[0], got[0])
 
 
 @pytest.mark.gpu

@@ -186,6 +186,47 @@ __device__ __forceinline__ F4 ld_cluster(const void* local, u32 rank) {
 
 __device__ __forceinline__ F4 add(F4 a, F4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
 
+// Timeline of a CTA, for diagnosis only (trace configs, tag suffix "t": the
+// launcher defines OPFUSE_SKINNY_TRACE and passes a buffer as the kernel's
+// last argument; elsewhere these are empty and the kernel is unchanged).
+// Thread 0 (warp 0, which runs MMAs in both kernels) writes %globaltimer
+// (ns) to trace[6 * CTA + k]: 0 entry, 1 its first stage's MMAs done (the
+// TMA kernel only: in the register kernel's loop the check changes how
+// ptxas allocates, 156 -> 136 registers), 2 main loop done, 3 exit; word 4
+// is the SM. scripts/skinny_timeline.py reads them.
+#ifdef OPFUSE_SKINNY_TRACE
+__shared__ unsigned long long* trace_buffer;  // set by thread 0 at entry, read by thread 0 only
+__device__ __forceinline__ void trace_stamp(int k) {
+  if (threadIdx.x != 0 || !trace_buffer) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  trace_buffer[6 * blockIdx.x + k] = t;
+  if (k == 0) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    trace_buffer[6 * blockIdx.x + 4] = sm;
+  }
+}
+// Stamp 1 once, after the first chunk's MMAs.
+struct FirstMmaStamp {
+  bool pending = true;
+  __device__ __forceinline__ void operator()() {
+    if (pending) trace_stamp(1);
+    pending = false;
+  }
+};
+#define OPFUSE_SKINNY_TRACE_PARAM , unsigned long long* trace
+#define OPFUSE_SKINNY_TRACE_SET \
+  if (threadIdx.x == 0) opfuse_skinny::trace_buffer = trace;
+#else
+__device__ __forceinline__ void trace_stamp(int) {}
+struct FirstMmaStamp {
+  __device__ __forceinline__ void operator()() {}
+};
+#define OPFUSE_SKINNY_TRACE_PARAM
+#define OPFUSE_SKINNY_TRACE_SET
+#endif
+
 // Programmatic dependent launch (sm_90; the launcher sets the launch
 // attribute there, and without it both are no-ops): the kernel may start
 // while the previous kernel of the stream (e.g. the up projection whose
@@ -376,7 +417,7 @@ __device__ __forceinline__ int full_chunks(float (&acc)[NT][4], const char* wbas
     auto half = [&](Operands<NT, U, GATE>& cur, Operands<NT, U, GATE>& next) {
       if (c >= c_full_end) {
         mma_chunk<E>(acc, cur);
-        return true;
+          return true;
       }
       load_chunk<NT, U, GATE, false>(next, wbase, roff, ar, c * 4 * U, t, groups);
       c += WARPS;
@@ -412,6 +453,7 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
   __shared__ F4 red[WARPS][RJ * 32];
   __shared__ F4 part[CLUSTER > 1 ? NT * 32 : 1];
 
+  trace_stamp(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
@@ -465,6 +507,7 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
     mma_chunk<E>(acc, o);
   }
 
+  trace_stamp(2);
   launch_dependents();  // the rest is this tile's sums and stores
 
   // Warps' partials: summed in warp order, RJ tiles per round.
@@ -483,17 +526,20 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
     }
   }
   if constexpr (CLUSTER > 1) cluster_sum_store<E, CLUSTER, NT * 32, WARPS * 32>(p, n0, part, rank);
+  trace_stamp(3);
 }
 
 }  // namespace opfuse_skinny
 
 #define OPFUSE_SKINNY_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, PIPE, GATE)                        \
   extern "C" __global__ void __launch_bounds__((WARPS) * 32, MIN_BLOCKS)                          \
-      NAME(const opfuse_skinny::SkinnyParams p) {                                                 \
+      NAME(const opfuse_skinny::SkinnyParams p OPFUSE_SKINNY_TRACE_PARAM) {                       \
+    OPFUSE_SKINNY_TRACE_SET                                                                       \
     opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, 1, PIPE, GATE>(p);            \
   }
 #define OPFUSE_SKINNY_CLUSTER_ENTRY(NAME, E, NT, U, WARPS, MIN_BLOCKS, PIPE, GATE, CLUSTER)       \
   extern "C" __global__ void __launch_bounds__((WARPS) * 32, MIN_BLOCKS) __cluster_dims__(CLUSTER, 1, 1) \
-      NAME(const opfuse_skinny::SkinnyParams p) {                                                 \
+      NAME(const opfuse_skinny::SkinnyParams p OPFUSE_SKINNY_TRACE_PARAM) {                       \
+    OPFUSE_SKINNY_TRACE_SET                                                                       \
     opfuse_skinny::skinny_gemm_body<opfuse_skinny::E, NT, U, WARPS, CLUSTER, PIPE, GATE>(p);      \
   }

@@ -126,6 +126,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
 
+  trace_stamp(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
   const int n0 = static_cast<int>(blockIdx.x / CLUSTER) * BN;
@@ -176,6 +177,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_piece = lane >> 4;
     // W's: 8 rows of the tile, pieces 4h + l / 8 (b0, b1 of kk = 2h, then of 2h + 1).
     const int w_row = warp * NTW * 8 + (lane & 7), w_piece = lane >> 3;
+    FirstMmaStamp first;
     for (int i = 0; i < count; ++i) {
       const int s = i % STAGES;
       mbar_wait(full(s), (i / STAGES) & 1);
@@ -194,10 +196,12 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
           mma(E{}, acc[j], a[2 * h + 1][0], a[2 * h + 1][1], a[2 * h + 1][2], a[2 * h + 1][3], b2, b3);
         }
       }
+      first();
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(s));
     }
   }
+  trace_stamp(2);
   launch_dependents();  // what is left is the tile's stores
 
   const int n_warp = n0 + warp * NTW * 8;  // store_tile_value's tile j is this warp's tile j
@@ -210,6 +214,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
 #pragma unroll
     for (int j = 0; j < NTW; ++j) store_tile_value<E>(p, n_warp, j * 32 + lane, {acc[j][0], acc[j][1], acc[j][2], acc[j][3]});
   }
+  trace_stamp(3);
 }
 
 }  // namespace opfuse_skinny
@@ -217,12 +222,14 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
 #define OPFUSE_SKINNY_TMA_ENTRY(NAME, E, NTW, CW, STAGES, EARLY)                                                      \
   extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1)                                               \
       NAME(const opfuse_skinny::SkinnyParams p, const __grid_constant__ opfuse_skinny::TmaMap wmap,            \
-           const __grid_constant__ opfuse_skinny::TmaMap amap) {                                               \
+           const __grid_constant__ opfuse_skinny::TmaMap amap OPFUSE_SKINNY_TRACE_PARAM) {                    \
+    OPFUSE_SKINNY_TRACE_SET                                                                                    \
     opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, 1, EARLY>(p, &wmap, &amap);               \
   }
 #define OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(NAME, E, NTW, CW, STAGES, EARLY, CLUSTER)                                     \
   extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1) __cluster_dims__(CLUSTER, 1, 1)            \
       NAME(const opfuse_skinny::SkinnyParams p, const __grid_constant__ opfuse_skinny::TmaMap wmap,            \
-           const __grid_constant__ opfuse_skinny::TmaMap amap) {                                               \
+           const __grid_constant__ opfuse_skinny::TmaMap amap OPFUSE_SKINNY_TRACE_PARAM) {                    \
+    OPFUSE_SKINNY_TRACE_SET                                                                                    \
     opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, CLUSTER, EARLY>(p, &wmap, &amap);         \
   }
