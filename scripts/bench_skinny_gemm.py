@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import opfuse
-from opfuse.bench.cases import llama_mlp, mlp_block
+from opfuse.bench.cases import linear_operands, llama_mlp, mlp_block
+from opfuse.bench.timing import back_to_back_us
 from opfuse import _C
 from opfuse import skinny_gemm as sg
 
@@ -25,18 +26,7 @@ os.environ["OPFUSE_SKINNY_GEMM"] = "1"  # every shape; the blocks below time it 
 
 def time_us(fn, iters):
     """Median over 5 trials of the mean time of `iters` back-to-back calls (CUDA events)."""
-    fn()
-    torch.cuda.synchronize()
-    trials = []
-    for _ in range(5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        stop.record()
-        stop.synchronize()
-        trials.append(start.elapsed_time(stop) * 1000 / iters)
-    return sorted(trials)[2]
+    return back_to_back_us(fn, iters)
 
 
 def copy_bandwidth_gb_s():
@@ -63,10 +53,7 @@ def main():
     print(f"\n{'GEMM (M x K -> N)':<26}{'floor us':>9}{'cuBLAS':>16}{'skinny default':>24}  best config")
     for m in (16, 1):
         for k, n in ((4096, 16384), (16384, 4096), (4096, 11008), (11008, 4096)):
-            torch.manual_seed(0)
-            x = torch.randn(m, k, device=dev).bfloat16()
-            w = (torch.randn(n, k, device=dev) * k ** -0.5).bfloat16()
-            b = torch.randn(n, device=dev).bfloat16()
+            x, w, b = linear_operands(m, k, n, dev)
             floor = 2 * n * k / bw * 1e6
             out = torch.empty(m, n, dtype=x.dtype, device=dev)
             assert sg.linear(x, w, b, out=out) is not None, sg.last_error()

@@ -22,23 +22,8 @@ import torch.nn.functional as F
 
 from opfuse import _C
 from opfuse import skinny_gemm as sg
-from opfuse.bench.timing import benchmark
-
-
-def back_to_back_us(fn, iters=40):
-    """Median over 5 trials of the mean of `iters` calls between two events."""
-    fn()
-    torch.cuda.synchronize()
-    trials = []
-    for _ in range(5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        stop.record()
-        stop.synchronize()
-        trials.append(start.elapsed_time(stop) * 1000 / iters)
-    return sorted(trials)[2]
+from opfuse.bench.cases import linear_operands
+from opfuse.bench.timing import back_to_back_us, benchmark
 
 
 def per_call_us(fn, dev):
@@ -58,10 +43,7 @@ def main():
     print(f"{'GEMM / way':<40}{'back to back us':>17}{'per call us':>13}   (% of the weight floor)")
     for k, n in ((4096, 16384), (16384, 4096), (4096, 11008), (11008, 4096)):
         m = 16
-        torch.manual_seed(0)
-        x = torch.randn(m, k, device=dev).bfloat16()
-        w = (torch.randn(n, k, device=dev) * k ** -0.5).bfloat16()
-        b = torch.randn(n, device=dev).bfloat16()
+        x, w, b = linear_operands(m, k, n, dev)
         out = torch.empty(m, n, dtype=x.dtype, device=dev)
         floor = 2 * n * k / bw * 1e6
         default = _C.skinny_gemm_choose_config(m, n, k, major * 10 + minor, sms)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from opfuse import _C
 from opfuse import skinny_gemm as sg
+from opfuse.bench.cases import linear_operands
 
 SLOTS = 6  # words per CTA (skinny_gemm.cu, trace_stamp)
 MAX_CTAS = 2048
@@ -68,10 +69,7 @@ def main():
     bufs = [torch.zeros(MAX_CTAS * SLOTS, dtype=torch.int64, device=dev) for _ in range(args.calls)]
     for k, n in ((4096, 16384), (16384, 4096)):
         m = 16
-        torch.manual_seed(0)
-        x = torch.randn(m, k, device=dev).bfloat16()
-        w = (torch.randn(n, k, device=dev) * k ** -0.5).bfloat16()
-        b = torch.randn(n, device=dev).bfloat16()
+        x, w, b = linear_operands(m, k, n, dev)
         out = torch.empty(m, n, dtype=x.dtype, device=dev)
         configs = args.configs.split(",") if args.configs else [
             _C.skinny_gemm_choose_config(m, n, k, major * 10 + minor, sms), _C.skinny_gemm_choose_tma_config(m, n, k, sms)]

@@ -13,6 +13,7 @@
 #include "runtime/small_m_launch.h"
 
 #include "decode_mlp_cu.inc"  // static const char decode_mlp_cu[]
+#include "tma_ptx_cu.inc"     // static const char tma_ptx_cu[]
 
 namespace opfuse::decode_mlp {
 namespace {
@@ -147,7 +148,8 @@ std::vector<Config> candidate_configs() {
 
 std::string source(DType dtype, bool gated, const Config& c) {
   // A diagnostic build ("n"): the consumers wait for each stage and release it without reading it.
-  std::string s = c.no_mma ? std::string("#define OPFUSE_DECODE_NO_MMA 1\n") + decode_mlp_cu : std::string(decode_mlp_cu);
+  // common/tma_ptx.cu first: the kernel's mbarriers and tensor copies.
+  std::string s = std::string(c.no_mma ? "#define OPFUSE_DECODE_NO_MMA 1\n" : "") + tma_ptx_cu + decode_mlp_cu;
   s += "\nOPFUSE_DECODE_MLP_ENTRY(" + std::string(kEntryName) + ", " + elem_name(dtype) + ", " + (gated ? "true" : "false") +
        ", " + std::to_string(c.bn) + ", " + std::to_string(c.ks) + ", " + std::to_string(c.stages) + ", " +
        std::to_string(c.kg) + ", " + (c.tensor ? "true" : "false") + ")\n";

@@ -15,6 +15,7 @@
 
 #include "skinny_gemm_cu.inc"      // static const char skinny_gemm_cu[]
 #include "skinny_gemm_tma_cu.inc"  // static const char skinny_gemm_tma_cu[]
+#include "tma_ptx_cu.inc"          // static const char tma_ptx_cu[]
 
 namespace opfuse::skinny {
 namespace {
@@ -223,6 +224,7 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
 
 std::string source(DType dtype, const SkinnyConfig& c) {
   std::string s = c.trace ? "#define OPFUSE_SKINNY_TRACE 1\n" : "";
+  if (c.stages) s += tma_ptx_cu;
   s += skinny_gemm_cu;
   if (c.stages) {
     s += skinny_gemm_tma_cu;

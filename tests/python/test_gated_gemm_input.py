@@ -69,8 +69,10 @@ def test_not_marked_where_it_would_change_anything():
 @pytest.mark.parametrize("elem", ["bf16", "f16"])
 def test_every_gated_instantiation_compiles_without_spills(arch, elem):
     nvrtc_or_skip()
-    # The 128-row rivals (n16, not chosen, at ~250 registers ungated) spill gated: left out.
-    for tag in [t for t in _C.skinny_gemm_candidates(arch) if not t.startswith("n16")]:
+    # The 128-row rivals (n16, not chosen, at ~250 registers ungated) spill gated: left out;
+    # so is the TMA kernel (configs n..w..s..c..), which has no gated form.
+    register_tags = [t for t in _C.skinny_gemm_candidates(arch) if re.fullmatch(r"n\d+u\d+w\d+b\d+c\d+(p\d+)?", t)]
+    for tag in [t for t in register_tags if not t.startswith("n16")]:
         cubin, log = _C.skinny_gemm_compile(elem, tag + "g1", arch)
         assert len(cubin) > 0
         assert re.search(r"(\d+) bytes spill stores", log).group(1) == "0", f"{tag}g1 sm_{arch}:\n{log}"

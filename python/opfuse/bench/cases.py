@@ -118,6 +118,16 @@ def rows_cases(device: torch.device, quick: bool) -> list[Case]:
     return [row_case(op, r, c, dtype) for (r, c) in shapes for op in ROW_FUNCTIONS]
 
 
+def linear_operands(m: int, k: int, n: int, device, seed: int = 0, dtype=torch.bfloat16):
+    """x [m, k], an nn.Linear weight w [n, k] scaled by k^-1/2 and a bias
+    [n], the decode GEMM scripts' operands (scripts/bench_skinny_gemm.py,
+    skinny_call_cost.py, skinny_timeline.py)."""
+    torch.manual_seed(seed)
+    x = torch.randn(m, k, device=device).to(dtype)
+    w = (torch.randn(n, k, device=device) * k ** -0.5).to(dtype)
+    return x, w, torch.randn(n, device=device).to(dtype)
+
+
 def mlp_block(x, w1, b1, w2, b2):
     """The seed's section 5.1 block relu(x @ w1 + b1) @ w2 + b2, as nn.Linear layers."""
     return F.linear(F.relu(F.linear(x, w1, b1)), w2, b2)

@@ -3,7 +3,8 @@
 //
 // Compiled at run time by NVRTC, with NO header (NVRTC on the target
 // machines finds no CUDA headers): every device helper is plain C++ or
-// inline PTX.
+// inline PTX. The launcher puts common/tma_ptx.cu (mbarriers, tensor
+// copies) ahead of this file.
 //
 //   phase 1:  h[m, j]   = act(sum_k x[m, k] w1[j, k] + b1[j])                 (act: none, relu, tanh-gelu)
 //        or   h[m, j]   = silu(sum_k x[m, k] w1[j, k]) * sum_k x[m, k] w3[j, k]   (GATED: Llama)
@@ -172,40 +173,21 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + ex2(-1.44269
 // Shared memory, mbarriers, bulk copies (sm_90 PTX)
 // ---------------------------------------------------------------------------
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
+// From common/tma_ptx.cu (the launcher puts it ahead of this file): shared
+// addresses, mbarriers, tensor copies, the evict-first policy.
+using TensorMap = opfuse_tma::TmaMap;
+using opfuse_tma::evict_first_policy;
+using opfuse_tma::mbar_arrive;
+using opfuse_tma::mbar_init;
+using opfuse_tma::mbar_wait;
+using opfuse_tma::tma_load_2d;
+__device__ __forceinline__ u32 smem_addr(const void* p) { return opfuse_tma::smem_u32(p); }
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) { opfuse_tma::mbar_arrive_expect_tx(bar, bytes); }
+
 __device__ __forceinline__ V4 lds128(u32 a) {
   V4 r;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
   return r;
-}
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  u32 done = 0;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// Weights are read once: evict them first, so that x, h and the partials stay in L2.
-__device__ __forceinline__ u64 evict_first_policy() {
-  u64 p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
 }
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar, u64 policy) {
   asm volatile(
@@ -221,30 +203,11 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u
 __device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
-// CUtensorMap: 128 opaque bytes, 64-byte aligned, encoded on the host
-// (cuTensorMapEncodeTiled); the maps are a __grid_constant__ parameter so
-// that their parameter-space address can be handed to the TMA unit.
-struct alignas(64) TensorMap {
-  u64 opaque[16];
-};
 // Maps of the tensor-copy configs (TM): 2-D [rows, K] views, boxes of
 // [rows per stage, KS], zero fill outside the tensor. Unused (zeros) otherwise.
 struct TensorMaps {
   TensorMap w1, w3, w2, x, h;
 };
-__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar, u64 policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], "
-      "[%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                   dst),
-               "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar)
-               : "memory");
-}
 __device__ __forceinline__ void tma_prefetch_2d(const TensorMap* map, int c0, int c1) {
   asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(reinterpret_cast<u64>(map)), "r"(c0),
                "r"(c1)

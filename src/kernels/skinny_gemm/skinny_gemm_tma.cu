@@ -1,7 +1,8 @@
 // opfuse skinny GEMM, weights through the tensor memory accelerator (sm_90).
 //
-// Appended by the launcher after skinny_gemm.cu (same namespace, its element
-// types, MMA, epilogue and cluster helpers); inline PTX only, no headers.
+// Appended by the launcher after common/tma_ptx.cu (mbarriers, tensor copies)
+// and skinny_gemm.cu (same namespace: its element types, MMA, epilogue and
+// cluster helpers); inline PTX only, no headers.
 // Same contract as skinny_gemm.cu's kernel (D = act(A W^T + bias + C), aux,
 // M <= 16); no gated form. The CPU reference is the same one.
 //
@@ -46,56 +47,15 @@
 namespace opfuse_skinny {
 
 typedef unsigned long long u64;
+// From common/tma_ptx.cu (the launcher puts it ahead of this file).
+using opfuse_tma::TmaMap;
+using opfuse_tma::mbar_arrive;
+using opfuse_tma::mbar_arrive_expect_tx;
+using opfuse_tma::mbar_init;
+using opfuse_tma::mbar_wait;
+using opfuse_tma::smem_u32;
+using opfuse_tma::tma_load_2d;
 
-// CUtensorMap: 128 opaque bytes, made on the host by cuTensorMapEncodeTiled;
-// a __grid_constant__ parameter, so its address can be handed to the TMA unit.
-struct alignas(64) TmaMap {
-  u64 opaque[16];
-};
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  u32 done = 0;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// W is read once: first out of L2.
-__device__ __forceinline__ u64 evict_first() {
-  u64 p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar, u64 policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], "
-      "[%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
-      : "memory");
-}
-__device__ __forceinline__ void tma_2d(u32 dst, const TmaMap* map, int c0, int c1, u32 bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                   dst),
-               "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(bar)
-               : "memory");
-}
 __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -149,7 +109,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
 
   if (warp == CW) {  // the producer
     if (lane == 0) {
-      const u64 policy = evict_first();
+      const u64 policy = opfuse_tma::evict_first_policy();
       // EARLY stages of W go out before the wait: W does not depend on the
       // previous kernel, so behind one they stream during its tail. Alone,
       // the first A box queues behind them (a longer ramp): EARLY < STAGES
@@ -157,16 +117,16 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
       const int early = count < EARLY ? count : EARLY;
       for (int i = 0; i < early; ++i) {
         mbar_arrive_expect_tx(full(i), STAGE);
-        tma_2d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, full(i), policy);
+        tma_load_2d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, full(i), policy);
       }
       grid_dependency_wait();  // A may be the previous kernel's output
-      for (int i = 0; i < early; ++i) tma_2d(ring + i * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(i));
+      for (int i = 0; i < early; ++i) tma_load_2d(ring + i * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(i));
       for (int i = early; i < count; ++i) {
         const int s = i % STAGES;
         if (i >= STAGES) mbar_wait(empty(s), ((i / STAGES) - 1) & 1);
         mbar_arrive_expect_tx(full(s), STAGE);
-        tma_2d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, full(s), policy);
-        tma_2d(ring + s * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(s));
+        tma_load_2d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, full(s), policy);
+        tma_load_2d(ring + s * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(s));
       }
     }
     __syncwarp();
