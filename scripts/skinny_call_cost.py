@@ -12,7 +12,7 @@ both timings for cuBLAS (F.linear), the default config with PDL on and off,
 and the candidate configs given, so the per-call cost is measured, not
 inferred.
 
-  python3 scripts/skinny_call_cost.py [--configs n4u1w8b2c2p2,...]
+  python3 scripts/skinny_call_cost.py [--configs n4u1w8b2c2p2,n4w4s11c1+OPFUSE_SKINNY_TMA_L2_PROMO=0,...]
 """
 import argparse
 import os
@@ -24,6 +24,13 @@ from opfuse import _C
 from opfuse import skinny_gemm as sg
 from opfuse.bench.cases import linear_operands
 from opfuse.bench.timing import back_to_back_us, benchmark
+
+
+def way_env(entry: str) -> dict:
+    """"tag" or "tag+VAR=value+...": the config forced, and more knobs
+    (e.g. n4w4s11c1+OPFUSE_SKINNY_TMA_L2_PROMO=0)."""
+    tag, *knobs = entry.split("+")
+    return {"OPFUSE_SKINNY_CONFIG": tag, **dict(k.split("=", 1) for k in knobs)}
 
 
 def per_call_us(fn, dev):
@@ -51,7 +58,7 @@ def main():
         ways = [("cuBLAS (F.linear)", {}, lambda: F.linear(x, w, b)),
                 ("skinny default, PDL on", {}, None),
                 ("skinny default, PDL off", {"OPFUSE_SKINNY_PDL": "0"}, None)]
-        ways += [(f"skinny {c}", {"OPFUSE_SKINNY_CONFIG": c}, None) for c in args.configs.split(",") if c]
+        ways += [(f"skinny {c}", way_env(c), None) for c in args.configs.split(",") if c]
         for name, env, fn in ways:
             os.environ.update(env)
             try:

@@ -39,20 +39,28 @@ struct alignas(64) TmaMap {
 };
 
 // cuTensorMapEncodeTiled's enums (cuda.h): bf16 9, f16 6; no interleave;
-// 128-byte swizzle (the kernel's ldmatrix reads undo it); L2 promotion to
-// 256 bytes; zeros outside the tensor.
+// 128-byte swizzle (the kernel's ldmatrix reads undo it); zeros outside the
+// tensor. L2 promotion (none 0, 64 B 1, 128 B 2, 256 B 3): 256 bytes, or
+// OPFUSE_SKINNY_TMA_L2_PROMO (benchmarking: cuBLAS's TMA kernel streams W
+// with an L2 hit rate of 5% where the skinny kernels' 256-byte fetches give
+// ~48%; which is better for the stream is not measured).
 constexpr int kTmaBf16 = 9, kTmaF16 = 6, kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo256B = 3,
               kTmaOobZero = 0;
+int tma_l2_promotion() {
+  const char* e = std::getenv("OPFUSE_SKINNY_TMA_L2_PROMO");
+  if (e && e[0] >= '0' && e[0] <= '3' && e[1] == 0) return e[0] - '0';
+  return kTmaL2Promo256B;
+}
 constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 // The map of a [rows, k] k-contiguous matrix (row stride ld elements; one
 // row: any), boxes of [box_rows, 64]. Kept per (pointer, sizes, stride, box,
-// dtype), which is all a map encodes, so a hit is the same map (weights are
-// the same tensors call after call). Guarded by g_mu.
+// dtype, L2 promotion), which is all a map encodes, so a hit is the same map
+// (weights are the same tensors call after call). Guarded by g_mu.
 const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_t ld, int box_rows) {
-  static std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int, int>, TmaMap> maps;
-  const int dtype = dt == DType::BFloat16 ? kTmaBf16 : kTmaF16;
-  const auto key = std::make_tuple(ptr, rows, k, ld, box_rows, dtype);
+  static std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int, int, int>, TmaMap> maps;
+  const int dtype = dt == DType::BFloat16 ? kTmaBf16 : kTmaF16, promo = tma_l2_promotion();
+  const auto key = std::make_tuple(ptr, rows, k, ld, box_rows, dtype, promo);
   auto it = maps.find(key);
   if (it != maps.end()) return it->second;
   const CudaApi& c = cuda();
@@ -64,7 +72,7 @@ const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_
   const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
   const uint32_t estr[2] = {1, 1};
   check_cuda(c.TensorMapEncodeTiled(m.bytes, dtype, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                                    kTmaInterleaveNone, kTmaSwizzle128B, kTmaL2Promo256B, kTmaOobZero),
+                                    kTmaInterleaveNone, kTmaSwizzle128B, promo, kTmaOobZero),
              "cuTensorMapEncodeTiled(skinny GEMM)");
   return maps.emplace(key, m).first->second;
 }

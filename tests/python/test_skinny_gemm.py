@@ -233,15 +233,18 @@ def test_deterministic_and_row_strides():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["n4w4s11c1", "n2w4s12c2"])
-def test_tma_kernel_with_views_and_odd_sizes(config, monkeypatch):
+@pytest.mark.parametrize("config, promo", [("n4w4s11c1", ""), ("n2w4s12c2", ""), ("n4w4s11c1", "0"), ("n2w4s12c2", "2")])
+def test_tma_kernel_with_views_and_odd_sizes(config, promo, monkeypatch):
     """The TMA kernel's tensor maps: A a row-strided view at a 128-byte
     offset, W a column slice (row stride past K), M of 1 and 5, N and K
-    that leave partial boxes (zeros past them); float64 reference."""
+    that leave partial boxes (zeros past them); float64 reference. Also
+    with another L2 promotion (OPFUSE_SKINNY_TMA_L2_PROMO)."""
     cuda_or_skip()
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA kernel needs sm_90")
     monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", config)
+    if promo:
+        monkeypatch.setenv("OPFUSE_SKINNY_TMA_L2_PROMO", promo)
     torch.manual_seed(3)
     for m, k, n in [(16, 4096, 4096), (5, 4168, 1000), (1, 2056, 136)]:
         big = torch.randn(m, k + 64, device="cuda").to(torch.bfloat16)
