@@ -67,6 +67,18 @@ def main():
     major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     bufs = [torch.zeros(MAX_CTAS * SLOTS, dtype=torch.int64, device=dev) for _ in range(args.calls)]
+    # The event floor: a one-CTA kernel timed as the calls below (what the
+    # events and the launch cost any kernel, against the span of the CTAs).
+    one, floor_ms = torch.zeros(1, device=dev), []
+    for _ in range(args.calls):
+        torch.cuda._sleep(2_000_000)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        one.add_(1)
+        e1.record()
+        torch.cuda.synchronize()
+        floor_ms.append(e0.elapsed_time(e1))
+    print(f"event floor (a one-element add between events): {statistics.median(floor_ms) * 1000:.2f} us")
     for k, n in ((4096, 16384), (16384, 4096)):
         m = 16
         x, w, b = linear_operands(m, k, n, dev)

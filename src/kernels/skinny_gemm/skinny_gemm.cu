@@ -260,11 +260,43 @@ __device__ __forceinline__ float gelu_tanh(float x) {
   return x / (1.0f + ex2(-2.8853900817779268f * u));  // -2u * log2(e)
 }
 
+// A value's epilogue inputs (store_tile_value's numbering): the bias of
+// columns n, n + 1 and the residual of its four entries, zero past M and N.
+// Loaded where the kernel chooses: the TMA kernel loads them ahead of its
+// main loop, since at the tail their latency (1-2 us behind the weight
+// stream of the other CTAs) sits on the critical path of the last CTA.
+struct Addends {
+  float b0, b1;
+  F4 c;
+};
 template <class E>
-__device__ __forceinline__ void store_one(const SkinnyParams& p, int m, int n, float v) {
+__device__ __forceinline__ Addends load_addends(const SkinnyParams& p, int n0, int i) {
+  const int j = i >> 5, l = i & 31, g = l >> 2, t = l & 3;
+  const int n = n0 + 8 * j + 2 * t;
+  Addends a{0.0f, 0.0f, {0.0f, 0.0f, 0.0f, 0.0f}};
+  if (p.bias) {
+    const u16* b = static_cast<const u16*>(p.bias);
+    if (n < p.n) a.b0 = to_float(E{}, b[n * p.bias_stride]);
+    if (n + 1 < p.n) a.b1 = to_float(E{}, b[(n + 1) * p.bias_stride]);
+  }
+  if (p.c) {
+    const u16* c = static_cast<const u16*>(p.c);
+    if (g < p.m && n < p.n) a.c.x = to_float(E{}, c[g * p.ldc + n]);
+    if (g < p.m && n + 1 < p.n) a.c.y = to_float(E{}, c[g * p.ldc + n + 1]);
+    if (g + 8 < p.m && n < p.n) a.c.z = to_float(E{}, c[(g + 8) * p.ldc + n]);
+    if (g + 8 < p.m && n + 1 < p.n) a.c.w = to_float(E{}, c[(g + 8) * p.ldc + n + 1]);
+  }
+  return a;
+}
+
+template <class E>
+__device__ __forceinline__ void store_one(const SkinnyParams& p, int m, int n, float v, float bias, float c) {
   if (m >= p.m || n >= p.n) return;
-  if (p.bias) v += to_float(E{}, static_cast<const u16*>(p.bias)[n * p.bias_stride]);
-  if (p.c) v += to_float(E{}, static_cast<const u16*>(p.c)[m * p.ldc + n]);
+  // Unconditional: the addends are zero where there is no bias or residual
+  // (only a zero's sign can differ). Branches here, 16 stores a thread with
+  // the loads hoisted out, sent NVRTC's optimizer into minutes of work.
+  v += bias;
+  v += c;
   if (p.aux) static_cast<u16*>(p.aux)[m * p.ldaux + n] = from_float(E{}, v);
   if (p.act == 1) v = v < 0.0f ? 0.0f : v;  // NaN stays NaN, as torch.relu
   else if (p.act == 2) v = gelu_tanh(v);
@@ -274,29 +306,42 @@ __device__ __forceinline__ void store_one(const SkinnyParams& p, int m, int n, f
 // Value i of the CTA's tile: tile j = i / 32 of lane l = i % 32, the MMA
 // accumulator layout: (x, y) are rows g, columns 2t, 2t+1 and (z, w) row g+8.
 template <class E>
-__device__ __forceinline__ void store_tile_value(const SkinnyParams& p, int n0, int i, F4 v) {
+__device__ __forceinline__ void store_tile_value(const SkinnyParams& p, int n0, int i, F4 v, const Addends& a) {
   const int j = i >> 5, l = i & 31, g = l >> 2, t = l & 3;
   const int n = n0 + 8 * j + 2 * t;
-  store_one<E>(p, g, n, v.x);
-  store_one<E>(p, g, n + 1, v.y);
-  store_one<E>(p, g + 8, n, v.z);
-  store_one<E>(p, g + 8, n + 1, v.w);
+  store_one<E>(p, g, n, v.x, a.b0, a.c.x);
+  store_one<E>(p, g, n + 1, v.y, a.b1, a.c.y);
+  store_one<E>(p, g + 8, n, v.z, a.b0, a.c.z);
+  store_one<E>(p, g + 8, n + 1, v.w, a.b1, a.c.w);
+}
+template <class E>
+__device__ __forceinline__ void store_tile_value(const SkinnyParams& p, int n0, int i, F4 v) {
+  store_tile_value<E>(p, n0, i, v, load_addends<E>(p, n0, i));
 }
 
 // The cluster's partial sums of a tile (part[i]: value i of this CTA's
 // partial tile, as store_tile_value numbers them), added in rank order through
-// distributed shared memory: each CTA finishes 1 / CLUSTER of the tile. Every
-// thread of the CTA calls it (the cluster barriers are .aligned).
-template <class E, int CLUSTER, int VALUES, int THREADS>
-__device__ __forceinline__ void cluster_sum_store(const SkinnyParams& p, int n0, F4* part, int rank) {
+// distributed shared memory: each CTA finishes 1 / CLUSTER of the tile,
+// threads 0 .. THREADS - 1 value threadIdx.x + r * THREADS of its share in
+// round r, with addends(r, value) as its epilogue inputs. Every thread of
+// the CTA calls it (the cluster barriers are .aligned).
+template <int CLUSTER, int VALUES, int THREADS>
+constexpr int cluster_store_rounds = (VALUES / CLUSTER + THREADS - 1) / THREADS;
+template <class E, int CLUSTER, int VALUES, int THREADS, class AddendsOf>
+__device__ __forceinline__ void cluster_sum_store(const SkinnyParams& p, int n0, F4* part, int rank,
+                                                  AddendsOf addends) {
   cluster_sync();
   constexpr int share = VALUES / CLUSTER;
-  for (int i = threadIdx.x; i < share; i += THREADS) {
-    const int idx = rank * share + i;
-    F4 s = ld_cluster(&part[idx], 0);
 #pragma unroll
-    for (int q = 1; q < CLUSTER; ++q) s = add(s, ld_cluster(&part[idx], static_cast<u32>(q)));
-    store_tile_value<E>(p, n0, idx, s);
+  for (int r = 0; r < cluster_store_rounds<CLUSTER, VALUES, THREADS>; ++r) {
+    const int i = static_cast<int>(threadIdx.x) + r * THREADS;
+    if (threadIdx.x < THREADS && i < share) {
+      const int idx = rank * share + i;
+      F4 s = ld_cluster(&part[idx], 0);
+#pragma unroll
+      for (int q = 1; q < CLUSTER; ++q) s = add(s, ld_cluster(&part[idx], static_cast<u32>(q)));
+      store_tile_value<E>(p, n0, idx, s, addends(r, idx));
+    }
   }
   cluster_sync();  // no CTA exits while another still reads its shared memory
 }
@@ -525,7 +570,9 @@ __device__ __forceinline__ void skinny_gemm_body(const SkinnyParams& p) {
       else store_tile_value<E>(p, n0, r * RJ * 32 + i, s);
     }
   }
-  if constexpr (CLUSTER > 1) cluster_sum_store<E, CLUSTER, NT * 32, WARPS * 32>(p, n0, part, rank);
+  if constexpr (CLUSTER > 1)
+    cluster_sum_store<E, CLUSTER, NT * 32, WARPS * 32>(p, n0, part, rank,
+                                                      [&](int, int idx) { return load_addends<E>(p, n0, idx); });
   trace_stamp(3);
 }
 

@@ -21,6 +21,8 @@
 //   elements (128 bytes, one TMA box row); with CLUSTER > 1 the CTAs of a
 //   cluster split the chunks and add their partials in rank order through
 //   distributed shared memory (cluster_sum_store), as the register kernel.
+// - The consumers load the epilogue's bias and residual right after their
+//   griddepcontrol.wait, so the tail is the tile's sums and stores alone.
 // - Warp CW is the producer: lane 0 issues, per chunk, the W box [BN, 64]
 //   and the A box [16, 64] into one stage of a ring (128-byte swizzle, zeros
 //   past M, N and K), completing on the stage's full barrier. W's first
@@ -106,6 +108,12 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
   float acc[NTW][4];
 #pragma unroll
   for (int j = 0; j < NTW; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  // The epilogue's bias and residual, loaded by the consumers ahead of the
+  // main loop (load_addends says why): the values each stores at the end.
+  constexpr int VALUES = BN / 8 * 32, CTHREADS = CW * 32;
+  constexpr int PRE = CLUSTER > 1 ? cluster_store_rounds<CLUSTER, VALUES, CTHREADS> : NTW;
+  const int n_warp = n0 + warp * NTW * 8;  // store_tile_value's tile j is this warp's tile j
+  Addends pre[PRE];
 
   if (warp == CW) {  // the producer
     if (lane == 0) {
@@ -132,6 +140,15 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
     __syncwarp();
   } else {  // a consumer: tiles warp * NTW .. + NTW - 1
     grid_dependency_wait();  // the epilogue reads the bias and the residual
+#pragma unroll
+    for (int r = 0; r < PRE; ++r) {
+      if constexpr (CLUSTER > 1) {
+        const int i = static_cast<int>(threadIdx.x) + r * CTHREADS;
+        pre[r] = i < VALUES / CLUSTER ? load_addends<E>(p, n0, rank * (VALUES / CLUSTER) + i) : Addends{};
+      } else {
+        pre[r] = load_addends<E>(p, n_warp, r * 32 + lane);
+      }
+    }
     // ldmatrix.x4: lane l gives row l % 8 of matrix l / 8. A's matrices
     // (a0..a3 of a k16 step kk): rows 0-7 / 8-15 (bit 0), pieces 2kk / 2kk+1 (bit 1).
     const int a_row = (lane & 7) + 8 * ((lane >> 3) & 1), a_piece = lane >> 4;
@@ -164,15 +181,15 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
   trace_stamp(2);
   launch_dependents();  // what is left is the tile's stores
 
-  const int n_warp = n0 + warp * NTW * 8;  // store_tile_value's tile j is this warp's tile j
   if constexpr (CLUSTER > 1) {
     if (warp < CW)
 #pragma unroll
       for (int j = 0; j < NTW; ++j) part[(warp * NTW + j) * 32 + lane] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
-    cluster_sum_store<E, CLUSTER, BN / 8 * 32, (CW + 1) * 32>(p, n0, part, rank);
+    cluster_sum_store<E, CLUSTER, VALUES, CTHREADS>(p, n0, part, rank, [&](int r, int) { return pre[r]; });
   } else if (warp < CW) {
 #pragma unroll
-    for (int j = 0; j < NTW; ++j) store_tile_value<E>(p, n_warp, j * 32 + lane, {acc[j][0], acc[j][1], acc[j][2], acc[j][3]});
+    for (int j = 0; j < NTW; ++j)
+      store_tile_value<E>(p, n_warp, j * 32 + lane, {acc[j][0], acc[j][1], acc[j][2], acc[j][3]}, pre[j]);
   }
   trace_stamp(3);
 }
