@@ -75,3 +75,9 @@ def launch_count() -> int:
 def last_error() -> str:
     """Why the last instantiation could not be built or loaded (then cuBLASLt ran)."""
     return _C.skinny_gemm_last_error()
+
+
+def last_config() -> str:
+    """The config tag of the last launch, e.g. "n4w4s11c1" (the TMA kernel) or
+    "n8u1w8b1c2p1g1" (the register kernel); "" before the first."""
+    return _C.skinny_gemm_last_config()

@@ -108,6 +108,7 @@ void bind_skinny_gemm(nb::module_& m) {
       "OPFUSE_SKINNY_CONFIG) write their CTAs' %globaltimer stamps to; 0 for none.");
   m.def("skinny_gemm_launch_count", [] { return skinny::launch_count(); });
   m.def("skinny_gemm_last_error", [] { return skinny::last_error(); });
+  m.def("skinny_gemm_last_config", [] { return skinny::last_config(); });
   m.def(
       "skinny_gemm_reference",
       [](const std::string& dtype, int64_t m_, int64_t n, int64_t k, uintptr_t a, int64_t lda, uintptr_t w, int64_t ldw,

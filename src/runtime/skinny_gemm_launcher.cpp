@@ -24,6 +24,7 @@ std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t*> g_trace{nullptr};  // set_trace_buffer
 std::mutex g_mu;  // the maps below and g_error
 std::string g_error;
+std::string g_last_config;  // the tag of the last launch (tests, benchmarks)
 
 const char* elem_name(DType t) { return small_m_elem_name(t, "skinny GEMM"); }
 
@@ -40,16 +41,17 @@ struct alignas(64) TmaMap {
 
 // cuTensorMapEncodeTiled's enums (cuda.h): bf16 9, f16 6; no interleave;
 // 128-byte swizzle (the kernel's ldmatrix reads undo it); zeros outside the
-// tensor. L2 promotion (none 0, 64 B 1, 128 B 2, 256 B 3): 256 bytes, or
-// OPFUSE_SKINNY_TMA_L2_PROMO (benchmarking: cuBLAS's TMA kernel streams W
-// with an L2 hit rate of 5% where the skinny kernels' 256-byte fetches give
-// ~48%; which is better for the stream is not measured).
-constexpr int kTmaBf16 = 9, kTmaF16 = 6, kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo256B = 3,
+// tensor. L2 promotion (none 0, 64 B 1, 128 B 2, 256 B 3): 128 bytes, or
+// OPFUSE_SKINNY_TMA_L2_PROMO (benchmarking). Measured on the H200 at M = 16
+// (docs/perf-notes.md, "H200, session 17"): 256 bytes was 0.5-1.5 us a call
+// slower than 128 bytes or none on every benchmark GEMM; 128 bytes and none
+// are within 0.4 us of each other, 128 bytes ahead on the up projections.
+constexpr int kTmaBf16 = 9, kTmaF16 = 6, kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2,
               kTmaOobZero = 0;
 int tma_l2_promotion() {
   const char* e = std::getenv("OPFUSE_SKINNY_TMA_L2_PROMO");
   if (e && e[0] >= '0' && e[0] <= '3' && e[1] == 0) return e[0] - '0';
-  return kTmaL2Promo256B;
+  return kTmaL2Promo128B;
 }
 constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
@@ -77,9 +79,15 @@ const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_
   return maps.emplace(key, m).first->second;
 }
 
+// The TMA kernel is the default on sm_90 (OPFUSE_SKINNY_TMA=0: the register
+// kernel's configs). H200, M = 16, us per call (the suite's timer) against
+// the register kernel's default (docs/perf-notes.md, "H200, session 17"):
+// 4096->16384 36.4 / 38.1, 16384->4096 37.5 / 38.7, 4096->11008 27.0 / 29.1,
+// 11008->4096 27.6 / 28.0; back to back 32.3 / 35.2, 34.4 / 36.1, 23.4 /
+// 27.2, 24.0 / 24.2.
 bool tma_wanted() {
   const char* e = std::getenv("OPFUSE_SKINNY_TMA");
-  return e && std::string(e) == "1";
+  return !(e && std::string(e) == "0");
 }
 
 }  // namespace
@@ -222,7 +230,7 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
     }
   if (arch >= 90) {  // not chosen yet: 128-row tiles, 128 KB of loads in flight an SM, in order in SASS
     for (int cl : {1, 2, 4}) r.push_back(SkinnyConfig{16, 1, 8, 1, cl, 1});
-    // The TMA kernel (OPFUSE_SKINNY_TMA=1) at the benchmark shapes on 132 SMs, and rivals.
+    // The TMA kernel (the default on sm_90) at the benchmark shapes on 132 SMs, and rivals.
     for (const char* t : {"n4w4s11c1", "n4w4s11c4", "n3w4s12c1", "n4w4s8c1", "n2w4s12c2", "n4w4s11c1e2"})
       r.push_back(SkinnyConfig::parse(t));
   } else
@@ -439,6 +447,10 @@ bool try_run(const GemmArgs& g) {
   launch_1d(fn, grid, static_cast<unsigned>(cfg.threads()), static_cast<unsigned>(cfg.dynamic_smem()), g.stream, params,
             pdl, "cuLaunchKernel(skinny GEMM)");
   g_launches.fetch_add(1, std::memory_order_relaxed);
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_last_config = cfg.tag();
+  }
   return true;
 }
 
@@ -449,6 +461,11 @@ uint64_t launch_count() { return g_launches.load(std::memory_order_relaxed); }
 std::string last_error() {
   std::lock_guard<std::mutex> lock(g_mu);
   return g_error;
+}
+
+std::string last_config() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_last_config;
 }
 
 }  // namespace opfuse::skinny

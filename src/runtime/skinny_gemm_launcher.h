@@ -14,7 +14,8 @@
 // 16384), pairs staying with cuBLASLt; OPFUSE_SKINNY_PDL=0 turns off its
 // programmatic dependent launch; OPFUSE_SKINNY_CONFIG=<tag> forces a tile
 // config, OPFUSE_SKINNY_PIPE=2 makes the chosen pipelined configs p2 and
-// OPFUSE_SKINNY_TMA=1 chooses the TMA kernel's configs (benchmarking).
+// OPFUSE_SKINNY_TMA=0 the register kernel's configs where the TMA kernel's
+// are the default (sm_90, not the gated form).
 #pragma once
 #include "runtime/nvrtc_cached.h"
 #include <cstdint>
@@ -72,8 +73,8 @@ struct SkinnyConfig {
   bool operator==(const SkinnyConfig&) const = default;
 };
 
-// The TMA kernel's config for a problem (OPFUSE_SKINNY_TMA=1 picks it; not
-// the default until measured faster): BN rows so that one wave of at most
+// The TMA kernel's config for a problem (the default on sm_90 but for the
+// gated form; OPFUSE_SKINNY_TMA=0 turns it off): BN rows so that one wave of at most
 // `sms` CTAs covers N, a cluster splitting K when BN would fall below 64
 // rows, as many stages as ~200 KB of shared memory holds (at most 12).
 SkinnyConfig choose_tma_config(int64_t m, int64_t n, int64_t k, int sms);
@@ -120,5 +121,7 @@ void set_trace_buffer(uint64_t* buffer);
 // Debug queries: launches so far (process-wide), and the last build error.
 uint64_t launch_count();
 std::string last_error();
+// The config tag of the last launch ("" before the first).
+std::string last_config();
 
 }  // namespace opfuse::skinny

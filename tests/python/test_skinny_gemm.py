@@ -259,22 +259,33 @@ def test_tma_kernel_with_views_and_odd_sizes(config, promo, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_tma_kernel_chosen_by_the_knob(monkeypatch):
-    """OPFUSE_SKINNY_TMA=1 sends the benchmark shapes to the TMA kernel's
-    configs; the gated form stays with the register kernel."""
+@pytest.mark.parametrize("knob, tma", [(None, True), ("1", True), ("0", False)])
+def test_tma_kernel_is_the_default_on_sm90(knob, tma, monkeypatch):
+    """On sm_90 the benchmark shapes go to the TMA kernel's configs unless
+    OPFUSE_SKINNY_TMA=0; the gated form always stays with the register
+    kernel (the TMA kernel has none)."""
     cuda_or_skip()
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA kernel needs sm_90")
-    monkeypatch.setenv("OPFUSE_SKINNY_TMA", "1")
+    if knob is None:
+        monkeypatch.delenv("OPFUSE_SKINNY_TMA", raising=False)
+    else:
+        monkeypatch.setenv("OPFUSE_SKINNY_TMA", knob)
+    monkeypatch.delenv("OPFUSE_SKINNY_CONFIG", raising=False)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     torch.manual_seed(4)
     x, w, bias, _ = operands(16, 4096, 4096, torch.bfloat16)
     before = sg.launch_count()
     got = sg.linear(x, w, bias)
-    assert got is not None and sg.launch_count() == before + 1
+    assert got is not None and sg.launch_count() == before + 1, sg.last_error()
+    want = _C.skinny_gemm_choose_tma_config(16, 4096, 4096, sms) if tma else \
+        _C.skinny_gemm_choose_config(16, 4096, 4096, 90, sms)
+    assert sg.last_config() == want
     check(got[0], sg.reference(x, w, bias)[0], F.linear(x, w, bias))
     up = torch.randn_like(x)
     gated = sg.linear(x, w, bias, up=up)
     assert gated is not None, sg.last_error()
+    assert re.fullmatch(r"n\d+u\d+w\d+b\d+c\d+(p\d+)?g1", sg.last_config()), sg.last_config()
     check(gated[0], sg.reference(x, w, bias, up=up)[0], F.linear((F.silu(x.float()) * up.float()).to(x.dtype), w, bias))
 
 
