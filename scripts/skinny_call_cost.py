@@ -13,6 +13,7 @@ and the candidate configs given, so the per-call cost is measured, not
 inferred.
 
   python3 scripts/skinny_call_cost.py [--configs n4u1w8b2c2p2,n4w4s11c1+OPFUSE_SKINNY_TMA_L2_PROMO=0,...]
+                                     [--shapes 4096x22016,...]
 """
 import argparse
 import os
@@ -42,13 +43,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="n4u1w8b2c2p2,n4u1w16b1c2p2,n4u2w8b2c2p2,n8u1w8b1c2p2")
     ap.add_argument("--bandwidth", type=float, default=4221.0)
+    ap.add_argument("--shapes", default="4096x16384,16384x4096,4096x11008,11008x4096",
+                    help="KxN of each M = 16 GEMM (e.g. 4096x22016: Llama's gate and up weights as one)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     bw = args.bandwidth * 1e9
     print(f"{'GEMM / way':<40}{'back to back us':>17}{'per call us':>13}   (% of the weight floor)")
-    for k, n in ((4096, 16384), (16384, 4096), (4096, 11008), (11008, 4096)):
+    for k, n in (tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")):
         m = 16
         x, w, b = linear_operands(m, k, n, dev)
         out = torch.empty(m, n, dtype=x.dtype, device=dev)
