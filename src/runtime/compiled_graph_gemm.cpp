@@ -218,6 +218,14 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
       gx.a.row_stride != gy.a.row_stride || gx.a.col_stride != gy.a.col_stride ||
       gx.b.row_stride != gy.b.row_stride || gx.b.col_stride != gy.b.col_stride)
     return not_paired("operands differ", gx);
+  // Where the skinny GEMM takes each (decode shapes on sm_90), one launch of
+  // its TMA kernel computes both: one ramp and one tail for both weights,
+  // level with cuBLAS on one GEMM of both weights' rows (docs/perf-notes.md,
+  // "H200, session 17").
+  if (skinny::try_run_pair(gx, gy)) {
+    if (o.gemm_kernels) ++*o.gemm_kernels;
+    return true;
+  }
   // A pair streams both weights at ~93% of the copy (one ramp, one tail):
   // it stays a pair unless OPFUSE_SKINNY_GEMM=1 asks the skinny kernel for everything.
   if (skinny::mode_all() && skinny::takes(gx)) return not_paired("the skinny GEMM takes it", gx);

@@ -56,24 +56,28 @@ int tma_l2_promotion() {
 constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 // The map of a [rows, k] k-contiguous matrix (row stride ld elements; one
-// row: any), boxes of [box_rows, 64]. Kept per (pointer, sizes, stride, box,
-// dtype, L2 promotion), which is all a map encodes, so a hit is the same map
-// (weights are the same tensors call after call). Guarded by g_mu.
-const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_t ld, int box_rows) {
-  static std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int, int, int>, TmaMap> maps;
+// row: any), boxes of [box_rows, 64]; with pair_bytes > 0 a 3-D map [2,
+// rows, k] whose second matrix lies pair_bytes after the first (a GEMM
+// pair's two weights), boxes [1, box_rows, 64]. Kept per (pointer, sizes,
+// strides, box, dtype, L2 promotion), which is all a map encodes, so a hit
+// is the same map (weights are the same tensors call after call). Guarded by g_mu.
+const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_t ld, int box_rows,
+                      int64_t pair_bytes = 0) {
+  static std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int, int, int, int64_t>, TmaMap> maps;
   const int dtype = dt == DType::BFloat16 ? kTmaBf16 : kTmaF16, promo = tma_l2_promotion();
-  const auto key = std::make_tuple(ptr, rows, k, ld, box_rows, dtype, promo);
+  const auto key = std::make_tuple(ptr, rows, k, ld, box_rows, dtype, promo, pair_bytes);
   auto it = maps.find(key);
   if (it != maps.end()) return it->second;
   const CudaApi& c = cuda();
   if (!c.TensorMapEncodeTiled) throw std::runtime_error("the CUDA driver has no cuTensorMapEncodeTiled");
   if (maps.size() >= 256) maps.clear();  // activations come and go; bounded
   TmaMap m{};
-  const uint64_t dims[2] = {static_cast<uint64_t>(k), static_cast<uint64_t>(rows)};
-  const uint64_t strides[1] = {static_cast<uint64_t>(rows > 1 ? ld : k) * 2};
-  const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
-  const uint32_t estr[2] = {1, 1};
-  check_cuda(c.TensorMapEncodeTiled(m.bytes, dtype, 2, const_cast<void*>(ptr), dims, strides, box, estr,
+  const uint64_t dims[3] = {static_cast<uint64_t>(k), static_cast<uint64_t>(rows), 2};
+  const uint64_t strides[2] = {static_cast<uint64_t>(rows > 1 ? ld : k) * 2, static_cast<uint64_t>(pair_bytes)};
+  const uint32_t box[3] = {64, static_cast<uint32_t>(box_rows), 1};
+  const uint32_t estr[3] = {1, 1, 1};
+  const unsigned rank = pair_bytes > 0 ? 3 : 2;
+  check_cuda(c.TensorMapEncodeTiled(m.bytes, dtype, rank, const_cast<void*>(ptr), dims, strides, box, estr,
                                     kTmaInterleaveNone, kTmaSwizzle128B, promo, kTmaOobZero),
              "cuTensorMapEncodeTiled(skinny GEMM)");
   return maps.emplace(key, m).first->second;
@@ -96,7 +100,7 @@ std::string SkinnyConfig::tag() const {
   std::string s = "n" + std::to_string(nt);
   if (stages)
     s += "w" + std::to_string(warps) + "s" + std::to_string(stages) + "c" + std::to_string(cluster) +
-         (early && early != stages ? "e" + std::to_string(early) : "");
+         (early && early != stages ? "e" + std::to_string(early) : "") + (pair ? "x2" : "");
   else
     s += "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" + std::to_string(min_blocks) + "c" +
          std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "") + (gate ? "g" + std::to_string(gate) : "");
@@ -113,7 +117,7 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag_in) {
   // A trailing "t": the same config built with its CTAs' timeline (diagnosis).
   const bool traced = !tag_in.empty() && tag_in.back() == 't';
   const std::string tag = traced ? tag_in.substr(0, tag_in.size() - 1) : tag_in;
-  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+)(?:e(\d+))?)");
+  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+)(?:e(\d+))?(x2)?)");
   std::smatch t;
   if (std::regex_match(tag, t, tma)) {
     SkinnyConfig c;
@@ -122,6 +126,7 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag_in) {
     c.stages = std::stoi(t[3]);
     c.cluster = std::stoi(t[4]);
     c.early = t[5].matched ? std::stoi(t[5]) : 0;
+    c.pair = t[6].matched;
     c.u = 1;
     c.min_blocks = 1;
     const bool ok = c.nt >= 1 && c.nt <= 16 && c.warps >= 1 && c.warps <= 8 && c.rows() <= 256 && c.stages >= 2 &&
@@ -231,7 +236,8 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
   if (arch >= 90) {  // not chosen yet: 128-row tiles, 128 KB of loads in flight an SM, in order in SASS
     for (int cl : {1, 2, 4}) r.push_back(SkinnyConfig{16, 1, 8, 1, cl, 1});
     // The TMA kernel (the default on sm_90) at the benchmark shapes on 132 SMs, and rivals.
-    for (const char* t : {"n4w4s11c1", "n4w4s11c4", "n3w4s12c1", "n4w4s8c1", "n2w4s12c2", "n4w4s11c1e2"})
+    for (const char* t : {"n4w4s11c1", "n4w4s11c4", "n3w4s12c1", "n4w4s8c1", "n2w4s12c2", "n4w4s11c1e2", "n6w4s7c1x2",
+                          "n2w4s12c2x2"})
       r.push_back(SkinnyConfig::parse(t));
   } else
     r.push_back(SkinnyConfig{4, 2, 8, 1, 1});
@@ -247,8 +253,9 @@ std::string source(DType dtype, const SkinnyConfig& c) {
     const std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
                              std::to_string(c.warps) + ", " + std::to_string(c.stages) + ", " +
                              std::to_string(c.early ? c.early : c.stages);
-    if (c.cluster > 1) s += "\nOPFUSE_SKINNY_TMA_CLUSTER_ENTRY(" + args + ", " + std::to_string(c.cluster) + ")\n";
-    else s += "\nOPFUSE_SKINNY_TMA_ENTRY(" + args + ")\n";
+    const std::string kind = c.pair ? "OPFUSE_SKINNY_TMA_PAIR_" : "OPFUSE_SKINNY_TMA_";
+    if (c.cluster > 1) s += "\n" + kind + "CLUSTER_ENTRY(" + args + ", " + std::to_string(c.cluster) + ")\n";
+    else s += "\n" + kind + "ENTRY(" + args + ")\n";
     return s;
   }
   std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
@@ -357,9 +364,11 @@ bool takes(const GemmArgs& g) {
   return current_device(&ctx, &info) && mode_takes(md, g, info);
 }
 
-bool try_run(const GemmArgs& g) {
+// try_run and try_run_pair: `second` is the pair's other GEMM (its weight
+// at pair_bytes > 0 after g's; the same shape, A and epilogue) or null.
+bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_bytes) {
   const Mode md = mode();
-  if (ruled_out(md, g)) return false;
+  if (ruled_out(md, g) || (second && ruled_out(md, *second))) return false;
   const CudaApi& c = cuda();
   if (!c.loaded) return false;
   CUcontext ctx = nullptr;
@@ -373,7 +382,9 @@ bool try_run(const GemmArgs& g) {
   {
     std::lock_guard<std::mutex> lock(g_mu);
     SmallMDevice info;
-    if (!current_device(&ctx, &info) || !mode_takes(md, g, info)) return false;
+    if (!current_device(&ctx, &info) || !mode_takes(md, g, info) || (second && !mode_takes(md, *second, info)))
+      return false;
+    if (second && (info.arch < 90 || g.a_mul.ptr || !tma_wanted())) return false;  // only the TMA kernel pairs
     pdl = info.arch >= 90 && pdl_enabled();
     const char* forced = std::getenv("OPFUSE_SKINNY_CONFIG");
     cfg = forced && *forced ? SkinnyConfig::parse(forced) : choose_config(g.m, g.n, g.k, info.arch, info.sms);
@@ -387,8 +398,14 @@ bool try_run(const GemmArgs& g) {
     if (cfg.stages && (g.a_mul.ptr || info.arch < 90)) cfg = choose_config(g.m, g.n, g.k, info.arch, info.sms);
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
     cfg.gate = g.a_mul.ptr ? 1 : 0;  // the operand decides it, not the tuning
+    if (second) {  // one wave over both weights' rows
+      if (!(forced && *forced && cfg.stages)) cfg = choose_tma_config(g.m, 2 * g.n, g.k, info.sms);
+      cfg.pair = true;
+    } else {
+      cfg.pair = false;
+    }
     LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate,
-                              (cfg.stages * 32 + cfg.early) * 2 + (cfg.trace ? 1 : 0)}];
+                              ((cfg.stages * 32 + cfg.early) * 2 + (cfg.trace ? 1 : 0)) * 2 + (cfg.pair ? 1 : 0)}];
     if (lf.failed) return false;
     if (!lf.fn) {
       try {
@@ -410,7 +427,7 @@ bool try_run(const GemmArgs& g) {
     fn = lf.fn;
     if (cfg.stages) {
       try {
-        wmap = tma_map(g.dtype, g.b.ptr, g.n, g.k, g.b.col_stride, cfg.rows());
+        wmap = tma_map(g.dtype, g.b.ptr, g.n, g.k, g.b.col_stride, cfg.rows(), second ? pair_bytes : 0);
         amap = tma_map(g.dtype, g.a.ptr, g.m, g.k, g.a.row_stride, 16);
       } catch (const std::exception& e) {
         g_error = e.what();
@@ -438,11 +455,15 @@ bool try_run(const GemmArgs& g) {
   p.act = small_m_act_code(g.activation);
   p.a2 = g.a_mul.ptr;
   p.lda2 = g.a_mul.ptr && g.m > 1 ? g.a_mul.row_stride : 0;
-  const unsigned grid = static_cast<unsigned>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
-  // The register kernel takes p, the TMA kernel p and its maps; a trace
-  // config also the trace buffer, last.
+  int pair_ctas = static_cast<int>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
+  const unsigned grid = static_cast<unsigned>(second ? 2 * pair_ctas : pair_ctas);
+  void* d2 = second ? second->d : nullptr;
+  // The register kernel takes p, the TMA kernel p and its maps (a pair also
+  // the second output and the first GEMM's CTA count); a trace config also
+  // the trace buffer, last.
   uint64_t* trace = g_trace.load(std::memory_order_relaxed);
-  void* params[] = {&p, &wmap, &amap, &trace};
+  void* params[] = {&p, &wmap, &amap, &d2, &pair_ctas, &trace};
+  if (cfg.stages && !second) params[3] = &trace;
   if (cfg.trace && !cfg.stages) params[1] = &trace;
   launch_1d(fn, grid, static_cast<unsigned>(cfg.threads()), static_cast<unsigned>(cfg.dynamic_smem()), g.stream, params,
             pdl, "cuLaunchKernel(skinny GEMM)");
@@ -452,6 +473,27 @@ bool try_run(const GemmArgs& g) {
     g_last_config = cfg.tag();
   }
   return true;
+}
+
+bool try_run(const GemmArgs& g) { return run_impl(g, nullptr, 0); }
+
+bool try_run_pair(const GemmArgs& x, const GemmArgs& y) {
+  // The same problem but for the weights and outputs; plain epilogues.
+  if (x.m != y.m || x.n != y.n || x.k != y.k || x.dtype != y.dtype || x.batch != 1 || y.batch != 1 ||
+      x.a.ptr != y.a.ptr || x.a.row_stride != y.a.row_stride || x.a.col_stride != y.a.col_stride ||
+      x.b.row_stride != y.b.row_stride || x.b.col_stride != y.b.col_stride || x.bias || y.bias || x.residual.ptr ||
+      y.residual.ptr || x.aux || y.aux || x.a_mul.ptr || y.a_mul.ptr || x.activation != y.activation ||
+      x.stream != y.stream)
+    return false;
+  // The first GEMM is the one whose weight lies lower: the map's second
+  // matrix sits a positive distance after it, a multiple of 16 bytes.
+  const bool x_first = reinterpret_cast<uintptr_t>(x.b.ptr) < reinterpret_cast<uintptr_t>(y.b.ptr);
+  const GemmArgs& first = x_first ? x : y;
+  const GemmArgs& other = x_first ? y : x;
+  const int64_t bytes =
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(other.b.ptr) - reinterpret_cast<uintptr_t>(first.b.ptr));
+  if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t(1) << 40)) return false;
+  return run_impl(first, &other, bytes);
 }
 
 void set_trace_buffer(uint64_t* buffer) { g_trace.store(buffer, std::memory_order_relaxed); }

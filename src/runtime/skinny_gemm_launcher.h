@@ -64,6 +64,7 @@ struct SkinnyConfig {
   int gate = 0;  // 1: A read as silu(a) * a2 (GemmArgs::a_mul; tag suffix "g1"): not a tuning choice
   int stages = 0;  // > 0: the TMA kernel
   int early = 0;   // the TMA kernel: W stages issued before griddepcontrol.wait (tag suffix "e2"; 0 or absent: all)
+  bool pair = false;   // the TMA kernel: two GEMMs of one A in one launch (tag suffix "x2"; try_run_pair)
   bool trace = false;  // tag suffix "t": a build that writes each CTA's timeline (diagnosis; set_trace_buffer)
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
@@ -112,6 +113,14 @@ bool default_takes(int64_t m, int64_t n, int64_t k, int arch, int sms);
 // when its instantiation cannot be built here (the error is kept, see
 // last_error()). Throws only when a launch itself fails.
 bool try_run(const GemmArgs& g);
+
+// A GEMM pair (Llama's gate and up projections: one A, two weights of one
+// shape and row stride at a 16-byte-multiple distance, plain epilogues) in
+// one launch of the TMA kernel (sm_90; "x2" configs), each CTA streaming
+// rows of one weight: one ramp and one tail for both. Returns false
+// (nothing enqueued) where the skinny kernel would not take each GEMM alone
+// or the TMA kernel is off (OPFUSE_SKINNY_TMA=0).
+bool try_run_pair(const GemmArgs& x, const GemmArgs& y);
 
 // Diagnosis: the buffer (device memory, 6 words per CTA) that the next
 // launches of a trace config ("...t", forced with OPFUSE_SKINNY_CONFIG)

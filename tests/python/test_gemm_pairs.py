@@ -191,3 +191,46 @@ def test_views_of_one_activation_pair(monkeypatch):
   return (%8)
 }"""
     assert pairs_of(ir, monkeypatch) == [(0, 1)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("w3_first", [False, True])
+@pytest.mark.parametrize("way", ["default", "n2w4s12c2x2", "n6w4s7c1x2", "off"])
+def test_decode_pair_in_one_skinny_launch(w3_first, way, monkeypatch):
+    """On sm_90 a decode-shaped pair inside the skinny GEMM's default box
+    runs as one launch of its TMA kernel (configs "...x2"; forced: a cluster
+    splitting K, and 192-row tiles), the weights in either memory order,
+    then the gated down projection: no library call, two skinny launches.
+    OPFUSE_SKINNY_TMA=0 ("off"): the cuBLASLt pair instead."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernel needs sm_90")
+    from opfuse import skinny_gemm as sg
+    monkeypatch.delenv("OPFUSE_GEMM_PAIRS", raising=False)
+    monkeypatch.delenv("OPFUSE_SKINNY_GEMM", raising=False)
+    monkeypatch.setenv("OPFUSE_SKINNY_TMA", "0" if way == "off" else "1")
+    if way.endswith("x2"):
+        monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", way)
+    else:
+        monkeypatch.delenv("OPFUSE_SKINNY_CONFIG", raising=False)
+    torch.manual_seed(11)
+    dev, dt, m, k, h = "cuda", torch.bfloat16, 13, 4160, 4104  # tails in K and in each weight's rows
+    x = randn(m, k, dtype=dt, device=dev)
+    first = randn(h, k, dtype=dt, device=dev, scale=k ** -0.5)
+    other = randn(h, k, dtype=dt, device=dev, scale=k ** -0.5)
+    w1, w3 = (other, first) if w3_first else (first, other)
+    w2 = randn(k, h, dtype=dt, device=dev, scale=h ** -0.5)
+    args = [x, w1, w3, w2]
+
+    def llama(x, w1, w3, w2):
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+    fn = compiled(llama)
+    fn(*args)
+    before = sg.launch_count()
+    out, calls, kernels = run_counted(fn, *args)
+    assert_gemm_close(out, llama, args)
+    if way == "off":
+        assert calls == 1 and sg.launch_count() - before == 2  # the cuBLASLt pair, the skinny gated down
+    else:
+        assert calls == 0 and sg.launch_count() - before == 4, sg.last_error()  # two calls of (pair, gated down)

@@ -45,6 +45,8 @@
 // Entry point: the launcher appends
 //   OPFUSE_SKINNY_TMA_ENTRY(name, bf16, NTW, CW, STAGES, EARLY)   or
 //   OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(name, bf16, NTW, CW, STAGES, EARLY, CLUSTER)
+// and for a pair (tag suffix x2) OPFUSE_SKINNY_TMA_PAIR_[CLUSTER_]ENTRY with
+// the same arguments: W's map 3-D, then d2 and pair_ctas after A's map.
 
 namespace opfuse_skinny {
 
@@ -74,8 +76,14 @@ __host__ __device__ constexpr int tma_smem_bytes(int bn, int stages, int cluster
   return 1024 + stages * tma_stage_bytes(bn) + (cluster > 1 ? bn * 64 : 0) + 16 * stages;
 }
 
-template <class E, int NTW, int CW, int STAGES, int CLUSTER, int EARLY>
-__device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, const TmaMap* wmap, const TmaMap* amap) {
+// PAIR: two GEMMs of one A (Llama's gate and up projections) in one launch,
+// W a 3-D map [2, N, K] (the two weights at any 16-byte-multiple distance);
+// CTAs 0 .. pair_ctas - 1 compute the first into p.d, the rest the second
+// into d2 (so every CTA streams one weight's rows, and a cluster never
+// straddles the two).
+template <class E, int NTW, int CW, int STAGES, int CLUSTER, int EARLY, bool PAIR = false>
+__device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, const TmaMap* wmap, const TmaMap* amap,
+                                                     void* d2 = nullptr, int pair_ctas = 0) {
   constexpr int BN = 8 * NTW * CW, STAGE = tma_stage_bytes(BN);
   static_assert(BN <= 256, "a TMA box has at most 256 rows");
   static_assert(EARLY >= 1 && EARLY <= STAGES, "1 to STAGES early stages");
@@ -91,7 +99,10 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
   trace_stamp(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
-  const int n0 = static_cast<int>(blockIdx.x / CLUSTER) * BN;
+  const int second = PAIR && static_cast<int>(blockIdx.x) >= pair_ctas ? 1 : 0;
+  SkinnyParams p = p_in;
+  if (second) p.d = d2;
+  const int n0 = static_cast<int>((blockIdx.x - second * pair_ctas) / CLUSTER) * BN;
   const int chunks = (p.k + 63) / 64;
   const int c_begin = static_cast<int>(static_cast<i64>(chunks) * rank / CLUSTER);
   const int count = static_cast<int>(static_cast<i64>(chunks) * (rank + 1) / CLUSTER) - c_begin;
@@ -125,7 +136,8 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
       const int early = count < EARLY ? count : EARLY;
       for (int i = 0; i < early; ++i) {
         mbar_arrive_expect_tx(full(i), STAGE);
-        tma_load_2d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, full(i), policy);
+        if constexpr (PAIR) tma_load_3d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, second, full(i), policy);
+        else tma_load_2d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, full(i), policy);
       }
       grid_dependency_wait();  // A may be the previous kernel's output
       for (int i = 0; i < early; ++i) tma_load_2d(ring + i * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(i));
@@ -133,7 +145,8 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
         const int s = i % STAGES;
         if (i >= STAGES) mbar_wait(empty(s), ((i / STAGES) - 1) & 1);
         mbar_arrive_expect_tx(full(s), STAGE);
-        tma_load_2d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, full(s), policy);
+        if constexpr (PAIR) tma_load_3d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, second, full(s), policy);
+        else tma_load_2d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, full(s), policy);
         tma_load_2d(ring + s * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(s));
       }
     }
@@ -209,4 +222,22 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p, cons
            const __grid_constant__ opfuse_skinny::TmaMap amap OPFUSE_SKINNY_TRACE_PARAM) {                    \
     OPFUSE_SKINNY_TRACE_SET                                                                                    \
     opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, CLUSTER, EARLY>(p, &wmap, &amap);         \
+  }
+// The pair (PAIR above): the arguments of the single entry, then the second
+// output and the first GEMM's CTA count.
+#define OPFUSE_SKINNY_TMA_PAIR_PARAMS                                                                             \
+  const opfuse_skinny::SkinnyParams p, const __grid_constant__ opfuse_skinny::TmaMap wmap,                        \
+      const __grid_constant__ opfuse_skinny::TmaMap amap, void *d2, int pair_ctas OPFUSE_SKINNY_TRACE_PARAM
+#define OPFUSE_SKINNY_TMA_PAIR_ENTRY(NAME, E, NTW, CW, STAGES, EARLY)                                                 \
+  extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1) NAME(OPFUSE_SKINNY_TMA_PAIR_PARAMS) {            \
+    OPFUSE_SKINNY_TRACE_SET                                                                                    \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, 1, EARLY, true>(p, &wmap, &amap, d2,       \
+                                                                                           pair_ctas);             \
+  }
+#define OPFUSE_SKINNY_TMA_PAIR_CLUSTER_ENTRY(NAME, E, NTW, CW, STAGES, EARLY, CLUSTER)                                \
+  extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1) __cluster_dims__(CLUSTER, 1, 1)            \
+      NAME(OPFUSE_SKINNY_TMA_PAIR_PARAMS) {                                                                    \
+    OPFUSE_SKINNY_TRACE_SET                                                                                    \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, CLUSTER, EARLY, true>(p, &wmap, &amap, d2, \
+                                                                                                 pair_ctas);       \
   }
