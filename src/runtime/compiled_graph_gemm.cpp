@@ -195,7 +195,9 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
 }
 
 // Two GEMMs of one A and two B of one shape and layout (Llama's gate and up
-// projections, x @ w1^T and x @ w3^T) as one strided-batched cuBLASLt call:
+// projections, x @ w1^T and x @ w3^T) as one launch of the skinny GEMM's
+// TMA kernel where it takes them (skinny::try_run_pair), else as one
+// strided-batched cuBLASLt call:
 // A's batch stride is 0, B's the distance between the two weights, D's the
 // distance between the two results, which the caller allocated in one
 // block, the second at the next 256-byte boundary (paired_buffers()). One

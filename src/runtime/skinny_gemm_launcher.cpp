@@ -215,8 +215,8 @@ SkinnyConfig choose_tma_config(int64_t m, int64_t n, int64_t k, int sms) {
 // 16x4096->16384 36.6 / 36.3, 16x4096->11008 26.7 / 27.0; the MLP block at
 // M = 16, both GEMMs here, 70.1 and 71.6 against cuBLASLt's 75.1 and 75.2.
 // Outside the box (a vocabulary projection's N, short K) cuBLASLt stays.
-// Pairs (Llama's gate and up projections as one batched cuBLASLt call)
-// stay pairs: CompiledGraph::launch_gemm_pair asks only mode_all().
+// Pairs (Llama's gate and up projections) stay pairs: in the box one TMA
+// launch (try_run_pair), elsewhere cuBLASLt's batched call unless mode_all().
 static bool in_default_box(int64_t n, int64_t k) { return n >= 4096 && n <= 16384 && k >= 4096 && k <= 16384; }
 
 bool default_takes(int64_t m, int64_t n, int64_t k, int arch, int sms) {
