@@ -199,6 +199,22 @@ def test_failing_impl_is_recorded_not_dropped(monkeypatch):
     assert "not built" in results[2].error
 
 
+def test_opfuse_rows_say_which_route_a_case_took():
+    """The opfuse row of a case carries the kernel launches and library calls
+    of one call (opfuse.stats()), in the table's note and in the record:
+    the seed chain on the CPU is one fused kernel and no library call."""
+    case = cases.chain_case(1 << 10, torch.float32)
+    results = runner.run_case(case, ["eager", "opfuse"], torch.device("cpu"), budget_s=0.0, min_reps=2)
+    eager, fused = results
+    assert fused.error is None, fused.error
+    assert eager.launches is None and fused.launches == (1, 0)
+    rows = runner.table_rows(results, _bandwidth(16.384))
+    assert rows[1][-1].endswith("1 kernels, 0 library calls") and "library" not in rows[0][-1]
+    recs = {(r["impl"], r["metric"]): r for r in runner.to_records(results, _bandwidth(16.384), INFO)}
+    assert recs[("opfuse", "ms")]["kernel_launches"] == 1 and recs[("opfuse", "ms")]["library_calls"] == 0
+    assert "kernel_launches" not in recs[("eager", "ms")]
+
+
 def test_low_precision_is_judged_against_float32_and_eagers_own_error():
     torch.manual_seed(0)
     xs = tuple(torch.randn(4096, dtype=torch.bfloat16) for _ in range(3))

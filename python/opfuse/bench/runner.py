@@ -28,6 +28,9 @@ class CaseResult:
     nbytes: int
     timing: Timing | None = None
     error: str | None = None
+    # opfuse only: kernel launches and library calls of one call (opfuse.stats()),
+    # so a table says which route a case took, not only how fast it was.
+    launches: tuple[int, int] | None = None
 
 
 def _short(message: str, limit: int = 600) -> str:
@@ -51,6 +54,8 @@ def run_case(case: Case, impl_names: list[str], device: torch.device, *,
         try:
             compiled = IMPLS[name](case.fn)
             result.error = check(compiled(*first), expected)
+            if result.error is None and name == "opfuse":
+                result.launches = _launches_of_one_call(compiled, first)
             if result.error is None:
                 result.timing = benchmark(compiled, arg_sets, device,
                                           budget_s=budget_s, min_reps=min_reps)
@@ -62,6 +67,18 @@ def run_case(case: Case, impl_names: list[str], device: torch.device, *,
     del arg_sets, first, expected, eager_out
     gc.collect()
     return results
+
+
+def _launches_of_one_call(compiled, args) -> tuple[int, int]:
+    import opfuse
+    opfuse.reset_stats()
+    compiled(*args)
+    s = opfuse.stats()
+    return s["kernel_launches"], s["library_calls"]
+
+
+def _launch_note(r: CaseResult) -> str:
+    return "" if r.launches is None else f"{r.launches[0]} kernels, {r.launches[1]} library calls"
 
 
 def eager_ms(results: list[CaseResult]) -> float | None:
@@ -88,6 +105,8 @@ def to_records(results: list[CaseResult], bw: Bandwidth, info: RunInfo) -> list[
                                    floor=floors.floor_ms(r.nbytes, bw.bytes_per_s),
                                    spread=r.timing.spread(), fraction=frac,
                                    speedup_vs_eager=speedup, host_us=_host_us(r.timing),
+                                   **({} if r.launches is None else
+                                      {"kernel_launches": r.launches[0], "library_calls": r.launches[1]}),
                                    **common))
         records.append(make_record(metric="GB/s",
                                    value=floors.achieved_gb_per_s(r.nbytes, ms),
@@ -127,5 +146,6 @@ def table_rows(results: list[CaseResult], bw: Bandwidth) -> list[list]:
                      floors.achieved_gb_per_s(r.nbytes, ms),
                      100 * floors.fraction_of_bandwidth(r.nbytes, ms, bw.bytes_per_s),
                      f"{base / ms:.2f}x" if base else None, _host_us(r.timing),
-                     f"{r.case.flops / ms / 1e9:.0f} TFLOP/s" if r.case.suite == "gemm" else ""])
+                     "; ".join(n for n in (f"{r.case.flops / ms / 1e9:.0f} TFLOP/s" if r.case.suite == "gemm" else "",
+                                           _launch_note(r)) if n)])
     return rows
