@@ -22,9 +22,10 @@ namespace {
 
 std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t*> g_trace{nullptr};  // set_trace_buffer
-std::mutex g_mu;  // the maps below and g_error
+std::mutex g_mu;  // the maps below, g_error and g_last_launch
 std::string g_error;
-std::string g_last_config;  // the tag of the last launch (tests, benchmarks)
+// The config of the last launch (skinny_gemm.last_config(): tests, benchmarks); nt 0: none yet.
+SkinnyConfig g_last_launch{0, 0, 0, 0, 0};
 
 const char* elem_name(DType t) { return small_m_elem_name(t, "skinny GEMM"); }
 
@@ -366,7 +367,7 @@ bool takes(const GemmArgs& g) {
 
 // try_run and try_run_pair: `second` is the pair's other GEMM (its weight
 // at pair_bytes > 0 after g's; the same shape, A and epilogue) or null.
-bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_bytes) {
+static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_bytes) {
   const Mode md = mode();
   if (ruled_out(md, g) || (second && ruled_out(md, *second))) return false;
   const CudaApi& c = cuda();
@@ -434,6 +435,7 @@ bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_bytes) {
         return false;
       }
     }
+    g_last_launch = cfg;  // a struct copy under the lock already held; the tag is built only when asked
   }
 
   SkinnyParams p{};
@@ -468,10 +470,6 @@ bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_bytes) {
   launch_1d(fn, grid, static_cast<unsigned>(cfg.threads()), static_cast<unsigned>(cfg.dynamic_smem()), g.stream, params,
             pdl, "cuLaunchKernel(skinny GEMM)");
   g_launches.fetch_add(1, std::memory_order_relaxed);
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    g_last_config = cfg.tag();
-  }
   return true;
 }
 
@@ -507,7 +505,7 @@ std::string last_error() {
 
 std::string last_config() {
   std::lock_guard<std::mutex> lock(g_mu);
-  return g_last_config;
+  return g_last_launch.nt ? g_last_launch.tag() : std::string();
 }
 
 }  // namespace opfuse::skinny

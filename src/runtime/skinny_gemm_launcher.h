@@ -130,7 +130,7 @@ void set_trace_buffer(uint64_t* buffer);
 // Debug queries: launches so far (process-wide), and the last build error.
 uint64_t launch_count();
 std::string last_error();
-// The config tag of the last launch ("" before the first).
+// The config tag of the last launch, or of a launch that threw ("" before the first).
 std::string last_config();
 
 }  // namespace opfuse::skinny
