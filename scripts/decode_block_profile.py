@@ -79,7 +79,7 @@ def main():
     for name in args.cases.split(","):
         kind, m, k, h = CASES[name]
         case = gemm_case(kind, m, k, h, torch.bfloat16)
-        inputs = case.make(dev, 0)
+        inputs = case.make_inputs(dev, 0)
         floor_us = sum(t.numel() * t.element_size() for t in inputs) / (args.bandwidth * 1e9) * 1e6
         compiled = torch.compile(case.fn, backend="opfuse")
         for _ in range(3):
