@@ -266,6 +266,7 @@ NB_MODULE(_C, m) {
       .def("output_buffers", &CompiledGraph::output_buffers)
       .def("gemm_pairs", &CompiledGraph::gemm_pairs)
       .def("paired_buffers", &CompiledGraph::paired_buffers)
+      .def("pair_gates", &CompiledGraph::pair_gates)
       .def("symbols", &CompiledGraph::symbols)
       .def("bind", &CompiledGraph::bind)
       .def("buffer_shape", &CompiledGraph::buffer_shape)

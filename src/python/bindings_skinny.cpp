@@ -101,6 +101,9 @@ void bind_skinny_gemm(nb::module_& m) {
   m.def("skinny_gemm_choose_tma_config", [](int64_t m_, int64_t n, int64_t k, int sms) {
     return skinny::choose_tma_config(m_, n, k, sms).tag();
   });
+  m.def("skinny_gemm_choose_gated_pair_config", [](int64_t m_, int64_t n, int64_t k, int sms) {
+    return skinny::choose_gated_pair_config(m_, n, k, sms).tag();
+  });
   m.def(
       "skinny_gemm_set_trace_buffer", [](uintptr_t buffer) { skinny::set_trace_buffer(reinterpret_cast<uint64_t*>(buffer)); },
       nb::arg("buffer"),

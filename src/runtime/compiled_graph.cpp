@@ -122,8 +122,11 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
       // (gated_gemm_input.cpp). Opt-in, OPFUSE_GATED_GEMM=1: on the H200 the
       // gated skinny GEMM cost more than the kernel it saves (docs/perf-notes.md,
       // "H200, session 15").
-      if (gated_gemm && s.gate_silu >= 0 && !steps_.empty() && !steps_.back().first)
-        gate_gemm_of_.at(static_cast<size_t>(steps_.back().second)) = static_cast<int>(gemms_.size());
+      if (s.gate_silu >= 0 && !steps_.empty() && !steps_.back().first) {
+        s.gate_kernel = steps_.back().second;
+        s.gate_step = static_cast<int>(steps_.size()) - 1;
+        if (gated_gemm) gate_gemm_of_.at(static_cast<size_t>(s.gate_kernel)) = static_cast<int>(gemms_.size());
+      }
       s.dtype = pg.node(k.gemm.matmul).dtype;
       s.name = "gemm" + std::to_string(gemms_.size());
       if (k.gemm.epilogue_name() != "none") s.name += "_" + k.gemm.epilogue_name();
@@ -343,21 +346,32 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
     std::vector<char> done_heap;
     if (gemms_.size() > sizeof(done_local)) done_heap.assign(gemms_.size(), 0);
     char* done = done_heap.empty() ? done_local : done_heap.data();
+    // Generated kernels a gated pair computed in its place.
+    char skip_local[32] = {};
+    std::vector<char> skip_heap;
+    if (kernels_.size() > sizeof(skip_local)) skip_heap.assign(kernels_.size(), 0);
+    char* skip = skip_heap.empty() ? skip_local : skip_heap.data();
     for (const PreparedRun::Step& st : p.steps) {
       if (st.gemm >= 0) {
         size_t gi = static_cast<size_t>(st.gemm);
         if (done[gi]) continue;
         int partner = pairs ? pair_of_[gi] : -1;
+        const PairGate* gate = partner >= 0 && pair_gate_[gi].kernel >= 0 ? &pair_gate_[gi] : nullptr;
+        bool folded = false;
         if (partner >= 0 && launch_gemm_pair(gemms_[gi], gemms_[static_cast<size_t>(partner)], p.env, swapped,
-                                             p.input_strides, options)) {
+                                             p.input_strides, options, gate, &folded)) {
           done[static_cast<size_t>(partner)] = 1;
           if (options.gemm_merged) ++*options.gemm_merged;
+          if (folded) {
+            skip[static_cast<size_t>(gate->kernel)] = 1;
+            if (options.kernels_folded) ++*options.kernels_folded;
+          }
           continue;
         }
         launch_gemm(gemms_[gi], p.env, run_ptrs, p.input_strides, options);
         continue;
       }
-      if (st.empty) continue;
+      if (st.empty || skip[static_cast<size_t>(st.kernel)]) continue;
       // A gate kernel whose product the next GEMM can read in its place: that
       // GEMM runs now, and this kernel not at all.
       if (const int gg = gate_gemm_of_[static_cast<size_t>(st.kernel)];

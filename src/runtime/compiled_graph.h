@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "codegen/c_emitter.h"
@@ -47,6 +48,9 @@ struct GemmStep {
   // written by the kernel step just before this one, which the skinny GEMM
   // may take in (CompiledGraph::launch_gated_gemm).
   int gate_silu = -1, gate_mul = -1;
+  // That gate kernel (with gate_silu >= 0): its index among the generated
+  // kernels and its step (the plan's kernel index).
+  int gate_kernel = -1, gate_step = -1;
   DType dtype = DType::Float32;
   std::string name;       // e.g. "gemm0_bias_relu"
 };
@@ -134,6 +138,9 @@ class CompiledGraph {
   // Their result buffers: a caller that allocates each pair in one block
   // (first, then second at the next 256-byte boundary) lets the pair run as one call.
   std::vector<std::pair<int, int>> paired_buffers() const;
+  // Pairs whose launch may also form Llama's gate (PairGate): (first GEMM
+  // step, gate kernel, h buffer, whether the first GEMM is the silu operand).
+  std::vector<std::tuple<int, int, int, bool>> pair_gates() const;
   // The order of the work: (false, kernel index) or (true, gemm index).
   const std::vector<std::pair<bool, int>>& steps() const { return steps_; }
 
@@ -207,6 +214,15 @@ class CompiledGraph {
   std::vector<GemmStep> gemms_;
   std::vector<int> pair_of_;  // per GEMM step: the later step it runs with as one batched call (pair_gemms()), or -1
   std::vector<int> gate_gemm_of_;  // per generated kernel: the next step's GEMM, which may take it in (gated A), or -1
+  // A pair whose two results only Llama's gate kernel reads (silu(one) *
+  // other): the pair's launch may write the gate's product h itself
+  // (skinny::try_run_gated_pair), and the gate kernel is then not launched.
+  struct PairGate {
+    int kernel = -1;             // the gate kernel (generated kernel index); -1: none
+    int h = -1;                  // its output buffer
+    bool first_is_gate = false;  // the pair's first GEMM is the silu operand
+  };
+  std::vector<PairGate> pair_gate_;  // per GEMM step (a pair's first), pair_gemms()
   int64_t gemm_pair_max_rows_ = kPairDefaultMaxRows;  // pairs run as one call up to this many rows of A
   static constexpr int64_t kPairDefaultMaxRows = 64;
   int gemm_candidates_ = 8, gemm_split_k_ = 0;  // GemmArgs::candidates, split_k_max (OPFUSE_GEMM_CANDIDATES, _SPLITK)
@@ -220,6 +236,7 @@ class CompiledGraph {
 
   std::string cuda_source_for(const std::vector<StrideSignature>& sigs, std::vector<CudaLaunch>* launches, int arch) const;
   void pair_gemms();
+  void mark_pair_gates();  // pair_gate_, after pair_of_
   void build_cuda_variant(Variant& v, const std::vector<StrideSignature>& sigs, bool* cache_hit);
   // `env`: the size symbols' values, built once per layout for every step.
   using SymbolEnv = std::map<std::string, int64_t>;
@@ -227,8 +244,10 @@ class CompiledGraph {
                            const std::vector<std::vector<int64_t>>& input_strides, PreparedRun::Step* step) const;
   GemmArgs gemm_args(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                      const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
+  // `gate`: the pair's gate kernel (or null); *gate_folded: h written, the kernel not to run.
   bool launch_gemm_pair(const GemmStep& x, const GemmStep& y, const SymbolEnv& env, std::vector<void*>& ptrs,
-                        const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
+                        const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o,
+                        const PairGate* gate, bool* gate_folded) const;
   void launch_gemm(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,
                    const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const;
   void launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, const std::vector<void*>& ptrs,

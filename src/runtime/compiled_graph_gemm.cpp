@@ -5,9 +5,11 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <set>
 #include <string>
 
 #include "runtime/compiled_graph.h"
+#include "fusion/gate_kernel.h"
 #include "ir/ops.h"
 #include "runtime/gemm_launcher.h"
 #include "runtime/decode_mlp_launcher.h"
@@ -212,7 +214,8 @@ void CompiledGraph::launch_gemm(const GemmStep& s, const SymbolEnv& env, const s
 // to the results, their pointers are swapped in `ptrs` (which every later
 // step reads) rather than asking for a negative stride.
 bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const SymbolEnv& env, std::vector<void*>& ptrs,
-                                     const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o) const {
+                                     const std::vector<std::vector<int64_t>>& input_strides, const RunOptions& o,
+                                     const PairGate* gate, bool* gate_folded) const {
   GemmArgs gx = gemm_args(x, env, ptrs, input_strides, o);
   if (gx.m > gemm_pair_max_rows_) return false;  // the default's size bound: two calls, as measured
   GemmArgs gy = gemm_args(y, env, ptrs, input_strides, o);
@@ -224,6 +227,14 @@ bool CompiledGraph::launch_gemm_pair(const GemmStep& x, const GemmStep& y, const
   // its TMA kernel computes both: one ramp and one tail for both weights,
   // level with cuBLAS on one GEMM of both weights' rows (docs/perf-notes.md,
   // "H200, session 17").
+  // Where Llama's gate kernel alone reads the two results, the same launch
+  // may form its product h instead (one kernel fewer, and neither result
+  // goes through HBM).
+  if (gate && skinny::try_run_gated_pair(gx, gy, ptrs[static_cast<size_t>(gate->h)], gate->first_is_gate)) {
+    if (o.gemm_kernels) ++*o.gemm_kernels;
+    *gate_folded = true;
+    return true;
+  }
   if (skinny::try_run_pair(gx, gy)) {
     if (o.gemm_kernels) ++*o.gemm_kernels;
     return true;
@@ -330,12 +341,48 @@ void CompiledGraph::pair_gemms() {
   }
   for (int& p : pair_of_)
     if (p == -2) p = -1;
+  mark_pair_gates();
+}
+
+// A pair whose two results are exactly a later GEMM's gated A (Llama's
+// silu(x @ w1^T) * (x @ w3^T), marked by the plan's gated-input pass) and
+// are read by nothing but the gate kernel: the pair's launch may write the
+// gate's product itself. OPFUSE_GATED_PAIR=0 turns it off.
+void CompiledGraph::mark_pair_gates() {
+  pair_gate_.assign(gemms_.size(), PairGate{});
+  const char* env = std::getenv("OPFUSE_GATED_PAIR");
+  if (env && std::string(env) == "0") return;
+  for (size_t i = 0; i < gemms_.size(); ++i) {
+    if (pair_of_[i] < 0) continue;
+    const GemmStep& x = gemms_[i];
+    const GemmStep& y = gemms_[static_cast<size_t>(pair_of_[i])];
+    if (x.call.activation != "" || y.call.activation != "") continue;
+    for (const GemmStep& d : gemms_) {
+      if (d.gate_kernel < 0) continue;
+      const bool x_gate = d.gate_silu == x.out && d.gate_mul == y.out;
+      if (!x_gate && !(d.gate_silu == y.out && d.gate_mul == x.out)) continue;
+      const std::set<int> only_gate{d.gate_step};
+      if (!private_to(plan_, buffers_[static_cast<size_t>(x.out)].node, only_gate) ||
+          !private_to(plan_, buffers_[static_cast<size_t>(y.out)].node, only_gate))
+        continue;
+      pair_gate_[i] = PairGate{d.gate_kernel, d.a, x_gate};
+      break;
+    }
+  }
 }
 
 std::vector<std::pair<int, int>> CompiledGraph::gemm_pairs() const {
   std::vector<std::pair<int, int>> r;
   for (size_t i = 0; i < pair_of_.size(); ++i)
     if (pair_of_[i] >= 0) r.emplace_back(static_cast<int>(i), pair_of_[i]);
+  return r;
+}
+
+std::vector<std::tuple<int, int, int, bool>> CompiledGraph::pair_gates() const {
+  std::vector<std::tuple<int, int, int, bool>> r;
+  for (size_t i = 0; i < pair_gate_.size(); ++i)
+    if (pair_gate_[i].kernel >= 0)
+      r.emplace_back(static_cast<int>(i), pair_gate_[i].kernel, pair_gate_[i].h, pair_gate_[i].first_is_gate);
   return r;
 }
 

@@ -62,11 +62,13 @@ constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_
 // pair's two weights), boxes [1, box_rows, 64]. Kept per (pointer, sizes,
 // strides, box, dtype, L2 promotion), which is all a map encodes, so a hit
 // is the same map (weights are the same tensors call after call). Guarded by g_mu.
+// box_both: the gated pair's boxes [2, box_rows, 64], the same rows of both.
 const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_t ld, int box_rows,
-                      int64_t pair_bytes = 0) {
+                      int64_t pair_bytes = 0, bool box_both = false) {
   static std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int, int, int, int64_t>, TmaMap> maps;
   const int dtype = dt == DType::BFloat16 ? kTmaBf16 : kTmaF16, promo = tma_l2_promotion();
-  const auto key = std::make_tuple(ptr, rows, k, ld, box_rows, dtype, promo, pair_bytes);
+  const int box_key = box_both ? -box_rows : box_rows;
+  const auto key = std::make_tuple(ptr, rows, k, ld, box_key, dtype, promo, pair_bytes);
   auto it = maps.find(key);
   if (it != maps.end()) return it->second;
   const CudaApi& c = cuda();
@@ -75,7 +77,7 @@ const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_
   TmaMap m{};
   const uint64_t dims[3] = {static_cast<uint64_t>(k), static_cast<uint64_t>(rows), 2};
   const uint64_t strides[2] = {static_cast<uint64_t>(rows > 1 ? ld : k) * 2, static_cast<uint64_t>(pair_bytes)};
-  const uint32_t box[3] = {64, static_cast<uint32_t>(box_rows), 1};
+  const uint32_t box[3] = {64, static_cast<uint32_t>(box_rows), box_both ? 2u : 1u};
   const uint32_t estr[3] = {1, 1, 1};
   const unsigned rank = pair_bytes > 0 ? 3 : 2;
   check_cuda(c.TensorMapEncodeTiled(m.bytes, dtype, rank, const_cast<void*>(ptr), dims, strides, box, estr,
@@ -101,7 +103,7 @@ std::string SkinnyConfig::tag() const {
   std::string s = "n" + std::to_string(nt);
   if (stages)
     s += "w" + std::to_string(warps) + "s" + std::to_string(stages) + "c" + std::to_string(cluster) +
-         (early && early != stages ? "e" + std::to_string(early) : "") + (pair ? "x2" : "");
+         (early && early != stages ? "e" + std::to_string(early) : "") + (gated_pair ? "xg" : pair ? "x2" : "");
   else
     s += "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" + std::to_string(min_blocks) + "c" +
          std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "") + (gate ? "g" + std::to_string(gate) : "");
@@ -111,14 +113,14 @@ std::string SkinnyConfig::tag() const {
 int SkinnyConfig::dynamic_smem() const {
   if (!stages) return 0;
   const int bn = rows();  // skinny_gemm_tma.cu's tma_smem_bytes
-  return 1024 + stages * (bn * 128 + 16 * 128) + (cluster > 1 ? bn * 64 : 0) + 16 * stages;
+  return 1024 + stages * (bn * 128 + 16 * 128) + (cluster > 1 || gated_pair ? bn * 64 : 0) + 16 * stages;
 }
 
 SkinnyConfig SkinnyConfig::parse(const std::string& tag_in) {
   // A trailing "t": the same config built with its CTAs' timeline (diagnosis).
   const bool traced = !tag_in.empty() && tag_in.back() == 't';
   const std::string tag = traced ? tag_in.substr(0, tag_in.size() - 1) : tag_in;
-  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+)(?:e(\d+))?(x2)?)");
+  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+)(?:e(\d+))?(x2|xg)?)");
   std::smatch t;
   if (std::regex_match(tag, t, tma)) {
     SkinnyConfig c;
@@ -128,11 +130,13 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag_in) {
     c.cluster = std::stoi(t[4]);
     c.early = t[5].matched ? std::stoi(t[5]) : 0;
     c.pair = t[6].matched;
+    c.gated_pair = t[6].matched && t[6] == "xg";
     c.u = 1;
     c.min_blocks = 1;
     const bool ok = c.nt >= 1 && c.nt <= 16 && c.warps >= 1 && c.warps <= 8 && c.rows() <= 256 && c.stages >= 2 &&
                     c.stages <= 16 && (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) &&
-                    c.dynamic_smem() <= 227 * 1024 && c.early >= 0 && c.early <= c.stages;
+                    c.dynamic_smem() <= 227 * 1024 && c.early >= 0 && c.early <= c.stages &&
+                    (!c.gated_pair || c.cluster == 1);
     if (c.early == c.stages) c.early = 0;  // one spelling per config
     if (!ok) throw std::invalid_argument("skinny GEMM config '" + tag + "' is out of range");
     c.trace = traced;
@@ -207,6 +211,41 @@ SkinnyConfig choose_tma_config(int64_t m, int64_t n, int64_t k, int sms) {
   return c;
 }
 
+// The gated pair: H = BN / 2 columns of h a CTA (H rows of each weight), H
+// the least multiple of 4 that covers N in one wave of `sms` CTAs, with BN / 8
+// tiles shared by 4 or 3 consumer warps (H grows by 4 until one divides);
+// as many stages as fit beside the partial tile. Why one full wave: on the
+// H200 the 16x4096->22016 GEMM took 46.0 us back to back with 131 CTAs of
+// 168 rows (n7w3s8c1) against 47.7 with 115 of 192 (n6w4s7c1)
+// (docs/perf-notes.md, "H200, session 18"). N = 11008 on 132 SMs: H = 84,
+// n7w3s8c1xg, 132 CTAs.
+SkinnyConfig choose_gated_pair_config(int64_t m, int64_t n, int64_t k, int sms) {
+  (void)m;
+  (void)k;
+  SkinnyConfig c;
+  c.u = 1;
+  c.min_blocks = 1;
+  c.cluster = 1;
+  c.pair = c.gated_pair = true;
+  int64_t h = std::min<int64_t>(128, ((n + sms - 1) / sms + 3) / 4 * 4);
+  for (;; h += 4) {
+    const int64_t tiles = h / 4;  // BN / 8 = 2H / 8
+    if (h >= 128 || tiles % 4 == 0) {
+      c.warps = 4;
+      c.nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(tiles, 32) / 4));
+      break;
+    }
+    if (tiles % 3 == 0) {
+      c.warps = 3;
+      c.nt = static_cast<int>(tiles / 3);
+      break;
+    }
+  }
+  const int bn = 8 * c.nt * c.warps;  // rows(), which needs stages set
+  c.stages = std::min(12, (200 * 1024 - bn * 64) / (bn * 128 + 16 * 128));
+  return c;
+}
+
 // Without OPFUSE_SKINNY_GEMM: the box of shapes measured on the H200 (sm_90,
 // N and K of 4096 to 16384), where the kernel is faster than cuBLASLt's
 // timed choice alone or as fast, and faster in a chain, whose next skinny
@@ -238,7 +277,7 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
     for (int cl : {1, 2, 4}) r.push_back(SkinnyConfig{16, 1, 8, 1, cl, 1});
     // The TMA kernel (the default on sm_90) at the benchmark shapes on 132 SMs, and rivals.
     for (const char* t : {"n4w4s11c1", "n4w4s11c4", "n3w4s12c1", "n4w4s8c1", "n2w4s12c2", "n4w4s11c1e2", "n6w4s7c1x2",
-                          "n2w4s12c2x2"})
+                          "n2w4s12c2x2", "n7w3s8c1", "n7w3s8c1xg", "n8w4s5c1xg", "n2w4s12c1xg"})
       r.push_back(SkinnyConfig::parse(t));
   } else
     r.push_back(SkinnyConfig{4, 2, 8, 1, 1});
@@ -254,7 +293,7 @@ std::string source(DType dtype, const SkinnyConfig& c) {
     const std::string args = std::string(kEntryName) + ", " + elem_name(dtype) + ", " + std::to_string(c.nt) + ", " +
                              std::to_string(c.warps) + ", " + std::to_string(c.stages) + ", " +
                              std::to_string(c.early ? c.early : c.stages);
-    const std::string kind = c.pair ? "OPFUSE_SKINNY_TMA_PAIR_" : "OPFUSE_SKINNY_TMA_";
+    const std::string kind = c.gated_pair ? "OPFUSE_SKINNY_TMA_GATED_PAIR_" : c.pair ? "OPFUSE_SKINNY_TMA_PAIR_" : "OPFUSE_SKINNY_TMA_";
     if (c.cluster > 1) s += "\n" + kind + "CLUSTER_ENTRY(" + args + ", " + std::to_string(c.cluster) + ")\n";
     else s += "\n" + kind + "ENTRY(" + args + ")\n";
     return s;
@@ -365,9 +404,12 @@ bool takes(const GemmArgs& g) {
   return current_device(&ctx, &info) && mode_takes(md, g, info);
 }
 
-// try_run and try_run_pair: `second` is the pair's other GEMM (its weight
-// at pair_bytes > 0 after g's; the same shape, A and epilogue) or null.
-static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_bytes) {
+// try_run, try_run_pair and try_run_gated_pair: `second` is the pair's
+// other GEMM (its weight at pair_bytes > 0 after g's; the same shape, A and
+// epilogue) or null; `gated_h` the gated pair's output h = silu(gate) * up
+// ([M, N], row stride N), `silu_z` which of the two (0: g) is the gate.
+static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_bytes, void* gated_h = nullptr,
+                     int silu_z = 0) {
   const Mode md = mode();
   if (ruled_out(md, g) || (second && ruled_out(md, *second))) return false;
   const CudaApi& c = cuda();
@@ -399,14 +441,21 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
     if (cfg.stages && (g.a_mul.ptr || info.arch < 90)) cfg = choose_config(g.m, g.n, g.k, info.arch, info.sms);
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
     cfg.gate = g.a_mul.ptr ? 1 : 0;  // the operand decides it, not the tuning
-    if (second) {  // one wave over both weights' rows
+    if (gated_h) {  // one wave over h's columns, each CTA both weights' rows of them
+      if (!(forced && *forced && cfg.stages && cfg.cluster == 1)) cfg = choose_gated_pair_config(g.m, g.n, g.k, info.sms);
+      cfg.pair = cfg.gated_pair = true;
+    } else if (second) {  // one wave over both weights' rows
       if (!(forced && *forced && cfg.stages)) cfg = choose_tma_config(g.m, 2 * g.n, g.k, info.sms);
       cfg.pair = true;
+      cfg.gated_pair = false;
     } else {
-      cfg.pair = false;
+      cfg.pair = cfg.gated_pair = false;
     }
+    // A forced config's partial tile, which parse did not count unless it was an "xg" tag.
+    if (cfg.gated_pair && cfg.dynamic_smem() > 227 * 1024) cfg = choose_gated_pair_config(g.m, g.n, g.k, info.sms);
     LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate,
-                              ((cfg.stages * 32 + cfg.early) * 2 + (cfg.trace ? 1 : 0)) * 2 + (cfg.pair ? 1 : 0)}];
+                              ((cfg.stages * 32 + cfg.early) * 2 + (cfg.trace ? 1 : 0)) * 3 +
+                                  (cfg.gated_pair ? 2 : cfg.pair ? 1 : 0)}];
     if (lf.failed) return false;
     if (!lf.fn) {
       try {
@@ -428,7 +477,8 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
     fn = lf.fn;
     if (cfg.stages) {
       try {
-        wmap = tma_map(g.dtype, g.b.ptr, g.n, g.k, g.b.col_stride, cfg.rows(), second ? pair_bytes : 0);
+        wmap = tma_map(g.dtype, g.b.ptr, g.n, g.k, g.b.col_stride, cfg.gated_pair ? cfg.rows() / 2 : cfg.rows(),
+                       second ? pair_bytes : 0, cfg.gated_pair);
         amap = tma_map(g.dtype, g.a.ptr, g.m, g.k, g.a.row_stride, 16);
       } catch (const std::exception& e) {
         g_error = e.what();
@@ -443,7 +493,7 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
   p.lda = g.m > 1 ? g.a.row_stride : 0;
   p.w = g.b.ptr;
   p.ldw = g.n > 1 ? g.b.col_stride : 0;
-  p.d = g.d;
+  p.d = gated_h ? gated_h : g.d;
   p.ldd = g.n;
   p.bias = g.bias;
   p.bias_stride = g.bias_stride;
@@ -457,15 +507,20 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
   p.act = small_m_act_code(g.activation);
   p.a2 = g.a_mul.ptr;
   p.lda2 = g.a_mul.ptr && g.m > 1 ? g.a_mul.row_stride : 0;
-  int pair_ctas = static_cast<int>((g.n + cfg.rows() - 1) / cfg.rows() * cfg.cluster);
-  const unsigned grid = static_cast<unsigned>(second ? 2 * pair_ctas : pair_ctas);
+  const int64_t cta_rows = cfg.gated_pair ? cfg.rows() / 2 : cfg.rows();
+  int pair_ctas = static_cast<int>((g.n + cta_rows - 1) / cta_rows * cfg.cluster);
+  const unsigned grid = static_cast<unsigned>(second && !gated_h ? 2 * pair_ctas : pair_ctas);
   void* d2 = second ? second->d : nullptr;
   // The register kernel takes p, the TMA kernel p and its maps (a pair also
-  // the second output and the first GEMM's CTA count); a trace config also
-  // the trace buffer, last.
+  // the second output and the first GEMM's CTA count, the gated pair which
+  // weight is the gate's); a trace config also the trace buffer, last.
   uint64_t* trace = g_trace.load(std::memory_order_relaxed);
   void* params[] = {&p, &wmap, &amap, &d2, &pair_ctas, &trace};
   if (cfg.stages && !second) params[3] = &trace;
+  if (gated_h) {
+    params[3] = &silu_z;
+    params[4] = &trace;
+  }
   if (cfg.trace && !cfg.stages) params[1] = &trace;
   launch_1d(fn, grid, static_cast<unsigned>(cfg.threads()), static_cast<unsigned>(cfg.dynamic_smem()), g.stream, params,
             pdl, "cuLaunchKernel(skinny GEMM)");
@@ -492,6 +547,24 @@ bool try_run_pair(const GemmArgs& x, const GemmArgs& y) {
       static_cast<int64_t>(reinterpret_cast<uintptr_t>(other.b.ptr) - reinterpret_cast<uintptr_t>(first.b.ptr));
   if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t(1) << 40)) return false;
   return run_impl(first, &other, bytes);
+}
+
+bool try_run_gated_pair(const GemmArgs& x, const GemmArgs& y, void* h, bool x_is_gate) {
+  // As try_run_pair, with no activation: h = silu(x's result) * y's (or the
+  // other way round), the two results themselves never written.
+  if (!h || !x.activation.empty() || !y.activation.empty() || x.m != y.m || x.n != y.n || x.k != y.k ||
+      x.dtype != y.dtype || x.batch != 1 || y.batch != 1 || x.a.ptr != y.a.ptr || x.a.row_stride != y.a.row_stride ||
+      x.a.col_stride != y.a.col_stride || x.b.row_stride != y.b.row_stride || x.b.col_stride != y.b.col_stride ||
+      x.bias || y.bias || x.residual.ptr || y.residual.ptr || x.aux || y.aux || x.a_mul.ptr || y.a_mul.ptr ||
+      x.stream != y.stream || reinterpret_cast<uintptr_t>(h) % 4 != 0)
+    return false;
+  const bool x_first = reinterpret_cast<uintptr_t>(x.b.ptr) < reinterpret_cast<uintptr_t>(y.b.ptr);
+  const GemmArgs& first = x_first ? x : y;
+  const GemmArgs& other = x_first ? y : x;
+  const int64_t bytes =
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(other.b.ptr) - reinterpret_cast<uintptr_t>(first.b.ptr));
+  if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t(1) << 40)) return false;
+  return run_impl(first, &other, bytes, h, x_first == x_is_gate ? 0 : 1);
 }
 
 void set_trace_buffer(uint64_t* buffer) { g_trace.store(buffer, std::memory_order_relaxed); }

@@ -65,6 +65,7 @@ struct SkinnyConfig {
   int stages = 0;  // > 0: the TMA kernel
   int early = 0;   // the TMA kernel: W stages issued before griddepcontrol.wait (tag suffix "e2"; 0 or absent: all)
   bool pair = false;   // the TMA kernel: two GEMMs of one A in one launch (tag suffix "x2"; try_run_pair)
+  bool gated_pair = false;  // with pair: silu(one) * other, one output (tag suffix "xg"; try_run_gated_pair)
   bool trace = false;  // tag suffix "t": a build that writes each CTA's timeline (diagnosis; set_trace_buffer)
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
@@ -121,6 +122,17 @@ bool try_run(const GemmArgs& g);
 // (nothing enqueued) where the skinny kernel would not take each GEMM alone
 // or the TMA kernel is off (OPFUSE_SKINNY_TMA=0).
 bool try_run_pair(const GemmArgs& x, const GemmArgs& y);
+
+// The same pair with Llama's gate as its epilogue: h = silu(x's result) *
+// y's result (x_is_gate false: silu of y's), written to h ([M, N], row
+// stride N), the two results never written ("xg" configs: each CTA streams
+// the same rows of both weights). No activation, bias or residual. Returns
+// false (nothing enqueued) where try_run_pair would.
+bool try_run_gated_pair(const GemmArgs& x, const GemmArgs& y, void* h, bool x_is_gate);
+
+// The gated pair's config: one wave of CTAs over h's columns (the chooser
+// behind try_run_gated_pair).
+SkinnyConfig choose_gated_pair_config(int64_t m, int64_t n, int64_t k, int sms);
 
 // Diagnosis: the buffer (device memory, 6 words per CTA) that the next
 // launches of a trace config ("...t", forced with OPFUSE_SKINNY_CONFIG)

@@ -89,6 +89,35 @@ def test_no_pair_when_off_on_the_cpu_or_unlike(monkeypatch):
     assert pairs_of(unlike, monkeypatch) == []
 
 
+def test_pair_gate_marked_where_only_the_gate_reads_the_pair(monkeypatch):
+    """The pair's launch may form Llama's gate itself (the skinny GEMM's
+    gated pair) where the two results are exactly silu(one) * other and
+    nothing else reads them; not where a result or the gate's input is an
+    output, where the gate is not silu, or with OPFUSE_GATED_PAIR=0."""
+    monkeypatch.delenv("OPFUSE_GEMM_PAIRS", raising=False)
+    monkeypatch.delenv("OPFUSE_GATED_PAIR", raising=False)
+    cg = _C.CompiledGraph(llama_ir(), target="cuda")
+    gemms = cg.gemms()
+    [(first, kernel, h, first_is_gate)] = cg.pair_gates()
+    assert (first, kernel, first_is_gate) == (0, 0, True)
+    assert h == gemms[2]["a"][0]  # the down projection reads what the pair would write
+    for ir in (llama_ir(out_gate=True), llama_ir(out_h=True), llama_ir(gate="relu"), llama_ir(bias=True)):
+        assert _C.CompiledGraph(ir, target="cuda").pair_gates() == []
+    assert _C.CompiledGraph(llama_ir(), target="cpu").pair_gates() == []
+    monkeypatch.setenv("OPFUSE_GATED_PAIR", "0")
+    assert _C.CompiledGraph(llama_ir(), target="cuda").pair_gates() == []
+
+
+@pytest.mark.parametrize("n,tag", [(11008, "n7w3s8c1xg"), (16384, "n8w4s5c1xg"), (4104, "n2w4s12c1xg"), (13, "n1w3s12c1xg")])
+def test_gated_pair_config_is_one_wave(n, tag):
+    """H = BN / 2 columns of h a CTA, at most one CTA an SM: Llama's N =
+    11008 on 132 SMs takes 84 columns (168 rows of a box), 132 CTAs."""
+    assert _C.skinny_gemm_choose_gated_pair_config(16, n, 4096, 132) == tag
+    cfg = tag.split("w")
+    rows = 8 * int(cfg[0][1:]) * int(cfg[1].split("s")[0])
+    assert -(-n // (rows // 2)) <= 132 or rows == 256
+
+
 PAIR_CASES = [(torch.bfloat16, m, k, h, w3_first) for m, k, h in [(1, 64, 88), (5, 72, 136), (16, 4096, 1000), (67, 29, 37)]
               for w3_first in (False, True)] + [(torch.float16, 16, 72, 136, True), (torch.float32, 5, 29, 37, False)]
 
@@ -196,12 +225,16 @@ def test_views_of_one_activation_pair(monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("w3_first", [False, True])
-@pytest.mark.parametrize("way", ["default", "n2w4s12c2x2", "n6w4s7c1x2", "off"])
+@pytest.mark.parametrize("way", ["default", "n6w4s7c1xg", "m1", "f16", "split", "n2w4s12c2x2", "n6w4s7c1x2", "off"])
 def test_decode_pair_in_one_skinny_launch(w3_first, way, monkeypatch):
     """On sm_90 a decode-shaped pair inside the skinny GEMM's default box
-    runs as one launch of its TMA kernel (configs "...x2"; forced: a cluster
-    splitting K, and 192-row tiles), the weights in either memory order,
-    then the gated down projection: no library call, two skinny launches.
+    runs as one launch of its TMA kernel, the weights in either memory
+    order. By default that launch also forms Llama's gate (the gated pair,
+    "...xg": the chooser's 64-row boxes, forced 192-row ones; M = 1;
+    float16), then the plain down projection: no library call, no generated
+    kernel, two skinny launches a call. With OPFUSE_GATED_PAIR=0 ("split"
+    and the forced "...x2": a cluster splitting K, 192-row tiles) the pair
+    writes both results and the gate kernel runs between the two launches.
     OPFUSE_SKINNY_TMA=0 ("off"): the cuBLASLt pair instead."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the TMA kernel needs sm_90")
@@ -209,12 +242,18 @@ def test_decode_pair_in_one_skinny_launch(w3_first, way, monkeypatch):
     monkeypatch.delenv("OPFUSE_GEMM_PAIRS", raising=False)
     monkeypatch.delenv("OPFUSE_SKINNY_GEMM", raising=False)
     monkeypatch.setenv("OPFUSE_SKINNY_TMA", "0" if way == "off" else "1")
-    if way.endswith("x2"):
+    gated = way in ("default", "n6w4s7c1xg", "m1", "f16")
+    monkeypatch.setenv("OPFUSE_GATED_PAIR", "1" if gated else "0")
+    if way.endswith("x2") or way.endswith("xg"):
         monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", way)
     else:
         monkeypatch.delenv("OPFUSE_SKINNY_CONFIG", raising=False)
     torch.manual_seed(11)
     dev, dt, m, k, h = "cuda", torch.bfloat16, 13, 4160, 4104  # tails in K and in each weight's rows
+    if way == "m1":
+        m = 1
+    if way == "f16":
+        dt = torch.float16
     x = randn(m, k, dtype=dt, device=dev)
     first = randn(h, k, dtype=dt, device=dev, scale=k ** -0.5)
     other = randn(h, k, dtype=dt, device=dev, scale=k ** -0.5)
@@ -231,6 +270,9 @@ def test_decode_pair_in_one_skinny_launch(w3_first, way, monkeypatch):
     out, calls, kernels = run_counted(fn, *args)
     assert_gemm_close(out, llama, args)
     if way == "off":
-        assert calls == 1 and sg.launch_count() - before == 2  # the cuBLASLt pair, the skinny gated down
+        assert calls == 1 and sg.launch_count() - before == 2  # the cuBLASLt pair, the skinny down projection
+        assert kernels == 2  # the gate kernel and the skinny down projection
     else:
-        assert calls == 0 and sg.launch_count() - before == 4, sg.last_error()  # two calls of (pair, gated down)
+        assert calls == 0 and sg.launch_count() - before == 4, sg.last_error()  # two calls of (pair, down)
+        # Gated: the gate kernel folded into the pair's launch (nothing else folds it by default).
+        assert kernels == (2 if gated else 3), sg.last_error()

@@ -50,7 +50,7 @@ def test_every_instantiation_compiles_without_spills(arch, elem):
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         spills = re.search(r"(\d+) bytes spill stores", log).group(1)
         assert spills == "0", f"{tag} sm_{arch}:\n{log}"
-        tma = re.fullmatch(r"n\d+w(\d+)s\d+c\d+(?:e\d+)?(?:x2)?", tag)  # the TMA kernel: a producer warp more, one CTA an SM
+        tma = re.fullmatch(r"n\d+w(\d+)s\d+c\d+(?:e\d+)?(?:x2|xg)?", tag)  # the TMA kernel: a producer warp more, one CTA an SM
         if tma:
             assert arch >= 90, tag
             warps, blocks = int(tma.group(1)) + 1, 1

@@ -39,14 +39,16 @@
 // Requirements (the launcher checks): as skinny_gemm.cu's, plus A and W
 // 16-byte aligned with row strides multiples of 16 bytes (tensor maps);
 // BN <= 256 (box rows). Launch: grid ceil(N / BN) * CLUSTER, block
-// (CW + 1) * 32, dynamic shared memory tma_smem_bytes(BN, STAGES, CLUSTER)
+// (CW + 1) * 32, dynamic shared memory tma_smem_bytes(BN, STAGES, CLUSTER > 1 || gated)
 // (the launcher computes the same), arguments (SkinnyParams, W's map, A's map).
 //
 // Entry point: the launcher appends
 //   OPFUSE_SKINNY_TMA_ENTRY(name, bf16, NTW, CW, STAGES, EARLY)   or
 //   OPFUSE_SKINNY_TMA_CLUSTER_ENTRY(name, bf16, NTW, CW, STAGES, EARLY, CLUSTER)
 // and for a pair (tag suffix x2) OPFUSE_SKINNY_TMA_PAIR_[CLUSTER_]ENTRY with
-// the same arguments: W's map 3-D, then d2 and pair_ctas after A's map.
+// the same arguments: W's map 3-D, then d2 and pair_ctas after A's map;
+// for the gated pair (suffix xg, grid ceil(N / (BN / 2))) OPFUSE_SKINNY_TMA_GATED_PAIR_ENTRY,
+// W's map 3-D with boxes [2, BN / 2, 64], then silu_z after A's map.
 
 namespace opfuse_skinny {
 
@@ -71,38 +73,74 @@ __device__ __forceinline__ u32 swizzled(int r, int c) { return static_cast<u32>(
 constexpr int kTmaA = 16 * 128;  // A's box: 16 rows x 64 elements
 __host__ __device__ constexpr int tma_stage_bytes(int bn) { return bn * 128 + kTmaA; }
 // The ring (1024-byte aligned for the swizzle: 1024 bytes of slack), the
-// cluster's partial tile, then 2 * STAGES mbarriers.
-__host__ __device__ constexpr int tma_smem_bytes(int bn, int stages, int cluster) {
-  return 1024 + stages * tma_stage_bytes(bn) + (cluster > 1 ? bn * 64 : 0) + 16 * stages;
+// partial tile (a cluster's, or the gated pair's), then 2 * STAGES mbarriers.
+__host__ __device__ constexpr int tma_smem_bytes(int bn, int stages, bool part) {
+  return 1024 + stages * tma_stage_bytes(bn) + (part ? bn * 64 : 0) + 16 * stages;
 }
 
-// PAIR: two GEMMs of one A (Llama's gate and up projections) in one launch,
-// W a 3-D map [2, N, K] (the two weights at any 16-byte-multiple distance);
-// CTAs 0 .. pair_ctas - 1 compute the first into p.d, the rest the second
-// into d2 (so every CTA streams one weight's rows, and a cluster never
-// straddles the two).
-template <class E, int NTW, int CW, int STAGES, int CLUSTER, int EARLY, bool PAIR = false>
+// What one launch computes (the PAIR template argument):
+enum TmaPair {
+  kTmaOne = 0,    // one GEMM
+  // Two GEMMs of one A (Llama's gate and up projections), W a 3-D map
+  // [2, N, K] (the two weights at any 16-byte-multiple distance): CTAs
+  // 0 .. pair_ctas - 1 compute the first into p.d, the rest the second into
+  // d2 (every CTA streams one weight's rows; a cluster never straddles them).
+  kTmaSplitPair = 1,
+  // The same two GEMMs and silu(gate) * up, into p.d (h [M, N]): a CTA owns
+  // BN / 2 columns of h, and each stage's box is those rows of both weights
+  // ([2, BN / 2, 64]: lines 0 .. BN / 2 - 1 the first weight's, the rest the
+  // second's). After the main loop the consumers put their tiles' sums in
+  // shared memory, and each value of h is formed from its two sums (float32,
+  // one rounding): the gate kernel and the two [M, N] results never exist.
+  // `silu_z` says which weight (0: the lower) is the gate's.
+  kTmaGatedPair = 2,
+};
+
+// The gated pair's epilogue: h[m, n0 + r] = silu(G) * U for r < H = BN / 2,
+// G and U the sums of lines r and H + r of the box (silu_z = 1: the other
+// way round), read from `part` in the MMA accumulator layout (tile t = line
+// / 8: lane (m % 8) * 4 + (line % 8) / 2, component line % 2 + 2 * (m / 8)).
+// Consecutive threads store consecutive columns of one row of h.
+template <class E, int H, int THREADS>
+__device__ __forceinline__ void gated_pair_store(const SkinnyParams& p, int n0, const float* part, int silu_z) {
+  auto sum = [&](int line, int m) {
+    return part[((line >> 3) * 32 + (m & 7) * 4 + ((line & 7) >> 1)) * 4 + (line & 1) + 2 * (m >> 3)];
+  };
+  const int gate_off = silu_z ? H : 0, up_off = silu_z ? 0 : H;
+  for (int i = static_cast<int>(threadIdx.x); i < 16 * H; i += THREADS) {
+    const int m = i / H, r = i - m * H, n = n0 + r;
+    if (m >= p.m || n >= p.n) continue;
+    const float g = sum(gate_off + r, m), u = sum(up_off + r, m);
+    const float silu = g / (1.0f + ex2(-1.4426950408889634f * g));
+    static_cast<u16*>(p.d)[m * p.ldd + n] = from_float(E{}, silu * u);
+  }
+}
+
+template <class E, int NTW, int CW, int STAGES, int CLUSTER, int EARLY, int PAIR = kTmaOne>
 __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, const TmaMap* wmap, const TmaMap* amap,
-                                                     void* d2 = nullptr, int pair_ctas = 0) {
+                                                     void* d2 = nullptr, int pair_ctas = 0, int silu_z = 0) {
   constexpr int BN = 8 * NTW * CW, STAGE = tma_stage_bytes(BN);
+  constexpr bool GATED = PAIR == kTmaGatedPair;
   static_assert(BN <= 256, "a TMA box has at most 256 rows");
+  static_assert(!GATED || (CLUSTER == 1 && BN % 2 == 0), "the gated pair: no cluster, BN / 2 rows of each weight");
   static_assert(EARLY >= 1 && EARLY <= STAGES, "1 to STAGES early stages");
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_u32(smem_raw);
   const u32 ring = (raw + 1023) & ~1023u;
   unsigned char* const ring_ptr = smem_raw + (ring - raw);
   F4* const part = reinterpret_cast<F4*>(ring_ptr + STAGES * STAGE);
-  const u32 bars = ring + STAGES * STAGE + (CLUSTER > 1 ? BN * 64 : 0);
+  const u32 bars = ring + STAGES * STAGE + (CLUSTER > 1 || GATED ? BN * 64 : 0);
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
 
   trace_stamp(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
-  const int second = PAIR && static_cast<int>(blockIdx.x) >= pair_ctas ? 1 : 0;
+  const int second = PAIR == kTmaSplitPair && static_cast<int>(blockIdx.x) >= pair_ctas ? 1 : 0;
   SkinnyParams p = p_in;
   if (second) p.d = d2;
-  const int n0 = static_cast<int>((blockIdx.x - second * pair_ctas) / CLUSTER) * BN;
+  // The first row of W (of each weight, for the gated pair) this CTA streams.
+  const int n0 = static_cast<int>((blockIdx.x - second * pair_ctas) / CLUSTER) * (GATED ? BN / 2 : BN);
   const int chunks = (p.k + 63) / 64;
   const int c_begin = static_cast<int>(static_cast<i64>(chunks) * rank / CLUSTER);
   const int count = static_cast<int>(static_cast<i64>(chunks) * (rank + 1) / CLUSTER) - c_begin;
@@ -122,7 +160,8 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
   // The epilogue's bias and residual, loaded by the consumers ahead of the
   // main loop (load_addends says why): the values each stores at the end.
   constexpr int VALUES = BN / 8 * 32, CTHREADS = CW * 32;
-  constexpr int PRE = CLUSTER > 1 ? cluster_store_rounds<CLUSTER, VALUES, CTHREADS> : NTW;
+  // (None for the gated pair, whose launcher refuses a bias or a residual.)
+  constexpr int PRE = GATED ? 1 : CLUSTER > 1 ? cluster_store_rounds<CLUSTER, VALUES, CTHREADS> : NTW;
   const int n_warp = n0 + warp * NTW * 8;  // store_tile_value's tile j is this warp's tile j
   Addends pre[PRE];
 
@@ -136,7 +175,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
       const int early = count < EARLY ? count : EARLY;
       for (int i = 0; i < early; ++i) {
         mbar_arrive_expect_tx(full(i), STAGE);
-        if constexpr (PAIR) tma_load_3d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, second, full(i), policy);
+        if constexpr (PAIR != kTmaOne) tma_load_3d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, second, full(i), policy);
         else tma_load_2d(ring + i * STAGE, wmap, (c_begin + i) * 64, n0, full(i), policy);
       }
       grid_dependency_wait();  // A may be the previous kernel's output
@@ -145,7 +184,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
         const int s = i % STAGES;
         if (i >= STAGES) mbar_wait(empty(s), ((i / STAGES) - 1) & 1);
         mbar_arrive_expect_tx(full(s), STAGE);
-        if constexpr (PAIR) tma_load_3d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, second, full(s), policy);
+        if constexpr (PAIR != kTmaOne) tma_load_3d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, second, full(s), policy);
         else tma_load_2d(ring + s * STAGE, wmap, (c_begin + i) * 64, n0, full(s), policy);
         tma_load_2d(ring + s * STAGE + BN * 128, amap, (c_begin + i) * 64, 0, full(s));
       }
@@ -154,7 +193,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
   } else {  // a consumer: tiles warp * NTW .. + NTW - 1
     grid_dependency_wait();  // the epilogue reads the bias and the residual
 #pragma unroll
-    for (int r = 0; r < PRE; ++r) {
+    for (int r = 0; r < (GATED ? 0 : PRE); ++r) {
       if constexpr (CLUSTER > 1) {
         const int i = static_cast<int>(threadIdx.x) + r * CTHREADS;
         pre[r] = i < VALUES / CLUSTER ? load_addends<E>(p, n0, rank * (VALUES / CLUSTER) + i) : Addends{};
@@ -194,7 +233,14 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
   trace_stamp(2);
   launch_dependents();  // what is left is the tile's stores
 
-  if constexpr (CLUSTER > 1) {
+  if constexpr (GATED) {
+    if (warp < CW) {
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) part[(warp * NTW + j) * 32 + lane] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
+      asm volatile("bar.sync 1, %0;" ::"n"(CTHREADS) : "memory");  // the consumers only (the producer may be gone)
+      gated_pair_store<E, BN / 2, CTHREADS>(p, n0, reinterpret_cast<const float*>(part), silu_z);
+    }
+  } else if constexpr (CLUSTER > 1) {
     if (warp < CW)
 #pragma unroll
       for (int j = 0; j < NTW; ++j) part[(warp * NTW + j) * 32 + lane] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
@@ -231,13 +277,23 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
 #define OPFUSE_SKINNY_TMA_PAIR_ENTRY(NAME, E, NTW, CW, STAGES, EARLY)                                                 \
   extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1) NAME(OPFUSE_SKINNY_TMA_PAIR_PARAMS) {            \
     OPFUSE_SKINNY_TRACE_SET                                                                                    \
-    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, 1, EARLY, true>(p, &wmap, &amap, d2,       \
-                                                                                           pair_ctas);             \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, 1, EARLY, opfuse_skinny::kTmaSplitPair>( \
+        p, &wmap, &amap, d2, pair_ctas);                                                                       \
   }
 #define OPFUSE_SKINNY_TMA_PAIR_CLUSTER_ENTRY(NAME, E, NTW, CW, STAGES, EARLY, CLUSTER)                                \
   extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1) __cluster_dims__(CLUSTER, 1, 1)            \
       NAME(OPFUSE_SKINNY_TMA_PAIR_PARAMS) {                                                                    \
     OPFUSE_SKINNY_TRACE_SET                                                                                    \
-    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, CLUSTER, EARLY, true>(p, &wmap, &amap, d2, \
-                                                                                                 pair_ctas);       \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, CLUSTER, EARLY,                       \
+                                         opfuse_skinny::kTmaSplitPair>(p, &wmap, &amap, d2, pair_ctas);       \
+  }
+// The gated pair (kTmaGatedPair): W's map 3-D with boxes of both weights,
+// then which of the two is the gate's (0: the lower in memory).
+#define OPFUSE_SKINNY_TMA_GATED_PAIR_ENTRY(NAME, E, NTW, CW, STAGES, EARLY)                                           \
+  extern "C" __global__ void __launch_bounds__(((CW) + 1) * 32, 1)                                               \
+      NAME(const opfuse_skinny::SkinnyParams p, const __grid_constant__ opfuse_skinny::TmaMap wmap,            \
+           const __grid_constant__ opfuse_skinny::TmaMap amap, int silu_z OPFUSE_SKINNY_TRACE_PARAM) {         \
+    OPFUSE_SKINNY_TRACE_SET                                                                                    \
+    opfuse_skinny::skinny_gemm_tma_body<opfuse_skinny::E, NTW, CW, STAGES, 1, EARLY, opfuse_skinny::kTmaGatedPair>( \
+        p, &wmap, &amap, nullptr, 0, silu_z);                                                                  \
   }
