@@ -347,7 +347,8 @@ void CompiledGraph::pair_gemms() {
 // A pair whose two results are exactly a later GEMM's gated A (Llama's
 // silu(x @ w1^T) * (x @ w3^T), marked by the plan's gated-input pass) and
 // are read by nothing but the gate kernel: the pair's launch may write the
-// gate's product itself. OPFUSE_GATED_PAIR=0 turns it off.
+// gate's product itself. OPFUSE_GATED_PAIR=0 turns it off; with
+// OPFUSE_GATED_GEMM=1 the down projection reads the gate instead (opt-in).
 void CompiledGraph::mark_pair_gates() {
   pair_gate_.assign(gemms_.size(), PairGate{});
   const char* env = std::getenv("OPFUSE_GATED_PAIR");
@@ -358,7 +359,8 @@ void CompiledGraph::mark_pair_gates() {
     const GemmStep& y = gemms_[static_cast<size_t>(pair_of_[i])];
     if (x.call.activation != "" || y.call.activation != "") continue;
     for (const GemmStep& d : gemms_) {
-      if (d.gate_kernel < 0) continue;
+      // OPFUSE_GATED_GEMM=1 gave this gate to the down projection (gate_gemm_of_): it keeps it.
+      if (d.gate_kernel < 0 || gate_gemm_of_[static_cast<size_t>(d.gate_kernel)] >= 0) continue;
       const bool x_gate = d.gate_silu == x.out && d.gate_mul == y.out;
       if (!x_gate && !(d.gate_silu == y.out && d.gate_mul == x.out)) continue;
       const std::set<int> only_gate{d.gate_step};

@@ -96,6 +96,7 @@ def test_pair_gate_marked_where_only_the_gate_reads_the_pair(monkeypatch):
     output, where the gate is not silu, or with OPFUSE_GATED_PAIR=0."""
     monkeypatch.delenv("OPFUSE_GEMM_PAIRS", raising=False)
     monkeypatch.delenv("OPFUSE_GATED_PAIR", raising=False)
+    monkeypatch.delenv("OPFUSE_GATED_GEMM", raising=False)
     cg = _C.CompiledGraph(llama_ir(), target="cuda")
     gemms = cg.gemms()
     [(first, kernel, h, first_is_gate)] = cg.pair_gates()
@@ -105,6 +106,10 @@ def test_pair_gate_marked_where_only_the_gate_reads_the_pair(monkeypatch):
         assert _C.CompiledGraph(ir, target="cuda").pair_gates() == []
     assert _C.CompiledGraph(llama_ir(), target="cpu").pair_gates() == []
     monkeypatch.setenv("OPFUSE_GATED_PAIR", "0")
+    assert _C.CompiledGraph(llama_ir(), target="cuda").pair_gates() == []
+    # Opting in to the down projection reading the gate leaves the gate to it.
+    monkeypatch.delenv("OPFUSE_GATED_PAIR")
+    monkeypatch.setenv("OPFUSE_GATED_GEMM", "1")
     assert _C.CompiledGraph(llama_ir(), target="cuda").pair_gates() == []
 
 
@@ -244,6 +249,7 @@ def test_decode_pair_in_one_skinny_launch(w3_first, way, monkeypatch):
     monkeypatch.setenv("OPFUSE_SKINNY_TMA", "0" if way == "off" else "1")
     gated = way in ("default", "n6w4s7c1xg", "m1", "f16")
     monkeypatch.setenv("OPFUSE_GATED_PAIR", "1" if gated else "0")
+    monkeypatch.delenv("OPFUSE_GATED_GEMM", raising=False)
     if way.endswith("x2") or way.endswith("xg"):
         monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", way)
     else:
