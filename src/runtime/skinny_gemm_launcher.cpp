@@ -530,41 +530,42 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
 
 bool try_run(const GemmArgs& g) { return run_impl(g, nullptr, 0); }
 
-bool try_run_pair(const GemmArgs& x, const GemmArgs& y) {
-  // The same problem but for the weights and outputs; plain epilogues.
+// A pair as run_impl takes it: the same problem but for the weights and
+// outputs, plain epilogues; the first GEMM is the one whose weight lies
+// lower (the map's second matrix sits a positive distance after it, a
+// multiple of 16 bytes). pair_bytes 0: not a pair the kernel takes.
+struct PairOrder {
+  const GemmArgs* first = nullptr;
+  const GemmArgs* other = nullptr;
+  int64_t pair_bytes = 0;
+};
+static PairOrder order_pair(const GemmArgs& x, const GemmArgs& y) {
   if (x.m != y.m || x.n != y.n || x.k != y.k || x.dtype != y.dtype || x.batch != 1 || y.batch != 1 ||
       x.a.ptr != y.a.ptr || x.a.row_stride != y.a.row_stride || x.a.col_stride != y.a.col_stride ||
       x.b.row_stride != y.b.row_stride || x.b.col_stride != y.b.col_stride || x.bias || y.bias || x.residual.ptr ||
       y.residual.ptr || x.aux || y.aux || x.a_mul.ptr || y.a_mul.ptr || x.activation != y.activation ||
       x.stream != y.stream)
-    return false;
-  // The first GEMM is the one whose weight lies lower: the map's second
-  // matrix sits a positive distance after it, a multiple of 16 bytes.
+    return {};
   const bool x_first = reinterpret_cast<uintptr_t>(x.b.ptr) < reinterpret_cast<uintptr_t>(y.b.ptr);
-  const GemmArgs& first = x_first ? x : y;
-  const GemmArgs& other = x_first ? y : x;
+  PairOrder o{x_first ? &x : &y, x_first ? &y : &x, 0};
   const int64_t bytes =
-      static_cast<int64_t>(reinterpret_cast<uintptr_t>(other.b.ptr) - reinterpret_cast<uintptr_t>(first.b.ptr));
-  if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t(1) << 40)) return false;
-  return run_impl(first, &other, bytes);
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(o.other->b.ptr) - reinterpret_cast<uintptr_t>(o.first->b.ptr));
+  if (bytes > 0 && bytes % 16 == 0 && bytes < (int64_t(1) << 40)) o.pair_bytes = bytes;
+  return o;
+}
+
+bool try_run_pair(const GemmArgs& x, const GemmArgs& y) {
+  const PairOrder o = order_pair(x, y);
+  return o.pair_bytes && run_impl(*o.first, o.other, o.pair_bytes);
 }
 
 bool try_run_gated_pair(const GemmArgs& x, const GemmArgs& y, void* h, bool x_is_gate) {
   // As try_run_pair, with no activation: h = silu(x's result) * y's (or the
   // other way round), the two results themselves never written.
-  if (!h || !x.activation.empty() || !y.activation.empty() || x.m != y.m || x.n != y.n || x.k != y.k ||
-      x.dtype != y.dtype || x.batch != 1 || y.batch != 1 || x.a.ptr != y.a.ptr || x.a.row_stride != y.a.row_stride ||
-      x.a.col_stride != y.a.col_stride || x.b.row_stride != y.b.row_stride || x.b.col_stride != y.b.col_stride ||
-      x.bias || y.bias || x.residual.ptr || y.residual.ptr || x.aux || y.aux || x.a_mul.ptr || y.a_mul.ptr ||
-      x.stream != y.stream || reinterpret_cast<uintptr_t>(h) % 4 != 0)
-    return false;
-  const bool x_first = reinterpret_cast<uintptr_t>(x.b.ptr) < reinterpret_cast<uintptr_t>(y.b.ptr);
-  const GemmArgs& first = x_first ? x : y;
-  const GemmArgs& other = x_first ? y : x;
-  const int64_t bytes =
-      static_cast<int64_t>(reinterpret_cast<uintptr_t>(other.b.ptr) - reinterpret_cast<uintptr_t>(first.b.ptr));
-  if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t(1) << 40)) return false;
-  return run_impl(first, &other, bytes, h, x_first == x_is_gate ? 0 : 1);
+  if (!h || !x.activation.empty() || reinterpret_cast<uintptr_t>(h) % 2 != 0) return false;
+  const PairOrder o = order_pair(x, y);
+  const bool x_first = o.first == &x;
+  return o.pair_bytes && run_impl(*o.first, o.other, o.pair_bytes, h, x_first == x_is_gate ? 0 : 1);
 }
 
 void set_trace_buffer(uint64_t* buffer) { g_trace.store(buffer, std::memory_order_relaxed); }
