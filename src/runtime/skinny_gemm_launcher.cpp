@@ -65,10 +65,9 @@ constexpr int kAttrMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_
 // box_both: the gated pair's boxes [2, box_rows, 64], the same rows of both.
 const TmaMap& tma_map(DType dt, const void* ptr, int64_t rows, int64_t k, int64_t ld, int box_rows,
                       int64_t pair_bytes = 0, bool box_both = false) {
-  static std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int, int, int, int64_t>, TmaMap> maps;
+  static std::map<std::tuple<const void*, int64_t, int64_t, int64_t, int, bool, int, int, int64_t>, TmaMap> maps;
   const int dtype = dt == DType::BFloat16 ? kTmaBf16 : kTmaF16, promo = tma_l2_promotion();
-  const int box_key = box_both ? -box_rows : box_rows;
-  const auto key = std::make_tuple(ptr, rows, k, ld, box_key, dtype, promo, pair_bytes);
+  const auto key = std::make_tuple(ptr, rows, k, ld, box_rows, box_both, dtype, promo, pair_bytes);
   auto it = maps.find(key);
   if (it != maps.end()) return it->second;
   const CudaApi& c = cuda();
@@ -477,8 +476,8 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
     fn = lf.fn;
     if (cfg.stages) {
       try {
-        wmap = tma_map(g.dtype, g.b.ptr, g.n, g.k, g.b.col_stride, cfg.gated_pair ? cfg.rows() / 2 : cfg.rows(),
-                       second ? pair_bytes : 0, cfg.gated_pair);
+        wmap = tma_map(g.dtype, g.b.ptr, g.n, g.k, g.b.col_stride, cfg.cta_rows(), second ? pair_bytes : 0,
+                       cfg.gated_pair);
         amap = tma_map(g.dtype, g.a.ptr, g.m, g.k, g.a.row_stride, 16);
       } catch (const std::exception& e) {
         g_error = e.what();
@@ -507,8 +506,7 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
   p.act = small_m_act_code(g.activation);
   p.a2 = g.a_mul.ptr;
   p.lda2 = g.a_mul.ptr && g.m > 1 ? g.a_mul.row_stride : 0;
-  const int64_t cta_rows = cfg.gated_pair ? cfg.rows() / 2 : cfg.rows();
-  int pair_ctas = static_cast<int>((g.n + cta_rows - 1) / cta_rows * cfg.cluster);
+  int pair_ctas = static_cast<int>((g.n + cfg.cta_rows() - 1) / cfg.cta_rows() * cfg.cluster);
   const unsigned grid = static_cast<unsigned>(second && !gated_h ? 2 * pair_ctas : pair_ctas);
   void* d2 = second ? second->d : nullptr;
   // The register kernel takes p, the TMA kernel p and its maps (a pair also

@@ -70,6 +70,7 @@ struct SkinnyConfig {
   std::string tag() const;
   static SkinnyConfig parse(const std::string& tag);  // throws std::invalid_argument
   int rows() const { return stages ? 8 * nt * warps : 8 * nt; }  // BN
+  int cta_rows() const { return gated_pair ? rows() / 2 : rows(); }  // rows of each weight a CTA streams
   int threads() const { return stages ? (warps + 1) * 32 : warps * 32; }
   int dynamic_smem() const;  // the TMA kernel's ring, partials and barriers; 0 for the register kernel
   bool operator==(const SkinnyConfig&) const = default;
