@@ -102,7 +102,7 @@ std::string SkinnyConfig::tag() const {
   std::string s = "n" + std::to_string(nt);
   if (stages)
     s += "w" + std::to_string(warps) + "s" + std::to_string(stages) + "c" + std::to_string(cluster) +
-         (early && early != stages ? "e" + std::to_string(early) : "") + (gated_pair ? "xg" : pair ? "x2" : "");
+         (early && early != stages ? "e" + std::to_string(early) : "") + (gated_pair ? "xg" : pair ? "x2" : "") + (trigger_start ? "d" : "");
   else
     s += "u" + std::to_string(u) + "w" + std::to_string(warps) + "b" + std::to_string(min_blocks) + "c" +
          std::to_string(cluster) + (pipe ? "p" + std::to_string(pipe) : "") + (gate ? "g" + std::to_string(gate) : "");
@@ -119,7 +119,7 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag_in) {
   // A trailing "t": the same config built with its CTAs' timeline (diagnosis).
   const bool traced = !tag_in.empty() && tag_in.back() == 't';
   const std::string tag = traced ? tag_in.substr(0, tag_in.size() - 1) : tag_in;
-  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+)(?:e(\d+))?(x2|xg)?)");
+  static const std::regex tma(R"(n(\d+)w(\d+)s(\d+)c(\d+)(?:e(\d+))?(x2|xg)?(d)?)");
   std::smatch t;
   if (std::regex_match(tag, t, tma)) {
     SkinnyConfig c;
@@ -130,6 +130,7 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag_in) {
     c.early = t[5].matched ? std::stoi(t[5]) : 0;
     c.pair = t[6].matched;
     c.gated_pair = t[6].matched && t[6] == "xg";
+    c.trigger_start = t[7].matched;
     c.u = 1;
     c.min_blocks = 1;
     const bool ok = c.nt >= 1 && c.nt <= 16 && c.warps >= 1 && c.warps <= 8 && c.rows() <= 256 && c.stages >= 2 &&
@@ -276,7 +277,8 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
     for (int cl : {1, 2, 4}) r.push_back(SkinnyConfig{16, 1, 8, 1, cl, 1});
     // The TMA kernel (the default on sm_90) at the benchmark shapes on 132 SMs, and rivals.
     for (const char* t : {"n4w4s11c1", "n4w4s11c4", "n3w4s12c1", "n4w4s8c1", "n2w4s12c2", "n4w4s11c1e2", "n6w4s7c1x2",
-                          "n2w4s12c2x2", "n7w3s8c1", "n7w3s8c1xg", "n8w4s5c1xg", "n2w4s12c1xg"})
+                          "n2w4s12c2x2", "n7w3s8c1", "n7w3s8c1xg", "n8w4s5c1xg", "n2w4s12c1xg", "n7w3s8c1xgd",
+                          "n2w4s12c2d", "n4w4s11c1d"})
       r.push_back(SkinnyConfig::parse(t));
   } else
     r.push_back(SkinnyConfig{4, 2, 8, 1, 1});
@@ -285,6 +287,7 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
 
 std::string source(DType dtype, const SkinnyConfig& c) {
   std::string s = c.trace ? "#define OPFUSE_SKINNY_TRACE 1\n" : "";
+  if (c.stages && c.trigger_start) s += "#define OPFUSE_SKINNY_TRIGGER_START 1\n";
   if (c.stages) s += tma_ptx_cu;
   s += skinny_gemm_cu;
   if (c.stages) {
@@ -389,6 +392,15 @@ bool mode_all() { return mode() == Mode::kAll; }
 // the MLP block at M = 16 ran 74.9 us with it after cuBLASLt's up
 // projection, where the two kernels alone take 36.3 + 37.0 us (and the
 // cuBLASLt pair 75.1 against 36.3 + 41.0). OPFUSE_SKINNY_PDL=0 turns it off.
+// OPFUSE_SKINNY_TRIGGER=start: the TMA kernel lets the next kernel launch at
+// its start ("d" configs), =loop after its main loop; unset: the config's.
+static int trigger_env() {
+  const char* e = std::getenv("OPFUSE_SKINNY_TRIGGER");
+  if (!e) return -1;
+  const std::string v(e);
+  return v == "start" ? 1 : v == "loop" ? 0 : -1;
+}
+
 bool pdl_enabled() {
   const char* e = std::getenv("OPFUSE_SKINNY_PDL");
   return !(e && std::string(e) == "0");
@@ -450,11 +462,12 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
     } else {
       cfg.pair = cfg.gated_pair = false;
     }
+    if (cfg.stages && trigger_env() >= 0) cfg.trigger_start = trigger_env() == 1;
     // A forced config's partial tile, which parse did not count unless it was an "xg" tag.
     if (cfg.gated_pair && cfg.dynamic_smem() > 227 * 1024) cfg = choose_gated_pair_config(g.m, g.n, g.k, info.sms);
     LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate,
-                              ((cfg.stages * 32 + cfg.early) * 2 + (cfg.trace ? 1 : 0)) * 3 +
-                                  (cfg.gated_pair ? 2 : cfg.pair ? 1 : 0)}];
+                              (((cfg.stages * 32 + cfg.early) * 2 + (cfg.trace ? 1 : 0)) * 3 +
+                               (cfg.gated_pair ? 2 : cfg.pair ? 1 : 0)) * 2 + (cfg.trigger_start ? 1 : 0)}];
     if (lf.failed) return false;
     if (!lf.fn) {
       try {

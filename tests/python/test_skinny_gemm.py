@@ -50,7 +50,7 @@ def test_every_instantiation_compiles_without_spills(arch, elem):
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         spills = re.search(r"(\d+) bytes spill stores", log).group(1)
         assert spills == "0", f"{tag} sm_{arch}:\n{log}"
-        tma = re.fullmatch(r"n\d+w(\d+)s\d+c\d+(?:e\d+)?(?:x2|xg)?", tag)  # the TMA kernel: a producer warp more, one CTA an SM
+        tma = re.fullmatch(r"n\d+w(\d+)s\d+c\d+(?:e\d+)?(?:x2|xg)?d?", tag)  # the TMA kernel: a producer warp more, one CTA an SM
         if tma:
             assert arch >= 90, tag
             warps, blocks = int(tma.group(1)) + 1, 1
@@ -106,6 +106,20 @@ def test_trace_configs_parse_and_compile():
         assert re.search(r"(\d+) bytes spill stores", log).group(1) == "0", f"{tag}:\n{log}"
     with pytest.raises(Exception, match="bad skinny GEMM config"):
         _C.skinny_gemm_compile("bf16", "n8u1w8b2c1tt", 90)
+
+
+def test_trigger_start_configs_parse_and_compile():
+    """A "d" suffix (OPFUSE_SKINNY_TRIGGER=start) builds the TMA kernel with
+    its programmatic-launch trigger at the start instead of after the main
+    loop: the tag round-trips, and the build differs from the plain one."""
+    nvrtc_or_skip()
+    for tag in ("n4w4s11c1", "n2w4s12c2", "n7w3s8c1xg"):
+        plain, _ = _C.skinny_gemm_compile("bf16", tag, 90)
+        early, log = _C.skinny_gemm_compile("bf16", tag + "d", 90)
+        assert re.search(r"(\d+) bytes spill stores", log).group(1) == "0", f"{tag}d:\n{log}"
+        assert bytes(plain) != bytes(early), tag
+    with pytest.raises(Exception, match="bad skinny GEMM config"):
+        _C.skinny_gemm_compile("bf16", "n4w4s11c1dd", 90)
 
 
 def test_config_choice_for_the_benchmark_shapes():

@@ -153,6 +153,15 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+#ifdef OPFUSE_SKINNY_TRIGGER_START
+  // The next kernel may launch now (tag suffix "d"): its wait still waits
+  // for this grid's end, but its CTAs take each SM this grid's CTAs leave
+  // and stream their first W stages there, through the spread of this
+  // grid's CTA ends (~4 us at M = 16), not only after the last main loop.
+  // Safe with any grid: the trigger fires once every CTA of this grid is
+  // resident or done, so no CTA of this grid waits for an SM behind them.
+  launch_dependents();
+#endif
 
   float acc[NTW][4];
 #pragma unroll
@@ -231,7 +240,9 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
     }
   }
   trace_stamp(2);
+#ifndef OPFUSE_SKINNY_TRIGGER_START
   launch_dependents();  // what is left is the tile's stores
+#endif
 
   if constexpr (GATED) {
     if (warp < CW) {
