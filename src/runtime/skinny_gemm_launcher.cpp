@@ -134,7 +134,7 @@ SkinnyConfig SkinnyConfig::parse(const std::string& tag_in) {
     c.u = 1;
     c.min_blocks = 1;
     const bool ok = c.nt >= 1 && c.nt <= 16 && c.warps >= 1 && c.warps <= 8 && c.rows() <= 256 && c.stages >= 2 &&
-                    c.stages <= 16 && (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) &&
+                    c.stages <= 32 && (c.cluster == 1 || c.cluster == 2 || c.cluster == 4 || c.cluster == 8) &&
                     c.dynamic_smem() <= 227 * 1024 && c.early >= 0 && c.early <= c.stages &&
                     (!c.gated_pair || c.cluster == 1);
     if (c.early == c.stages) c.early = 0;  // one spelling per config
@@ -278,7 +278,8 @@ std::vector<SkinnyConfig> candidate_configs(int arch) {
     // The TMA kernel (the default on sm_90) at the benchmark shapes on 132 SMs, and rivals.
     for (const char* t : {"n4w4s11c1", "n4w4s11c4", "n3w4s12c1", "n4w4s8c1", "n2w4s12c2", "n4w4s11c1e2", "n6w4s7c1x2",
                           "n2w4s12c2x2", "n7w3s8c1", "n7w3s8c1xg", "n8w4s5c1xg", "n2w4s12c1xg", "n7w3s8c1xgd",
-                          "n2w4s12c2d", "n4w4s11c1d"})
+                          "n2w4s12c2d", "n4w4s11c1d", "n1w4s32c1", "n2w2s32c1",
+                          "n7w3s9c1xg"})
       r.push_back(SkinnyConfig::parse(t));
   } else
     r.push_back(SkinnyConfig{4, 2, 8, 1, 1});
@@ -392,6 +393,26 @@ bool mode_all() { return mode() == Mode::kAll; }
 // the MLP block at M = 16 ran 74.9 us with it after cuBLASLt's up
 // projection, where the two kernels alone take 36.3 + 37.0 us (and the
 // cuBLASLt pair 75.1 against 36.3 + 41.0). OPFUSE_SKINNY_PDL=0 turns it off.
+// OPFUSE_SKINNY_CONFIG: a tag forces every skinny GEMM's config; entries
+// "tag@N" separated by commas force only the GEMMs of N output columns (a
+// gated pair's N is h's), so one process can measure a block's GEMMs one
+// at a time (e.g. "n1w4s32c1@4096": the down projections alone). Empty: none.
+static std::string forced_config(int64_t n) {
+  const char* e = std::getenv("OPFUSE_SKINNY_CONFIG");
+  if (!e || !*e) return {};
+  const std::string v(e);
+  if (v.find('@') == std::string::npos) return v;
+  size_t at = 0;
+  while (at <= v.size()) {
+    const size_t end = std::min(v.find(',', at), v.size());
+    const std::string entry = v.substr(at, end - at);
+    const size_t sep = entry.find('@');
+    if (sep != std::string::npos && entry.substr(sep + 1) == std::to_string(n)) return entry.substr(0, sep);
+    at = end + 1;
+  }
+  return {};
+}
+
 // OPFUSE_SKINNY_TRIGGER=start: the TMA kernel lets the next kernel launch at
 // its start ("d" configs), =loop after its main loop; unset: the config's.
 static int trigger_env() {
@@ -440,7 +461,8 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
       return false;
     if (second && (info.arch < 90 || g.a_mul.ptr || !tma_wanted())) return false;  // only the TMA kernel pairs
     pdl = info.arch >= 90 && pdl_enabled();
-    const char* forced = std::getenv("OPFUSE_SKINNY_CONFIG");
+    const std::string forced_tag = forced_config(g.n);
+    const char* forced = forced_tag.empty() ? nullptr : forced_tag.c_str();
     cfg = forced && *forced ? SkinnyConfig::parse(forced) : choose_config(g.m, g.n, g.k, info.arch, info.sms);
     // OPFUSE_SKINNY_PIPE=2: the pipelined configs as p2 (the ping-pong
     // ptxas keeps in order; docs/perf-notes.md, "H200, session 15"), to measure.

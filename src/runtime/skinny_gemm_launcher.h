@@ -13,7 +13,7 @@
 // of shapes measured on the H200 (default_takes: sm_90, N and K of 4096 to
 // 16384), a pair there as one TMA launch (try_run_pair); OPFUSE_SKINNY_PDL=0 turns off its
 // programmatic dependent launch; OPFUSE_SKINNY_CONFIG=<tag> forces a tile
-// config, OPFUSE_SKINNY_PIPE=2 makes the chosen pipelined configs p2 and
+// config (<tag>@<N>,...: per output width), OPFUSE_SKINNY_PIPE=2 makes the chosen pipelined configs p2 and
 // OPFUSE_SKINNY_TMA=0 the register kernel's configs where the TMA kernel's
 // are the default (sm_90, not the gated form).
 #pragma once

@@ -217,10 +217,11 @@ def test_kernel_against_reference_and_eager(m, k, dtype):
                                     "n8u1w8b1c2p1", "n8u1w8b1c4p1", "n8u1w8b1c8p1", "n8u1w8b1c2p2", "n8u1w8b1c8p2",
                                     "n8u2w8b1c2p2", "n16u1w8b1c1p1", "n16u1w8b1c4p1",
                                     "n4w4s11c1", "n4w4s11c4", "n11w1s12c1", "n4w4s8c1", "n2w4s12c2", "n1w1s2c8",
-                                    "n4w4s11c1e2", "n1w1s3c8e1", "n3w4s12c1"])
+                                    "n4w4s11c1e2", "n1w1s3c8e1", "n3w4s12c1", "n1w4s32c1", "n4w4s11c1d",
+                                    "n2w4s12c2d"])
 def test_every_config_on_the_device(config, monkeypatch):
     cuda_or_skip()
-    if (config[-2:] != "c1" or re.fullmatch(r"n\d+w\d+s\d+c\d+(?:e\d+)?", config)) and torch.cuda.get_device_capability()[0] < 9:
+    if (config[-2:] != "c1" or re.fullmatch(r"n\d+w\d+s\d+c\d+(?:e\d+)?d?", config)) and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("clusters and the TMA kernel need sm_90")
     monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", config)
     torch.manual_seed(1)
@@ -301,6 +302,27 @@ def test_tma_kernel_is_the_default_on_sm90(knob, tma, monkeypatch):
     assert gated is not None, sg.last_error()
     assert re.fullmatch(r"n\d+u\d+w\d+b\d+c\d+(p\d+)?g1", sg.last_config()), sg.last_config()
     check(gated[0], sg.reference(x, w, bias, up=up)[0], F.linear((F.silu(x.float()) * up.float()).to(x.dtype), w, bias))
+
+
+@pytest.mark.gpu
+def test_config_forced_per_output_width(monkeypatch):
+    """OPFUSE_SKINNY_CONFIG="tag@N,...": only GEMMs of N output columns take
+    the tag (a 32-row, 32-stage ring here), the others the chooser's config;
+    values against float64 either way."""
+    cuda_or_skip()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA kernel needs sm_90")
+    monkeypatch.delenv("OPFUSE_SKINNY_TMA", raising=False)
+    monkeypatch.setenv("OPFUSE_SKINNY_GEMM", "1")
+    monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", "n7w3s9c1@1000,n1w4s32c1@4104")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    torch.manual_seed(6)
+    for n, want in ((4104, "n1w4s32c1"), (2048, _C.skinny_gemm_choose_tma_config(13, 2048, 4096, sms))):
+        x, w, bias, _ = operands(13, 4096, n, torch.bfloat16)
+        got = sg.linear(x, w, bias)
+        assert got is not None, sg.last_error()
+        assert sg.last_config() == want
+        check(got[0], sg.reference(x, w, bias)[0], F.linear(x, w, bias))
 
 
 @pytest.mark.gpu
