@@ -66,7 +66,6 @@ struct SkinnyConfig {
   int early = 0;   // the TMA kernel: W stages issued before griddepcontrol.wait (tag suffix "e2"; 0 or absent: all)
   bool pair = false;   // the TMA kernel: two GEMMs of one A in one launch (tag suffix "x2"; try_run_pair)
   bool gated_pair = false;  // with pair: silu(one) * other, one output (tag suffix "xg"; try_run_gated_pair)
-  bool mailbox = false;  // the TMA kernel with a cluster: partials pushed to each tile's owner (tag suffix "m"; skinny_gemm_tma.cu)
   bool trigger_start = false;  // the TMA kernel: the next kernel may launch at this one's start (tag suffix "d"; OPFUSE_SKINNY_TRIGGER=start)
   bool trace = false;  // tag suffix "t": a build that writes each CTA's timeline (diagnosis; set_trace_buffer)
   std::string tag() const;

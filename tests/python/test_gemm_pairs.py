@@ -230,8 +230,7 @@ def test_views_of_one_activation_pair(monkeypatch):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("w3_first", [False, True])
-@pytest.mark.parametrize("way", ["default", "n6w4s7c1xg", "m1", "f16", "split", "n2w4s12c2x2", "n2w4s12c2x2m", "n6w4s7c1x2",
-                                 "off"])
+@pytest.mark.parametrize("way", ["default", "n6w4s7c1xg", "m1", "f16", "split", "n2w4s12c2x2", "n6w4s7c1x2", "off"])
 def test_decode_pair_in_one_skinny_launch(w3_first, way, monkeypatch):
     """On sm_90 a decode-shaped pair inside the skinny GEMM's default box
     runs as one launch of its TMA kernel, the weights in either memory
@@ -239,8 +238,7 @@ def test_decode_pair_in_one_skinny_launch(w3_first, way, monkeypatch):
     "...xg": the chooser's 64-row boxes, forced 192-row ones; M = 1;
     float16), then the plain down projection: no library call, no generated
     kernel, two skinny launches a call. With OPFUSE_GATED_PAIR=0 ("split"
-    and the forced "...x2": a cluster splitting K, with the mailbox
-    exchange too, 192-row tiles) the pair
+    and the forced "...x2": a cluster splitting K, 192-row tiles) the pair
     writes both results and the gate kernel runs between the two launches.
     OPFUSE_SKINNY_TMA=0 ("off"): the cuBLASLt pair instead."""
     if torch.cuda.get_device_capability()[0] < 9:
@@ -252,7 +250,7 @@ def test_decode_pair_in_one_skinny_launch(w3_first, way, monkeypatch):
     gated = way in ("default", "n6w4s7c1xg", "m1", "f16")
     monkeypatch.setenv("OPFUSE_GATED_PAIR", "1" if gated else "0")
     monkeypatch.delenv("OPFUSE_GATED_GEMM", raising=False)
-    if way.endswith(("x2", "x2m", "xg")):  # forced on the down projection too (x2m: the cluster's mailbox)
+    if way.endswith(("x2", "xg")):  # forced on the down projection too
         monkeypatch.setenv("OPFUSE_SKINNY_CONFIG", way)
     else:
         monkeypatch.delenv("OPFUSE_SKINNY_CONFIG", raising=False)

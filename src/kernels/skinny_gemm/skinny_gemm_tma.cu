@@ -73,45 +73,9 @@ __device__ __forceinline__ u32 swizzled(int r, int c) { return static_cast<u32>(
 constexpr int kTmaA = 16 * 128;  // A's box: 16 rows x 64 elements
 __host__ __device__ constexpr int tma_stage_bytes(int bn) { return bn * 128 + kTmaA; }
 // The ring (1024-byte aligned for the swizzle: 1024 bytes of slack), the
-// partial tile (a cluster's, or the gated pair's), then 2 * STAGES mbarriers
-// and the mailbox's.
+// partial tile (a cluster's, or the gated pair's), then 2 * STAGES mbarriers.
 __host__ __device__ constexpr int tma_smem_bytes(int bn, int stages, bool part) {
-  return 1024 + stages * tma_stage_bytes(bn) + (part ? bn * 64 : 0) + 16 * stages + 8;
-}
-
-// The cluster's mailbox exchange (tag suffix "m", OPFUSE_SKINNY_CLUSTER_MAILBOX):
-// each CTA owns TILES / CLUSTER consecutive tiles of the sums; the others
-// store their partials of those tiles straight into the owner's shared
-// memory (slot of the source rank) and arrive on its mailbox barrier with
-// release at cluster scope. The owner waits for that barrier alone and adds
-// the partials in rank order (the same order as cluster_sum_store, so the
-// same bits run to run). Against cluster_sum_store: one-way stores instead
-// of remote loads, and no cluster barrier on either side of the stores, so
-// no CTA waits for the others to finish their loop unless it owns tiles
-// whose partials are not in yet. Every CTA's mailbox barrier is initialised
-// before any remote arrival: the cluster barrier is arrived at right after
-// the init and waited on right before the first remote store.
-__device__ __forceinline__ u32 cluster_map(u32 local, u32 rank) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  return remote;
-}
-__device__ __forceinline__ void st_cluster(u32 remote, F4 v) {
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_cluster(u32 remote_bar) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote_bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-  u32 done = 0;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
+  return 1024 + stages * tma_stage_bytes(bn) + (part ? bn * 64 : 0) + 16 * stages;
 }
 
 // What one launch computes (the PAIR template argument):
@@ -160,13 +124,6 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
   static_assert(BN <= 256, "a TMA box has at most 256 rows");
   static_assert(!GATED || (CLUSTER == 1 && BN % 2 == 0), "the gated pair: no cluster, BN / 2 rows of each weight");
   static_assert(EARLY >= 1 && EARLY <= STAGES, "1 to STAGES early stages");
-#ifdef OPFUSE_SKINNY_CLUSTER_MAILBOX
-  constexpr bool MAILBOX = CLUSTER > 1;
-#else
-  constexpr bool MAILBOX = false;
-#endif
-  constexpr int TILES = BN / 8, TPR = TILES / CLUSTER;  // the mailbox: tiles each rank owns
-  static_assert(!MAILBOX || TILES % CLUSTER == 0, "the mailbox: whole tiles per rank");
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_u32(smem_raw);
   const u32 ring = (raw + 1023) & ~1023u;
@@ -175,7 +132,6 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
   const u32 bars = ring + STAGES * STAGE + (CLUSTER > 1 || GATED ? BN * 64 : 0);
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (STAGES + s); };
-  const u32 mailbox = bars + 16 * STAGES;
 
   trace_stamp(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -194,11 +150,9 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
       mbar_init(full(s), 1);
       mbar_init(empty(s), CW);
     }
-    if constexpr (MAILBOX) mbar_init(mailbox, (CLUSTER - 1) * TPR * 32);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if constexpr (MAILBOX) asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
 #ifdef OPFUSE_SKINNY_TRIGGER_START
   // The next kernel may launch now (tag suffix "d"): its wait still waits
   // for this grid's end, but its CTAs take each SM this grid's CTAs leave
@@ -216,7 +170,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
   // main loop (load_addends says why): the values each stores at the end.
   constexpr int VALUES = BN / 8 * 32, CTHREADS = CW * 32;
   // (None for the gated pair, whose launcher refuses a bias or a residual.)
-  constexpr int PRE = GATED ? 1 : CLUSTER > 1 && !MAILBOX ? cluster_store_rounds<CLUSTER, VALUES, CTHREADS> : NTW;
+  constexpr int PRE = GATED ? 1 : CLUSTER > 1 ? cluster_store_rounds<CLUSTER, VALUES, CTHREADS> : NTW;
   const int n_warp = n0 + warp * NTW * 8;  // store_tile_value's tile j is this warp's tile j
   Addends pre[PRE];
 
@@ -249,7 +203,7 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
     grid_dependency_wait();  // the epilogue reads the bias and the residual
 #pragma unroll
     for (int r = 0; r < (GATED ? 0 : PRE); ++r) {
-      if constexpr (CLUSTER > 1 && !MAILBOX) {
+      if constexpr (CLUSTER > 1) {
         const int i = static_cast<int>(threadIdx.x) + r * CTHREADS;
         pre[r] = i < VALUES / CLUSTER ? load_addends<E>(p, n0, rank * (VALUES / CLUSTER) + i) : Addends{};
       } else {
@@ -296,32 +250,6 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
       for (int j = 0; j < NTW; ++j) part[(warp * NTW + j) * 32 + lane] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
       asm volatile("bar.sync 1, %0;" ::"n"(CTHREADS) : "memory");  // the consumers only (the producer may be gone)
       gated_pair_store<E, BN / 2, CTHREADS>(p, n0, reinterpret_cast<const float*>(part), silu_z);
-    }
-  } else if constexpr (MAILBOX) {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");  // every mailbox barrier is initialised
-    if (warp < CW) {
-      const u32 inbox = smem_u32(part);
-#pragma unroll
-      for (int j = 0; j < NTW; ++j) {  // first the partials other ranks own
-        const int tile = warp * NTW + j, owner = tile / TPR;
-        if (owner == rank) continue;
-        const u32 slot = inbox + static_cast<u32>(((rank * TPR + tile % TPR) * 32 + lane) * 16);
-        st_cluster(cluster_map(slot, static_cast<u32>(owner)), {acc[j][0], acc[j][1], acc[j][2], acc[j][3]});
-        mbar_arrive_cluster(cluster_map(mailbox, static_cast<u32>(owner)));
-      }
-      bool waited = false;
-#pragma unroll
-      for (int j = 0; j < NTW; ++j) {  // then this rank's tiles: the others' partials added in rank order
-        const int tile = warp * NTW + j;
-        if (tile / TPR != rank) continue;
-        if (!waited) mbar_wait_cluster(mailbox, 0);
-        waited = true;
-        const F4 own = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
-        F4 sum = rank == 0 ? own : part[(tile % TPR) * 32 + lane];
-#pragma unroll
-        for (int q = 1; q < CLUSTER; ++q) sum = add(sum, q == rank ? own : part[(q * TPR + tile % TPR) * 32 + lane]);
-        store_tile_value<E>(p, n_warp, j * 32 + lane, sum, pre[j]);
-      }
     }
   } else if constexpr (CLUSTER > 1) {
     if (warp < CW)
