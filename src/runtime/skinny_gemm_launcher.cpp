@@ -384,13 +384,6 @@ bool ruled_out(Mode md, const GemmArgs& g) {
 bool enabled() { return mode() != Mode::kOff; }
 bool mode_all() { return mode() == Mode::kAll; }
 
-// Programmatic dependent launch on sm_90 (the kernel's griddepcontrol): it
-// may start while the kernel before it in the stream ends, its first W
-// chunks prefetched into L2 before it waits for that kernel's results. A
-// chain's kernel boundaries cost the skinny kernel there: H200 at ec1839a,
-// the MLP block at M = 16 ran 74.9 us with it after cuBLASLt's up
-// projection, where the two kernels alone take 36.3 + 37.0 us (and the
-// cuBLASLt pair 75.1 against 36.3 + 41.0). OPFUSE_SKINNY_PDL=0 turns it off.
 // OPFUSE_SKINNY_CONFIG: a tag forces every skinny GEMM's config; entries
 // "tag@N" separated by commas force only the GEMMs of N output columns (a
 // gated pair's N is h's), so one process can measure a block's GEMMs one
@@ -420,6 +413,13 @@ static int trigger_env() {
   return v == "start" ? 1 : v == "loop" ? 0 : -1;
 }
 
+// Programmatic dependent launch on sm_90 (the kernel's griddepcontrol): it
+// may start while the kernel before it in the stream ends, its first W
+// chunks prefetched into L2 before it waits for that kernel's results. A
+// chain's kernel boundaries cost the skinny kernel there: H200 at ec1839a,
+// the MLP block at M = 16 ran 74.9 us with it after cuBLASLt's up
+// projection, where the two kernels alone take 36.3 + 37.0 us (and the
+// cuBLASLt pair 75.1 against 36.3 + 41.0). OPFUSE_SKINNY_PDL=0 turns it off.
 bool pdl_enabled() {
   const char* e = std::getenv("OPFUSE_SKINNY_PDL");
   return !(e && std::string(e) == "0");

@@ -154,12 +154,15 @@ __device__ __forceinline__ void skinny_gemm_tma_body(const SkinnyParams& p_in, c
   }
   __syncthreads();
 #ifdef OPFUSE_SKINNY_TRIGGER_START
-  // The next kernel may launch now (tag suffix "d"): its wait still waits
-  // for this grid's end, but its CTAs take each SM this grid's CTAs leave
-  // and stream their first W stages there, through the spread of this
-  // grid's CTA ends (~4 us at M = 16), not only after the last main loop.
-  // Safe with any grid: the trigger fires once every CTA of this grid is
-  // resident or done, so no CTA of this grid waits for an SM behind them.
+  // The next kernel may launch now (tag suffix "d", a variant): its wait
+  // still waits for this grid's end, but its CTAs take each SM this grid's
+  // CTAs leave and stream their first W stages there, through the spread
+  // of this grid's CTA ends, not only after the last main loop. Safe with
+  // any grid: the trigger fires once every CTA of this grid is resident or
+  // done, so no CTA of this grid waits for an SM behind them. Measured
+  // 0.5 us slower a block at M = 16 (docs/perf-notes.md, "H200, session
+  // 19"): the next kernel's ring is no deeper for starting earlier, and its
+  // loads compete with this grid's last CTAs.
   launch_dependents();
 #endif
 
