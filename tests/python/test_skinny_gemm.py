@@ -218,7 +218,7 @@ def test_kernel_against_reference_and_eager(m, k, dtype):
                                     "n8u2w8b1c2p2", "n16u1w8b1c1p1", "n16u1w8b1c4p1",
                                     "n4w4s11c1", "n4w4s11c4", "n11w1s12c1", "n4w4s8c1", "n2w4s12c2", "n1w1s2c8",
                                     "n4w4s11c1e2", "n1w1s3c8e1", "n3w4s12c1", "n1w4s32c1", "n4w4s11c1d",
-                                    "n2w4s12c2d"])
+                                    "n2w4s12c2d", "n2w4s20c1", "n2w3s24c1"])
 def test_every_config_on_the_device(config, monkeypatch):
     cuda_or_skip()
     if (config[-2:] != "c1" or re.fullmatch(r"n\d+w\d+s\d+c\d+(?:e\d+)?d?", config)) and torch.cuda.get_device_capability()[0] < 9:
