@@ -393,12 +393,13 @@ static std::string forced_config(int64_t n) {
   if (!e || !*e) return {};
   const std::string v(e);
   if (v.find('@') == std::string::npos) return v;
+  const std::string width = std::to_string(n);
   size_t at = 0;
   while (at <= v.size()) {
     const size_t end = std::min(v.find(',', at), v.size());
     const std::string entry = v.substr(at, end - at);
     const size_t sep = entry.find('@');
-    if (sep != std::string::npos && entry.substr(sep + 1) == std::to_string(n)) return entry.substr(0, sep);
+    if (sep != std::string::npos && entry.substr(sep + 1) == width) return entry.substr(0, sep);
     at = end + 1;
   }
   return {};
@@ -482,7 +483,7 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
     } else {
       cfg.pair = cfg.gated_pair = false;
     }
-    if (cfg.stages && trigger_env() >= 0) cfg.trigger_start = trigger_env() == 1;
+    if (const int trigger = cfg.stages ? trigger_env() : -1; trigger >= 0) cfg.trigger_start = trigger == 1;
     // A forced config's partial tile, which parse did not count unless it was an "xg" tag.
     if (cfg.gated_pair && cfg.dynamic_smem() > 227 * 1024) cfg = choose_gated_pair_config(g.m, g.n, g.k, info.sms);
     LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate,
