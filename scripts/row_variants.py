@@ -17,7 +17,8 @@ import subprocess
 import sys
 
 OPS = ("softmax", "log_softmax", "layer_norm", "rms_norm")
-# Also: softmax_backward (dx from dy, y) and layer_norm_backward (dx,
+# Also: layer_norm_noaffine, layer_norm_w, rms_norm_noaffine (fewer
+# row-invariant operands), softmax_backward (dx from dy, y) and layer_norm_backward (dx,
 # dweight, dbias from dy, x, mean, rstd, w),
 # whose weight and bias sums are column partials inside the dx kernel.
 
@@ -29,6 +30,11 @@ def child(shapes, ops, once=False):
     fns = {"softmax": lambda x, w, b: torch.softmax(x, -1), "log_softmax": lambda x, w, b: torch.log_softmax(x, -1),
            "layer_norm": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps=1e-5),
            "rms_norm": lambda x, w, b: F.rms_norm(x, (x.shape[-1],), w, eps=1e-6),
+           # Without (some of) the row-invariant operands: how much of a norm's
+           # time goes to reading its weight and bias again for every row.
+           "layer_norm_noaffine": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), None, None, eps=1e-5),
+           "layer_norm_w": lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, None, eps=1e-5),
+           "rms_norm_noaffine": lambda x, w, b: F.rms_norm(x, (x.shape[-1],), None, eps=1e-6),
            "softmax_backward": lambda dy, y: torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype),
            "layer_norm_backward": lambda dy, x, mean, rstd, w, b: torch.ops.aten.native_layer_norm_backward(
                dy, x, [x.shape[-1]], mean, rstd, w, b, [True, True, True])}
