@@ -14,9 +14,15 @@
 
 #include "../../src/kernels/norm_rows/norm_rows_persistent.cu"
 
-OPFUSE_NORM_ROWS_ENTRY(ln_wb, bf16, 1024, 4, false, true, true)
-OPFUSE_NORM_ROWS_ENTRY(ln_plain, bf16, 1024, 4, false, false, false)
-OPFUSE_NORM_ROWS_ENTRY(rms_w, bf16, 1024, 4, true, true, false)
+// THREADS, NV vectors a thread, EXACT (n == NV * THREADS * VEC), SLOTS rows in the ring.
+OPFUSE_NORM_ROWS_ENTRY(ln_wb, bf16, 512, 8, true, 3, false, true, true)
+OPFUSE_NORM_ROWS_ENTRY(ln_plain, bf16, 512, 8, true, 3, false, false, false)
+OPFUSE_NORM_ROWS_ENTRY(rms_w, bf16, 512, 8, true, 3, true, true, false)
+OPFUSE_NORM_ROWS_ENTRY(ln_wb_s2, bf16, 512, 8, true, 2, false, true, true)
+OPFUSE_NORM_ROWS_ENTRY(ln_wb_t256, bf16, 256, 8, true, 6, false, true, true)
+OPFUSE_NORM_ROWS_ENTRY(ln_wb_nv4s6, bf16, 512, 4, true, 6, false, true, true)
+OPFUSE_NORM_ROWS_ENTRY(ln_wb_nv5s4, bf16, 512, 5, false, 4, false, true, true)
+OPFUSE_NORM_ROWS_ENTRY(ln_wb_nv8chk, bf16, 512, 8, false, 3, false, true, true)
 
 #define CK(x)                                                                   \
   do {                                                                          \
@@ -85,16 +91,23 @@ int main(int argc, char** argv) {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   opfuse_norm_rows::NormRowsParams p{x, n, w, b, y, n, mean, rstd, 1e-5f, rows, n};
   const int grid = std::min(rows, sms);
-  struct Case { const char* name; void (*fn)(opfuse_norm_rows::NormRowsParams); int smem; bool rms, hw, hb; };
-  Case cases[] = {{"layer_norm w,b", ln_wb, 3 * n * 2, false, true, true},
-                  {"layer_norm plain", ln_plain, n * 2, false, false, false},
-                  {"rms_norm w", rms_w, 2 * n * 2, true, true, false}};
+  struct Case { const char* name; void (*fn)(opfuse_norm_rows::NormRowsParams); int threads, nv, slots; bool exact, rms, hw, hb; };
+  Case cases[] = {{"layer_norm w,b", ln_wb, 512, 8, 3, true, false, true, true},
+                  {"layer_norm plain", ln_plain, 512, 8, 3, true, false, false, false},
+                  {"rms_norm w", rms_w, 512, 8, 3, true, true, true, false},
+                  {"layer_norm w,b s2", ln_wb_s2, 512, 8, 2, true, false, true, true},
+                  {"layer_norm w,b t256 s6", ln_wb_t256, 256, 8, 6, true, false, true, true},
+                  {"layer_norm w,b v4 s6", ln_wb_nv4s6, 512, 4, 6, true, false, true, true},
+                  {"layer_norm w,b v5 s4 chk", ln_wb_nv5s4, 512, 5, 4, false, false, true, true},
+                  {"layer_norm w,b v8 chk", ln_wb_nv8chk, 512, 8, 3, false, false, true, true}};
   const double bytes = 2.0 * elems * 2;
   float copy_us = median_us([&] { CK(cudaMemcpyAsync(cpy, x, elems * 2, cudaMemcpyDeviceToDevice)); });
-  std::printf("%d x %d bf16, grid %d x 1024; copy %.1f us = %.0f GB/s\n", rows, n, grid, copy_us, bytes / copy_us / 1e3);
+  std::printf("%d x %d bf16, grid %d; copy %.1f us = %.0f GB/s\n", rows, n, grid, copy_us, bytes / copy_us / 1e3);
   for (const Case& c : cases) {
-    CK(cudaFuncSetAttribute(c.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
-    auto launch = [&] { c.fn<<<grid, 1024, c.smem>>>(p); };
+    if (c.nv * c.threads * 8 < n || (c.exact && c.nv * c.threads * 8 != n) || c.slots * n * 2 > 220 * 1024) continue;
+    const int smem = c.slots * n * 2;
+    CK(cudaFuncSetAttribute(c.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    auto launch = [&] { c.fn<<<grid, c.threads, smem>>>(p); };
     launch();
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());

@@ -1,7 +1,6 @@
-// opfuse layer_norm / rms_norm forward for long rows whose weight and bias
-// fit in shared memory: one persistent CTA an SM, the weight and bias read
-// from HBM once a CTA, the next row's loads in flight while a row is reduced
-// and written.
+// opfuse layer_norm / rms_norm forward for long rows: one persistent CTA an
+// SM, the weight and bias held in registers for all of its rows, the rows
+// streamed through a ring of shared-memory slots a few rows ahead.
 //
 // Compiled at run time by NVRTC. It includes NO header (NVRTC on the target
 // machines finds no CUDA headers): every device helper is plain C++ or
@@ -9,7 +8,7 @@
 //
 // For a row r of n columns, float32 math, one rounding of the output:
 //   layer_norm: mean_r = sum(x) / n, var_r = sum((x - mean_r)^2) / n (two
-//               passes over the row in registers: exact, no Welford),
+//               passes over the row in shared memory: exact, no Welford),
 //               rstd_r = rsqrt(var_r + eps), y = (x - mean_r) * rstd_r * w + b
 //   rms_norm:   rstd_r = rsqrt(sum(x^2) / n + eps), y = x * rstd_r * w
 // (w, b: 1 and 0 where absent). mean and rstd (float32 [rows]) are written
@@ -17,37 +16,37 @@
 // reference with the same semantics is norm_rows_reference.{h,cpp}.
 //
 // Why a hand-written kernel: the generated row kernels (three 512-thread
-// CTAs an SM, each staging a row in shared memory) read the weight and
-// bias again for every row. On the H200 at 8192 x 32768 bf16 that is
-// 128 KB of L2 reads a row beside the row's 128 KB of HBM traffic, and
-// layer_norm ran 288 us against 270 without its weight and bias
-// (perf-notes, session 20: 88.7% of the copy against ~95%). Here each CTA
-// holds the weight and bias in shared memory for all its rows, so only the
-// row itself moves.
+// CTAs an SM, each staging a 64 KB row in shared memory) read the weight
+// and bias again for every row, and at 32768 16-bit columns they no longer
+// fit in what is left of L1 (they do at 16384: 99% of the copy there). On
+// the H200 at 8192 x 32768 bf16, layer_norm ran 288-300 us against 270-280
+// without its weight and bias (perf-notes, session 20). A first version of
+// this kernel (1024 threads, the weight and bias in shared memory, one row
+// slot) ran at 89%: one row in flight an SM is not enough.
 //
 // Design:
-// - Grid: one CTA of THREADS (1024) an SM, persistent: CTA i takes the rows
+// - Grid: one CTA of THREADS (512) an SM, persistent: CTA i takes the rows
 //   i, i + G, i + 2G, ... (G CTAs).
-// - Thread t holds NV 16-byte vectors of a row, columns (j * THREADS + t) *
+// - Thread t owns NV 16-byte vectors of a row, columns (j * THREADS + t) *
 //   VEC for j < NV (coalesced: 16 bytes a lane); vectors past n (n % VEC ==
-//   0) are zeros and never stored. The next row's NV vectors are loaded at
-//   the top of a row's work (streaming, no L1 allocation), so an SM keeps
-//   THREADS * NV * 16 bytes (64 KB at NV = 4) in flight while it reduces
-//   and writes the current row.
-// - The weight and bias go into shared memory once (2 * n elements), read
-//   back as 16-byte vectors in the thread's own columns (no bank conflict).
+//   0) are zeros and never stored. Its weight and bias vectors stay in
+//   registers (8 NV of them; 512 threads an SM leave 128 registers a thread).
+// - The ring: SLOTS row slots in shared memory; the thread copies its own
+//   vectors of the row SLOTS - 1 ahead with cp.async (L1 bypassed) into the
+//   slot the previous row left, waits for its own copies of this row and
+//   reads them in each pass: SLOTS - 1 rows in flight an SM, no barrier.
 // - Block sums: warp shuffles, then the warps' sums through shared memory;
 //   two alternating slots, so one barrier a sum.
 //
 // Requirements (checked by the launcher, src/runtime/norm_rows_launcher.cpp):
-// n % VEC == 0 and n <= NV * THREADS * VEC; x and y 16-byte aligned with row
-// strides (elements) multiples of VEC; w and b contiguous, 16-byte aligned;
-// mean and rstd float32 contiguous. Launch: grid min(rows, CTAs resident),
-// block THREADS, dynamic shared memory (w and b) n * sizeof(elem) * (w? +
-// b?), one argument NormRowsParams by value.
+// sm_80 or newer; n % VEC == 0 and n <= NV * THREADS * VEC; x and y 16-byte
+// aligned with row strides (elements) multiples of VEC; w and b contiguous,
+// 16-byte aligned; mean and rstd float32 contiguous; rows < 2^31. Launch:
+// grid min(rows, SMs), block THREADS, dynamic shared memory SLOTS * n *
+// sizeof(elem), one argument NormRowsParams by value.
 //
 // Entry point: the launcher appends
-//   OPFUSE_NORM_ROWS_ENTRY(name, bf16, THREADS, NV, RMS, HAS_W, HAS_B)
+//   OPFUSE_NORM_ROWS_ENTRY(name, bf16, THREADS, NV, EXACT, SLOTS, RMS, HAS_W, HAS_B)
 // which defines an extern "C" kernel (no name mangling to look up).
 
 namespace opfuse_norm_rows {
@@ -130,7 +129,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 __device__ __forceinline__ V4 load_vector(const void* p) {
   V4 r;
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
@@ -159,78 +157,101 @@ __device__ __forceinline__ float block_sum(float v, float* slots, int k) {
   return t;
 }
 
-template <class E, int THREADS, int NV, bool RMS, bool HAS_W, bool HAS_B>
+template <int N>
+__device__ __forceinline__ void cp_async_wait_pending() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+template <class E, int THREADS, int NV, bool EXACT, int SLOTS, bool RMS, bool HAS_W, bool HAS_B>
 __device__ __forceinline__ void norm_rows(const NormRowsParams& p) {
-  extern __shared__ __align__(16) V4 opf_wb[];  // the weight's vectors, then the bias's
-  __shared__ float slots[64];
+  static_assert(SLOTS >= 2, "a slot being read and one being filled at least");
+  // The ring: SLOTS rows; thread t copies and reads back only its own
+  // vectors of each slot, so no barrier guards it.
+  extern __shared__ __align__(16) V4 opf_ring[];
+  __shared__ float sums[64];
   constexpr int VEC = E::vec;
+  constexpr int kBytes = 16 / VEC;  // bytes an element
   const int t = threadIdx.x;
   const int nvec = p.n / VEC;
+  const int grid = static_cast<int>(gridDim.x);
+  // Bit j: vector j * THREADS + t lies within the row (EXACT: every one
+  // does, n == NV * THREADS * VEC, and no check is compiled: with the
+  // checks, NV = 8 spilled ~100 bytes a thread).
+  const u32 mine = t < nvec ? ((nvec - 1 - t) / THREADS >= NV - 1 ? (1u << NV) - 1 : (2u << ((nvec - 1 - t) / THREADS)) - 1) : 0u;
   const char* x = static_cast<const char*>(p.x);
   char* y = static_cast<char*>(p.y);
-  constexpr int kBytes = 16 / VEC;  // bytes an element
 
-  // The row slot: thread t's own vectors of the next row, copied with
-  // cp.async; each thread reads back only what it copied, so no barrier
-  // guards the slot.
-  V4* slot = opf_wb + (HAS_W ? nvec : 0) + (HAS_B ? nvec : 0);
-  auto copy_row = [&](int row) {
-    const char* base = x + static_cast<i64>(row) * p.ld_x * kBytes;
+  auto copy_row = [&](int slot, int row) {
+    if (row < p.rows) {
+      const char* base = x + static_cast<i64>(row) * p.ld_x * kBytes;
 #pragma unroll
-    for (int j = 0; j < NV; ++j) {
-      const int v = j * THREADS + t;
-      if (v < nvec) cp_async16(slot + v, base + static_cast<i64>(v) * 16);
+      for (int j = 0; j < NV; ++j) {
+        const int v = j * THREADS + t;
+        if ((EXACT || (mine >> j & 1u))) cp_async16(opf_ring + slot * nvec + v, base + static_cast<i64>(v) * 16);
+      }
     }
-    cp_async_commit();
+    cp_async_commit();  // an empty group past the last row keeps the count uniform
   };
   int row = blockIdx.x;
-  if (row < p.rows) copy_row(row);  // in flight while the weight and bias arrive
-  u32* ws = reinterpret_cast<u32*>(opf_wb);  // read back a word at a time
-  u32* bs = reinterpret_cast<u32*>(opf_wb + (HAS_W ? nvec : 0));
-  for (int v = t; v < nvec; v += THREADS) {
-    if constexpr (HAS_W) opf_wb[v] = load_vector(static_cast<const char*>(p.w) + static_cast<i64>(v) * 16);
-    if constexpr (HAS_B) opf_wb[(HAS_W ? nvec : 0) + v] = load_vector(static_cast<const char*>(p.b) + static_cast<i64>(v) * 16);
-  }
-  __syncthreads();
-  const float inv_n = 1.f / static_cast<float>(p.n);
-  int k = 0;
-  for (; row < p.rows; row += gridDim.x) {
-    V4 cur[NV];
-    cp_async_wait_all();
 #pragma unroll
-    for (int j = 0; j < NV; ++j) cur[j] = j * THREADS + t < nvec ? slot[j * THREADS + t] : V4{0, 0, 0, 0};
-    // The next row's copy goes out now, over the vectors just read (the
-    // same thread's shared-memory loads come first), and is in flight while
-    // this row is reduced and written.
-    if (row + static_cast<int>(gridDim.x) < p.rows) copy_row(row + gridDim.x);
+  for (int s = 0; s < SLOTS - 1; ++s) copy_row(s, row + s * grid);
+  // The weight and bias of the thread's columns, in registers for every row.
+  V4 wv[NV], bv[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int v = j * THREADS + t;
+    wv[j] = HAS_W && (EXACT || (mine >> j & 1u)) ? load_vector(static_cast<const char*>(p.w) + static_cast<i64>(v) * 16) : V4{0, 0, 0, 0};
+    bv[j] = HAS_B && (EXACT || (mine >> j & 1u)) ? load_vector(static_cast<const char*>(p.b) + static_cast<i64>(v) * 16) : V4{0, 0, 0, 0};
+  }
+  const float inv_n = 1.f / static_cast<float>(p.n);
+  int k = 0, slot = 0;
+  for (; row < p.rows; row += grid) {
+    // The slot the previous row was read from takes the row SLOTS - 1 on.
+    copy_row(slot == 0 ? SLOTS - 1 : slot - 1, row + (SLOTS - 1) * grid);
+    cp_async_wait_pending<SLOTS - 1>();  // this row's copies have landed
+    // The row is read from its slot in each pass (three for layer_norm):
+    // registers hold the weight and bias, and shared memory has bandwidth
+    // to spare (3 x 64 KB a row against HBM's ~32 KB a microsecond an SM).
+    const V4* cur = opf_ring + slot * nvec;
+    slot = slot == SLOTS - 1 ? 0 : slot + 1;
     float mean = 0.f, ss = 0.f;
     if constexpr (!RMS) {
       float s = 0.f;
 #pragma unroll
-      for (int j = 0; j < NV; ++j)
+      for (int j = 0; j < NV; ++j) {
+        const int v = j * THREADS + t;
+        if ((EXACT || (mine >> j & 1u))) {
+          const V4 c = cur[v];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) s += elem(E{}, cur[j], e);  // zeros past n add nothing
-      mean = block_sum<THREADS>(s, slots, k++) * inv_n;
+          for (int e = 0; e < VEC; ++e) s += elem(E{}, c, e);
+        }
+      }
+      mean = block_sum<THREADS>(s, sums, k++) * inv_n;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        if (j * THREADS + t < nvec) {
+        const int v = j * THREADS + t;
+        if ((EXACT || (mine >> j & 1u))) {
+          const V4 c = cur[v];
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
-            const float d = elem(E{}, cur[j], e) - mean;
+            const float d = elem(E{}, c, e) - mean;
             ss += d * d;
           }
         }
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < NV; ++j)
+      for (int j = 0; j < NV; ++j) {
+        const int v = j * THREADS + t;
+        if ((EXACT || (mine >> j & 1u))) {
+          const V4 c = cur[v];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          const float v = elem(E{}, cur[j], e);
-          ss += v * v;
+          for (int e = 0; e < VEC; ++e) {
+            const float f = elem(E{}, c, e);
+            ss += f * f;
+          }
         }
+      }
     }
-    const float rstd = rsqrtf(block_sum<THREADS>(ss, slots, k++) * inv_n + p.eps);
+    const float rstd = rsqrtf(block_sum<THREADS>(ss, sums, k++) * inv_n + p.eps);
     if (t == 0) {
       if (p.mean) p.mean[row] = mean;
       if (p.rstd) p.rstd[row] = rstd;
@@ -239,25 +260,22 @@ __device__ __forceinline__ void norm_rows(const NormRowsParams& p) {
 #pragma unroll
     for (int j = 0; j < NV; ++j) {
       const int v = j * THREADS + t;
-      if (v < nvec) {
-        // A word (one or two elements) at a time, the weight and bias read
-        // from shared memory a word at a time: fewer registers live than
-        // whole vectors (the next row's vectors already hold 4 * NV).
+      if ((EXACT || (mine >> j & 1u))) {
+        const V4 c = cur[v];
         u32 o[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const u32 wwd = HAS_W ? ws[v * 4 + i] : 0u, bwd = HAS_B ? bs[v * 4 + i] : 0u;
-          o[i] = out_word<E, HAS_W, HAS_B>(word_of(cur[j], i), wwd, bwd, mean, rstd);
-        }
+        for (int i = 0; i < 4; ++i)
+          o[i] = out_word<E, HAS_W, HAS_B>(word_of(c, i), word_of(wv[j], i), word_of(bv[j], i), mean, rstd);
         store_vector(out + static_cast<i64>(v) * 16, V4{o[0], o[1], o[2], o[3]});
       }
     }
   }
+  cp_async_wait_pending<0>();  // no copy outlives the CTA
 }
 
 }  // namespace opfuse_norm_rows
 
-#define OPFUSE_NORM_ROWS_ENTRY(name, E, THREADS, NV, RMS, HAS_W, HAS_B)                                 \
+#define OPFUSE_NORM_ROWS_ENTRY(name, E, THREADS, NV, EXACT, SLOTS, RMS, HAS_W, HAS_B)                  \
   extern "C" __global__ void __launch_bounds__(THREADS, 1) name(const opfuse_norm_rows::NormRowsParams p) { \
-    opfuse_norm_rows::norm_rows<opfuse_norm_rows::E, THREADS, NV, RMS, HAS_W, HAS_B>(p);                  \
+    opfuse_norm_rows::norm_rows<opfuse_norm_rows::E, THREADS, NV, EXACT, SLOTS, RMS, HAS_W, HAS_B>(p);    \
   }
