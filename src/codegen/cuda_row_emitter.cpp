@@ -73,6 +73,9 @@ int prefetch_ahead(int threads) {
 // default it goes with the 1024-thread loop blocks of rows that overflow L2
 // (see choose_geometry).
 int reverse_loops() { return env_int("OPFUSE_ROW_REVERSE_LOOPS", -1); }
+// The last stage of a staged row walks the columns backwards on odd rows
+// (OPFUSE_ROW_ALTERNATE=1, an experiment; see the stage loop).
+int row_alternate() { return env_int("OPFUSE_ROW_ALTERNATE", 0); }
 // L2 eviction priorities in loop stages that re-read their row from L2
 // (createpolicy + ld/st .L2::cache_hint, sm_80+): every stage but the last
 // loads with evict_last, so the row stays for the next pass; the last
@@ -433,6 +436,8 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
   for (const KStmt& s : loop) partials = partials || s.kind == KStmt::Partial;
   bool unrolled = caching_ || partials;
   if (!caching_ && partials) items = partial_items_;
+  bool alternate = !unrolled && !columns_ && stage_bytes_ > 0 && cluster_ == 1 && !stage_inplace_ && vec_ > 1 &&
+                   stage_index_ + 1 == static_cast<int>(k_->stages.size()) && row_alternate() > 0;
   bool backwards = false;
   if (!unrolled && !columns_) {
     int forced = reverse_loops();
@@ -455,6 +460,16 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     ++indent_;
     line("const " + I + " c_ = cbase_ + ((" + I + ")it_ * " + T + " + tid_) * " + V + ";");
     line(exact ? "{" : "if (c_ < cols) {");
+  } else if (alternate) {
+    // The last stage of a staged row (a block a row) in the order of the
+    // row's parity: odd rows walk the columns backwards, so the weight and
+    // bias a block reads first are the ones its SM's other block read last,
+    // the most likely still in L1 (OPFUSE_ROW_ALTERNATE; with a smaller
+    // carveout, OPFUSE_ROW_CARVEOUT, that leaves L1 the room).
+    std::string step = std::to_string(threads_per_row * vec_);
+    line("const " + I + " nk_ = (cend_ - cbegin_ - (" + I + ")tid_ * " + V + " + " + step + " - 1) / " + step + ";");
+    line("for (" + I + " k_ = 0; k_ < nk_; ++k_) {");
+    line("  const " + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + " + ((row_ & 1) ? nk_ - 1 - k_ : k_) * " + step + ";");
   } else if (backwards) {
     // This thread's columns in the order opposite to the forward loop's.
     std::string step = std::to_string(threads_per_row * vec_);
