@@ -1,4 +1,4 @@
-// Standalone check and timing of src/kernels/norm_rows/norm_rows_persistent.cu
+// Standalone check and timing of norm_rows_persistent.cu (beside this file)
 // (no opfuse build needed): bf16 rows, layer_norm with weight and bias, with
 // neither, rms_norm with a weight; a device-to-device copy of the same bytes
 // in the same run; a few rows checked against a float64 CPU computation.
@@ -12,7 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../../src/kernels/norm_rows/norm_rows_persistent.cu"
+#include "norm_rows_persistent.cu"
 
 // THREADS, NV vectors a thread, EXACT (n == NV * THREADS * VEC), SLOTS rows in the ring.
 OPFUSE_NORM_ROWS_ENTRY(ln_wb, bf16, 512, 8, true, 3, false, true, true)

@@ -313,6 +313,30 @@ def test_staged_rows_in_a_non_portable_cluster_of_16(monkeypatch):
         monkeypatch.delenv("OPFUSE_ROW_SMEM_CLUSTER")
 
 
+def test_staged_last_stage_alternates_by_row_parity(monkeypatch):
+    """OPFUSE_ROW_ALTERNATE=1 (an experiment): the last stage of a staged row
+    (a block a row) walks the thread's columns backwards on odd rows; the
+    earlier stages keep the forward loop; rows split over a cluster are left
+    as they are; no spills."""
+    nvrtc_or_skip()
+    for op in ("softmax", "layer_norm"):
+        for rows, cols, applies in ((8192, 32768, True), (4096, 262144, False)):
+            shapes = [[rows, cols]]
+            cg = _C.CompiledGraph(row_ir(op, "bf16", rows, cols), target="cuda")
+            plain = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+            assert "nk_" not in plain
+            monkeypatch.setenv("OPFUSE_ROW_ALTERNATE", "1")
+            v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+            walk = "const int c_ = cbegin_ + (int)tid_ * 8 + ((row_ & 1) ? nk_ - 1 - k_ : k_) * 4096;"
+            assert v.count(walk) == (1 if applies else 0), v
+            if applies:
+                # Only the last stage: the earlier ones still walk forwards.
+                assert v.index(walk) > v.rindex("for (int c_ = cbegin_ + (int)tid_ * 8; c_ < cend_; c_ += 4096) {")
+                for name, (regs, spill) in ptxas_report(cg.compile_cuda(shapes, contiguous_strides(shapes), 90, False)[2]).items():
+                    assert spill == 0, (op, name)
+            monkeypatch.delenv("OPFUSE_ROW_ALTERNATE")
+
+
 def test_cluster_staged_loops_are_unrolled(monkeypatch):
     """Rows split over a cluster unroll their staged stage loops 8 times
     (layer_norm's weight and bias loads go out together; 9% faster at

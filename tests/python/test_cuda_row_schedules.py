@@ -524,7 +524,8 @@ STAGE_KNOBS = [{"OPFUSE_ROW_SMEM_THREADS": "256"}, {"OPFUSE_ROW_SMEM_THREADS": "
                {"OPFUSE_VSTORE_WORDS": "1", "OPFUSE_ROW_CLUSTER_EARLY_ARRIVE": "1"},
                {"OPFUSE_VSTORE_WORDS": "0", "OPFUSE_ROW_CLUSTER_EARLY_ARRIVE": "0"},
                {"OPFUSE_ROW_STORE_ROUND_ONCE": "0"},
-               {"OPFUSE_ROW_SMEM_KB": "32", "OPFUSE_ROW_SMEM_CLUSTER": "16"}]
+               {"OPFUSE_ROW_SMEM_KB": "32", "OPFUSE_ROW_SMEM_CLUSTER": "16"},
+               {"OPFUSE_ROW_ALTERNATE": "1"}, {"OPFUSE_ROW_ALTERNATE": "1", "OPFUSE_ROW_CARVEOUT": "57"}]
 
 
 @pytest.mark.parametrize("knobs", STAGE_KNOBS, ids=_knob_id)

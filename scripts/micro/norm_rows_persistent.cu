@@ -1,6 +1,10 @@
-// opfuse layer_norm / rms_norm forward for long rows: one persistent CTA an
+// An experiment, not part of opfuse (docs/perf-notes.md, session 20): a
+// layer_norm / rms_norm forward for long rows with one persistent CTA an
 // SM, the weight and bias held in registers for all of its rows, the rows
-// streamed through a ring of shared-memory slots a few rows ahead.
+// streamed through a ring of shared-memory slots a few rows ahead. It ran
+// at ~90% of the copy at 8192 x 32768 bf16 (282 us against the generated
+// kernel's 286), and below the generated kernel at 16384 columns, so it was
+// not wired in; norm_rows_bench.cu (beside it) checks and times it alone.
 //
 // Compiled at run time by NVRTC. It includes NO header (NVRTC on the target
 // machines finds no CUDA headers): every device helper is plain C++ or
@@ -12,8 +16,8 @@
 //               rstd_r = rsqrt(var_r + eps), y = (x - mean_r) * rstd_r * w + b
 //   rms_norm:   rstd_r = rsqrt(sum(x^2) / n + eps), y = x * rstd_r * w
 // (w, b: 1 and 0 where absent). mean and rstd (float32 [rows]) are written
-// where asked (the training graph's native_layer_norm returns them). The CPU
-// reference with the same semantics is norm_rows_reference.{h,cpp}.
+// where asked (the training graph's native_layer_norm returns them).
+// norm_rows_bench.cu checks rows against a float64 CPU computation.
 //
 // Why a hand-written kernel: the generated row kernels (three 512-thread
 // CTAs an SM, each staging a 64 KB row in shared memory) read the weight
@@ -38,14 +42,14 @@
 // - Block sums: warp shuffles, then the warps' sums through shared memory;
 //   two alternating slots, so one barrier a sum.
 //
-// Requirements (checked by the launcher, src/runtime/norm_rows_launcher.cpp):
+// Requirements (the caller's to check):
 // sm_80 or newer; n % VEC == 0 and n <= NV * THREADS * VEC; x and y 16-byte
 // aligned with row strides (elements) multiples of VEC; w and b contiguous,
 // 16-byte aligned; mean and rstd float32 contiguous; rows < 2^31. Launch:
 // grid min(rows, SMs), block THREADS, dynamic shared memory SLOTS * n *
 // sizeof(elem), one argument NormRowsParams by value.
 //
-// Entry point: the launcher appends
+// Entry point: the includer writes
 //   OPFUSE_NORM_ROWS_ENTRY(name, bf16, THREADS, NV, EXACT, SLOTS, RMS, HAS_W, HAS_B)
 // which defines an extern "C" kernel (no name mangling to look up).
 
@@ -58,7 +62,7 @@ struct bf16 { static constexpr int vec = 8; };
 struct f16 { static constexpr int vec = 8; };
 struct f32 { static constexpr int vec = 4; };
 
-// Kernel argument; mirrored by the launcher (only append fields, in both places).
+// Kernel argument (the includer fills it; a launch ABI).
 struct NormRowsParams {
   const void* x;  // [rows, n], unit column stride
   i64 ld_x;       // elements between rows
