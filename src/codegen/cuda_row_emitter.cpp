@@ -670,17 +670,24 @@ void CudaEmitter::store_block_partials(int rows_per_block) {
 // of a cluster combine through distributed shared memory (the cluster
 // reductions). Vector twins only (16-byte copies of aligned rows); each
 // thread reads back only the columns it copied, so no barrier guards the
-// copy. OPFUSE_ROW_SMEM_KB (default 64: three blocks an SM on sm_90, 0 turns
-// staging off) is the most a block stages; OPFUSE_ROW_SMEM_CLUSTER (8) the
+// copy. OPFUSE_ROW_SMEM_KB (default 64 a re-read tensor: three forward blocks
+// an SM on sm_90, 0 turns staging off) is the most a block stages; OPFUSE_ROW_SMEM_CLUSTER (8) the
 // most blocks a row may take; OPFUSE_ROW_SMEM_THREADS (512) the most threads
 // a block has.
 bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster) {
-  int64_t budget = static_cast<int64_t>(env_int("OPFUSE_ROW_SMEM_KB", 64)) * 1024;
+  // Forward rows re-read one tensor, the backward kernels two (dy and y or
+  // x): staged too (OPFUSE_ROW_SMEM_TENSORS, default 2), with 64 KB of
+  // shared memory a tensor (OPFUSE_ROW_SMEM_KB overrides the block's
+  // budget): one 128 KB block an SM where three 64 KB ones held a forward
+  // row. H200, bf16 softmax backward (session 20, row_variants.py at
+  // 5504794): 8192x32768 457-472 -> 377 us (100% of the floor; 426.6 with
+  // 64 KB blocks in clusters of 2, 440.0 with 32 KB), 4096x262144 2518 ->
+  // 2077; 32768x4096 is not staged (195 us either way).
+  int ntensors = static_cast<int>(reread.size());
+  int64_t budget = static_cast<int64_t>(env_int("OPFUSE_ROW_SMEM_KB", 64 * std::max(1, ntensors))) * 1024;
   if (budget <= 0 || arch_ < 80 || columns_ || row_loop_axes_.size() != 1 || last_var_.empty() || k_->stages.size() < 2)
     return false;
-  // Forward rows re-read one tensor; the backward kernels' two (dy and y or
-  // x) are staged only with OPFUSE_ROW_SMEM_TENSORS=2 (not measured yet).
-  if (static_cast<int>(reread.size()) > std::max(1, env_int("OPFUSE_ROW_SMEM_TENSORS", 1))) return false;
+  if (ntensors > std::max(1, env_int("OPFUSE_ROW_SMEM_TENSORS", 2))) return false;
   std::map<int, std::set<std::string>> keys;
   std::map<int, KStmt> load;
   for (const KStage& st : k_->stages)

@@ -329,6 +329,15 @@ def _grads_against_float64(fn, shape, dtype, nparams):
         assert err <= 2 * (e.double() - r).abs().max().item() + 1e-5, err
 
 
+# Softmax backward re-reads two tensors (dy and y): staged by default in one
+# 128 KB block a row (32768 bf16 columns), in clusters past that (262144:
+# eight blocks), float32 rows of 40000 in clusters of 4.
+@pytest.mark.parametrize("shape,dtype", [((301, 32768), torch.bfloat16), ((19, 262144), torch.bfloat16),
+                                         ((7, 40000), torch.float32), ((5, 20000), torch.float16)])
+def test_staged_softmax_backward_two_tensors(shape, dtype):
+    _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, shape, dtype, 2)
+
+
 # Rows of 8193 to 32768 elements with column partials
 # (OPFUSE_COLUMN_PARTIALS_WIDE=1): a cluster of 512-thread blocks per row
 # steps through its part's rows (sm_90). 32768 = 8 blocks; 20000 = 5 blocks,
@@ -519,7 +528,8 @@ def test_staged_row_views(cols):
 # defaults) and both off (as before f134b5a); a bf16 output rounded twice
 # at its store (as before the default of 1f89c5c's run).
 STAGE_KNOBS = [{"OPFUSE_ROW_SMEM_THREADS": "256"}, {"OPFUSE_ROW_SMEM_THREADS": "1024"},
-               {"OPFUSE_ROW_SMEM_KB": "16"}, {"OPFUSE_ROW_SMEM_CLUSTER": "1"}, {"OPFUSE_ROW_SMEM_TENSORS": "2"},
+               {"OPFUSE_ROW_SMEM_KB": "16"}, {"OPFUSE_ROW_SMEM_CLUSTER": "1"}, {"OPFUSE_ROW_SMEM_TENSORS": "1"},
+               {"OPFUSE_ROW_SMEM_KB": "64"},
                {"OPFUSE_ROW_SMEM_PREFETCH": "-1"},
                {"OPFUSE_VSTORE_WORDS": "1", "OPFUSE_ROW_CLUSTER_EARLY_ARRIVE": "1"},
                {"OPFUSE_VSTORE_WORDS": "0", "OPFUSE_ROW_CLUSTER_EARLY_ARRIVE": "0"},
