@@ -313,6 +313,40 @@ def test_staged_rows_in_a_non_portable_cluster_of_16(monkeypatch):
         monkeypatch.delenv("OPFUSE_ROW_SMEM_CLUSTER")
 
 
+def softmax_backward_ir(rows, cols):
+    return f"""graph {{
+  %0 = input() {{name="dy"}} : bf16[{rows}, {cols}]
+  %1 = input() {{name="y"}} : bf16[{rows}, {cols}]
+  %2 = softmax_backward(%0, %1) {{dim=-1}} : bf16[{rows}, {cols}]
+  return (%2)
+}}"""
+
+
+def test_softmax_backward_stages_both_tensors(monkeypatch):
+    """Softmax backward re-reads dy and y: both staged, 64 KB a tensor: one
+    128 KB block a 32768-column row (sm_80 and sm_90), a cluster of 8 at
+    262144 on sm_90; not on sm_86, whose blocks take at most 99 KB (the loop
+    stages); OPFUSE_ROW_SMEM_TENSORS=1 gives the loop stages back. No spills."""
+    nvrtc_or_skip()
+    for rows, cols, arch, expect in ((8192, 32768, 90, "__launch_bounds__(512, 1) opfuse"),
+                                     (8192, 32768, 80, "__launch_bounds__(512, 1) opfuse"),
+                                     (4096, 262144, 90, "__launch_bounds__(512, 1) __cluster_dims__(8, 1, 1)"),
+                                     (8192, 32768, 86, None)):
+        shapes = [[rows, cols], [rows, cols]]
+        cg = _C.CompiledGraph(softmax_backward_ir(rows, cols), target="cuda")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), arch))
+        if expect is None:
+            assert "opf_cp_async16(sr" not in v, v
+            continue
+        assert expect in v, v
+        assert "opf_cp_async16(sr0" in v and "opf_cp_async16(sr1" in v, v
+        for name, (regs, spill) in ptxas_report(cg.compile_cuda(shapes, contiguous_strides(shapes), arch, False)[2]).items():
+            assert spill == 0, (rows, cols, arch, name)
+        monkeypatch.setenv("OPFUSE_ROW_SMEM_TENSORS", "1")
+        assert "opf_cp_async16(sr" not in _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), arch))
+        monkeypatch.delenv("OPFUSE_ROW_SMEM_TENSORS")
+
+
 def test_staged_last_stage_alternates_by_row_parity(monkeypatch):
     """OPFUSE_ROW_ALTERNATE=1 (an experiment): the last stage of a staged row
     (a block a row) walks the thread's columns backwards on odd rows; the

@@ -52,9 +52,14 @@ def no_spills(log):
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-def test_overflowing_rows_loop_backwards_in_1024_thread_blocks(arch):
+def test_overflowing_rows_loop_backwards_in_1024_thread_blocks(arch, monkeypatch):
     nvrtc_or_skip()
-    # dy and y: 128 KB a row, 4 x 132 rows overflow 50 MB, 2 x 132 fit.
+    # By default dy and y are staged in shared memory (one 128 KB block a
+    # row); with OPFUSE_ROW_SMEM_TENSORS=1 they run the loop stages:
+    # 128 KB a row, 4 x 132 rows overflow 50 MB, 2 x 132 fit.
+    bounds, body = vector_twin(source_and_log("softmax_backward", 8192, 32768, arch)[0])
+    assert bounds == "512, 1" and "k_--" not in body and "opf_cp_async16(sr1" in body, body
+    monkeypatch.setenv("OPFUSE_ROW_SMEM_TENSORS", "1")
     src, log = source_and_log("softmax_backward", 8192, 32768, arch)
     bounds, body = vector_twin(src)
     assert bounds == "1024, 2" and "k_-- > 0" in body, body
@@ -83,6 +88,7 @@ def test_l2_hints_knob(arch, monkeypatch):
     with evict_last but the last, whose loads and stores go evict_first; the
     rows that fit (or are cached) get no hints; off by default."""
     nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_ROW_SMEM_TENSORS", "1")  # the loop stages (dy and y not staged)
     assert "_hint" not in vector_twin(source_and_log("softmax_backward", 8192, 32768, arch)[0])[1]
     monkeypatch.setenv("OPFUSE_ROW_L2_HINTS", "1")
     src, log = source_and_log("softmax_backward", 8192, 32768, arch)
