@@ -676,7 +676,7 @@ void CudaEmitter::store_block_partials(int rows_per_block) {
 // a block has.
 bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cluster_ok, int* threads, int* cluster) {
   // Forward rows re-read one tensor, the backward kernels two (dy and y or
-  // x): staged too (OPFUSE_ROW_SMEM_TENSORS, default 2), with 64 KB of
+  // x): staged too on sm_90 (OPFUSE_ROW_SMEM_TENSORS, default 2 there), with 64 KB of
   // shared memory a tensor (OPFUSE_ROW_SMEM_KB overrides the block's
   // budget): one 128 KB block an SM where three 64 KB ones held a forward
   // row. H200, bf16 softmax backward (session 20, row_variants.py at
@@ -691,7 +691,8 @@ bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cl
   budget = std::min<int64_t>(budget, (block_kb - 2) * 1024);
   if (budget <= 0 || arch_ < 80 || columns_ || row_loop_axes_.size() != 1 || last_var_.empty() || k_->stages.size() < 2)
     return false;
-  if (ntensors > std::max(1, env_int("OPFUSE_ROW_SMEM_TENSORS", 2))) return false;
+  // Two by default where measured (sm_90); one on older architectures.
+  if (ntensors > std::max(1, env_int("OPFUSE_ROW_SMEM_TENSORS", arch_ >= 90 ? 2 : 1))) return false;
   std::map<int, std::set<std::string>> keys;
   std::map<int, KStmt> load;
   for (const KStage& st : k_->stages)

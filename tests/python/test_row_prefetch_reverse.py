@@ -54,11 +54,13 @@ def no_spills(log):
 @pytest.mark.parametrize("arch", [80, 90])
 def test_overflowing_rows_loop_backwards_in_1024_thread_blocks(arch, monkeypatch):
     nvrtc_or_skip()
-    # By default dy and y are staged in shared memory (one 128 KB block a
-    # row); with OPFUSE_ROW_SMEM_TENSORS=1 they run the loop stages:
+    # By default on sm_90 dy and y are staged in shared memory (one 128 KB
+    # block a row); with OPFUSE_ROW_SMEM_TENSORS=1 (sm_80's default) they
+    # run the loop stages:
     # 128 KB a row, 4 x 132 rows overflow 50 MB, 2 x 132 fit.
-    bounds, body = vector_twin(source_and_log("softmax_backward", 8192, 32768, arch)[0])
-    assert bounds == "512, 1" and "k_--" not in body and "opf_cp_async16(sr1" in body, body
+    if arch >= 90:
+        bounds, body = vector_twin(source_and_log("softmax_backward", 8192, 32768, arch)[0])
+        assert bounds == "512, 1" and "k_--" not in body and "opf_cp_async16(sr1" in body, body
     monkeypatch.setenv("OPFUSE_ROW_SMEM_TENSORS", "1")
     src, log = source_and_log("softmax_backward", 8192, 32768, arch)
     bounds, body = vector_twin(src)
