@@ -216,45 +216,22 @@ __device__ __forceinline__ void norm_rows(const NormRowsParams& p) {
     // to spare (3 x 64 KB a row against HBM's ~32 KB a microsecond an SM).
     const V4* cur = opf_ring + slot * nvec;
     slot = slot == SLOTS - 1 ? 0 : slot + 1;
-    float mean = 0.f, ss = 0.f;
-    if constexpr (!RMS) {
-      float s = 0.f;
+    // The sum of f over the thread's elements of the row.
+    auto row_sum = [&](auto f) {
+      float acc = 0.f;
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const int v = j * THREADS + t;
-        if ((EXACT || (mine >> j & 1u))) {
-          const V4 c = cur[v];
+        if (EXACT || (mine >> j & 1u)) {
+          const V4 c = cur[j * THREADS + t];
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) s += elem(E{}, c, e);
+          for (int e = 0; e < VEC; ++e) acc += f(elem(E{}, c, e));
         }
       }
-      mean = block_sum<THREADS>(s, sums, k++) * inv_n;
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int v = j * THREADS + t;
-        if ((EXACT || (mine >> j & 1u))) {
-          const V4 c = cur[v];
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            const float d = elem(E{}, c, e) - mean;
-            ss += d * d;
-          }
-        }
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        const int v = j * THREADS + t;
-        if ((EXACT || (mine >> j & 1u))) {
-          const V4 c = cur[v];
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) {
-            const float f = elem(E{}, c, e);
-            ss += f * f;
-          }
-        }
-      }
-    }
+      return acc;
+    };
+    // rms_norm is layer_norm's second pass about a mean of 0.
+    const float mean = RMS ? 0.f : block_sum<THREADS>(row_sum([](float v) { return v; }), sums, k++) * inv_n;
+    const float ss = row_sum([mean](float v) { return (v - mean) * (v - mean); });
     const float rstd = rsqrtf(block_sum<THREADS>(ss, sums, k++) * inv_n + p.eps);
     if (t == 0) {
       if (p.mean) p.mean[row] = mean;
