@@ -685,10 +685,12 @@ bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cl
   // 2077; 32768x4096 is not staged (195 us either way).
   int ntensors = static_cast<int>(reread.size());
   int64_t budget = static_cast<int64_t>(env_int("OPFUSE_ROW_SMEM_KB", 64 * std::max(1, ntensors))) * 1024;
-  // No more than one block may opt into on this architecture (sm_80/87 163
-  // KB, sm_90/100 227, the others 99), less ~2 KB of static shared memory.
-  const int64_t block_kb = arch_ == 80 || arch_ == 87 ? 163 : arch_ == 90 || arch_ == 100 || arch_ == 103 ? 227 : 99;
-  budget = std::min<int64_t>(budget, (block_kb - 2) * 1024);
+  // Shared memory an SM (KB): sm_80/87 164, sm_90/100 228, others 100. One
+  // block may opt into 1 KB less; each also takes ~1 KB of static and 1 KB
+  // of reserved memory.
+  const int64_t sm_kb = arch_ == 80 || arch_ == 87 ? 164 : arch_ == 90 || arch_ == 100 || arch_ == 103 ? 228 : 100;
+  const int64_t block_budget = (sm_kb - 3) * 1024;
+  budget = std::min<int64_t>(budget, block_budget);
   if (budget <= 0 || arch_ < 80 || columns_ || row_loop_axes_.size() != 1 || last_var_.empty() || k_->stages.size() < 2)
     return false;
   // Two by default where measured (sm_90); one on older architectures.
@@ -745,16 +747,13 @@ bool CudaEmitter::stage_rows(int64_t ncols, const std::set<int>& reread, bool cl
   stage_ring_ = ring > 0;
   stage_inplace_ = ring == 2;
   bool two_slots = stage_ring_ && !stage_inplace_;
-  if (two_slots && 2 * off > (block_kb - 2) * 1024) stage_ring_ = two_slots = false;  // two slots do not fit a block
+  if (two_slots && 2 * off > block_budget) stage_ring_ = two_slots = false;  // two slots do not fit a block
   stage_slot_bytes_ = off;
   stage_bytes_ = static_cast<int>(two_slots ? 2 * off : off);
   int max_threads = two_slots ? env_int("OPFUSE_ROW_STAGE_RING_THREADS", 1024) : env_int("OPFUSE_ROW_SMEM_THREADS", 512);
   if (max_threads < 128 || max_threads > 1024 || (max_threads & (max_threads - 1)) != 0) max_threads = 512;
   *threads = std::min(max_threads, std::max(128, pow2_at_least(ceil_div(chunk, (two_slots ? 4 : 8) * vec_))));
   *cluster = c;
-  // Shared memory an SM (KB): sm_80/87 164, sm_90/100 228, others 100;
-  // each block also takes ~1 KB of static and 1 KB of reserved memory.
-  int64_t sm_kb = arch_ == 80 || arch_ == 87 ? 164 : arch_ == 90 || arch_ == 100 || arch_ == 103 ? 228 : 100;
   // At most 1536 threads an SM (40 registers a thread): at 32 (four 512-thread
   // blocks) ptxas spilled in float32 rms_norm.
   int64_t blocks = (sm_kb * 1024) / (stage_bytes_ + 2048);

@@ -486,6 +486,14 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
     cubin = read_file(found.path, &ok);
     check_cuda(c.ModuleLoadData(&v.module, cubin.data()), "cuModuleLoadData");
   }
+  // OPFUSE_ROW_CARVEOUT=<percent> (an experiment): the shared-memory share
+  // of the unified L1 the driver should pick for the staged row kernels, so
+  // fewer blocks an SM leave L1 room for what every row re-reads (layer_norm's
+  // weight and bias: 128 KB at 32768 16-bit columns). Read at each module
+  // load, so a process can vary it.
+  constexpr int kAttrPreferredCarveout = 9;  // CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+  const char* carveout_env = std::getenv("OPFUSE_ROW_CARVEOUT");
+  const int carveout = carveout_env && *carveout_env ? std::atoi(carveout_env) : -1;
   for (auto& l : v.launches) {
     CUfunction f = nullptr, fv = nullptr;
     check_cuda(c.ModuleGetFunction(&f, v.module, l.name.c_str()), "cuModuleGetFunction");
@@ -500,13 +508,6 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
     constexpr int kAttrNonPortableClusterSizeAllowed = 14;  // CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
     if (fv && l.vec_cluster > 8)
       check_cuda(c.FuncSetAttribute(fv, kAttrNonPortableClusterSizeAllowed, 1), "cuFuncSetAttribute(non-portable cluster size)");
-    // OPFUSE_ROW_CARVEOUT=<percent> (an experiment): the shared-memory share
-    // of the unified L1 the driver should pick for the staged row kernels, so
-    // fewer blocks an SM leave L1 room for what every row re-reads (layer_norm's
-    // weight and bias: 128 KB at 32768 16-bit columns).
-    constexpr int kAttrPreferredCarveout = 9;  // CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    const char* carveout_env = std::getenv("OPFUSE_ROW_CARVEOUT");  // read at each module load, so a process can vary it
-    const int carveout = carveout_env && *carveout_env ? std::atoi(carveout_env) : -1;
     if (fv && l.vec_smem > 0 && carveout >= 0 && carveout <= 100)
       check_cuda(c.FuncSetAttribute(fv, kAttrPreferredCarveout, carveout), "cuFuncSetAttribute(preferred carveout)");
     v.cu_scalar.push_back(f);
