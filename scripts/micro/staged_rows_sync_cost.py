@@ -9,6 +9,9 @@ Variants (textual edits of the generated source, compiled with nvcc -cubin,
 launched through the driver API beside a device copy of the same bytes):
   generated    the kernel opfuse launches (checked against float64 on 4 rows)
   first_only   the first cluster reduction of a row real, later ones block-only
+  pair         correct, ONE cluster reduction a row: softmax / log_softmax
+               combine per-thread (max, sum of exp) pairs, layer_norm
+               per-thread (count, mean, squared deviations) (pair_variant)
   block_only   every reduction block-only; still clusters of 8 (co-scheduled,
                the kernel's last cluster barrier kept)
   no_cluster   block_only without __cluster_dims__: the same persistent grid,
@@ -63,11 +66,58 @@ def variants(src):
     out = [("generated", head + sep + kern, True)]
     if n_red > 1:
         out.append(("first_only", head + sep + first, True))
+    pair = pair_variant(kern)
+    if pair:
+        out.append(("pair", head + sep + pair, True))
     out.append(("block_only", head + sep + only, True))
     bare = 'extern "C" __global__ void __launch_bounds__(512, 3)'
     out.append(("no_cluster", head + bare + alone, False))
     out.append(("no_cluster_full", head + bare + alone, False))
     return out
+
+
+def pair_variant(kern):
+    """softmax / log_softmax with ONE cluster reduction a row (correct, not a
+    measurement trick): each thread's max over its own values, then its sum of
+    exp(x - that max), with no barrier between; the (max, sum) pairs then
+    combine across the block and cluster (opf_cluster_online), and the output
+    pass uses the row's max. None for other kernels."""
+    if "opf_max" not in kern:
+        return moments_pair_variant(kern)
+    m = re.search(r"(\w+) = opf_cluster_reduce<opf_max, 8>\(\1, opf_smem, [^;]*\);\n\s*const float (\w+) = \(float\)\1;", kern)
+    s = re.search(r"(\w+) = opf_cluster_reduce<opf_sum, 8>\(\1, opf_smem, [^;]*\);", kern)
+    if not m or not s or s.start() < m.end():
+        return None
+    mx, mv, sm = m.group(1), m.group(2), s.group(1)
+    before = kern[:m.start()] + f"const float {mv} = {mx};" + kern[m.end():s.start()]
+    combine = (f"opf_cluster_online<true, 8>({mx}, {sm}, opf_smem, reinterpret_cast<float*>(&opf_cslot[0 + par_]));\n"
+               f"    const float {mv}r_ = {mx};")
+    after = re.sub(r"\b" + mv + r"\b", mv + "r_", kern[s.end():])
+    return before + combine + after
+
+
+def moments_pair_variant(kern):
+    """layer_norm with ONE cluster reduction a row: each thread's mean of its
+    own values, then its squared deviations around that mean, with no
+    barrier between; (count, mean, squared deviations) then combine across
+    the block and cluster (Chan's update, opf_cluster_moments), and the
+    output pass uses the row's mean. None for other kernels."""
+    m = re.search(r"(\w+) = opf_cluster_reduce<opf_sum, 8>\(\1, opf_smem, [^;]*\);\n"
+                  r"\s*const float (\w+) = \(float\)\(\1 / \(float\)\((\d+)LL\)\);", kern)
+    if not m:
+        return None
+    s = re.search(r"(\w+) = opf_cluster_reduce<opf_sum, 8>\(\1, opf_smem, [^;]*\);", kern[m.end():])
+    if not s or f"- {m.group(2)})" not in kern[m.end():m.end() + s.start()]:
+        return None
+    sm, mv, sq = m.group(1), m.group(2), s.group(1)
+    count = "const float wn_ = (float)(8 * ((cend_ - cbegin_ - (int)tid_ * 8 + 4095) / 4096));\n    "
+    before = kern[:m.start()] + count + f"const float {mv} = wn_ > 0.0f ? {sm} / wn_ : 0.0f;"
+    mid = kern[m.end():m.end() + s.start()]
+    combine = (f"float n_ = wn_, mm_ = {mv};\n"
+               f"    opf_cluster_moments<8>(n_, mm_, {sq}, opf_smem, reinterpret_cast<float*>(&opf_cslot[2 * par_]));\n"
+               f"    const float {mv}r_ = mm_;")
+    after = re.sub(r"\b" + mv + r"\b", mv + "r_", kern[m.end() + s.end():])
+    return before + mid + combine + after
 
 
 def reference(op, x, w, b):
@@ -176,7 +226,7 @@ def main():
             us = median_us(launch)
             print(f"  {op:<11} {vname:<16} grid {grid:4d}  regs {','.join(regs):<6} {us:8.1f} us "
                   f"{nbytes / us / 1e3:6.0f} GB/s {100 * copy_us / us:5.1f}% of the copy   max rel err {err:.2g}"
-                  + ("" if vname == "generated" else " (wrong on purpose)"))
+                  + ("" if vname in ("generated", "pair") else " (wrong on purpose)"))
             ck(CU.cuModuleUnload(mod), "cuModuleUnload")
 
 
