@@ -17,7 +17,9 @@ launched through the driver API beside a device copy of the same bytes):
   no_cluster   block_only without __cluster_dims__: the same persistent grid,
                blocks scheduled alone (rank = blockIdx.x % 8)
   no_cluster_full   no_cluster on every block slot of the GPU (3 an SM, not
-               the 45 clusters of 8 the GPCs hold)
+               the 45 clusters of 8 the GPCs hold); the ring only
+With --env "OPFUSE_ROW_STAGE_RING=0" the kernels are the ones without the
+in-place ring: a cluster a row, one launch block a slice, no loop over rows.
 
   python3 scripts/micro/staged_rows_sync_cost.py [--ops softmax,rms_norm] [--shape 4096x262144]
 Needs a GPU, nvcc and an opfuse build (for the generator)."""
@@ -89,8 +91,9 @@ def pair_variant(kern):
     if not m or not s or s.start() < m.end():
         return None
     mx, mv, sm = m.group(1), m.group(2), s.group(1)
+    slot = "0 + par_" if "par_" in kern else "0"  # the in-place ring alternates slots by row parity
     before = kern[:m.start()] + f"const float {mv} = {mx};" + kern[m.end():s.start()]
-    combine = (f"opf_cluster_online<true, 8>({mx}, {sm}, opf_smem, reinterpret_cast<float*>(&opf_cslot[0 + par_]));\n"
+    combine = (f"opf_cluster_online<true, 8>({mx}, {sm}, opf_smem, reinterpret_cast<float*>(&opf_cslot[{slot}]));\n"
                f"    const float {mv}r_ = {mx};")
     after = re.sub(r"\b" + mv + r"\b", mv + "r_", kern[s.end():])
     return before + combine + after
@@ -113,8 +116,9 @@ def moments_pair_variant(kern):
     count = "const float wn_ = (float)(8 * ((cend_ - cbegin_ - (int)tid_ * 8 + 4095) / 4096));\n    "
     before = kern[:m.start()] + count + f"const float {mv} = wn_ > 0.0f ? {sm} / wn_ : 0.0f;"
     mid = kern[m.end():m.end() + s.start()]
+    slot = "2 * par_" if "par_" in kern else "0"  # 12 bytes: two 8-byte slots (a pair of them in the ring)
     combine = (f"float n_ = wn_, mm_ = {mv};\n"
-               f"    opf_cluster_moments<8>(n_, mm_, {sq}, opf_smem, reinterpret_cast<float*>(&opf_cslot[2 * par_]));\n"
+               f"    opf_cluster_moments<8>(n_, mm_, {sq}, opf_smem, reinterpret_cast<float*>(&opf_cslot[{slot}]));\n"
                f"    const float {mv}r_ = mm_;")
     after = re.sub(r"\b" + mv + r"\b", mv + "r_", kern[m.end() + s.end():])
     return before + mid + combine + after
@@ -150,7 +154,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="softmax,rms_norm,layer_norm")
     ap.add_argument("--shape", default="4096x262144")
+    ap.add_argument("--env", default="", help="knobs for the generator, e.g. OPFUSE_ROW_STAGE_RING=0")
     a = ap.parse_args()
+    for kv in a.env.split():
+        k, v = kv.split("=", 1)
+        os.environ[k] = v
     rows, cols = (int(v) for v in a.shape.split("x"))
     global CU
     CU = ctypes.CDLL("libcuda.so.1")
@@ -165,7 +173,7 @@ def main():
     stream = torch.cuda.current_stream().cuda_stream
     nbytes = 2 * x.numel() * x.element_size()
     copy_us = median_us(lambda: cpy.copy_(x))
-    print(f"{rows}x{cols} bf16: copy {copy_us:.1f} us = {nbytes / copy_us / 1e3:.0f} GB/s")
+    print(f"{rows}x{cols} bf16 {a.env}: copy {copy_us:.1f} us = {nbytes / copy_us / 1e3:.0f} GB/s")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tmp = tempfile.mkdtemp()
     for op in a.ops.split(","):
@@ -201,7 +209,11 @@ def main():
             ck(CU.cuModuleLoad(ctypes.byref(mod), cubin.encode()), "cuModuleLoad")
             ck(CU.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), "cuModuleGetFunction")
             ck(CU.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute")
-            if cluster:
+            if "gridDim.x / 8" not in vsrc:  # not the ring: a cluster (or 8 blocks) a row, no loop over rows
+                if vname.endswith("full"):
+                    continue
+                grid = rows * 8
+            elif cluster:
                 cfg = LaunchConfig(8, 1, 1, 512, 1, 1, smem, None, None, 0)
                 n = ctypes.c_int()
                 ck(CU.cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg)), "cuOccupancyMaxActiveClusters")
