@@ -9,6 +9,9 @@ Variants (textual edits of the generated source, compiled with nvcc -cubin,
 launched through the driver API beside a device copy of the same bytes):
   generated    the kernel opfuse launches (checked against float64 on 4 rows)
   first_only   the first cluster reduction of a row real, later ones block-only
+  copies_after the in-place ring (correct) with the next row's copies sent
+               after the output pass, not interleaved with its stores
+               (block_only_copies_after: the same with block-only reductions)
   pair         correct, ONE cluster reduction a row: softmax / log_softmax
                combine per-thread (max, sum of exp) pairs, layer_norm
                per-thread (count, mean, squared deviations) (pair_variant)
@@ -72,10 +75,26 @@ def variants(src):
     if pair:
         out.append(("pair", head + sep + pair, True))
     out.append(("block_only", head + sep + only, True))
+    after = copies_after(kern)
+    if after:
+        out.append(("copies_after", head + sep + after, True))
+        out.append(("block_only_copies_after", head + sep + copies_after(only), True))
     bare = 'extern "C" __global__ void __launch_bounds__(512, 3)'
     out.append(("no_cluster", head + bare + alone, False))
     out.append(("no_cluster_full", head + bare + alone, False))
     return out
+
+
+def copies_after(kern):
+    """The in-place ring (correct) with the next row's copies sent in a loop of
+    their own after the output pass, not one after each output vector's
+    store. None without the ring."""
+    m = re.search(r"\n(\s*)if \(nr_ok_\) (opf_cp_async16\([^;]*\);)\n(\s*)\}\n", kern)
+    if not m:
+        return None
+    loop = (f"{m.group(3)}if (nr_ok_) {{\n{m.group(3)}  #pragma unroll 8\n"
+            f"{m.group(3)}  for (int c_ = cbegin_ + (int)tid_ * 8; c_ < cend_; c_ += 4096) {m.group(2)}\n{m.group(3)}}}\n")
+    return kern[:m.start()] + f"\n{m.group(3)}}}\n" + loop + kern[m.end():]
 
 
 def pair_variant(kern):
@@ -238,7 +257,7 @@ def main():
             us = median_us(launch)
             print(f"  {op:<11} {vname:<16} grid {grid:4d}  regs {','.join(regs):<6} {us:8.1f} us "
                   f"{nbytes / us / 1e3:6.0f} GB/s {100 * copy_us / us:5.1f}% of the copy   max rel err {err:.2g}"
-                  + ("" if vname in ("generated", "pair") else " (wrong on purpose)"))
+                  + ("" if vname in ("generated", "pair", "copies_after") else " (wrong on purpose)"))
             ck(CU.cuModuleUnload(mod), "cuModuleUnload")
 
 
