@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where an M = 16 block's time goes, kernel by kernel (run on a GPU after
-installing opfuse; `scripts/gpu-session18 profile`).
+installing opfuse; `scripts/sessions/gpu-session18 profile`).
 
 Why: the gemm suite gives one number per block (events around each call).
 Session 17 could not tell which route the Llama block took (the pair in one

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What one skinny GEMM costs called alone, against back to back (run on a
-GPU after installing opfuse; `scripts/gpu-session16 callcost`).
+GPU after installing opfuse; `scripts/sessions/gpu-session16 callcost`).
 
 Why: under ncu (a kernel alone, caches flushed) the default skinny configs
 take 39-40 us on the M = 16 GEMMs where cuBLAS's nvjet kernel takes 35.9,

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One decode-shaped GEMM, called a few times, for ncu to profile (run under
-`scripts/gpu-session16 ncu`): the skinny kernel with the config in
+`scripts/sessions/gpu-session16 ncu`): the skinny kernel with the config in
 OPFUSE_SKINNY_CONFIG (or its default), or cuBLAS's F.linear with --cublas.
 
   ncu -k regex:skinny_gemm --launch-skip 2 --launch-count 1 \

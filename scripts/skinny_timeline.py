@@ -2,7 +2,7 @@
 """Where a skinny GEMM's time goes when it runs alone: each CTA's
 %globaltimer stamps (trace builds, tag suffix "t") for one GEMM called alone
 (events around it, the gemm suite's timer) and back to back (run on a GPU
-after installing opfuse; `scripts/gpu-session16 timeline`).
+after installing opfuse; `scripts/sessions/gpu-session16 timeline`).
 
 Why: alone, every skinny config takes 2.5-4 us more than back to back,
 cuBLAS's kernel 0.5-1 us (docs/perf-notes.md, "H200, session 16"). The

@@ -126,7 +126,7 @@ int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
 // Fewer instructions a row (branch lnbwd-4; layer_norm backward's dx kernel
 // at 32768x4096 issued ~260 a warp a row, Inductor's ~60% of that at the same
 // bytes; docs/perf-notes.md "lnbwd-4"). On by default since the H200
-// measured them (session 9, scripts/lnbwd4_variants.py: layer_norm backward
+// measured them (session 9, scripts/sessions/lnbwd4_variants.py: layer_norm backward
 // 32768x4096 265.7 -> 251.4 us, 8192x32768 911.5 -> 879.9 us; at 262144x256
 // the raw lanes cost 4%, so lane groups keep the plain loads).
 // OPFUSE_ROW_ISSUE=0 turns the four off together, each knob forcing its own

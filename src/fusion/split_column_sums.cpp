@@ -53,7 +53,7 @@ bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
 // and read again at 32768x4096, 8% of the floor) against the blocks in
 // flight. Lane groups need a multiple of their rows a block, unless a block
 // writes one part (OPFUSE_ROW_BLOCK_PARTIALS=1).
-// Fewer parts where measured faster (H200, bf16, scripts/lnbwd3_session.py
+// Fewer parts where measured faster (H200, bf16, scripts/sessions/lnbwd3_session.py
 // at dcddfb0, whole backward): rows of 2049 to 4096 elements (a 512-thread
 // block per row, two an SM) take 256 parts, one wave of blocks each
 // stepping through 128 rows at 32768x4096 (335.3 -> 289.4 us; 1024 parts

@@ -6,8 +6,8 @@ bench's layer_norm cases beside eager and torch.compile (Inductor), opfuse at
 the defaults and at the shape's fastest variant. `--once` runs one backward
 for ncu instead (opfuse with --env, or Inductor with --inductor).
 Predictions: docs/perf-notes.md, "layer_norm backward: a register pipeline".
-  python3 scripts/lnbwd3_session.py OUT_DIR [--budget 0.3]
-  python3 scripts/lnbwd3_session.py --once 32768x4096 [--env 'K=V K=V|K=V'] [--inductor]"""
+  python3 scripts/sessions/lnbwd3_session.py OUT_DIR [--budget 0.3]
+  python3 scripts/sessions/lnbwd3_session.py --once 32768x4096 [--env 'K=V K=V|K=V'] [--inductor]"""
 import argparse
 import os
 import sys

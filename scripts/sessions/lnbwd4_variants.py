@@ -4,7 +4,7 @@ one GPU process: each shape's variants timed with CUDA events (the whole
 backward: dx kernel and the column sums; rows_bwd2_session.time_variant,
 max relative error beside), defaults first. Predictions: docs/perf-notes.md,
 "lnbwd-4".
-  python3 scripts/lnbwd4_variants.py [--shapes 32768x4096,262144x256,8192x32768]"""
+  python3 scripts/sessions/lnbwd4_variants.py [--shapes 32768x4096,262144x256,8192x32768]"""
 import argparse
 import os
 import sys

@@ -5,7 +5,7 @@ two column sums; max rel err against float32 eager), then the rows_bwd
 bench's layer_norm cases beside eager and torch.compile, opfuse at the
 defaults and at the shape's fastest variant (impl "opfuse+<knobs>").
 Predictions: docs/perf-notes.md, "layer_norm backward: lean partials kernels".
-  python3 scripts/rows_bwd2_session.py OUT_DIR [--budget 1.0]"""
+  python3 scripts/sessions/rows_bwd2_session.py OUT_DIR [--budget 1.0]"""
 import argparse
 import os
 import sys
@@ -109,7 +109,7 @@ def bench_cases(shapes, best, budget, out, t0):
     """The rows_bwd bench's layer_norm cases at `shapes` beside eager and
     torch.compile, opfuse at the defaults and at best[shape] (impl
     "opfuse+<knobs>"); the records are written to `out` when given."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
     from opfuse.bench.cases import row_backward_case
     from opfuse.bench.ceilings import measure_copy_bandwidth
     from opfuse.bench.records import run_info, write_records

@@ -6,7 +6,7 @@ before), then eager and torch.compile (Inductor). The bench's own cases,
 checks (against the float64 reference), timing and record format
 (opfuse.bench); records are written after each phase, so a timeout keeps
 what ran.
-  OPFUSE_COMMIT=<sha> python3 scripts/rows_long_session.py --out DIR [--shapes 8192x32768,4096x262144]
+  OPFUSE_COMMIT=<sha> python3 scripts/sessions/rows_long_session.py --out DIR [--shapes 8192x32768,4096x262144]
 """
 import argparse
 import json

@@ -4,10 +4,12 @@
 row_variants.child (the bench's kernels; TB/s over input read once + output
 written once; max rel err against float32 eager). Predictions are in
 docs/perf-notes.md, "row backward: prefetch, wide partials".
-  python3 scripts/rows_bwd_session.py [--quick]"""
+  python3 scripts/sessions/rows_bwd_session.py [--quick]"""
+import os
 import sys
 
-import row_variants as rv
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # row_variants.py
+import row_variants as rv  # noqa: E402
 
 LNB, SMB = "layer_norm_backward", "softmax_backward"
 PLAN = [
