@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from row_source import forward_ir, strides  # noqa: E402
 
 from opfuse import _C  # noqa: E402
+from opfuse.bench.timing import back_to_back_us  # noqa: E402
 
 
 class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -212,21 +213,6 @@ def reference(op, x, w, b):
     return torch.nn.functional.layer_norm(x, x.shape[-1:], w.double(), b.double(), 1e-5)
 
 
-def median_us(launch, reps=25, inner=5):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        launch()
-    t = []
-    for _ in range(reps):
-        s.record()
-        for _ in range(inner):
-            launch()
-        e.record()
-        e.synchronize()
-        t.append(s.elapsed_time(e) * 1000 / inner)
-    return sorted(t)[len(t) // 2]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="softmax,rms_norm,layer_norm")
@@ -249,7 +235,7 @@ def main():
     cpy = torch.empty_like(x)
     stream = torch.cuda.current_stream().cuda_stream
     nbytes = 2 * x.numel() * x.element_size()
-    copy_us = median_us(lambda: cpy.copy_(x))
+    copy_us = back_to_back_us(lambda: cpy.copy_(x), iters=5, trials=25)
     print(f"{rows}x{cols} bf16 {a.env}: copy {copy_us:.1f} us = {nbytes / copy_us / 1e3:.0f} GB/s")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tmp = tempfile.mkdtemp()
@@ -312,7 +298,7 @@ def main():
             launch()
             torch.cuda.synchronize()
             err = ((y[[0, 1, rows // 2, rows - 1]].double() - ref).abs() / (ref.abs() + 1e-2)).max().item()
-            us = median_us(launch)
+            us = back_to_back_us(launch, iters=5, trials=25)
             print(f"  {op:<11} {vname:<16} grid {grid:4d}  regs {','.join(regs):<6} {us:8.1f} us "
                   f"{nbytes / us / 1e3:6.0f} GB/s {100 * copy_us / us:5.1f}% of the copy   max rel err {err:.2g}"
                   + ("" if vname in ("generated", "pair", "copies_after", "mbar_exchange") else " (wrong on purpose)"))
