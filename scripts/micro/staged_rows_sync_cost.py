@@ -114,7 +114,7 @@ template <class Op, int C> static __device__ __forceinline__ float opf_cluster_r
   }
   unsigned done = 0;
   while (!done)
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                  "selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(b), "r"(phase) : "memory");
   const int lane = threadIdx.x & 31;
   const float w = lane < C ? slots[lane] : Op::template identity<float>();

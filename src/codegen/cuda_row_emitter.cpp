@@ -154,6 +154,8 @@ int stage_unroll(int cluster) { return env_int("OPFUSE_ROW_STAGE_UNROLL", cluste
 int stage_moments() { return env_int("OPFUSE_ROW_STAGE_MOMENTS", 0); }
 // The online (max, sum) pass in staged rows (see row_kernel).
 int stage_online() { return env_int("OPFUSE_ROW_STAGE_ONLINE", 0); }
+// The ring's cluster reductions without barrier.cluster (see reduce_across_threads).
+int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", 0); }
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
 int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }
 int sum2_const() { return env_int("OPFUSE_ROW_SUM2_CONST", row_issue()); }
@@ -367,6 +369,19 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
   if (c == "sum" || c == "prod" || c == "max" || c == "min") {
     if (grouped_rows_) {
       if (lanes_ > 1) line(n + " = opf_warp_reduce<" + op + ", " + w + ">(" + n + ");");
+    } else if (cluster_ > 1 && cluster_push_) {
+      // OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment; the ring's staged rows on
+      // sm_90): each block pushes its partial into every peer's slot with
+      // st.async, completing bytes on the peer's mbarrier, and waits on its
+      // own mbarrier only. barrier.cluster compiles to MEMBAR.ALL.GPU (its
+      // release waits for the previous row's stores) and CCTL.IVALL (its
+      // acquire empties L1, layer_norm's weight and bias with it); this
+      // is a shared-memory store and a wait. Slots and mbarriers alternate
+      // by row parity as opf_cslot's do; an mbarrier's phase is its use
+      // count, xit_ / 2.
+      std::string idx = std::to_string(2 * cluster_reductions_++) + " + par_";
+      line(n + " = opf_cluster_reduce_push<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", reinterpret_cast<" +
+           value_type(a.type) + "*>(opf_xslot[" + idx + "]), &opf_xbar[" + idx + "], (unsigned)(xit_ >> 1) & 1u);");
     } else if (cluster_ > 1) {
       cluster_reduction(1, n + " = opf_cluster_reduce<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ +
                                ", reinterpret_cast<" + value_type(a.type) + "*>(@));");
@@ -1059,6 +1074,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   lanes_ = g.lanes;
   cluster_ = caching_ || columns_ || partial_cluster > 1 || stage_bytes_ > 0 ? g.cluster : 1;
   cluster_row_loop_ = partial_cluster > 1 || (stage_ring_ && stage_bytes_ > 0 && cluster_ > 1);
+  cluster_push_ = cluster_row_loop_ && partial_cluster <= 1 && !columns_ && arch_ >= 90 && cluster_push() > 0;
   launch_.vec_ring = stage_ring_ && stage_bytes_ > 0;
   loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
   launch_.smem = stage_bytes_;
@@ -1263,6 +1279,15 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   } else if (cluster_ > 1) {
     int slots = std::max(1, cluster_reductions_) * (cluster_row_loop_ ? 2 : 1);
     line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(slots) + "];");
+    if (cluster_push_ && cluster_reductions_ > 0) {
+      // Each (reduction, parity) pair's mbarrier and the cluster's partials
+      // (8-byte slots, a peer a slot); the peers may push into them only
+      // once every block's mbarriers are initialised: one cluster barrier.
+      std::string n = std::to_string(2 * cluster_reductions_);
+      line("__shared__ __align__(8) unsigned long long opf_xbar[" + n + "];");
+      line("__shared__ __align__(16) unsigned long long opf_xslot[" + n + "][" + std::to_string(cluster_) + "];");
+      line("opf_mbar_init_cluster(opf_xbar);");
+    }
   }
   if (pair_reductions_ > 0) {
     line("__shared__ __align__(16) double opf_psmem[128];");
@@ -1354,8 +1379,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     --indent_;
     line("}");
     line("opf_cp_async_commit();");
-    line("int par_ = 0;");
-    line("for (" + I + " row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1) {");
+    line(cluster_push_ ? "int par_ = 0, xit_ = 0;" : "int par_ = 0;");
+    line("for (" + I + " row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1" +
+         (cluster_push_ ? ", ++xit_" : "") + ") {");
   } else if (cluster_row_loop_) {
     std::string C = std::to_string(cluster_);
     std::string slice = std::to_string(static_cast<int64_t>(partial_items_) * g.threads * vec);

@@ -474,6 +474,55 @@ template <class Op, int C, class T> static __device__ __forceinline__ T opf_clus
   return opf_warp_reduce<Op>(v);
 }
 
+// A cluster reduction without barrier.cluster (OPFUSE_ROW_CLUSTER_PUSH, the
+// ring's staged rows, sm_90): after the block's own reduction, lane r pushes
+// the block's partial into block r's slots[my rank] with st.async, which
+// completes C * sizeof(T) bytes on block r's mbarrier `bar`; each block
+// then waits on its own mbarrier's phase `phase` only. No MEMBAR.ALL.GPU
+// (barrier.cluster's release, which waits for every earlier store) and no
+// CCTL.IVALL (its acquire, which empties L1). Every block of the cluster
+// makes the same calls in the same order; a (slots, bar) pair is reused
+// every second row (the caller alternates by row parity), which is safe:
+// a peer's next push into it needs this block's partial of the row between.
+template <int N> static __device__ __forceinline__ void opf_mbar_init_cluster(unsigned long long (&bar)[N]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < N; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"((unsigned)__cvta_generic_to_shared(&bar[i])) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  opf_cluster_sync();
+#endif
+}
+template <class Op, int C, class T>
+static __device__ __forceinline__ T opf_cluster_reduce_push(T v, void* smem, T* slots, unsigned long long* bar, unsigned phase) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "4- or 8-byte partials");
+  v = opf_block_reduce<Op>(v, smem);
+  const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
+  if (threadIdx.x == 0)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"((unsigned)(C * sizeof(T))) : "memory");
+  if (threadIdx.x < C) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(slots + opf_cluster_rank());
+    unsigned rs, rb;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rs) : "r"(s), "r"((unsigned)threadIdx.x));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"((unsigned)threadIdx.x));
+    union { T v; unsigned long long b64; unsigned b32; } u;
+    u.v = v;
+    if constexpr (sizeof(T) == 8) {
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];" ::"r"(rs), "l"(u.b64), "r"(rb) : "memory");
+    } else {
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(rs), "r"(u.b32), "r"(rb) : "memory");
+    }
+  }
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(b), "r"(phase) : "memory");
+  const int lane = threadIdx.x & 31;
+  v = lane < C ? slots[lane] : Op::template identity<T>();
+  return opf_warp_reduce<Op>(v);
+}
+
 // Online softmax: a running (max m, sum s of exp(x - m)) pair, so the max
 // and the sum of exp(x - max) take one pass over the row. A larger x
 // rescales the sum; -inf adds nothing; NaN makes both NaN (as the max pass

@@ -291,6 +291,40 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
             assert "&opf_cslot[0 + par_]" in v and "&opf_cslot[2 + par_]" in v and "opf_cluster_arrive" not in v
 
 
+def test_cluster_push_reductions_replace_the_cluster_barriers(monkeypatch):
+    """OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment; sm_90, the in-place ring of
+    rows split over a cluster): every cluster reduction of the row loop
+    pushes its partial into the peers' slots (st.async, completing on their
+    mbarriers) and waits on its own mbarrier, so no barrier.cluster is left
+    in the loop; slots and mbarriers by row parity, the phase the parity's
+    use count; mbarriers initialised once before the loop; the kernel still
+    ends at a cluster barrier. No spills; sm_80 and the knob off unchanged."""
+    nvrtc_or_skip()
+    for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+        for dtype in ("bf16", "f16"):
+            shapes = [[4096, 262144]]
+            cg = _C.CompiledGraph(row_ir(op, dtype, 4096, 262144), target="cuda")
+            off = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+            off80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
+            monkeypatch.setenv("OPFUSE_ROW_CLUSTER_PUSH", "1")
+            on = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+            assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == off80
+            _, log = compile_for(row_ir(op, dtype, 4096, 262144), shapes, 90)
+            monkeypatch.delenv("OPFUSE_ROW_CLUSTER_PUSH")
+            assert cg.cuda_source(shapes, contiguous_strides(shapes), 90) == off
+            v, v_off = _vector_kernel(on), _vector_kernel(off)
+            n = v_off.count("opf_cluster_reduce<")
+            assert n >= 1 and "opf_cluster_reduce<" not in v and v.count("opf_cluster_reduce_push<") == n
+            for k in range(n):
+                assert f"opf_xslot[{2 * k} + par_]), &opf_xbar[{2 * k} + par_], (unsigned)(xit_ >> 1) & 1u);" in v
+            assert f"opf_xbar[{2 * n}];" in v and f"opf_xslot[{2 * n}][8];" in v
+            loop = v.index("for (int row_ = blockIdx.x / 8;")
+            assert v.index("opf_mbar_init_cluster(opf_xbar);") < loop and "par_ ^= 1, ++xit_)" in v
+            assert v.rstrip().endswith("opf_cluster_sync();\n}")
+            spills = re.findall(r"(\d+) bytes spill stores", log)
+            assert spills and all(int(x) == 0 for x in spills), log[-2000:]
+
+
 def test_staged_rows_in_a_non_portable_cluster_of_16(monkeypatch):
     """OPFUSE_ROW_SMEM_KB=32 with OPFUSE_ROW_SMEM_CLUSTER=16 (an experiment):
     a 512 KB row in 16 slices of 32 KB, 256-thread blocks, six an SM, with

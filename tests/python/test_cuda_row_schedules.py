@@ -581,6 +581,28 @@ def test_staged_ring_matches_float64(ring, rows, cols, monkeypatch):
         check(fn, x, w, b, torch.bfloat16)
 
 
+# OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment): the in-place ring's cluster
+# reductions by st.async into the peers' slots and a wait on the block's own
+# mbarrier. Enough rows that every cluster takes many (each (reduction,
+# parity) mbarrier goes through several phases and its slots are refilled),
+# clusters of 2, 4 and 8, float16 beside bfloat16, and rows of very
+# different scale (a row's partials must not leak into the next one's).
+PUSH_CASES = [(401, 32776, torch.bfloat16), (211, 70000, torch.float16), (997, 262144, torch.bfloat16),
+              (3, 262144, torch.bfloat16)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="clusters need sm_90")
+@pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
+def test_cluster_push_matches_float64(rows, cols, dtype, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_CLUSTER_PUSH", "1")
+    torch.manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * torch.logspace(-2, 2, rows, device="cuda", dtype=dtype)[:, None]
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+    for fn in OPS.values():
+        check(fn, x, w, b, dtype)
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
 @pytest.mark.parametrize("ring", ["1", "2"], ids=["two_slots", "in_place"])
 def test_staged_ring_row_views(ring, monkeypatch):
