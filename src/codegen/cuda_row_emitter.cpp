@@ -370,18 +370,21 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
     if (grouped_rows_) {
       if (lanes_ > 1) line(n + " = opf_warp_reduce<" + op + ", " + w + ">(" + n + ");");
     } else if (cluster_ > 1 && cluster_push_) {
-      // OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment; the ring's staged rows on
-      // sm_90): each block pushes its partial into every peer's slot with
-      // st.async, completing bytes on the peer's mbarrier, and waits on its
-      // own mbarrier only. barrier.cluster compiles to MEMBAR.ALL.GPU (its
-      // release waits for the previous row's stores) and CCTL.IVALL (its
-      // acquire empties L1, layer_norm's weight and bias with it); this
-      // is a shared-memory store and a wait. Slots and mbarriers alternate
-      // by row parity as opf_cslot's do; an mbarrier's phase is its use
-      // count, xit_ / 2.
-      std::string idx = std::to_string(2 * cluster_reductions_++) + " + par_";
+      // OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment; staged rows split over a
+      // cluster, sm_90): each block pushes its partial into every peer's
+      // slot with st.async, completing bytes on the peer's mbarrier, and
+      // waits on its own mbarrier only. barrier.cluster compiles to
+      // MEMBAR.ALL.GPU (its release waits for every earlier store: in the
+      // ring, the previous row's output) and CCTL.IVALL (its acquire
+      // empties L1, layer_norm's weight and bias with it); this is a
+      // shared-memory store and a wait. In the ring, slots and mbarriers
+      // alternate by row parity as opf_cslot's do and an mbarrier's phase
+      // is its use count, xit_ / 2; a cluster a row uses each once.
+      int k = cluster_reductions_++;
+      std::string idx = cluster_row_loop_ ? std::to_string(2 * k) + " + par_" : std::to_string(k);
       line(n + " = opf_cluster_reduce_push<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", reinterpret_cast<" +
-           value_type(a.type) + "*>(opf_xslot[" + idx + "]), &opf_xbar[" + idx + "], (unsigned)(xit_ >> 1) & 1u);");
+           value_type(a.type) + "*>(opf_xslot[" + idx + "]), &opf_xbar[" + idx + "], " +
+           (cluster_row_loop_ ? "(unsigned)(xit_ >> 1) & 1u" : "0u") + ");");
     } else if (cluster_ > 1) {
       cluster_reduction(1, n + " = opf_cluster_reduce<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ +
                                ", reinterpret_cast<" + value_type(a.type) + "*>(@));");
@@ -1074,7 +1077,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   lanes_ = g.lanes;
   cluster_ = caching_ || columns_ || partial_cluster > 1 || stage_bytes_ > 0 ? g.cluster : 1;
   cluster_row_loop_ = partial_cluster > 1 || (stage_ring_ && stage_bytes_ > 0 && cluster_ > 1);
-  cluster_push_ = cluster_row_loop_ && partial_cluster <= 1 && !columns_ && arch_ >= 90 && cluster_push() > 0;
+  cluster_push_ = cluster_ > 1 && stage_bytes_ > 0 && partial_cluster <= 1 && !columns_ && arch_ >= 90 && cluster_push() > 0;
   launch_.vec_ring = stage_ring_ && stage_bytes_ > 0;
   loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
   launch_.smem = stage_bytes_;
@@ -1280,10 +1283,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     int slots = std::max(1, cluster_reductions_) * (cluster_row_loop_ ? 2 : 1);
     line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(slots) + "];");
     if (cluster_push_ && cluster_reductions_ > 0) {
-      // Each (reduction, parity) pair's mbarrier and the cluster's partials
-      // (8-byte slots, a peer a slot); the peers may push into them only
-      // once every block's mbarriers are initialised: one cluster barrier.
-      std::string n = std::to_string(2 * cluster_reductions_);
+      // Each reduction's (and row parity's, in the ring) mbarrier and the
+      // cluster's partials (8-byte slots, a peer a slot); the peers may push
+      // into them only once every block's mbarriers are initialised: one
+      // cluster barrier.
+      std::string n = std::to_string((cluster_row_loop_ ? 2 : 1) * cluster_reductions_);
       line("__shared__ __align__(8) unsigned long long opf_xbar[" + n + "];");
       line("__shared__ __align__(16) unsigned long long opf_xslot[" + n + "][" + std::to_string(cluster_) + "];");
       line("opf_mbar_init_cluster(opf_xbar);");

@@ -474,16 +474,17 @@ template <class Op, int C, class T> static __device__ __forceinline__ T opf_clus
   return opf_warp_reduce<Op>(v);
 }
 
-// A cluster reduction without barrier.cluster (OPFUSE_ROW_CLUSTER_PUSH, the
-// ring's staged rows, sm_90): after the block's own reduction, lane r pushes
+// A cluster reduction without barrier.cluster (OPFUSE_ROW_CLUSTER_PUSH, rows
+// staged over a cluster, sm_90): after the block's own reduction, lane r pushes
 // the block's partial into block r's slots[my rank] with st.async, which
 // completes C * sizeof(T) bytes on block r's mbarrier `bar`; each block
 // then waits on its own mbarrier's phase `phase` only. No MEMBAR.ALL.GPU
 // (barrier.cluster's release, which waits for every earlier store) and no
 // CCTL.IVALL (its acquire, which empties L1). Every block of the cluster
 // makes the same calls in the same order; a (slots, bar) pair is reused
-// every second row (the caller alternates by row parity), which is safe:
-// a peer's next push into it needs this block's partial of the row between.
+// every second row in the ring (the caller alternates by row parity),
+// which is safe: a peer's next push into it needs this block's partial of
+// the row between.
 template <int N> static __device__ __forceinline__ void opf_mbar_init_cluster(unsigned long long (&bar)[N]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (threadIdx.x == 0) {

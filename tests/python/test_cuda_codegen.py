@@ -291,15 +291,20 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
             assert "&opf_cslot[0 + par_]" in v and "&opf_cslot[2 + par_]" in v and "opf_cluster_arrive" not in v
 
 
-def test_cluster_push_reductions_replace_the_cluster_barriers(monkeypatch):
-    """OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment; sm_90, the in-place ring of
-    rows split over a cluster): every cluster reduction of the row loop
-    pushes its partial into the peers' slots (st.async, completing on their
-    mbarriers) and waits on its own mbarrier, so no barrier.cluster is left
-    in the loop; slots and mbarriers by row parity, the phase the parity's
-    use count; mbarriers initialised once before the loop; the kernel still
-    ends at a cluster barrier. No spills; sm_80 and the knob off unchanged."""
+@pytest.mark.parametrize("ring", ["default", "0"], ids=["ring", "cluster_a_row"])
+def test_cluster_push_reductions_replace_the_cluster_barriers(ring, monkeypatch):
+    """OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment; sm_90, rows staged over a
+    cluster): every cluster reduction pushes its partial into the peers'
+    slots (st.async, completing on their mbarriers) and waits on its own
+    mbarrier, so no barrier.cluster is left between the mbarriers' set-up
+    and the kernel's last barrier. In the ring (the default) slots and
+    mbarriers alternate by row parity and the phase is the parity's use
+    count; a cluster a row (OPFUSE_ROW_STAGE_RING=0) uses each once. No
+    spills; sm_80 and the knob off unchanged."""
     nvrtc_or_skip()
+    if ring != "default":
+        monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
+    in_ring = ring == "default"
     for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         for dtype in ("bf16", "f16"):
             shapes = [[4096, 262144]]
@@ -316,11 +321,17 @@ def test_cluster_push_reductions_replace_the_cluster_barriers(monkeypatch):
             n = v_off.count("opf_cluster_reduce<")
             assert n >= 1 and "opf_cluster_reduce<" not in v and v.count("opf_cluster_reduce_push<") == n
             for k in range(n):
-                assert f"opf_xslot[{2 * k} + par_]), &opf_xbar[{2 * k} + par_], (unsigned)(xit_ >> 1) & 1u);" in v
-            assert f"opf_xbar[{2 * n}];" in v and f"opf_xslot[{2 * n}][8];" in v
-            loop = v.index("for (int row_ = blockIdx.x / 8;")
-            assert v.index("opf_mbar_init_cluster(opf_xbar);") < loop and "par_ ^= 1, ++xit_)" in v
-            assert v.rstrip().endswith("opf_cluster_sync();\n}")
+                slot = f"{2 * k} + par_" if in_ring else f"{k}"
+                phase = "(unsigned)(xit_ >> 1) & 1u" if in_ring else "0u"
+                assert f"opf_xslot[{slot}]), &opf_xbar[{slot}], {phase});" in v
+            slots = 2 * n if in_ring else n
+            assert f"opf_xbar[{slots}];" in v and f"opf_xslot[{slots}][8];" in v
+            init = v.index("opf_mbar_init_cluster(opf_xbar);")
+            assert init < v.index("opf_cluster_reduce_push<")
+            assert ("par_ ^= 1, ++xit_)" in v) == in_ring
+            # Past the set-up, the kernel's only cluster barrier is its last statement.
+            assert v.count("opf_cluster_sync();") == 1 and v.rstrip().endswith("opf_cluster_sync();\n}")
+            assert "opf_cluster_arrive" not in v
             spills = re.findall(r"(\d+) bytes spill stores", log)
             assert spills and all(int(x) == 0 for x in spills), log[-2000:]
 
