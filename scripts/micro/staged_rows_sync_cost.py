@@ -9,9 +9,6 @@ Variants (textual edits of the generated source, compiled with nvcc -cubin,
 launched through the driver API beside a device copy of the same bytes):
   generated    the kernel opfuse launches (checked against float64 on 4 rows)
   first_only   the first cluster reduction of a row real, later ones block-only
-  mbar_exchange the in-place ring (correct) with each cluster reduction's
-               partials pushed into the peers' shared memory by st.async,
-               completing on their mbarriers: no barrier.cluster a row
   copies_after the in-place ring (correct) with the next row's copies sent
                after the output pass, not interleaved with its stores
                (block_only_copies_after: the same with block-only reductions)
@@ -26,6 +23,8 @@ launched through the driver API beside a device copy of the same bytes):
                the 45 clusters of 8 the GPCs hold); the ring only
 With --env "OPFUSE_ROW_STAGE_RING=0" the kernels are the ones without the
 in-place ring: a cluster a row, one launch block a slice, no loop over rows.
+With --env "OPFUSE_ROW_CLUSTER_PUSH=1" `generated` is the kernel whose cluster
+reductions push their partials with st.async; only it and copies_after run.
 
   python3 scripts/micro/staged_rows_sync_cost.py [--ops softmax,rms_norm] [--shape 4096x262144]
 Needs a GPU, nvcc and an opfuse build (for the generator)."""
@@ -73,15 +72,15 @@ def variants(src):
     alone = only.replace("(int)opf_cluster_rank()", "(int)(blockIdx.x % 8)")
     alone = re.sub(r"opf_cluster_(sync|arrive|wait)\(\);", "", alone)
     out = [("generated", head + sep + kern, True)]
+    if "opf_cluster_reduce_push<" in kern:  # OPFUSE_ROW_CLUSTER_PUSH: nothing to cut, and no kernel without its cluster
+        after = copies_after(kern)
+        return out + ([("copies_after", head + sep + after, True)] if after else [])
     if n_red > 1:
         out.append(("first_only", head + sep + first, True))
     pair = pair_variant(kern)
     if pair:
         out.append(("pair", head + sep + pair, True))
     out.append(("block_only", head + sep + only, True))
-    mbar = mbar_exchange(kern)
-    if mbar:
-        out.append(("mbar_exchange", head + MBAR_REDUCE + sep + mbar, True))
     after = copies_after(kern)
     if after:
         out.append(("copies_after", head + sep + after, True))
@@ -90,58 +89,6 @@ def variants(src):
     out.append(("no_cluster", head + bare + alone, False))
     out.append(("no_cluster_full", head + bare + alone, False))
     return out
-
-
-# A cluster reduction without a cluster barrier: each block's partial goes
-# into every peer's slot with st.async, which completes bytes on the peer's
-# mbarrier; a block waits on its own mbarrier only (no barrier.cluster with
-# its release of every earlier store). Slots and mbarriers alternate by row
-# parity, as the ring's cluster slots do; a barrier's phase is its use count.
-MBAR_REDUCE = r"""
-template <class Op, int C> static __device__ __forceinline__ float opf_cluster_reduce_async(
-    float v, void* smem, float* slots, unsigned long long* bar, unsigned phase) {
-  v = opf_block_reduce<Op>(v, smem);
-  const unsigned b = (unsigned)__cvta_generic_to_shared(bar);
-  if (threadIdx.x == 0)
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(b), "r"(C * 4) : "memory");
-  if (threadIdx.x < C) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(slots + opf_cluster_rank());
-    unsigned rs, rb;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rs) : "r"(s), "r"((unsigned)threadIdx.x));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(rb) : "r"(b), "r"((unsigned)threadIdx.x));
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
-                 :: "r"(rs), "r"(__float_as_uint(v)), "r"(rb) : "memory");
-  }
-  unsigned done = 0;
-  while (!done)
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 "selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(b), "r"(phase) : "memory");
-  const int lane = threadIdx.x & 31;
-  const float w = lane < C ? slots[lane] : Op::template identity<float>();
-  return opf_warp_reduce<Op>(w);
-}
-"""
-
-
-def mbar_exchange(kern):
-    """The in-place ring (correct) with opf_cluster_reduce_async for every
-    cluster reduction. None without the ring."""
-    if "int par_ = 0;" not in kern:
-        return None
-    decl = re.search(r"__shared__ __align__\(8\) unsigned long long opf_cslot\[\d+\];\n", kern)
-    init = ("  __shared__ __align__(8) unsigned long long opf_xbar[4];\n"
-            "  __shared__ __align__(16) float opf_xslot[4][8];\n"
-            "  if (threadIdx.x == 0) {\n"
-            "    for (int i = 0; i < 4; ++i)\n"
-            "      asm volatile(\"mbarrier.init.shared::cta.b64 [%0], 1;\" :: \"r\"((unsigned)__cvta_generic_to_shared(&opf_xbar[i])));\n"
-            "    asm volatile(\"fence.mbarrier_init.release.cluster;\" ::: \"memory\");\n"
-            "  }\n"
-            "  opf_cluster_sync();\n")
-    k = kern[:decl.end()] + init + kern[decl.end():]
-    k = k.replace("int par_ = 0;", "int par_ = 0, xit_ = 0;").replace("par_ ^= 1)", "par_ ^= 1, ++xit_)")
-    red = re.compile(r"opf_cluster_reduce<(\w+), 8>\((\w+), opf_smem, reinterpret_cast<float\*>\(&opf_cslot\[(\d) \+ par_\]\)\);")
-    return red.sub(lambda m: (f"opf_cluster_reduce_async<{m.group(1)}, 8>({m.group(2)}, opf_smem, opf_xslot[{m.group(3)} + par_], "
-                              f"&opf_xbar[{m.group(3)} + par_], (unsigned)(xit_ >> 1) & 1u);"), k)
 
 
 def copies_after(kern):
@@ -301,7 +248,7 @@ def main():
             us = back_to_back_us(launch, iters=5, trials=25)
             print(f"  {op:<11} {vname:<16} grid {grid:4d}  regs {','.join(regs):<6} {us:8.1f} us "
                   f"{nbytes / us / 1e3:6.0f} GB/s {100 * copy_us / us:5.1f}% of the copy   max rel err {err:.2g}"
-                  + ("" if vname in ("generated", "pair", "copies_after", "mbar_exchange") else " (wrong on purpose)"))
+                  + ("" if vname in ("generated", "pair", "copies_after") else " (wrong on purpose)"))
             ck(CU.cuModuleUnload(mod), "cuModuleUnload")
 
 
