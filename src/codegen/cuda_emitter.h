@@ -86,7 +86,7 @@ class CudaEmitter : public CEmitter {
   int last_cluster_reduce_indent_ = 0;
   int pair_reductions_ = 0;       // opf_block_sum2 calls printed (their shared buffer and parity are declared)
   bool cluster_row_loop_ = false;
-  bool cluster_push_ = false;      // the ring's cluster reductions pushed into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH)
+  bool cluster_push_ = false;      // staged rows' cluster reductions pushed into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH)
   bool loop_overflow_ = false;     // loop stages in 1024-thread blocks, later stages backwards (rows overflowing L2)  // a cluster steps through rows (column partials): slots alternate by row (par_)
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)

@@ -154,7 +154,7 @@ int stage_unroll(int cluster) { return env_int("OPFUSE_ROW_STAGE_UNROLL", cluste
 int stage_moments() { return env_int("OPFUSE_ROW_STAGE_MOMENTS", 0); }
 // The online (max, sum) pass in staged rows (see row_kernel).
 int stage_online() { return env_int("OPFUSE_ROW_STAGE_ONLINE", 0); }
-// The ring's cluster reductions without barrier.cluster (see reduce_across_threads).
+// Staged rows' cluster reductions without barrier.cluster (see reduce_across_threads).
 int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", 0); }
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
 int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }

@@ -583,10 +583,12 @@ def test_staged_ring_matches_float64(ring, rows, cols, monkeypatch):
 
 # OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment): the cluster reductions of rows
 # staged over a cluster (the in-place ring, or a cluster a row) by st.async
-# into the peers' slots and a wait on the block's own mbarrier. Enough rows that every cluster takes many (each (reduction,
-# parity) mbarrier goes through several phases and its slots are refilled),
-# clusters of 2, 4 and 8, float16 beside bfloat16, and rows of very
-# different scale (a row's partials must not leak into the next one's).
+# into the peers' slots and a wait on the block's own mbarrier. Enough rows
+# that every cluster takes many (each (reduction, parity) mbarrier goes
+# through several phases and its slots are refilled), clusters of 2, 4 and
+# 8, float16 beside bfloat16, rows of very different scale (a row's
+# partials must not leak into the next one's), and the staged backward
+# kernels (softmax backward's dy and y, layer_norm backward) at 262144.
 PUSH_CASES = [(401, 32776, torch.bfloat16), (211, 70000, torch.float16), (997, 262144, torch.bfloat16),
               (3, 262144, torch.bfloat16)]
 
@@ -604,6 +606,9 @@ def test_cluster_push_matches_float64(rows, cols, dtype, ring, monkeypatch):
     b = torch.randn(cols, device="cuda", dtype=dtype)
     for fn in OPS.values():
         check(fn, x, w, b, dtype)
+    if cols == 262144 and rows > 3:
+        _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (97, cols), dtype, 2)
+        _grads_against_float64(lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5), (97, cols), dtype, 3)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
