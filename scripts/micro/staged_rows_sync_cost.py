@@ -66,8 +66,9 @@ def variants(src):
     head = head.replace("typedef long long int64_t;", "")  # nvcc has <stdint.h>'s (long)
     red = re.compile(r"opf_cluster_reduce<(\w+), 8>\((\w+), opf_smem, [^;]*\);")
     block = lambda m: f"opf_block_reduce<{m.group(1)}>({m.group(2)}, opf_smem);"  # noqa: E731
-    n_red = len(red.findall(kern))
-    first = red.sub(lambda m: m.group(0) if m.start() == red.search(kern).start() else block(m), kern)
+    found = list(red.finditer(kern))
+    n_red = len(found)
+    first = kern if n_red < 2 else kern[:found[0].end()] + red.sub(block, kern[found[0].end():])
     only = red.sub(block, kern)
     alone = only.replace("(int)opf_cluster_rank()", "(int)(blockIdx.x % 8)")
     alone = re.sub(r"opf_cluster_(sync|arrive|wait)\(\);", "", alone)
