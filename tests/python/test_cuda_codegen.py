@@ -210,7 +210,8 @@ def test_long_rows_staged_in_shared_memory_read_each_element_once():
         cg = _C.CompiledGraph(row_ir(op, "bf16", 4096, 262144), target="cuda")
         v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
         assert "__cluster_dims__(8, 1, 1)" in v and "opf_cp_async16(sr0" in v and vector_loads(v, "b0") == 0
-        assert "opf_cluster_reduce<" in v and "opf_block_reduce<" not in v
+        # The ring's cluster reductions push into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH).
+        assert "opf_cluster_reduce_push<" in v and "opf_block_reduce<" not in v
         v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 80))
         assert "opf_cp_async16(sr" not in v and vector_loads(v, "b0") > 0
 
@@ -281,26 +282,26 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
         chunk = cols // cluster
         assert "__launch_bounds__(1024, 1)" in v
         assert ("__cluster_dims__(8, 1, 1)" in v) == (cluster == 8)
-        loop = v.index(f" row_ = blockIdx.x / {cluster}; row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1)")
+        loop = v.index(f" row_ = blockIdx.x / {cluster}; row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1")
         assert v.index(f"opf_cp_async16(sr0_ring_ + 0 * {chunk} +") < loop
         assert v.index(f"opf_cp_async16(sr0_ring_ + (par_ ^ 1) * {chunk} +") > loop
         nxt = v.index("opf_cp_async_wait_prior();")
         assert v.index(f"opf_bf16* const sr0 = sr0_ring_ + par_ * {chunk};") > nxt
         assert vector_loads(v, "sr0 +") == 3 and vector_loads(v, "b0") == 0 and "opf_cp_async_wait_all" not in v
-        if cluster > 1:
-            assert "&opf_cslot[0 + par_]" in v and "&opf_cslot[2 + par_]" in v and "opf_cluster_arrive" not in v
+        if cluster > 1:  # the mbarriers of the pushed reductions alternate by row parity
+            assert "&opf_xbar[0 + par_]" in v and "&opf_xbar[2 + par_]" in v and "opf_cluster_arrive" not in v
 
 
 @pytest.mark.parametrize("ring", ["default", "0"], ids=["ring", "cluster_a_row"])
 def test_cluster_push_reductions_replace_the_cluster_barriers(ring, monkeypatch):
-    """OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment; sm_90, rows staged over a
-    cluster): every cluster reduction pushes its partial into the peers'
-    slots (st.async, completing on their mbarriers) and waits on its own
-    mbarrier, so no barrier.cluster is left between the mbarriers' set-up
-    and the kernel's last barrier. In the ring (the default) slots and
-    mbarriers alternate by row parity and the phase is the parity's use
-    count; a cluster a row (OPFUSE_ROW_STAGE_RING=0) uses each once. No
-    spills; sm_80 and the knob off unchanged."""
+    """OPFUSE_ROW_CLUSTER_PUSH (sm_90, rows staged over a cluster; default
+    in the ring, opt-in for a cluster a row): every cluster reduction pushes
+    its partial into the peers' slots (st.async, completing on their
+    mbarriers) and waits on its own mbarrier, so no barrier.cluster is left
+    between the mbarriers' set-up and the kernel's last barrier. In the
+    ring slots and mbarriers alternate by row parity and the phase is the
+    parity's use count; a cluster a row (OPFUSE_ROW_STAGE_RING=0) uses each
+    once. No spills; sm_80 unchanged by the knob; 0 gives barrier.cluster."""
     nvrtc_or_skip()
     if ring != "default":
         monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
@@ -309,17 +310,21 @@ def test_cluster_push_reductions_replace_the_cluster_barriers(ring, monkeypatch)
         for dtype in ("bf16", "f16"):
             shapes = [[4096, 262144]]
             cg = _C.CompiledGraph(row_ir(op, dtype, 4096, 262144), target="cuda")
+            default = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+            default80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
+            monkeypatch.setenv("OPFUSE_ROW_CLUSTER_PUSH", "0")
             off = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
-            off80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
+            assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == default80
             monkeypatch.setenv("OPFUSE_ROW_CLUSTER_PUSH", "1")
             on = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
-            assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == off80
+            assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == default80
             _, log = compile_for(row_ir(op, dtype, 4096, 262144), shapes, 90)
             monkeypatch.delenv("OPFUSE_ROW_CLUSTER_PUSH")
-            assert cg.cuda_source(shapes, contiguous_strides(shapes), 90) == off
+            assert default == (on if in_ring else off) and on != off
             v, v_off = _vector_kernel(on), _vector_kernel(off)
             n = v_off.count("opf_cluster_reduce<")
             assert n >= 1 and "opf_cluster_reduce<" not in v and v.count("opf_cluster_reduce_push<") == n
+            assert "opf_xbar" not in v_off and "opf_cluster_reduce_push<" not in v_off
             for k in range(n):
                 slot = f"{2 * k} + par_" if in_ring else f"{k}"
                 phase = "(unsigned)(xit_ >> 1) & 1u" if in_ring else "0u"
@@ -350,7 +355,7 @@ def test_staged_rows_in_a_non_portable_cluster_of_16(monkeypatch):
         assert "opf_cp_async16(sr" not in v and "__cluster_dims__" not in v
         monkeypatch.setenv("OPFUSE_ROW_SMEM_CLUSTER", "16")
         v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
-        assert "__launch_bounds__(256, 6) __cluster_dims__(16, 1, 1)" in v and "opf_cluster_reduce<opf_sum, 16>" in v, v
+        assert "__launch_bounds__(256, 6) __cluster_dims__(16, 1, 1)" in v and "opf_cluster_reduce_push<opf_sum, 16>" in v, v
         assert "opf_cp_async16(sr0_ring_ + 0 * 16384 +" in v
         for name, (regs, spill) in ptxas_report(cg.compile_cuda(shapes, contiguous_strides(shapes), 90, False)[2]).items():
             assert spill == 0, (op, name)
@@ -531,7 +536,7 @@ def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):
             assert (default == v) == (cluster > 1)
             chunk = cols // cluster
             assert "__launch_bounds__(512, 3)" in v and "(par_ ^ 1)" not in v and "opf_cp_async_wait_prior" not in v
-            loop = v.index(f"row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1)")
+            loop = v.index(f"row_ < rows; row_ += gridDim.x / {cluster}, par_ ^= 1")
             assert v.index(f"opf_cp_async16(sr0_ring_ + 0 * {chunk} +") < loop
             top = v.index("opf_cp_async_wait_all();", loop)
             assert v.index("opf_bf16* const sr0 = sr0_ring_;") > top
@@ -541,15 +546,16 @@ def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):
             assert max(v.rfind("opf_vload<8>(sr0 +"), v.rfind("opf_vec<16>*>(sr0 +")) < last_store < v.index(refill)
             assert v.index(refill) < v.index("}", v.index(refill))  # inside the last stage's loop
             if cluster > 1:
-                assert "&opf_cslot[0 + par_]" in v and "opf_cluster_arrive" not in v
+                assert "&opf_xbar[0 + par_]" in v and "opf_cluster_arrive" not in v
 
 
 def _vector_ptx(ptx):
     """The PTX of the vector twin (the entry whose name ends in _v8 or _v4)."""
     m = re.search(r"\.entry (opfuse_\w+_v[48])\(", ptx)
     start = m.start()
-    end = ptx.find("\n}", start)
-    return ptx[start:end]
+    # Up to the next entry: inline asm blocks close with a "}" of their own at a line's start.
+    end = ptx.find(".entry ", start + 1)
+    return ptx[start:end if end > 0 else len(ptx)]
 
 
 @pytest.mark.parametrize("shape", [(8192, 32768), (4096, 262144), (64, 70000)])

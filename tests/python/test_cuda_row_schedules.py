@@ -581,24 +581,28 @@ def test_staged_ring_matches_float64(ring, rows, cols, monkeypatch):
         check(fn, x, w, b, torch.bfloat16)
 
 
-# OPFUSE_ROW_CLUSTER_PUSH=1 (an experiment): the cluster reductions of rows
-# staged over a cluster (the in-place ring, or a cluster a row) by st.async
-# into the peers' slots and a wait on the block's own mbarrier. Enough rows
-# that every cluster takes many (each (reduction, parity) mbarrier goes
+# OPFUSE_ROW_CLUSTER_PUSH (the default in the ring): the cluster reductions
+# of rows staged over a cluster by st.async into the peers' slots and a wait
+# on the block's own mbarrier; also opted into for a cluster a row, and the
+# ring with barrier.cluster (OPFUSE_ROW_CLUSTER_PUSH=0) kept correct. Enough
+# rows that every cluster takes many (each (reduction, parity) mbarrier goes
 # through several phases and its slots are refilled), clusters of 2, 4 and
 # 8, float16 beside bfloat16, rows of very different scale (a row's
 # partials must not leak into the next one's), and the staged backward
 # kernels (softmax backward's dy and y, layer_norm backward) at 262144.
 PUSH_CASES = [(401, 32776, torch.bfloat16), (211, 70000, torch.float16), (997, 262144, torch.bfloat16),
               (3, 262144, torch.bfloat16)]
+PUSH_SCHEDULES = {"ring": (None, None), "cluster_a_row": ("0", "1"), "ring_barriers": (None, "0")}
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="clusters need sm_90")
-@pytest.mark.parametrize("ring", ["default", "0"], ids=["ring", "cluster_a_row"])
+@pytest.mark.parametrize("schedule", list(PUSH_SCHEDULES))
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
-def test_cluster_push_matches_float64(rows, cols, dtype, ring, monkeypatch):
-    monkeypatch.setenv("OPFUSE_ROW_CLUSTER_PUSH", "1")
-    if ring != "default":
+def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
+    ring, push = PUSH_SCHEDULES[schedule]
+    if push is not None:
+        monkeypatch.setenv("OPFUSE_ROW_CLUSTER_PUSH", push)
+    if ring is not None:
         monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
     torch.manual_seed(rows + cols)
     x = torch.randn(rows, cols, device="cuda", dtype=dtype) * torch.logspace(-2, 2, rows, device="cuda", dtype=dtype)[:, None]
