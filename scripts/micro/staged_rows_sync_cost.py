@@ -21,10 +21,16 @@ launched through the driver API beside a device copy of the same bytes):
                blocks scheduled alone (rank = blockIdx.x % 8)
   no_cluster_full   no_cluster on every block slot of the GPU (3 an SM, not
                the 45 clusters of 8 the GPCs hold); the ring only
+  no_cluster_full_dyn   no_cluster_full with each block's rows taken from a
+               counter (atomicAdd), not every (grid / 8)-th: a faster
+               block takes more rows (dynamic_rows)
+With --timeline each variant also runs once instrumented: when each block
+ends, and how that depends on how many blocks share its SM.
 With --env "OPFUSE_ROW_STAGE_RING=0" the kernels are the ones without the
 in-place ring: a cluster a row, one launch block a slice, no loop over rows.
-With --env "OPFUSE_ROW_CLUSTER_PUSH=1" `generated` is the kernel whose cluster
-reductions push their partials with st.async; only it and copies_after run.
+On sm_90 the ring's cluster reductions push their partials with st.async
+(OPFUSE_ROW_CLUSTER_PUSH, the default there); first_only and pair are
+written for the barrier.cluster form (--env OPFUSE_ROW_CLUSTER_PUSH=0).
 
   python3 scripts/micro/staged_rows_sync_cost.py [--ops softmax,rms_norm] [--shape 4096x262144]
 Needs a GPU, nvcc and an opfuse build (for the generator)."""
@@ -64,21 +70,21 @@ def variants(src):
     head, sep, kern = src.partition('extern "C" __global__ void __launch_bounds__(512, 3) __cluster_dims__(8, 1, 1)')
     assert sep, "no cluster-staged kernel in the generated source"
     head = head.replace("typedef long long int64_t;", "")  # nvcc has <stdint.h>'s (long)
-    red = re.compile(r"opf_cluster_reduce<(\w+), 8>\((\w+), opf_smem, [^;]*\);")
+    head += TIMELINE_GLOBALS
+    # Both forms of a cluster reduction: barrier.cluster (opf_cluster_reduce) and pushed (OPFUSE_ROW_CLUSTER_PUSH).
+    red = re.compile(r"opf_cluster_reduce(?:_push)?<(\w+), 8>\((\w+), opf_smem, [^;]*\);")
     block = lambda m: f"opf_block_reduce<{m.group(1)}>({m.group(2)}, opf_smem);"  # noqa: E731
+    pushed = "opf_cluster_reduce_push<" in kern
     found = list(red.finditer(kern))
     n_red = len(found)
     first = kern if n_red < 2 else kern[:found[0].end()] + red.sub(block, kern[found[0].end():])
     only = red.sub(block, kern)
-    alone = only.replace("(int)opf_cluster_rank()", "(int)(blockIdx.x % 8)")
+    alone = only.replace("(int)opf_cluster_rank()", "(int)(blockIdx.x % 8)").replace("opf_mbar_init_cluster(opf_xbar);", "")
     alone = re.sub(r"opf_cluster_(sync|arrive|wait)\(\);", "", alone)
     out = [("generated", head + sep + kern, True)]
-    if "opf_cluster_reduce_push<" in kern:  # OPFUSE_ROW_CLUSTER_PUSH: nothing to cut, and no kernel without its cluster
-        after = copies_after(kern)
-        return out + ([("copies_after", head + sep + after, True)] if after else [])
-    if n_red > 1:
+    if n_red > 1 and not pushed:
         out.append(("first_only", head + sep + first, True))
-    pair = pair_variant(kern)
+    pair = None if pushed else pair_variant(kern)
     if pair:
         out.append(("pair", head + sep + pair, True))
     out.append(("block_only", head + sep + only, True))
@@ -89,7 +95,74 @@ def variants(src):
     bare = 'extern "C" __global__ void __launch_bounds__(512, 3)'
     out.append(("no_cluster", head + bare + alone, False))
     out.append(("no_cluster_full", head + bare + alone, False))
+    dyn = dynamic_rows(alone)
+    if dyn:
+        out.append(("no_cluster_full_dyn", head + bare + dyn, False))
     return out
+
+
+# Per-block start and end times (globaltimer) and SM, written by the
+# instrumented copy of each variant (--timeline), and the row tickets of
+# dynamic_rows.
+TIMELINE_GLOBALS = """
+__device__ unsigned long long opf_tl_[3 * 4096];
+__device__ int opf_cnt_[8];
+__device__ unsigned opf_done_;
+static __device__ __forceinline__ unsigned long long opf_gtime_() {
+  unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t;
+}
+static __device__ __forceinline__ unsigned opf_smid_() { unsigned s; asm volatile("mov.u32 %0, %smid;" : "=r"(s)); return s; }
+"""
+
+
+def _body_end(src, start):
+    """The index of the "}" closing the brace block opened first at or after start."""
+    depth, pos = 0, src.index("{", start)
+    for pos in range(pos, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[pos], 0)
+        if depth == 0:
+            return pos
+    raise ValueError("unbalanced braces")
+
+
+def timeline(src):
+    """The variant with thread 0 of each block of the staged (_v8) kernel recording its start, end and SM."""
+    k = re.search(r"__launch_bounds__\(512, 3\)[^\n]*_v8\(", src).start()
+    start = src.index("opf_launch_dependents();\n", k) + len("opf_launch_dependents();\n")
+    end = _body_end(src, k)
+    return (src[:start] + "  if (threadIdx.x == 0) opf_tl_[3 * blockIdx.x] = opf_gtime_();\n" + src[start:end]
+            + "  __syncthreads();\n  if (threadIdx.x == 0) { opf_tl_[3 * blockIdx.x + 1] = opf_gtime_();"
+            " opf_tl_[3 * blockIdx.x + 2] = opf_smid_(); }\n" + src[end:])
+
+
+def dynamic_rows(kern):
+    """The ring's rows taken from a counter per slice rank (atomicAdd) in
+    place of row_ += gridDim.x / 8: a block that runs faster takes more rows,
+    as the hardware's block scheduler gives a launch-a-slice kernel. Thread 0
+    takes the ticket two rows ahead at the top of each row and publishes it
+    before the row's first reduction (whose barrier makes it visible); the
+    last block to finish resets the counters for the next launch. For the
+    block-only kernels (no cluster); None if the loop is not the ring's."""
+    hdr = "for (int row_ = blockIdx.x / 8; row_ < rows; row_ += gridDim.x / 8, par_ ^= 1"
+    pro = "if ((int)blockIdx.x / 8 < rows) {\n    int frxrem_ = (int)blockIdx.x / 8;"
+    nr = "const int nr_ = row_ + (int)(gridDim.x / 8);"
+    if hdr not in kern or pro not in kern or nr not in kern or "opf_block_reduce<" not in kern:
+        return None
+    take = "atomicAdd(&opf_cnt_[blockIdx.x % 8], 1)"
+    k = kern.replace(pro, "__shared__ int opf_tk_[2];\n  if (threadIdx.x == 0) { opf_tk_[0] = " + take + "; opf_tk_[1] = " + take
+                     + "; }\n  __syncthreads();\n  const int first_ = opf_tk_[0];\n  int nxt_ = opf_tk_[1];\n"
+                     "  if (first_ < rows) {\n    int frxrem_ = first_;")
+    k = k.replace(hdr, "for (int row_ = first_; row_ < rows; par_ ^= 1")
+    k = k.replace(nr, "const int nr_ = nxt_;\n    int tk_ = 0;\n    if (threadIdx.x == 0) tk_ = " + take + ";")
+    i = k.index("opf_block_reduce<", k.index("const int nr_ = nxt_;"))
+    i = k.rindex("\n", 0, i) + 1
+    k = k[:i] + "    if (threadIdx.x == 0) opf_tk_[par_] = tk_;\n" + k[i:]
+    pos = _body_end(k, k.index("for (int row_ = first_;"))
+    k = k[:pos] + "  row_ = nr_;\n    nxt_ = opf_tk_[par_];\n  " + k[pos:]
+    end = _body_end(k, 0)  # kern starts at the kernel's parameter list
+    return (k[:end] + "\n  __syncthreads();\n  if (threadIdx.x == 0) {\n    __threadfence();\n"
+            "    if (atomicAdd(&opf_done_, 1u) == gridDim.x - 1) {\n      for (int r = 0; r < 8; ++r) opf_cnt_[r] = 0;\n"
+            "      opf_done_ = 0;\n      __threadfence();\n    }\n  }\n" + k[end:])
 
 
 def copies_after(kern):
@@ -161,11 +234,47 @@ def reference(op, x, w, b):
     return torch.nn.functional.layer_norm(x, x.shape[-1:], w.double(), b.double(), 1e-5)
 
 
+def print_timeline(op, vname, src, tmp, name, grid, smem, stream, params, cluster):
+    """One launch of the instrumented variant (after one to warm up): when its
+    blocks end, relative to the first block's start, and how that depends on
+    how many of the kernel's blocks share an SM."""
+    cu, cubin = os.path.join(tmp, f"{op}_{vname}_tl.cu"), os.path.join(tmp, f"{op}_{vname}_tl.cubin")
+    open(cu, "w").write(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-w", "-o", cubin, cu], capture_output=True, text=True)
+    if r.returncode:
+        print(f"    timeline: nvcc failed\n{r.stderr[-1500:]}")
+        return
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    ck(CU.cuModuleLoad(ctypes.byref(mod), cubin.encode()), "cuModuleLoad")
+    ck(CU.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), "cuModuleGetFunction")
+    ck(CU.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute")
+    dptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+    ck(CU.cuModuleGetGlobal_v2(ctypes.byref(dptr), ctypes.byref(size), mod, b"opf_tl_"), "cuModuleGetGlobal")
+    for _ in range(2):
+        ck(CU.cuLaunchKernel(fn, grid, 1, 1, 512, 1, 1, smem, ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+    torch.cuda.synchronize()
+    buf = (ctypes.c_uint64 * (3 * grid))()
+    ck(CU.cuMemcpyDtoH_v2(buf, dptr, ctypes.c_size_t(8 * 3 * grid)), "cuMemcpyDtoH")
+    ck(CU.cuModuleUnload(mod), "cuModuleUnload")
+    t = torch.tensor(list(buf), dtype=torch.float64).view(grid, 3)
+    t0 = t[:, 0].min()
+    start, end, sm = (t[:, 0] - t0) / 1e3, (t[:, 1] - t0) / 1e3, t[:, 2].long()
+    per_sm = torch.bincount(sm, minlength=int(sm.max()) + 1)
+    q = torch.quantile(end, torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
+    by = {int(n): end[per_sm[sm] == n].mean().item() for n in per_sm.unique().tolist() if n > 0}
+    print(f"    timeline {vname}: block ends (us after the first start) min {q[0]:.0f} p10 {q[1]:.0f} "
+          f"median {q[2]:.0f} p90 {q[3]:.0f} max {q[4]:.0f}; last start {start.max():.1f}; "
+          f"SMs used {(per_sm > 0).sum().item()}; mean end by blocks on the SM: "
+          + ", ".join(f"{n}: {v:.0f} ({(per_sm == n).sum().item()} SMs)" for n, v in sorted(by.items())))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", default="softmax,rms_norm,layer_norm")
     ap.add_argument("--shape", default="4096x262144")
     ap.add_argument("--env", default="", help="knobs for the generator, e.g. OPFUSE_ROW_STAGE_RING=0")
+    ap.add_argument("--timeline", action="store_true", help="also each block's start, end and SM (one launch)")
+    ap.add_argument("--variants", default="", help="only these variants (comma-separated names)")
     a = ap.parse_args()
     for kv in a.env.split():
         k, v = kv.split("=", 1)
@@ -208,6 +317,8 @@ def main():
         params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.pointer(args), ctypes.c_void_p))
         cluster_grid = 0
         for vname, vsrc, cluster in variants(src):
+            if a.variants and vname not in a.variants.split(","):
+                continue
             cu, cubin = os.path.join(tmp, f"{op}_{vname}.cu"), os.path.join(tmp, f"{op}_{vname}.cubin")
             open(cu, "w").write(vsrc)
             r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-w", "-Xptxas", "-v", "-o", cubin, cu],
@@ -220,8 +331,8 @@ def main():
             ck(CU.cuModuleLoad(ctypes.byref(mod), cubin.encode()), "cuModuleLoad")
             ck(CU.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), "cuModuleGetFunction")
             ck(CU.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute")
-            if "gridDim.x / 8" not in vsrc:  # not the ring: a cluster (or 8 blocks) a row, no loop over rows
-                if vname.endswith("full"):
+            if "for (int row_" not in vsrc:  # not the ring: a cluster (or 8 blocks) a row, no loop over rows
+                if "full" in vname:
                     continue
                 grid = rows * 8
             elif cluster:
@@ -234,7 +345,7 @@ def main():
                 ck(CU.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), fn, 512, ctypes.c_size_t(smem)),
                    "cuOccupancyMaxActiveBlocksPerMultiprocessor")
                 full = n.value * sms // 8 * 8
-                grid = full if vname.endswith("full") else min(full, cluster_grid)
+                grid = full if "full" in vname else min(full, cluster_grid)
             if cluster:
                 cluster_grid = grid
 
@@ -251,6 +362,8 @@ def main():
                   f"{nbytes / us / 1e3:6.0f} GB/s {100 * copy_us / us:5.1f}% of the copy   max rel err {err:.2g}"
                   + ("" if vname in ("generated", "pair", "copies_after") else " (wrong on purpose)"))
             ck(CU.cuModuleUnload(mod), "cuModuleUnload")
+            if a.timeline:
+                print_timeline(op, vname, timeline(vsrc), tmp, name, grid, smem, stream, params, cluster)
 
 
 if __name__ == "__main__":
