@@ -17,6 +17,9 @@ launched through the driver API beside a device copy of the same bytes):
                per-thread (count, mean, squared deviations) (pair_variant)
   block_only   every reduction block-only; still clusters of 8 (co-scheduled,
                the kernel's last cluster barrier kept)
+  piece_waits  the ring (correct) with a copy group a 16-byte piece and the
+               first pass waiting for each piece just before reading it, not
+               for the whole row at the loop's top (block_only_piece_waits)
   no_cluster   block_only without __cluster_dims__: the same persistent grid,
                blocks scheduled alone (rank = blockIdx.x % 8)
   no_cluster_full   no_cluster on every block slot of the GPU (3 an SM, not
@@ -70,7 +73,7 @@ def variants(src):
     head, sep, kern = src.partition('extern "C" __global__ void __launch_bounds__(512, 3) __cluster_dims__(8, 1, 1)')
     assert sep, "no cluster-staged kernel in the generated source"
     head = head.replace("typedef long long int64_t;", "")  # nvcc has <stdint.h>'s (long)
-    head += TIMELINE_GLOBALS
+    head += TIMELINE_GLOBALS + PIECE_WAIT
     # Both forms of a cluster reduction: barrier.cluster (opf_cluster_reduce) and pushed (OPFUSE_ROW_CLUSTER_PUSH).
     red = re.compile(r"opf_cluster_reduce(?:_push)?<(\w+), 8>\((\w+), opf_smem, [^;]*\);")
     block = lambda m: f"opf_block_reduce<{m.group(1)}>({m.group(2)}, opf_smem);"  # noqa: E731
@@ -92,6 +95,10 @@ def variants(src):
     if after:
         out.append(("copies_after", head + sep + after, True))
         out.append(("block_only_copies_after", head + sep + copies_after(only), True))
+    waits = piece_waits(kern)
+    if waits:
+        out.append(("piece_waits", head + sep + waits, True))
+        out.append(("block_only_piece_waits", head + sep + piece_waits(only), True))
     bare = 'extern "C" __global__ void __launch_bounds__(512, 3)'
     out.append(("no_cluster", head + bare + alone, False))
     out.append(("no_cluster_full", head + bare + alone, False))
@@ -133,6 +140,49 @@ def timeline(src):
     return (src[:start] + "  if (threadIdx.x == 0) opf_tl_[3 * blockIdx.x] = opf_gtime_();\n" + src[start:end]
             + "  __syncthreads();\n  if (threadIdx.x == 0) { opf_tl_[3 * blockIdx.x + 1] = opf_gtime_();"
             " opf_tl_[3 * blockIdx.x + 2] = opf_smid_(); }\n" + src[end:])
+
+
+PIECE_WAIT = """
+// Wait for the oldest k + 1 of a thread's 8 copy groups (one a 16-byte piece).
+static __device__ __forceinline__ void opf_wait_piece_(int k) {
+  switch (k) {
+    case 0: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+  }
+}
+"""
+
+
+def piece_waits(kern):
+    """The in-place ring (correct) with one copy group a piece (a thread's 8
+    16-byte pieces of a row) in place of one a row, and the first pass over
+    a row waiting for each piece just before reading it (cp.async.wait_group
+    7 - k), not for all 8 at the loop's top: the first pass starts while the
+    row's last pieces, sent at the end of the previous row's output pass,
+    are still in flight. None without the ring."""
+    pro = re.search(r"(opf_cp_async16\(sr0_ring_ \+ 0 \* \d+ \+ [^;]*\);)", kern)
+    refill = re.search(r"if \(nr_ok_\) (opf_cp_async16\([^;]*\);)", kern)
+    top = "opf_cp_async_wait_all();\n"
+    if not pro or not refill or top not in kern or "c_ += 4096" not in kern:
+        return None
+    k = kern.replace(pro.group(1), pro.group(1) + " opf_cp_async_commit();", 1)
+    k = k.replace("  opf_cp_async_commit();\n  int par_", "  int par_", 1)  # the prologue's pieces are closed one by one
+    k = k.replace(refill.group(0), "{ " + refill.group(0) + " opf_cp_async_commit(); }", 1)
+    i = k.index(top)
+    k = k[:i] + k[i + len(top):]
+    # The first pass as 8 counted pieces (a 32768-column slice, 512 threads), so
+    # that unrolling makes each wait's group count a constant.
+    loop = "for (int c_ = cbegin_ + (int)tid_ * 8; c_ < cend_; c_ += 4096) {\n"
+    j = k.index(loop, i)
+    k = (k[:j] + "for (int k_ = 0; k_ < 8; ++k_) {\n      const int c_ = cbegin_ + (int)tid_ * 8 + k_ * 4096;\n"
+         "      opf_wait_piece_(k_);\n" + k[j + len(loop):])
+    return k
 
 
 def dynamic_rows(kern):
