@@ -93,22 +93,41 @@ void bind_ops(nb::module_& m) {
       "attention_cuda",
       [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal, double scale,
          uintptr_t stream, const std::string& tile, int device, const std::string& mask_kind, uintptr_t mask,
-         const std::vector<int64_t>& mask_strides) {
+         const std::vector<int64_t>& mask_strides, uintptr_t workspace, int64_t workspace_bytes) {
         at::AttnForwardArgs a = cuda_args(elem, ptrs, sizes, strides, causal, scale, tile);
         a.device = device;
         set_mask(a, mask_kind, mask, mask_strides);
+        a.split_ws = reinterpret_cast<void*>(workspace);
+        a.split_ws_bytes = workspace_bytes;
         nb::gil_scoped_release release;
         at::attn_forward_cuda(a, reinterpret_cast<opfuse::CUstream>(stream));
       },
       nb::arg("elem"), nb::arg("ptrs"), nb::arg("sizes"), nb::arg("strides"), nb::arg("causal"), nb::arg("scale"),
       nb::arg("stream"), nb::arg("tile") = "", nb::arg("device") = -1, nb::arg("mask_kind") = "",
-      nb::arg("mask") = 0, nb::arg("mask_strides") = std::vector<int64_t>{},
+      nb::arg("mask") = 0, nb::arg("mask_strides") = std::vector<int64_t>{}, nb::arg("workspace") = 0,
+      nb::arg("workspace_bytes") = 0,
       "Launches the attention forward kernel on `stream` (an integer cudaStream_t).\n"
       "elem: 'bf16' | 'f16'; ptrs: q, k, v, o, lse (0 = no LSE); sizes: B, Hq, Hkv, Sq, Sk, D;\n"
       "strides: element strides of dims 0..2 of q, k, v, o and dims 0..1 of lse; scale <= 0: 1/sqrt(D);\n"
       "device >= 0: the tensors' CUDA device (its primary context is made current if the thread has none);\n"
       "mask_kind: '' | 'full-bool' | 'full-bf16' | 'full-f16' | 'full-f32' | 'keypad', mask: its data pointer,\n"
       "mask_strides: its 4 element strides over [B, Hq, Sq, Sk] (0 on broadcast dims, key stride 1).");
+  m.def(
+      "attention_cuda_workspace",
+      [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal, double scale,
+         const std::string& tile, int device, const std::string& mask_kind, uintptr_t mask,
+         const std::vector<int64_t>& mask_strides) {
+        at::AttnForwardArgs a = cuda_args(elem, ptrs, sizes, strides, causal, scale, tile);
+        a.device = device;
+        set_mask(a, mask_kind, mask, mask_strides);
+        const at::AttnWorkspace w = at::attn_forward_workspace(a);
+        return std::make_tuple(w.bytes, w.zero_bytes);
+      },
+      nb::arg("elem"), nb::arg("ptrs"), nb::arg("sizes"), nb::arg("strides"), nb::arg("causal"), nb::arg("scale"),
+      nb::arg("tile") = "", nb::arg("device") = -1, nb::arg("mask_kind") = "", nb::arg("mask") = 0,
+      nb::arg("mask_strides") = std::vector<int64_t>{},
+      "(bytes, zero_bytes) of the workspace attention_cuda's `workspace` needs for this call (same\n"
+      "arguments; (0, 0): none): the Hopper kernel's split tail, whose first zero_bytes must be zero.");
   m.def(
       "attention_cuda_unsupported_reason",
       [](const std::string& elem, const Ptrs& ptrs, const Sizes& sizes, const Strides& strides, bool causal, double scale,

@@ -335,6 +335,24 @@ AttnFwdParams attn_make_params(const AttnForwardArgs& a) {
   return p;
 }
 
+AttnWorkspace attn_forward_workspace(const AttnForwardArgs& a) {
+  if (std::string why = attn_unsupported_reason(a); !why.empty()) throw std::invalid_argument("attention kernel: " + why);
+  if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0) return {};
+  CUdevice dev = 0;
+  CUcontext ctx = launcher_context(a.device, &dev);
+  static std::map<CUcontext, AttnDevice> devices;
+  int arch = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu());
+    AttnDevice& info = devices[ctx];
+    if (info.arch == 0) info = attn_device(dev);
+    arch = info.arch;
+  }
+  if (!(AttnSm90Tile::is_tag(a.tile) || (a.tile.empty() && arch == 90))) return {};
+  if (!attn_sm90_unsupported_reason(a, arch).empty()) return {};
+  return attn_sm90_workspace(a, ctx);
+}
+
 void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
   if (std::string why = attn_unsupported_reason(a); !why.empty()) throw std::invalid_argument("attention kernel: " + why);
   if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0) return;

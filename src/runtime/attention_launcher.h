@@ -146,7 +146,21 @@ struct AttnForwardArgs {
   std::string tile;          // empty: the default (sm_90, D 64/128: the Hopper kernel); "wg...": a Hopper tile
   int device = -1;           // CUDA device of the tensors; >= 0: make its primary context current
                              // when the thread has none or another device's (PyTorch's context)
+  // The Hopper kernel's split tail (tile letter "w"): a workspace of at least
+  // attn_forward_workspace(a).bytes bytes whose first zero_bytes are zero at
+  // launch (the caller allocates it on the launch stream and zeroes them).
+  // Null or too small: the tile runs without the split.
+  void* split_ws = nullptr;
+  int64_t split_ws_bytes = 0;
 };
+
+// What a call needs beyond its outputs: {0, 0} unless the Hopper kernel
+// takes it with the split tail (non-causal, no attn_mask, default tile or a
+// "w" tile). Same checks as attn_forward_cuda (throws where it would).
+struct AttnWorkspace {
+  int64_t bytes = 0, zero_bytes = 0;
+};
+AttnWorkspace attn_forward_workspace(const AttnForwardArgs& a);
 
 // Empty when the kernel covers the problem, else why not (head dim,
 // alignment, strides, sizes, the mask's layout): the caller then takes another path.

@@ -68,13 +68,13 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
          (pingpong ? "p" : "") + (overlap ? "o" : "") + (skip ? "k" : "") + (pairs ? "l" : "") +
-         (desc ? "d" : "") + (persistent ? "" : "n");
+         (desc ? "d" : "") + (split ? "w" : "") + (persistent ? "" : "n");
 }
 
 bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
 
 AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
-  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(n?))");
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
     throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
@@ -87,7 +87,8 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.skip = m[6].length() > 0;
   t.pairs = m[7].length() > 0;
   t.desc = m[8].length() > 0;
-  t.persistent = m[9].length() == 0;
+  t.split = m[9].length() > 0;
+  t.persistent = m[10].length() == 0;
   return t;
 }
 
@@ -97,11 +98,13 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
   // Mirrors attn_runtime_sm90.default_config_sm90: causal tiles in the pairs
   // schedule (15% faster at D = 128, S = 2048 on the H200; docs/attention.md)
   // unless masked (pairs with a mask spilled); non-causal ones with the
-  // descriptors by offset ("d", 1-2% on the H200 at 487e149), unless masked
-  // (not measured with a mask).
+  // descriptors by offset ("d", 1-2% on the H200 at 487e149) and the split
+  // tail ("w", docs/attention.md), unless masked (not measured with a mask).
+  // OPFUSE_ATTN_SM90_SPLIT=0 leaves the split out.
   const bool pairs = causal && !masked, desc = !causal && !masked;
-  if (head_dim == 64) return {128, 3, 4, true, true, false, false, pairs, desc};
-  if (head_dim == 128) return {128, 2, 2, true, true, false, false, pairs, desc};
+  const bool split = desc && attn_sm90_split_enabled();
+  if (head_dim == 64) return {128, 3, 4, true, true, false, false, pairs, desc, split};
+  if (head_dim == 128) return {128, 2, 2, true, true, false, false, pairs, desc, split};
   throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
 }
 
@@ -111,6 +114,11 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   // {block_n, consumers, stages, pingpong, persistent, overlap, skip, pairs}
   if (head_dim == 128)
     r.insert(r.end(), {{128, 2, 2, true, true, true, false, false}, {128, 2, 2, true, true, true, false, true}});
+  // The non-causal default with and without the split tail (a causal call
+  // of a "w" tile runs the plain instantiation).
+  AttnSm90Tile t = attn_sm90_default_tile(head_dim, false);
+  t.split = !t.split;
+  r.push_back(t);
   return r;
 }
 
@@ -125,6 +133,11 @@ std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, con
          std::to_string(t.consumers) + ", " + std::to_string(t.stages) + ", " + (t.pingpong ? "true" : "false") +
          (mask == AttnMaskKind::None && t.opts() ? std::string(", opfuse_attn::MaskNone") : attn_mask_template_arg(mask)) +
          (t.opts() ? ", " + std::to_string(t.opts()) : std::string()) + ">";
+}
+
+bool attn_sm90_split_enabled() {
+  const char* v = std::getenv("OPFUSE_ATTN_SM90_SPLIT");
+  return !(v && std::string(v) == "0");
 }
 
 bool attn_sm90_enabled() {
@@ -166,11 +179,66 @@ AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const Attn
                             "sm_90a", kMagic, use_cache);
 }
 
+namespace {
+
+// SMs of the context's device (the persistent grid: one CTA an SM).
+int sm_count(CUcontext ctx) {
+  static std::mutex mu;
+  static std::map<CUcontext, int> counts;
+  std::lock_guard<std::mutex> lock(mu);
+  int& n = counts[ctx];
+  if (n == 0) {
+    const CudaApi& c = cuda();
+    CUdevice dev = 0;
+    check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
+    check_cuda(c.DeviceGetAttribute(&n, kDevAttrMultiprocessorCount, dev), "cuDeviceGetAttribute(SM count)");
+  }
+  return n;
+}
+
+// How a call runs: the tile (its split resolved), the grid and, with the
+// split, the workspace the kernel needs (AttnSplitWs in attention_fwd_sm90.cu).
+struct Sm90Plan {
+  AttnSm90Tile tile;
+  unsigned grid_x = 0;
+  AttnWorkspace ws;
+};
+
+Sm90Plan plan_sm90(const AttnForwardArgs& a, CUcontext ctx) {
+  const int D = static_cast<int>(a.head_dim);
+  const bool masked = a.mask != AttnMaskKind::None;
+  Sm90Plan pl;
+  pl.tile = a.tile.empty() ? attn_sm90_default_tile(D, a.causal, masked) : AttnSm90Tile::parse(a.tile);
+  const int sms = sm_count(ctx);
+  const int64_t tiles = (a.seqlen_q + pl.tile.block_m() - 1) / pl.tile.block_m() * a.heads_q * a.batch;
+  if (tiles > INT32_MAX) throw std::invalid_argument("attention sm90: more than 2^31 tiles");
+  pl.grid_x = static_cast<unsigned>(pl.tile.persistent && tiles > sms ? sms : tiles);
+  // The split changes nothing when the tiles fill whole rounds (or one CTA
+  // has each tile); the kernel's tail arithmetic is 32-bit: at most 2 G
+  // tiles of nb key blocks.
+  const int64_t nb = (a.seqlen_k + pl.tile.block_n - 1) / pl.tile.block_n;
+  const bool cuts = tiles > pl.grid_x && tiles % pl.grid_x != 0 && 2 * int64_t{pl.grid_x} * nb < INT32_MAX;
+  pl.tile = pl.tile.for_call(a.causal, masked, cuts);
+  if (pl.tile.split) {
+    // flags (grid x consumers u32, 256-byte padded), then a slot of
+    // 128 x consumers x (D / 2 + 4) floats a CTA
+    pl.ws.zero_bytes = (int64_t{pl.grid_x} * pl.tile.consumers * 4 + 255) / 256 * 256;
+    pl.ws.bytes = pl.ws.zero_bytes + int64_t{pl.grid_x} * 128 * pl.tile.consumers * (D / 2 + 4) * 4;
+  }
+  return pl;
+}
+
+}  // namespace
+
+AttnWorkspace attn_sm90_workspace(const AttnForwardArgs& a, CUcontext ctx) { return plan_sm90(a, ctx).ws; }
+
 void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, CUcontext ctx, CUstream stream) {
   const CudaApi& c = cuda();
   const int D = static_cast<int>(a.head_dim);
-  const AttnSm90Tile tile =
-      a.tile.empty() ? attn_sm90_default_tile(D, a.causal, a.mask != AttnMaskKind::None) : AttnSm90Tile::parse(a.tile);
+  Sm90Plan pl = plan_sm90(a, ctx);
+  // Without the workspace the planned split cannot run: the same tile without it.
+  if (pl.tile.split && (!a.split_ws || a.split_ws_bytes < pl.ws.bytes)) pl.tile.split = false;
+  const AttnSm90Tile& tile = pl.tile;
   const int smem = attn_sm90_smem_bytes(D, tile);
   struct Loaded {
     CUmodule module = nullptr;
@@ -195,24 +263,14 @@ void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, 
   TensorMap tk = encode(a.elem, a.k, a.k_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(k)");
   TensorMap tv = encode(a.elem, a.v, a.v_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(v)");
   AttnFwdParams params = p;
-  void* args[] = {&params, tq.bytes, tk.bytes, tv.bytes};
-  // Persistent: one CTA per SM (1 CTA fits an SM), each looping over tiles.
-  static std::map<CUcontext, int> sm_counts;
-  int sms = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    int& n = sm_counts[ctx];
-    if (n == 0) {
-      CUdevice dev = 0;
-      check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
-      check_cuda(c.DeviceGetAttribute(&n, kDevAttrMultiprocessorCount, dev), "cuDeviceGetAttribute(SM count)");
-    }
-    sms = n;
-  }
-  const int64_t tiles = (a.seqlen_q + tile.block_m() - 1) / tile.block_m() * a.heads_q * a.batch;
-  if (tiles > INT32_MAX) throw std::invalid_argument("attention sm90: more than 2^31 tiles");
-  const unsigned grid_x = static_cast<unsigned>(tile.persistent && tiles > sms ? sms : tiles);
-  check_cuda(c.LaunchKernel(fn, grid_x, 1, 1,
+  // AttnSplitWs {partial, flags}: the flags at the workspace's start.
+  struct {
+    void* partial;
+    void* flags;
+  } split_ws{nullptr, nullptr};
+  if (tile.split) split_ws = {static_cast<char*>(a.split_ws) + pl.ws.zero_bytes, a.split_ws};
+  void* args[] = {&params, tq.bytes, tk.bytes, tv.bytes, &split_ws};
+  check_cuda(c.LaunchKernel(fn, pl.grid_x, 1, 1,
                             static_cast<unsigned>(tile.threads()), 1, 1, static_cast<unsigned>(smem), stream, args, nullptr),
              "cuLaunchKernel(attention sm90)");
 }

@@ -26,11 +26,23 @@ namespace opfuse::attention {
 // of its rows see; pairs ("l"): causal tiles handed out in pairs of query
 // blocks (x, last - x) of one head (equal work per pair, few heads in L2);
 // desc ("d"): each wgmma's descriptors as the product's first plus a constant.
+// split ("w", non-causal calls without an attn_mask only): the tiles of the
+// last one or two rounds cut over the CTAs by key blocks, the two pieces of a
+// cut tile merged through a workspace (docs/attention.md, "split tail").
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
   bool pingpong = true, persistent = true;
-  bool overlap = false, skip = false, pairs = false, desc = false;
-  int opts() const { return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0); }
+  bool overlap = false, skip = false, pairs = false, desc = false, split = false;
+  int opts() const {
+    return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0) | (split ? 16 : 0);
+  }
+  // The tile a call runs: without the split when it does not apply (causal,
+  // an attn_mask) or `fits` is false (no workspace, or too many iterations).
+  AttnSm90Tile for_call(bool causal, bool masked, bool fits = true) const {
+    AttnSm90Tile t = *this;
+    t.split = split && !causal && !masked && fits;
+    return t;
+  }
   int block_m() const { return 64 * consumers; }
   int threads() const { return 128 * (consumers + 1); }
   std::string tag() const;
@@ -52,6 +64,8 @@ std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, con
                                       AttnMaskKind mask = AttnMaskKind::None);
 // False when OPFUSE_ATTN_SM90=0 (forces the mma.sync kernel, for comparison).
 bool attn_sm90_enabled();
+// False when OPFUSE_ATTN_SM90_SPLIT=0 (the default tiles without the split tail).
+bool attn_sm90_split_enabled();
 // Whether masked calls at this head dim take the Hopper kernel:
 // OPFUSE_ATTN_SM90_MASK unset: D = 128 only (faster than the mma.sync kernel
 // with a mask; at D = 64 a full mask spills, docs/attention.md, "attn_mask");
@@ -74,6 +88,9 @@ struct AttnTensorMap {
 };
 AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64_t batch, int64_t heads,
                                    int64_t seqlen, int head_dim, int box_rows, const char* what);
+
+// The split tail's workspace for a call the Hopper kernel takes (attn_forward_workspace).
+AttnWorkspace attn_sm90_workspace(const AttnForwardArgs& a, CUcontext ctx);
 
 // Encodes the tensor maps and launches on `stream` in the current context
 // `ctx`; `p` is the kernel's AttnFwdParams, filled by attn_forward_cuda.

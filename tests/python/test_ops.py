@@ -667,6 +667,12 @@ def test_attention_sm90_option_tags_compile():
     expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 128, False, "wg128x128s2pd", False)
     assert expr.endswith("false, 128, 2, 2, true, opfuse_attn::MaskNone, 8>") and cubin[:4] == b"\x7fELF"
     assert "Performance Loss" not in log
+    # w (split tail, bit 16): the non-causal default since session 23; a causal "w" kernel does not exist.
+    expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 64, False, "wg192x128s4pdw", False)
+    assert expr.endswith("false, 128, 3, 4, true, opfuse_attn::MaskNone, 24>") and cubin[:4] == b"\x7fELF"
+    assert "Performance Loss" not in log
+    with pytest.raises(Exception, match="kOptSplit"):
+        _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pdw", False)
     with pytest.raises(ValueError, match="tag"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2lp", False)
     with pytest.raises(ValueError, match="tag"):
@@ -792,6 +798,60 @@ def test_attention_cuda_masks_and_fallbacks():
     for dt, D in ((torch.bfloat16, 40), (torch.float32, 64)):
         q, k, v = _qkv(1, 2, 1, 33, 47, D, dt, device="cuda")
         torch.testing.assert_close(ops.attention(q, k, v, causal=True), ref_attention(q, k, v, True).to(dt))
+
+
+def _kernel_call_args(q, k, v, causal=False):
+    # attention_cuda_workspace's arguments for a default-tile call (as ops/attention.py makes them).
+    B, Hq, Sq, D = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    _kernel_call_args.alive = (o, lse)
+    return ("bf16" if q.dtype == torch.bfloat16 else "f16", [t.data_ptr() for t in (q, k, v, o, lse)],
+            [B, Hq, k.shape[1], Sq, k.shape[2], D], [list(t.stride()[:3]) for t in (q, k, v, o)] + [list(lse.stride()[:2])],
+            causal, 1.0 / D ** 0.5, "", q.device.index)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_cuda_split_tail(D, monkeypatch):
+    # More tiles than SMs, not a whole number of rounds: on sm_90 the Hopper
+    # kernel cuts the last rounds' tiles over the CTAs by key blocks and
+    # merges the pieces through the workspace the op allocates (odd Sk: the
+    # ragged key block sits in the written piece). GQA, non-causal.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the split tail is the Hopper kernel's")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, Hq, Hkv, Sq, Sk = 2, 40, 10, 1100, 1037
+    tiles = -(-Sq // (128 if D == 128 else 192)) * Hq * B
+    assert tiles > sms and tiles % sms, (tiles, sms)
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, device="cuda", seed=91 + D)
+    args = _kernel_call_args(q, k, v)
+    ws_bytes, ws_zero = _C.attention_cuda_workspace(*args)
+    assert ws_bytes > ws_zero > 0
+    check_flash_rule(q, k, v, causal=False)
+    assert not attention_module._broken, attention_module._broken
+    o1 = ops.attention(q, k, v)
+    o2 = ops.attention(q, k, v)
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o2)  # the merge order is fixed: reruns are bit-identical
+    monkeypatch.setenv("OPFUSE_ATTN_SM90_SPLIT", "0")
+    assert _C.attention_cuda_workspace(*args) == (0, 0)
+    torch.testing.assert_close(ops.attention(q, k, v), o1, rtol=0, atol=2e-2)  # uncut tiles: rounding apart
+    monkeypatch.delenv("OPFUSE_ATTN_SM90_SPLIT")
+    # CUDA graph capture: the workspace's zeroing is captured with the launch.
+    with torch.no_grad():
+        g = torch.cuda.CUDAGraph()
+        qs, ks, vs = (t.detach().clone() for t in (q, k, v))
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            og = ops.attention(qs, ks, vs)
+        for seed in (5, 6):
+            q2, k2, v2 = (t.detach() for t in _qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, device="cuda", seed=seed))
+            qs.copy_(q2), ks.copy_(k2), vs.copy_(v2)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(og, ops.attention(q2, k2, v2))
 
 
 @pytest.mark.gpu

@@ -198,8 +198,19 @@ def _forward_cuda_kernel(q, k, v, causal, scale, attn_mask=None):
     strides = [list(t.stride()[:3]) for t in (q, k, v, o)] + [list(lse.stride()[:2])]
     sizes = [B, Hq, Hkv, Sq, Sk, D]
     stream = torch.cuda.current_stream(q.device).cuda_stream
+    mptr = mt.data_ptr() if mt is not None else 0
+    # The Hopper kernel's split tail (non-causal calls whose tiles do not fill
+    # whole rounds of SMs) merges cut tiles through a workspace whose flags
+    # start at zero: from PyTorch's allocator on this stream, so CUDA graphs
+    # capture the zeroing with the launch.
+    ws_bytes, ws_zero = _C.attention_cuda_workspace(elem, ptrs, sizes, strides, bool(causal), float(scale), "",
+                                                    q.device.index, mkind, mptr, mstrides)
+    ws = None
+    if ws_bytes:
+        ws = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
+        ws[:ws_zero].zero_()
     _C.attention_cuda(elem, ptrs, sizes, strides, bool(causal), float(scale), stream, "", q.device.index,
-                      mkind, mt.data_ptr() if mt is not None else 0, mstrides)
+                      mkind, mptr, mstrides, ws.data_ptr() if ws is not None else 0, ws_bytes)
     bump("kernel_launches")
     return o, lse
 

@@ -123,7 +123,14 @@ struct TileWork {
   int m_start, head, batch, head_kv;
   int n_blocks;      // key blocks [0, n_blocks) are visible to some row; 0: none
   int n_mask_start;  // key blocks >= this one need the mask
+  // A piece of a tile split between two CTAs (kOptSplit): only key blocks
+  // [n_low, n_blocks) are visited, from the last to the first. role: a whole
+  // tile (kRoleFull), the first-visited part, written to the workspace as
+  // partials (kRoleWrite), or the rest, merged with the other CTA's partials
+  // before the epilogue (kRoleMerge).
+  int n_low, role;
 };
+constexpr int kRoleFull = 0, kRoleWrite = 1, kRoleMerge = 2;
 
 // The tile of query block m_block of (batch, head) hb = batch * Hq + head.
 template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
@@ -142,6 +149,8 @@ __device__ __forceinline__ TileWork tile_at(const AttnFwdParams& p, int hb, int 
   int full_end = Sk;
   if (IS_CAUSAL) full_end = (w.m_start + Sk - Sq + 1 < Sk) ? w.m_start + Sk - Sq + 1 : Sk;
   w.n_mask_start = full_end > 0 ? full_end / BLOCK_N : 0;
+  w.n_low = 0;
+  w.role = kRoleFull;
   return w;
 }
 
@@ -202,6 +211,83 @@ __device__ __forceinline__ int cta_tile(const AttnFwdParams& p, int num_m, int k
   }
 }
 
+// SPLIT (kOptSplit, not causal: every tile has the same nb key blocks): the
+// snake rounds above for all but the last 1-2 rounds' worth of tiles, then
+// those tail tiles' key-block iterations cut evenly over the G CTAs. The
+// plain schedule runs ceil(tiles / G) rounds; 2048 tiles (the FlashAttention
+// setup at D = 128) on 132 SMs are 15.5 rounds' work in 16, 3% of the time
+// with some SMs idle. With the cut, the tail is tiles - R G tiles in
+// [G, 2G), so each CTA's share is at least one tile's iterations and a tile
+// is cut at most once, between CTAs i - 1 and i (iteration ranges
+// [s_i, s_(i+1)) over the tail tiles in order, which keeps the CTAs running
+// together on neighbouring tiles, as the rounds do for L2). CTA i runs its
+// tail as: the piece at the end of its range (the first-visited key blocks
+// of a tile whose rest is CTA i + 1's), written out as float32 partials
+// (kRoleWrite), then its whole tiles, then the piece at the start of its
+// range (kRoleMerge), which waits for CTA i - 1's partials of the same tile.
+// A CTA waits only for a lower-numbered one, which has its partials out
+// before it waits for anything, so the grid cannot deadlock while CTAs start
+// in index order (as stream-K GEMMs assume).
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int cta_split_tile(const AttnFwdParams& p, int num_m, int k, TileWork& w) {
+  const int G = (int)gridDim.x, i = (int)blockIdx.x;
+  const int tiles = num_m * p.heads_q * p.batch;
+  const int R = tiles / G - 1;  // whole rounds first (tiles >= G: the launcher's grid)
+  if (k < R) {
+    w = tile_work<false, BLOCK_M, BLOCK_N>(p, num_m, k * G + ((k & 1) ? G - 1 - i : i));
+    return 1;
+  }
+  const int nb = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+  const int base = (R > 0 ? R : 0) * G;
+  // 32-bit: the launcher cuts only when (tiles - base) * nb < 2^31; i * (T % G) < G^2.
+  const int T = (tiles - base) * nb, Tq = T / G, Tr = T - Tq * G;
+  const int s = i * Tq + (i * Tr) / G, e = (i + 1) * Tq + ((i + 1) * Tr) / G;  // floor(T i / G), floor(T (i + 1) / G)
+  const int s_in = s % nb, e_in = e % nb;
+  const int full0 = (s + nb - 1) / nb, full1 = e / nb;  // whole tiles [full0, full1)
+  int j = k - (R > 0 ? R : 0);
+  if (e_in != 0) {
+    if (j == 0) {
+      w = tile_work<false, BLOCK_M, BLOCK_N>(p, num_m, base + e / nb);
+      w.n_low = nb - e_in;  // visits blocks nb - 1 down to nb - e_in
+      w.role = kRoleWrite;
+      return 1;
+    }
+    --j;
+  }
+  if (j < full1 - full0) {
+    w = tile_work<false, BLOCK_M, BLOCK_N>(p, num_m, base + full0 + j);
+    return 1;
+  }
+  j -= full1 - full0;
+  if (s_in != 0 && j == 0) {
+    w = tile_work<false, BLOCK_M, BLOCK_N>(p, num_m, base + s / nb);
+    w.n_blocks = nb - s_in;  // visits blocks nb - 1 - s_in down to 0
+    w.role = kRoleMerge;
+    return 1;
+  }
+  return -1;
+}
+
+// Where a CTA's partials of a cut tile go (kOptSplit; null otherwise): CTA
+// i's slot partial + i * 128 * NUM_CONSUMERS * (HEAD_DIM / 2 + 4) floats
+// (each consumer thread's O accumulators, row maxima and row sums, in pairs,
+// thread-fastest), and flags[i * NUM_CONSUMERS + consumer], zero at launch,
+// set to 1 once that consumer's partials are out.
+struct AttnSplitWs {
+  float* partial;
+  u32* flags;
+};
+
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void st_release_gpu_u32(u32* dst, u32 v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(dst), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire_gpu_u32(const u32* src) {
+  u32 v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(src) : "memory");
+  return v;
+}
+
 // OPTS bits of attention_fwd_sm90 (tag letters "o" and "k"; docs/attention.md, "Hopper").
 // kOptOverlap: a consumer issues the next tile's first S = Q K^T right after
 // this tile's last P V, outside its ping-pong turn, so the epilogue (normalise,
@@ -222,6 +308,10 @@ constexpr int kOptPairs = 4;
 // chain of make_desc (about 12 instructions between two HGMMAs in the SASS
 // of the default tile).
 constexpr int kOptDesc = 8;
+// kOptSplit (tag letter "w", not causal, no attn_mask): the last rounds'
+// tiles cut over the CTAs by key blocks (cta_split_tile); the kernel's fifth
+// argument (AttnSplitWs) carries the partials and flags.
+constexpr int kOptSplit = 16;
 
 // Descriptor `d` with its start address moved by `bytes` (a multiple of 16).
 // Exact: every shared-memory address of the CTA is below 2^18 (the 14-bit
@@ -244,7 +334,7 @@ template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_N, int NUM_CONS
           typename Mask = MaskNone, int OPTS = 0>
 __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     attention_fwd_sm90(const AttnFwdParams p, const __grid_constant__ TmaDesc tm_q, const __grid_constant__ TmaDesc tm_k,
-                       const __grid_constant__ TmaDesc tm_v) {
+                       const __grid_constant__ TmaDesc tm_v, const AttnSplitWs ws) {
   using Tile = Sm90Tile<HEAD_DIM, BLOCK_N, NUM_CONSUMERS, STAGES>;
   constexpr int BLOCK_M = Tile::kBlockM;
   constexpr int kChunks64 = Tile::kChunks64;
@@ -273,6 +363,14 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
   constexpr bool kPairs = (OPTS & kOptPairs) != 0;
   constexpr bool kDescAdd = (OPTS & kOptDesc) != 0;
+  constexpr bool kSplit = (OPTS & kOptSplit) != 0;
+  static_assert(!kSplit || (!IS_CAUSAL && Mask::kMode == 0 && (OPTS & (kOptOverlap | kOptSkip | kOptPairs)) == 0),
+                "kOptSplit: not causal, no attn_mask, no overlap / skip / pairs");
+  // This CTA's slot k: the split schedule or the rounds (cta_tile).
+  auto next_tile = [&](int k, TileWork& w) -> int {
+    if constexpr (kSplit) return cta_split_tile<BLOCK_M, BLOCK_N>(p, num_m, k, w);
+    return cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
+  };
 
   if (tid == 0) {
     for (int b = 0; b < 2; ++b) {
@@ -300,7 +398,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       int q_count = 0, kv_count = 0;
       for (int k = 0;; ++k) {
         TileWork w;
-        const int slot = cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
+        const int slot = next_tile(k, w);
         if (slot < 0) break;
         if (slot == 0) continue;
         if (w.n_blocks == 0) continue;  // the consumers write 0 / -inf
@@ -312,7 +410,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
 #pragma unroll
         for (int c = 0; c < kChunks64; ++c)
           tma_load_4d(sQ + c * BLOCK_M * 128, &tm_q, c * 64, w.m_start, w.head, w.batch, bar_q_full + 8 * qb);
-        for (int it = 0; it < w.n_blocks; ++it, ++kv_count) {
+        for (int it = 0; it < w.n_blocks - w.n_low; ++it, ++kv_count) {
           const int n = w.n_blocks - 1 - it;
           const int s = kv_count % STAGES;
           const u32 parity = ((kv_count / STAGES) & 1) ^ 1;
@@ -395,7 +493,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     bool pre = false;
     for (int k = 0;; ++k) {
       TileWork w;
-      const int slot = cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
+      const int slot = next_tile(k, w);
       if (slot < 0) break;
       if (slot == 0) continue;
       // The next S issued before the epilogue completes here at the latest:
@@ -577,6 +675,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       row_max[0] = row_max[1] = neg_inf();
       row_sum[0] = row_sum[1] = 0.f;
       const int n_blocks = w.n_blocks;
+      const int n_iters = n_blocks - w.n_low;  // key blocks visited (all of them unless a cut tile)
       // Key blocks [0, n_skip) of the visiting order issue nothing here
       // (kOptSkip): a block none of this consumer's rows see adds nothing to
       // its rows' sums, maxima or O. Uniform over the warpgroup.
@@ -662,18 +761,18 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       // without one cost 4 bytes of spill in a masked instantiation.)
       if ((OPTS & kOptSkip) == 0 || it < n_blocks) {
         first_step(it);
-        for (++it; it < n_blocks && n_blocks - 1 - it >= w.n_mask_start; ++it) iteration(it, true);
-        for (; it < n_blocks; ++it) iteration(it, false);
+        for (++it; it < n_iters && n_blocks - 1 - it >= w.n_mask_start; ++it) iteration(it, true);
+        for (; it < n_iters; ++it) iteration(it, false);
       }
 
       // The next tile of this CTA (kOverlap): its first S goes out right
       // after this tile's last P V, when it has keys to visit.
       bool pre_next = false, issue_next = false;
       const int next_qb = q_count % kQBufs;
-      const u32 next_sK = sK0 + ((kv_count + n_blocks) % STAGES) * Tile::kKVBytes;
+      const u32 next_sK = sK0 + ((kv_count + n_iters) % STAGES) * Tile::kKVBytes;
       if constexpr (kOverlap) {
         TileWork wn;
-        if (cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k + 1, wn) > 0) {
+        if (next_tile(k + 1, wn) > 0) {
           pre_next = wn.n_blocks > 0;
           issue_next = pre_next && consumer_skip(wn) == 0;
         }
@@ -681,7 +780,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
 
       // ---- last P V (and, kOverlap, the next tile's first S, outside the turn) ----
       {
-        const int c = kv_count + n_blocks - 1;
+        const int c = kv_count + n_iters - 1;
         const int sp = c % STAGES;
         mbar_wait(bar_full_v + 8 * sp, (c / STAGES) & 1);
         turn_wait();
@@ -690,7 +789,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         turn_pass();
         if constexpr (kOverlap) {
           if (issue_next) {
-            const int cn = kv_count + n_blocks;
+            const int cn = kv_count + n_iters;
             mbar_wait(bar_q_full + 8 * next_qb, (q_count / kQBufs) & 1);
             mbar_wait(bar_full_k + 8 * (cn % STAGES), (cn / STAGES) & 1);
           }
@@ -709,7 +808,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         fence_regs(acc_o);
         release(bar_empty_v + 8 * sp);
       }
-      kv_count += n_blocks;
+      kv_count += n_iters;
       pre = pre_next;
 
       // ---- epilogue: normalise, LSE, stage O in this consumer's Q rows, store ----
@@ -717,6 +816,55 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       const int e_lane = e_tid & 31;
       const int e_row0 = wg * 64 + ((e_tid / 32) & 3) * 16 + (e_lane >> 2);  // row_in_tile0
       const int e_tw = e_tid & 127;
+
+      if constexpr (kSplit) {
+        // A cut tile (cta_split_tile): this CTA's partials out, or the other
+        // CTA's merged in. Each consumer thread writes and reads its own
+        // accumulators (the same thread of the same consumer in both CTAs
+        // holds the same rows and columns), pairs of floats thread-fastest.
+        constexpr int kCT = 128 * NUM_CONSUMERS;  // consumer threads a CTA
+        constexpr int kSlot = kCT * (kNO + 4);    // floats a CTA
+        const int ct = e_tid - 128;
+        if (w.role == kRoleWrite) {
+          float* slot = ws.partial + (i64)blockIdx.x * kSlot;
+#pragma unroll
+          for (int q = 0; q < kNO / 2; ++q) st_global_f32x2(slot + 2 * (q * kCT + ct), acc_o[2 * q], acc_o[2 * q + 1]);
+          st_global_f32x2(slot + 2 * ((kNO / 2) * kCT + ct), row_max[0], row_max[1]);
+          st_global_f32x2(slot + 2 * ((kNO / 2 + 1) * kCT + ct), row_sum[0], row_sum[1]);
+          fence_acq_rel_gpu();
+          named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
+          if (e_tw == 0) st_release_gpu_u32(ws.flags + blockIdx.x * NUM_CONSUMERS + wg, 1u);
+          release(bar_q_empty + 8 * qb);
+          continue;
+        }
+        if (w.role == kRoleMerge) {
+          const float* slot = ws.partial + (i64)(blockIdx.x - 1) * kSlot;
+          if (e_tw == 0)
+            while (ld_acquire_gpu_u32(ws.flags + (blockIdx.x - 1) * NUM_CONSUMERS + wg) == 0u) {
+            }
+          named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
+          fence_acq_rel_gpu();
+          float m_b[2], l_b[2], c_a[2], c_b[2];
+          ld_global_f32x2(slot + 2 * ((kNO / 2) * kCT + ct), m_b[0], m_b[1]);
+          ld_global_f32x2(slot + 2 * ((kNO / 2 + 1) * kCT + ct), l_b[0], l_b[1]);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            // Maxima in log2 units; -inf (no key seen) gives a factor 0, or 1 on both sides.
+            const float m = fmax2(row_max[h], m_b[h]);
+            c_a[h] = (row_max[h] == m) ? 1.f : ex2(row_max[h] - m);
+            c_b[h] = (m_b[h] == m) ? 1.f : ex2(m_b[h] - m);
+            row_max[h] = m;
+            row_sum[h] = row_sum[h] * c_a[h] + l_b[h] * c_b[h];
+          }
+#pragma unroll
+          for (int q = 0; q < kNO / 2; ++q) {
+            float o0, o1;
+            ld_global_f32x2(slot + 2 * (q * kCT + ct), o0, o1);
+            acc_o[2 * q] = acc_o[2 * q] * c_a[q & 1] + o0 * c_b[q & 1];
+            acc_o[2 * q + 1] = acc_o[2 * q + 1] * c_a[q & 1] + o1 * c_b[q & 1];
+          }
+        }
+      }
       float inv_sum[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

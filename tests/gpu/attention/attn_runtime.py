@@ -607,6 +607,9 @@ class AttentionForward:
             if why:
                 raise ValueError(f"sm90 config {sm90_cfg.tag()}: {why}")
         # Masked calls use the default tile (the masked instantiations shipped).
+        if sm90_cfg is not None:
+            cuts = sm90_cfg.split_cuts(Sq, Sk, Hq, B, self.num_sms)
+            sm90_cfg = sm90_cfg.for_call(bool(causal), mask is not None, cuts)
         cfg = sm90_cfg or config or (default_config(D, self.arch, self.smem_limit, masked=True) if mask else
                                      choose_config(D, Sq, Sk, bool(causal), self.arch, self.smem_limit))
         self.last_config = cfg
@@ -646,7 +649,14 @@ class AttentionForward:
             tms = [sm.encode_tensor_map(self.driver, elem, t.data_ptr(), t.shape, t.stride(), rows)
                    for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
             grid = cfg.grid(Sq, Hq, B, self.num_sms)
-            sm.launch_sm90(self.driver, fn, grid, cfg, sm.smem_bytes_sm90(D, cfg), stream, p, *tms)
+            ws = None
+            if cfg.split:
+                nbytes, zbytes = sm.split_workspace_sm90(D, cfg, grid[0])
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+                buf[:zbytes].zero_()
+                self._split_ws_alive = buf  # until the next call (the launch is asynchronous)
+                ws = sm.AttnSplitWs(buf.data_ptr() + zbytes, buf.data_ptr())
+            sm.launch_sm90(self.driver, fn, grid, cfg, sm.smem_bytes_sm90(D, cfg), stream, p, *tms, ws=ws)
             return out, lse
         self.driver.launch(fn, grid, (cfg.num_warps * 32, 1, 1), smem_bytes(D, cfg, mask), stream, p)
         return out, lse

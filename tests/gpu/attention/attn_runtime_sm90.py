@@ -40,11 +40,13 @@ class Sm90Config:
     skip: bool = False  # OPTS kOptSkip: a consumer skips the key blocks none of its rows see
     pairs: bool = False  # OPTS kOptPairs: causal tiles handed out in pairs (x, num_m - 1 - x) of one head
     desc: bool = False  # OPTS kOptDesc: wgmma descriptors as the first one plus constant offsets
+    split: bool = False  # OPTS kOptSplit: the last rounds' tiles cut over the CTAs by key blocks (non-causal)
 
     @property
     def opts(self) -> int:
         """The kernel's OPTS template argument."""
-        return (1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0) | (8 if self.desc else 0)
+        return ((1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0) | (8 if self.desc else 0)
+                | (16 if self.split else 0))
 
     @property
     def block_m(self) -> int:
@@ -57,15 +59,29 @@ class Sm90Config:
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
                 f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}{'d' if self.desc else ''}"
-                f"{'' if self.persistent else 'n'}")
+                f"{'w' if self.split else ''}{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(n?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(9),
-                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(10),
+                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)), bool(m.group(9)))
+
+    def for_call(self, causal: bool, masked: bool, cuts: bool = True) -> "Sm90Config":
+        """The config a call runs (C++ AttnSm90Tile::for_call): kOptSplit only for non-causal, unmasked
+        calls whose tiles it cuts (`cuts`: split_cuts)."""
+        keep = self.split and not causal and not masked and cuts
+        return self if keep or not self.split else dataclasses.replace(self, split=False)
+
+    def split_cuts(self, seqlen_q: int, seqlen_k: int, heads_q: int, batch: int, num_sms: int) -> bool:
+        """Whether the split tail cuts any tile (C++ plan_sm90): tiles that do not fill whole rounds of a
+        persistent grid, and the kernel's 32-bit tail arithmetic."""
+        tiles = -(-seqlen_q // self.block_m) * heads_q * batch
+        g = self.grid(seqlen_q, heads_q, batch, num_sms)[0]
+        nb = -(-seqlen_k // self.block_n)
+        return tiles > g and tiles % g != 0 and 2 * g * nb < 2**31 - 1
 
     def grid(self, seqlen_q: int, heads_q: int, batch: int, num_sms: int):
         tiles = -(-seqlen_q // self.block_m) * heads_q * batch
@@ -84,9 +100,9 @@ class Sm90Config:
 # the H200 run at 487e149 (inside the two rounds' spreads; causal lost
 # 0.2-1% with it, so causal keeps "pl").
 DEFAULT_SM90 = {
-    (64, False): Sm90Config(128, 3, 4, True, desc=True),
+    (64, False): Sm90Config(128, 3, 4, True, desc=True, split=True),
     (64, True): Sm90Config(128, 3, 4, True, pairs=True),
-    (128, False): Sm90Config(128, 2, 2, True, desc=True),
+    (128, False): Sm90Config(128, 2, 2, True, desc=True, split=True),
     (128, True): Sm90Config(128, 2, 2, True, pairs=True),
 }
 # The previous non-causal defaults, the overlap options, and (branch
@@ -96,8 +112,11 @@ VARIANT_SM90 = {
     64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True)],
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
           Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True),
-          Sm90Config(176, 2, 2, True, desc=True)],
+          Sm90Config(176, 2, 2, True, desc=True), Sm90Config(128, 2, 2, True, desc=True)],
 }
+# The non-causal default without the split tail (tag "w": the last rounds' tiles cut over the CTAs;
+# non-causal only, a causal call of a "w" tile runs the tile without it).
+VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True))
 
 
 def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
@@ -105,7 +124,9 @@ def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm
     16-28 bytes (D = 128, causal, key padding) where the plain tile spills
     none; "d" was not measured with a mask (C++: attn_sm90_default_tile)."""
     cfg = DEFAULT_SM90[(head_dim, bool(causal))]
-    return dataclasses.replace(cfg, pairs=False, desc=False) if masked else cfg
+    if os.environ.get("OPFUSE_ATTN_SM90_SPLIT") == "0":
+        cfg = dataclasses.replace(cfg, split=False)
+    return dataclasses.replace(cfg, pairs=False, desc=False, split=False) if masked else cfg
 
 
 def configs_sm90(head_dim: int):
@@ -157,10 +178,11 @@ def all_instantiations_sm90():
         for cfg in configs_sm90(d):
             for elem in ar.ELEMENTS:
                 for causal in (False, True):
-                    e = name_expression_sm90(elem, d, causal, cfg)
+                    c = cfg.for_call(causal, False)  # (the CI compile: every kernel a call can run)
+                    e = name_expression_sm90(elem, d, causal, c)
                     if e not in seen:
                         seen.add(e)
-                        out.append((elem, d, causal, cfg))
+                        out.append((elem, d, causal, c))
     return out
 
 
@@ -260,9 +282,24 @@ def encode_tensor_map(driver: ar.CudaDriver, elem: str, ptr: int, shape, strides
     return m
 
 
-def launch_sm90(driver: ar.CudaDriver, fn, grid, cfg: Sm90Config, smem: int, stream, params, tm_q, tm_k, tm_v):
-    """grid: cfg.grid(...) (persistent CTAs loop over the tiles)."""
-    args = (ctypes.c_void_p * 4)(*(ctypes.cast(ctypes.pointer(x), ctypes.c_void_p) for x in (params, tm_q, tm_k, tm_v)))
+class AttnSplitWs(ctypes.Structure):
+    """The kernel's fifth argument (kOptSplit): partials and flags, or nulls."""
+    _fields_ = [("partial", ctypes.c_void_p), ("flags", ctypes.c_void_p)]
+
+
+def split_workspace_sm90(head_dim: int, cfg: Sm90Config, grid_x: int):
+    """(bytes, flag bytes to zero first) of a kOptSplit launch's workspace: the flags
+    (grid_x * consumers u32, padded to 256 bytes), then each CTA's partials slot."""
+    flags = -(-grid_x * cfg.consumers * 4 // 256) * 256
+    return flags + grid_x * 128 * cfg.consumers * (head_dim // 2 + 4) * 4, flags
+
+
+def launch_sm90(driver: ar.CudaDriver, fn, grid, cfg: Sm90Config, smem: int, stream, params, tm_q, tm_k, tm_v,
+                ws: AttnSplitWs | None = None):
+    """grid: cfg.grid(...) (persistent CTAs loop over the tiles); ws: the split workspace (kOptSplit)."""
+    ws = ws if ws is not None else AttnSplitWs()
+    args = (ctypes.c_void_p * 5)(*(ctypes.cast(ctypes.pointer(x), ctypes.c_void_p)
+                                   for x in (params, tm_q, tm_k, tm_v, ws)))
     driver.check(driver.lib.cuLaunchKernel(fn, grid[0], grid[1], grid[2], cfg.num_threads, 1, 1, smem,
                                            ctypes.c_void_p(stream), args, None), "cuLaunchKernel(sm90)")
 

@@ -258,4 +258,10 @@ def test_sm90_persistent_grid_matches_one_cta_per_tile(fwd, D, cfg, causal, shap
     assert cfg.persistent and cfg.grid(Sq, Hq, B, fwd.num_sms)[0] < -(-Sq // cfg.block_m) * Hq * B
     o1, l1 = run_and_check(fwd, q, k, v, causal, config=cfg)
     o2, l2 = run_and_check(fwd, q, k, v, causal, config=dataclasses.replace(cfg, persistent=False))
-    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    if cfg.split and not causal and cfg.split_cuts(Sq, Sk, Hq, B, fwd.num_sms):
+        # The split tail merged cut tiles (other float32 sums): not bit-identical to
+        # uncut tiles, but to itself (the merge order is fixed).
+        o3, l3 = run_and_check(fwd, q, k, v, causal, config=cfg)
+        assert torch.equal(o1, o3) and torch.equal(l1, l3)
+    else:
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
