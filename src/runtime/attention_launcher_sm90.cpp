@@ -68,13 +68,13 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
          (pingpong ? "p" : "") + (overlap ? "o" : "") + (skip ? "k" : "") + (pairs ? "l" : "") +
-         (desc ? "d" : "") + (split ? "w" : "") + (lazy ? "r" : "") + (persistent ? "" : "n");
+         (desc ? "d" : "") + (split ? "w" : "") + (persistent ? "" : "n");
 }
 
 bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
 
 AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
-  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(r?)(n?))");
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
     throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
@@ -88,8 +88,7 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.pairs = m[7].length() > 0;
   t.desc = m[8].length() > 0;
   t.split = m[9].length() > 0;
-  t.lazy = m[10].length() > 0;
-  t.persistent = m[11].length() == 0;
+  t.persistent = m[10].length() == 0;
   return t;
 }
 
@@ -102,11 +101,10 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
   // descriptors by offset ("d", 1-2% on the H200 at 487e149) and the split
   // tail ("w", docs/attention.md), unless masked (not measured with a mask).
   // OPFUSE_ATTN_SM90_SPLIT=0 leaves the split out.
-  // Unmasked calls also move their maxima lazily ("r", docs/attention.md).
-  const bool pairs = causal && !masked, desc = !causal && !masked, lazy = !masked;
+  const bool pairs = causal && !masked, desc = !causal && !masked;
   const bool split = desc && attn_sm90_split_enabled();
-  if (head_dim == 64) return {128, 3, 4, true, true, false, false, pairs, desc, split, lazy};
-  if (head_dim == 128) return {128, 2, 2, true, true, false, false, pairs, desc, split, lazy};
+  if (head_dim == 64) return {128, 3, 4, true, true, false, false, pairs, desc, split};
+  if (head_dim == 128) return {128, 2, 2, true, true, false, false, pairs, desc, split};
   throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
 }
 
@@ -117,16 +115,10 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   if (head_dim == 128)
     r.insert(r.end(), {{128, 2, 2, true, true, true, false, false}, {128, 2, 2, true, true, true, false, true}});
   // The non-causal default with and without the split tail (a causal call
-  // of a "w" tile runs the plain instantiation), and both defaults without
-  // the lazy maxima.
+  // of a "w" tile runs the plain instantiation).
   AttnSm90Tile t = attn_sm90_default_tile(head_dim, false);
   t.split = !t.split;
   r.push_back(t);
-  for (bool causal : {false, true}) {
-    t = attn_sm90_default_tile(head_dim, causal);
-    t.lazy = !t.lazy;
-    r.push_back(t);
-  }
   return r;
 }
 

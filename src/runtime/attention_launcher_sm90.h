@@ -29,14 +29,12 @@ namespace opfuse::attention {
 // split ("w", non-causal calls without an attn_mask only): the tiles of the
 // last one or two rounds cut over the CTAs by key blocks, the two pieces of a
 // cut tile merged through a workspace (docs/attention.md, "split tail").
-// lazy ("r"): the running maxima move (and O is rescaled) only when a new
-// maximum passes the one in use by more than 2^8 (docs/attention.md).
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
   bool pingpong = true, persistent = true;
-  bool overlap = false, skip = false, pairs = false, desc = false, split = false, lazy = false;
+  bool overlap = false, skip = false, pairs = false, desc = false, split = false;
   int opts() const {
-    return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0) | (split ? 16 : 0) | (lazy ? 32 : 0);
+    return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0) | (split ? 16 : 0);
   }
   // The tile a call runs: without the split when it does not apply (causal,
   // an attn_mask) or `fits` is false (no workspace, or too many iterations).

@@ -312,17 +312,6 @@ constexpr int kOptDesc = 8;
 // tiles cut over the CTAs by key blocks (cta_split_tile); the kernel's fifth
 // argument (AttnSplitWs) carries the partials and flags.
 constexpr int kOptSplit = 16;
-// kOptLazyRescale (tag letter "r"): a warp moves its rows' running maxima
-// (and rescales O and the sums) only when a row's new maximum passes the
-// one in use by more than kLazySlack (log2 units), so P = exp2(s - max) stays
-// below 2^8 = 256: exact in bf16 / f16 to the same relative precision, and
-// the float32 sums and O have the range. The rescale (64 multiplies a thread
-// at D = 128, with the vote and branch) then runs about once a tile instead
-// of on most key blocks while the maxima still grow: with random scores a
-// warp's 16 rows see a new maximum in block k with probability about
-// 1 - (1 - 1/k)^16, 64% at k = 16.
-constexpr int kOptLazyRescale = 32;
-constexpr float kLazySlack = 8.f;
 
 // Descriptor `d` with its start address moved by `bytes` (a multiple of 16).
 // Exact: every shared-memory address of the CTA is below 2^18 (the 14-bit
@@ -634,8 +623,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
           mx = fmax2(mx, shfl_xor(mx, 1));
           mx = fmax2(mx, shfl_xor(mx, 2));
           m_new[h] = mx * sl2;  // -inf for a row whose keys are all masked
-          // (-inf + slack is -inf: a row's first finite maximum always moves it)
-          grow |= m_new[h] > row_max[h] + ((OPTS & kOptLazyRescale) ? kLazySlack : 0.f);
+          grow |= m_new[h] > row_max[h];
         }
         // The warp rescales only when one of its rows' max grew (uniform branch).
         grow_any = vote_any(grow);

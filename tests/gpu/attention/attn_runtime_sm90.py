@@ -41,13 +41,12 @@ class Sm90Config:
     pairs: bool = False  # OPTS kOptPairs: causal tiles handed out in pairs (x, num_m - 1 - x) of one head
     desc: bool = False  # OPTS kOptDesc: wgmma descriptors as the first one plus constant offsets
     split: bool = False  # OPTS kOptSplit: the last rounds' tiles cut over the CTAs by key blocks (non-causal)
-    lazy: bool = False  # OPTS kOptLazyRescale: the running maxima move only when passed by more than 2^8
 
     @property
     def opts(self) -> int:
         """The kernel's OPTS template argument."""
         return ((1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0) | (8 if self.desc else 0)
-                | (16 if self.split else 0) | (32 if self.lazy else 0))
+                | (16 if self.split else 0))
 
     @property
     def block_m(self) -> int:
@@ -60,16 +59,15 @@ class Sm90Config:
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
                 f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}{'d' if self.desc else ''}"
-                f"{'w' if self.split else ''}{'r' if self.lazy else ''}{'' if self.persistent else 'n'}")
+                f"{'w' if self.split else ''}{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(r?)(n?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(11),
-                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)), bool(m.group(9)),
-                          bool(m.group(10)))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(10),
+                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)), bool(m.group(9)))
 
     def for_call(self, causal: bool, masked: bool, cuts: bool = True) -> "Sm90Config":
         """The config a call runs (C++ AttnSm90Tile::for_call): kOptSplit only for non-causal, unmasked
@@ -102,10 +100,10 @@ class Sm90Config:
 # the H200 run at 487e149 (inside the two rounds' spreads; causal lost
 # 0.2-1% with it, so causal keeps "pl").
 DEFAULT_SM90 = {
-    (64, False): Sm90Config(128, 3, 4, True, desc=True, split=True, lazy=True),
-    (64, True): Sm90Config(128, 3, 4, True, pairs=True, lazy=True),
-    (128, False): Sm90Config(128, 2, 2, True, desc=True, split=True, lazy=True),
-    (128, True): Sm90Config(128, 2, 2, True, pairs=True, lazy=True),
+    (64, False): Sm90Config(128, 3, 4, True, desc=True, split=True),
+    (64, True): Sm90Config(128, 3, 4, True, pairs=True),
+    (128, False): Sm90Config(128, 2, 2, True, desc=True, split=True),
+    (128, True): Sm90Config(128, 2, 2, True, pairs=True),
 }
 # The previous non-causal defaults, the overlap options, and (branch
 # attn-fwd-4) 176-key blocks at D = 128: FlashAttention-3's non-causal tile
@@ -114,11 +112,8 @@ VARIANT_SM90 = {
     64: [Sm90Config(128, 3, 4, True), Sm90Config(128, 3, 4, True, pairs=True)],
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
           Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True),
-          Sm90Config(176, 2, 2, True, desc=True), Sm90Config(128, 2, 2, True, desc=True),
-          Sm90Config(128, 2, 2, True, desc=True, split=True)],
+          Sm90Config(176, 2, 2, True, desc=True), Sm90Config(128, 2, 2, True, desc=True)],
 }
-# The defaults without the lazy maxima (tag "r").
-VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True, split=True))
 # The non-causal default without the split tail (tag "w": the last rounds' tiles cut over the CTAs;
 # non-causal only, a causal call of a "w" tile runs the tile without it).
 VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True))
@@ -131,7 +126,7 @@ def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm
     cfg = DEFAULT_SM90[(head_dim, bool(causal))]
     if os.environ.get("OPFUSE_ATTN_SM90_SPLIT") == "0":
         cfg = dataclasses.replace(cfg, split=False)
-    return dataclasses.replace(cfg, pairs=False, desc=False, split=False, lazy=False) if masked else cfg
+    return dataclasses.replace(cfg, pairs=False, desc=False, split=False) if masked else cfg
 
 
 def configs_sm90(head_dim: int):
