@@ -8,7 +8,8 @@ D = 64 / 128 attention_fwd_sm90.cu + attention_bwd_sm90.cu; "opfuse:bwd-mma"
 times the mma.sync backward of attention_bwd.cu beside it; atomic dQ;
 "opfuse-det" the deterministic mode, which stays on mma.sync); PyTorch SDPA's flash and
 cuDNN backends fwd+bwd (autograd) in the same run. Median of
-triton.testing.do_bench; writes JSON records (suite attention_fwd_bwd) to --out.
+triton.testing.do_bench; writes JSON records (suite attention_fwd_bwd) to
+--out/attention_fwd_bwd-<UTC time>-<commit>.json.
 
     python tests/gpu/attention/bench_attention_bwd.py --out $OUT [--seqlens 2048,4096] [--no-det]
 """
@@ -27,7 +28,7 @@ import torch  # noqa: E402
 
 import attn_bwd_runtime as br  # noqa: E402
 import attn_runtime as ar  # noqa: E402
-from bench_attention_fwd import commit_id, print_ratio_table, time_rounds  # noqa: E402
+from bench_attention_fwd import commit_id, print_ratio_table, results_name, time_rounds  # noqa: E402
 
 
 def main(argv=None):
@@ -146,7 +147,7 @@ def main(argv=None):
                     record(case, name, "ms", round(ms, 4))
                 rows.append(row)
                 out_dir.mkdir(parents=True, exist_ok=True)  # after every case: a cut run keeps what it measured
-                (out_dir / "bench_attention_bwd.json").write_text(json.dumps(records, indent=1))
+                (out_dir / results_name("attention_fwd_bwd", commit)).write_text(json.dumps(records, indent=1))
                 print(f"{case:34} grad maxdiff vs flash {diff:.2e}  " +
                       "  ".join(f"{n}={row[n]:.0f}" for n in impls if n in row), flush=True)
                 del q, k, v, dout, o, lse, grads, qg, kg, vg

@@ -5,7 +5,8 @@ hidden 2048 (H = 2048 / D), 16k tokens (B = 16384 / S), bf16, S in
 FLOPs = 4 * B * H * S * S * D (halved when causal), median time of
 triton.testing.do_bench (CUDA events). PyTorch SDPA's flash and cuDNN backends
 are timed in the same run. Prints a table; writes JSON records
-(suite, case, impl, metric, value, floor, commit, date) to --out.
+(suite, case, impl, metric, value, floor, commit, date) to
+--out/attention_fwd-<UTC time>-<commit>.json.
 
     python tests/gpu/attention/bench_attention_fwd.py --out $OUT [--variants] [--quick]
 """
@@ -122,6 +123,13 @@ def variant_tiles(sm, tags, D, causal):
     return out
 
 
+def results_name(suite: str, commit: str) -> str:
+    """<suite>-<UTC time>-<commit>.json: the JSON file of one run (same name for the whole run)."""
+    if not hasattr(results_name, "stamp"):
+        results_name.stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{suite}-{results_name.stamp}-{commit}.json"
+
+
 def gemm_ceiling() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -233,7 +241,8 @@ def main(argv=None):
 
     out_dir = pathlib.Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_attention_fwd.json").write_text(json.dumps(records, indent=1))
+    # One file a run (two runs into one folder used to overwrite each other).
+    (out_dir / results_name("attention_fwd", commit)).write_text(json.dumps(records, indent=1))
 
     names = []
     for r in rows:
