@@ -335,18 +335,27 @@ AttnFwdParams attn_make_params(const AttnForwardArgs& a) {
   return p;
 }
 
+namespace {
+
+// A context's device facts, read once per context (the caller holds mu()).
+const AttnDevice& context_device(CUcontext ctx, CUdevice dev) {
+  static std::map<CUcontext, AttnDevice> devices;
+  AttnDevice& info = devices[ctx];
+  if (info.arch == 0) info = attn_device(dev);
+  return info;
+}
+
+}  // namespace
+
 AttnWorkspace attn_forward_workspace(const AttnForwardArgs& a) {
   if (std::string why = attn_unsupported_reason(a); !why.empty()) throw std::invalid_argument("attention kernel: " + why);
   if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0) return {};
   CUdevice dev = 0;
   CUcontext ctx = launcher_context(a.device, &dev);
-  static std::map<CUcontext, AttnDevice> devices;
   int arch = 0;
   {
     std::lock_guard<std::mutex> lock(mu());
-    AttnDevice& info = devices[ctx];
-    if (info.arch == 0) info = attn_device(dev);
-    arch = info.arch;
+    arch = context_device(ctx, dev).arch;
   }
   if (!(AttnSm90Tile::is_tag(a.tile) || (a.tile.empty() && arch == 90))) return {};
   if (!attn_sm90_unsupported_reason(a, arch).empty()) return {};
@@ -361,12 +370,10 @@ void attn_forward_cuda(const AttnForwardArgs& a, CUstream stream) {
   CUdevice dev = 0;
   CUcontext ctx = launcher_context(a.device, &dev);
 
-  static std::map<CUcontext, AttnDevice> devices;
   static std::map<std::tuple<CUcontext, std::string>, LoadedFn> functions;
 
   std::lock_guard<std::mutex> lock(mu());
-  AttnDevice& info = devices[ctx];
-  if (info.arch == 0) info = attn_device(dev);
+  const AttnDevice& info = context_device(ctx, dev);
   if (info.arch < 80) throw std::invalid_argument("attention kernel needs sm_80 or newer");
   // sm_90: the Hopper kernel (attention_launcher_sm90.h) for the head dims it
   // covers, unless an mma.sync tile is asked for or OPFUSE_ATTN_SM90=0.

@@ -186,6 +186,10 @@ def _kernel_mask(attn_mask, B, Hq, Sq, Sk, q_dtype):
     return kind, e, list(e.stride())
 
 
+# (elem, sizes, causal, mask kind, device, OPFUSE_ATTN_SM90_SPLIT) -> attention_cuda_workspace's answer
+_split_workspace: dict = {}
+
+
 def _forward_cuda_kernel(q, k, v, causal, scale, attn_mask=None):
     q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
     B, Hq, Sq, D = q.shape
@@ -203,8 +207,10 @@ def _forward_cuda_kernel(q, k, v, causal, scale, attn_mask=None):
     # whole rounds of SMs) merges cut tiles through a workspace whose flags
     # start at zero: from PyTorch's allocator on this stream, so CUDA graphs
     # capture the zeroing with the launch.
-    ws_bytes, ws_zero = _C.attention_cuda_workspace(elem, ptrs, sizes, strides, bool(causal), float(scale), "",
-                                                    q.device.index, mkind, mptr, mstrides)
+    # Its size depends on the shape, not the data: asked once per shape.
+    key = (elem, tuple(sizes), bool(causal), mkind, q.device.index, os.environ.get("OPFUSE_ATTN_SM90_SPLIT"))
+    ws_bytes, ws_zero = _split_workspace.get(key) or _split_workspace.setdefault(key, _C.attention_cuda_workspace(
+        elem, ptrs, sizes, strides, bool(causal), float(scale), "", q.device.index, mkind, mptr, mstrides))
     ws = None
     if ws_bytes:
         ws = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device)
