@@ -1,6 +1,7 @@
 #include "runtime/attention_launcher_sm90.h"
 
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -99,10 +100,11 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
   // schedule (15% faster at D = 128, S = 2048 on the H200; docs/attention.md)
   // unless masked (pairs with a mask spilled); non-causal ones with the
   // descriptors by offset ("d", 1-2% on the H200 at 487e149) and the split
-  // tail ("w", docs/attention.md), unless masked (not measured with a mask).
+  // tail ("w", docs/attention.md), unless masked (not measured with a mask);
+  // causal ones with the pairs schedule's tail split ("lw").
   // OPFUSE_ATTN_SM90_SPLIT=0 leaves the split out.
   const bool pairs = causal && !masked, desc = !causal && !masked;
-  const bool split = desc && attn_sm90_split_enabled();
+  const bool split = !masked && attn_sm90_split_enabled();
   if (head_dim == 64) return {128, 3, 4, true, true, false, false, pairs, desc, split};
   if (head_dim == 128) return {128, 2, 2, true, true, false, false, pairs, desc, split};
   throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
@@ -114,16 +116,19 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   // {block_n, consumers, stages, pingpong, persistent, overlap, skip, pairs}
   if (head_dim == 128)
     r.insert(r.end(), {{128, 2, 2, true, true, true, false, false}, {128, 2, 2, true, true, true, false, true}});
-  // The non-causal default with and without the split tail (a causal call
-  // of a "w" tile runs the plain instantiation).
-  AttnSm90Tile t = attn_sm90_default_tile(head_dim, false);
-  t.split = !t.split;
-  r.push_back(t);
+  // The defaults with and without the split tail.
+  for (bool causal : {false, true}) {
+    AttnSm90Tile t = attn_sm90_default_tile(head_dim, causal);
+    t.split = !t.split;
+    r.push_back(t);
+  }
   return r;
 }
 
 int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t) {
-  const int q = t.block_m() * head_dim * 2, kv = t.block_n * head_dim * 2, rest = 2 * t.stages * kv + 8 * (4 + 4 * t.stages) + 1024;
+  // + 32: the causal split's schedule after the mbarriers
+  const int q = t.block_m() * head_dim * 2, kv = t.block_n * head_dim * 2,
+            rest = 2 * t.stages * kv + 8 * (4 + 4 * t.stages) + 32 + 1024;
   return (2 * q + rest <= 227 * 1024 ? 2 * q : q) + rest;
 }
 
@@ -196,6 +201,35 @@ int sm_count(CUcontext ctx) {
   return n;
 }
 
+}  // namespace
+
+bool attn_sm90_causal_split_cuts(int64_t seqlen_q, int64_t seqlen_k, int block_m, int block_n, int64_t heads_batch,
+                                 int64_t grid) {
+  // Mirrors CausalTail / causal_tail_schedule (attention_fwd_sm90.cu).
+  const int64_t num_m = (seqlen_q + block_m - 1) / block_m, tiles = num_m * heads_batch;
+  if (seqlen_q <= 0 || seqlen_k <= 0 || grid <= 0 || tiles <= grid || num_m > INT32_MAX / 2) return false;
+  auto blocks = [&](int64_t m) {  // tile_key_blocks, causal
+    const int64_t m_end = std::min((m + 1) * block_m, seqlen_q);
+    const int64_t key_end = std::min(m_end + seqlen_k - seqlen_q, seqlen_k);
+    return key_end > 0 ? (key_end + block_n - 1) / block_n : int64_t{0};
+  };
+  const int64_t p2 = num_m / 2, np = p2 * heads_batch;
+  const int64_t j0 = std::max<int64_t>(np / grid - 1, 0) * grid;
+  int64_t H = 0, c_j0 = 0;
+  for (int64_t q = 0; q < p2; ++q) {
+    const int64_t L = blocks(num_m - 1 - q) + blocks(q);
+    H += L;
+    if (q < j0 % p2) c_j0 += L;
+  }
+  if (p2 > 0) c_j0 += j0 / p2 * H;
+  const int64_t T = heads_batch * H - c_j0 + ((num_m & 1) ? heads_batch * blocks(num_m / 2) : 0);
+  // The kernel's tile and item indices are 32-bit; a range of at least the
+  // longest tile (the last query block's) cuts a tile at most once.
+  return np < INT32_MAX / 2 && heads_batch < INT32_MAX && T / grid >= blocks(num_m - 1);
+}
+
+namespace {
+
 // How a call runs: the tile (its split resolved), the grid and, with the
 // split, the workspace the kernel needs (AttnSplitWs in attention_fwd_sm90.cu).
 struct Sm90Plan {
@@ -216,8 +250,12 @@ Sm90Plan plan_sm90(const AttnForwardArgs& a, CUcontext ctx) {
   // The split changes nothing when the tiles fill whole rounds (or one CTA
   // has each tile); the kernel's tail arithmetic is 32-bit: at most 2 G
   // tiles of nb key blocks.
+  // Causal (pairs): the pairs schedule's tail when every range holds at least
+  // the longest tile.
   const int64_t nb = (a.seqlen_k + pl.tile.block_n - 1) / pl.tile.block_n;
-  const bool cuts = tiles > pl.grid_x && tiles % pl.grid_x != 0 && 2 * int64_t{pl.grid_x} * nb < INT32_MAX;
+  const bool cuts = a.causal ? attn_sm90_causal_split_cuts(a.seqlen_q, a.seqlen_k, pl.tile.block_m(), pl.tile.block_n,
+                                                           a.heads_q * a.batch, pl.grid_x)
+                             : tiles > pl.grid_x && tiles % pl.grid_x != 0 && 2 * int64_t{pl.grid_x} * nb < INT32_MAX;
   pl.tile = pl.tile.for_call(a.causal, masked, cuts);
   if (pl.tile.split) {
     // flags (grid x consumers u32, 256-byte padded), then a slot of

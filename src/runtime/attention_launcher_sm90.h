@@ -26,9 +26,10 @@ namespace opfuse::attention {
 // of its rows see; pairs ("l"): causal tiles handed out in pairs of query
 // blocks (x, last - x) of one head (equal work per pair, few heads in L2);
 // desc ("d"): each wgmma's descriptors as the product's first plus a constant.
-// split ("w", non-causal calls without an attn_mask only): the tiles of the
-// last one or two rounds cut over the CTAs by key blocks, the two pieces of a
-// cut tile merged through a workspace (docs/attention.md, "split tail").
+// split ("w", calls without an attn_mask; causal ones with pairs): the tiles
+// of the last one or two rounds (causal: of the pairs schedule's last item
+// rounds and its middles) cut over the CTAs by key blocks, the two pieces of
+// a cut tile merged through a workspace (docs/attention.md, "split tail").
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
   bool pingpong = true, persistent = true;
@@ -36,11 +37,14 @@ struct AttnSm90Tile {
   int opts() const {
     return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0) | (split ? 16 : 0);
   }
-  // The tile a call runs: without the split when it does not apply (causal,
-  // an attn_mask) or `fits` is false (no workspace, or too many iterations).
+  // The tile a call runs: without the split when it does not apply (an
+  // attn_mask; causal without pairs) or `fits` is false (nothing to cut, no
+  // workspace, too many iterations); a non-causal split without pairs (which
+  // only order causal tiles).
   AttnSm90Tile for_call(bool causal, bool masked, bool fits = true) const {
     AttnSm90Tile t = *this;
-    t.split = split && !causal && !masked && fits;
+    t.split = split && !masked && fits && (!causal || pairs);
+    if (t.split && !causal) t.pairs = false;
     return t;
   }
   int block_m() const { return 64 * consumers; }
@@ -88,6 +92,12 @@ struct AttnTensorMap {
 };
 AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&strides)[3], int64_t batch, int64_t heads,
                                    int64_t seqlen, int head_dim, int box_rows, const char* what);
+
+// Whether the causal split cuts a call's pairs schedule: more tiles than the
+// grid, and every CTA's tail range at least the longest tile (a tile is then
+// cut at most once; mirrors causal_tail_schedule in attention_fwd_sm90.cu).
+bool attn_sm90_causal_split_cuts(int64_t seqlen_q, int64_t seqlen_k, int block_m, int block_n, int64_t heads_batch,
+                                 int64_t grid);
 
 // The split tail's workspace for a call the Hopper kernel takes (attn_forward_workspace).
 AttnWorkspace attn_sm90_workspace(const AttnForwardArgs& a, CUcontext ctx);

@@ -90,7 +90,10 @@ struct Sm90Tile {
   static constexpr int kChunks64 = HEAD_DIM / 64;  // 128-byte column chunks of a row
   static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
   static constexpr int kKVBytes = BLOCK_N * HEAD_DIM * 2;  // one K or one V tile
-  static constexpr int kBarBytes = 8 * (4 + 4 * STAGES);
+  // mbarriers (Q full / empty x 2, K and V full / empty a stage), then 32
+  // bytes for the causal split's schedule (causal_tail_schedule)
+  static constexpr int kBarBytes = 8 * (4 + 4 * STAGES) + 32;
+  static constexpr int kOffTailSched = 8 * (4 + 4 * STAGES);  // from kOffBar
   static constexpr int kLimit = 227 * 1024;
   // Two Q buffers when they fit: the next tile's Q then loads while this
   // tile's O is staged through (and stored from) its own Q buffer.
@@ -132,6 +135,18 @@ struct TileWork {
 };
 constexpr int kRoleFull = 0, kRoleWrite = 1, kRoleMerge = 2;
 
+// Key blocks [0, n) that some row of query block m_block sees (the same for
+// every head): all of Sk, or (causal, aligned bottom-right) up to the last
+// row's diagonal; 0 when no row sees a key (causal, Sq > Sk).
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int tile_key_blocks(const AttnFwdParams& p, int m_block) {
+  const int Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const int m_end = (m_block * BLOCK_M + BLOCK_M < Sq) ? m_block * BLOCK_M + BLOCK_M : Sq;
+  int key_end = Sk;
+  if (IS_CAUSAL) key_end = (m_end + Sk - Sq < Sk) ? m_end + Sk - Sq : Sk;
+  return key_end > 0 ? (key_end + BLOCK_N - 1) / BLOCK_N : 0;
+}
+
 // The tile of query block m_block of (batch, head) hb = batch * Hq + head.
 template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
 __device__ __forceinline__ TileWork tile_at(const AttnFwdParams& p, int hb, int m_block) {
@@ -141,10 +156,7 @@ __device__ __forceinline__ TileWork tile_at(const AttnFwdParams& p, int hb, int 
   w.head_kv = w.head / p.q_per_kv;
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
   w.m_start = m_block * BLOCK_M;
-  const int m_end = (w.m_start + BLOCK_M < Sq) ? w.m_start + BLOCK_M : Sq;
-  int key_end = Sk;
-  if (IS_CAUSAL) key_end = (m_end + Sk - Sq < Sk) ? m_end + Sk - Sq : Sk;
-  w.n_blocks = key_end > 0 ? (key_end + BLOCK_N - 1) / BLOCK_N : 0;
+  w.n_blocks = tile_key_blocks<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, m_block);
   // Keys [0, full_end) are visible to every row of the tile.
   int full_end = Sk;
   if (IS_CAUSAL) full_end = (w.m_start + Sk - Sq + 1 < Sk) ? w.m_start + Sk - Sq + 1 : Sk;
@@ -268,6 +280,172 @@ __device__ __forceinline__ int cta_split_tile(const AttnFwdParams& p, int num_m,
   return -1;
 }
 
+// CAUSAL SPLIT (kOptSplit with kOptPairs): the pairs schedule's whole item
+// rounds first, R = NP / G - 1 of them (CTA i takes item r G + i, long tile
+// then short), then its tail: the pair items [R G, NP) (two tiles each, long
+// then short) followed by the middles, laid out as one line of key-block
+// iterations and cut into G equal ranges, as cta_split_tile does with equal
+// tiles. Causal tiles differ in length, so where a range starts and ends is a
+// search over the line's offsets, which are periodic in the pair index (every
+// (batch, head) repeats the same P2 item lengths): one division finds the
+// head, at most P2 steps the item. One thread of each CTA finds its two
+// boundaries before the role split (causal_tail_schedule) and leaves them in
+// shared memory for every slot to read. The launcher cuts only when every
+// range holds at least the longest tile, so a tile is cut at most once.
+// Zero-length tiles (causal, Sq > Sk) go whole to the CTA whose range holds
+// their offset (the last CTA also takes those at the line's end).
+template <int BLOCK_M, int BLOCK_N>
+struct CausalTail {
+  int num_m, p2, np, j0, n_pair_tiles;
+  __device__ __forceinline__ CausalTail(const AttnFwdParams& p, int num_m_) : num_m(num_m_) {
+    const int G = (int)gridDim.x;
+    p2 = num_m / 2;  // pairs a head
+    np = p2 * p.heads_q * p.batch;
+    j0 = (np / G - 1 > 0 ? np / G - 1 : 0) * G;  // items of the whole rounds
+    n_pair_tiles = 2 * (np - j0);
+  }
+  __device__ __forceinline__ int rounds() const { return j0 / (int)gridDim.x; }
+  __device__ __forceinline__ int blocks(const AttnFwdParams& p, int m) const {
+    return tile_key_blocks<true, BLOCK_M, BLOCK_N>(p, m);
+  }
+  // Iterations of pair item pr of a head: its long and its short tile.
+  __device__ __forceinline__ int item_blocks(const AttnFwdParams& p, int pr) const {
+    return blocks(p, num_m - 1 - pr) + blocks(p, pr);
+  }
+};
+
+// One end of a CTA's tail range: the first tail tile at or after the range
+// boundary x, and rem = that tile's offset - x (> 0: tile f - 1 is cut at x,
+// its last rem iterations, key blocks [0, rem), on the far side).
+struct TailBound {
+  int f, rem;
+};
+
+// Offsets of the line: item j starts at C(j) = (j / P2) H + sum of the first
+// j % P2 item lengths (absolute, from item 0; H a head's sum), the middles
+// after C(NP), each Lm long. The smallest tile whose offset is >= x.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ TailBound causal_tail_find(const AttnFwdParams& p, const CausalTail<BLOCK_M, BLOCK_N>& ct,
+                                                   i64 H, i64 c_j0, i64 lm, i64 x) {
+  const i64 X = c_j0 + x;
+  const i64 c_np = (i64)(ct.np / (ct.p2 > 0 ? ct.p2 : 1)) * H;
+  TailBound b;
+  if (X > c_np) {  // in the middles (lm > 0: the line reaches past C(NP))
+    const i64 q = (X - c_np + lm - 1) / lm;
+    b.f = ct.n_pair_tiles + (int)q;
+    b.rem = (int)(c_np + q * lm - X);
+    return b;
+  }
+  // The smallest item j in [j0, NP] with C(j) >= X, and C(j).
+  int j = ct.j0;
+  i64 cj = c_j0;
+  if (X > c_j0 && H > 0) {
+    const i64 hd = (X - 1) / H;  // hd H < X <= (hd + 1) H
+    cj = hd * H;
+    int q = 0;
+    while (cj < X) cj += ct.item_blocks(p, q++);
+    j = (int)hd * ct.p2 + q;
+  }
+  b.f = j < ct.np ? 2 * (j - ct.j0) : ct.n_pair_tiles;
+  i64 o = cj;
+  if (j > ct.j0) {  // item j - 1 starts before X; its short tile may not
+    const int pr = (j - 1) % ct.p2;
+    const i64 o_short = cj - ct.item_blocks(p, pr) + ct.blocks(p, ct.num_m - 1 - pr);
+    if (o_short >= X) {
+      b.f = 2 * (j - 1 - ct.j0) + 1;
+      o = o_short;
+    }
+  }
+  b.rem = (int)(o - X);
+  return b;
+}
+
+// This CTA's causal split schedule into sched[8]: its tail range
+// [T i / G, T (i + 1) / G) as {start f, rem, end f, rem}, then the whole item
+// rounds R, the pairs a head P2 and the pair tiles of the tail.
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ void causal_tail_schedule(const AttnFwdParams& p, int num_m, int* sched) {
+  const CausalTail<BLOCK_M, BLOCK_N> ct(p, num_m);
+  const int G = (int)gridDim.x, i = (int)blockIdx.x;
+  i64 H = 0, c_j0 = 0;
+  const int j0_in = ct.p2 > 0 ? ct.j0 % ct.p2 : 0;
+  for (int q = 0; q < ct.p2; ++q) {
+    const int L = ct.item_blocks(p, q);
+    H += L;
+    if (q < j0_in) c_j0 += L;
+  }
+  if (ct.p2 > 0) c_j0 += (i64)(ct.j0 / ct.p2) * H;
+  const int hbs = p.heads_q * p.batch;
+  const i64 lm = (num_m & 1) ? ct.blocks(p, num_m / 2) : 0;
+  const i64 T = (i64)hbs * H - c_j0 + ((num_m & 1) ? (i64)hbs * lm : 0);
+  const TailBound s = causal_tail_find<BLOCK_M, BLOCK_N>(p, ct, H, c_j0, lm, T * i / G);
+  TailBound e;
+  if (i == G - 1) {
+    e.f = ct.n_pair_tiles + ((num_m & 1) ? hbs : 0);  // every tile to the end
+    e.rem = 0;
+  } else {
+    e = causal_tail_find<BLOCK_M, BLOCK_N>(p, ct, H, c_j0, lm, T * (i + 1) / G);
+  }
+  sched[0] = s.f;
+  sched[1] = s.rem;
+  sched[2] = e.f;
+  sched[3] = e.rem;
+  sched[4] = ct.rounds();
+  sched[5] = ct.p2;
+  sched[6] = ct.n_pair_tiles;
+  sched[7] = 0;
+}
+
+// Slot k of the causal split: the whole item rounds, then the tail range as
+// cta_split_tile runs it (the piece written out first, the whole tiles, the
+// piece merged last). `sched`: what causal_tail_schedule left in shared
+// memory (read at every slot rather than held in registers across the loop,
+// where the consumers have none to spare).
+template <int BLOCK_M, int BLOCK_N>
+__device__ __forceinline__ int cta_causal_split_tile(const AttnFwdParams& p, int num_m, int k, const int* sched,
+                                                     TileWork& w) {
+  const int G = (int)gridDim.x, i = (int)blockIdx.x;
+  const int R = sched[4], p2 = sched[5];
+  if (k < 2 * R) {
+    const int j = (k >> 1) * G + i, hb = j / p2, pr = j - hb * p2;
+    w = tile_at<true, BLOCK_M, BLOCK_N>(p, hb, (k & 1) ? pr : num_m - 1 - pr);
+    return 1;
+  }
+  const int f_s = sched[0], rem_s = sched[1], f_e = sched[2], rem_e = sched[3];
+  // Tail tile u: pair tiles in item order (long first), then the middles.
+  auto tail_tile = [&](int u) {
+    const int j0 = R * G, n_pair_tiles = sched[6];
+    if (u < n_pair_tiles) {
+      const int j = j0 + u / 2, hb = j / p2, pr = j - hb * p2;
+      return tile_at<true, BLOCK_M, BLOCK_N>(p, hb, (u & 1) ? pr : num_m - 1 - pr);
+    }
+    return tile_at<true, BLOCK_M, BLOCK_N>(p, u - n_pair_tiles, num_m / 2);
+  };
+  int t = k - 2 * R;
+  if (rem_e > 0) {
+    if (t == 0) {
+      w = tail_tile(f_e - 1);
+      w.n_low = rem_e;  // visits blocks n_blocks - 1 down to rem_e
+      w.role = kRoleWrite;
+      return 1;
+    }
+    --t;
+  }
+  const int n_whole = f_e - (rem_e > 0 ? 1 : 0) - f_s;
+  if (t < n_whole) {
+    w = tail_tile(f_s + t);
+    return 1;
+  }
+  t -= n_whole;
+  if (rem_s > 0 && t == 0) {
+    w = tail_tile(f_s - 1);
+    w.n_blocks = rem_s;  // visits blocks rem_s - 1 down to 0
+    w.role = kRoleMerge;
+    return 1;
+  }
+  return -1;
+}
+
 // Where a CTA's partials of a cut tile go (kOptSplit; null otherwise): CTA
 // i's slot partial + i * 128 * NUM_CONSUMERS * (HEAD_DIM / 2 + 4) floats
 // (each consumer thread's O accumulators, row maxima and row sums, in pairs,
@@ -308,9 +486,10 @@ constexpr int kOptPairs = 4;
 // chain of make_desc (about 12 instructions between two HGMMAs in the SASS
 // of the default tile).
 constexpr int kOptDesc = 8;
-// kOptSplit (tag letter "w", not causal, no attn_mask): the last rounds'
-// tiles cut over the CTAs by key blocks (cta_split_tile); the kernel's fifth
-// argument (AttnSplitWs) carries the partials and flags.
+// kOptSplit (tag letter "w", no attn_mask): the last rounds' tiles cut over
+// the CTAs by key blocks (cta_split_tile; causal: with kOptPairs, the pairs
+// schedule's tail, cta_causal_split_tile); the kernel's fifth argument
+// (AttnSplitWs) carries the partials and flags.
 constexpr int kOptSplit = 16;
 
 // Descriptor `d` with its start address moved by `bytes` (a multiple of 16).
@@ -364,11 +543,15 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   constexpr bool kPairs = (OPTS & kOptPairs) != 0;
   constexpr bool kDescAdd = (OPTS & kOptDesc) != 0;
   constexpr bool kSplit = (OPTS & kOptSplit) != 0;
-  static_assert(!kSplit || (!IS_CAUSAL && Mask::kMode == 0 && (OPTS & (kOptOverlap | kOptSkip | kOptPairs)) == 0),
-                "kOptSplit: not causal, no attn_mask, no overlap / skip / pairs");
-  // This CTA's slot k: the split schedule or the rounds (cta_tile).
+  static_assert(!kSplit || (Mask::kMode == 0 && (OPTS & (kOptOverlap | kOptSkip)) == 0 && kPairs == IS_CAUSAL),
+                "kOptSplit: no attn_mask, no overlap / skip; causal with pairs, non-causal without");
+  // The causal split's schedule (causal_tail_schedule), after the mbarriers.
+  int* const tail_sched = reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw)) + Tile::kOffBar +
+                                                  Tile::kOffTailSched);
+  // This CTA's slot k: the split schedules or the rounds (cta_tile).
   auto next_tile = [&](int k, TileWork& w) -> int {
-    if constexpr (kSplit) return cta_split_tile<BLOCK_M, BLOCK_N>(p, num_m, k, w);
+    if constexpr (kSplit && IS_CAUSAL) return cta_causal_split_tile<BLOCK_M, BLOCK_N>(p, num_m, k, tail_sched, w);
+    if constexpr (kSplit && !IS_CAUSAL) return cta_split_tile<BLOCK_M, BLOCK_N>(p, num_m, k, w);
     return cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
   };
 
@@ -385,6 +568,10 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       mbar_init(bar_empty_v + 8 * s, 4 * NUM_CONSUMERS);
     }
     fence_mbar_init();
+  }
+  if constexpr (kSplit && IS_CAUSAL) {
+    // (another warp than the barriers' thread: the two run side by side)
+    if (tid == 32) causal_tail_schedule<BLOCK_M, BLOCK_N>(p, num_m, tail_sched);
   }
   __syncthreads();
 
@@ -824,23 +1011,23 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         // holds the same rows and columns), pairs of floats thread-fastest.
         constexpr int kCT = 128 * NUM_CONSUMERS;  // consumer threads a CTA
         constexpr int kSlot = kCT * (kNO + 4);    // floats a CTA
-        const int ct = e_tid - 128;
+        const int ct = e_tid - 128, e_wg = e_tid / 128 - 1, cta = ctaid_opaque();
         if (w.role == kRoleWrite) {
-          float* slot = ws.partial + (i64)blockIdx.x * kSlot;
+          float* slot = ws.partial + (i64)cta * kSlot;
 #pragma unroll
           for (int q = 0; q < kNO / 2; ++q) st_global_f32x2(slot + 2 * (q * kCT + ct), acc_o[2 * q], acc_o[2 * q + 1]);
           st_global_f32x2(slot + 2 * ((kNO / 2) * kCT + ct), row_max[0], row_max[1]);
           st_global_f32x2(slot + 2 * ((kNO / 2 + 1) * kCT + ct), row_sum[0], row_sum[1]);
           fence_acq_rel_gpu();
           named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
-          if (e_tw == 0) st_release_gpu_u32(ws.flags + blockIdx.x * NUM_CONSUMERS + wg, 1u);
+          if (e_tw == 0) st_release_gpu_u32(ws.flags + cta * NUM_CONSUMERS + e_wg, 1u);
           release(bar_q_empty + 8 * qb);
           continue;
         }
         if (w.role == kRoleMerge) {
-          const float* slot = ws.partial + (i64)(blockIdx.x - 1) * kSlot;
+          const float* slot = ws.partial + (i64)(cta - 1) * kSlot;
           if (e_tw == 0)
-            while (ld_acquire_gpu_u32(ws.flags + (blockIdx.x - 1) * NUM_CONSUMERS + wg) == 0u) {
+            while (ld_acquire_gpu_u32(ws.flags + (cta - 1) * NUM_CONSUMERS + e_wg) == 0u) {
             }
           named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
           fence_acq_rel_gpu();

@@ -29,6 +29,13 @@ __device__ __forceinline__ int tid_opaque() {
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(r));
   return r;
 }
+// blockIdx.x the same way: the split epilogue's workspace addresses, made
+// where they are used rather than held (or spilled) across the main loop.
+__device__ __forceinline__ int ctaid_opaque() {
+  int r;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(r));
+  return r;
+}
 
 // --- mbarriers (shared::cta; a lone CTA is its own cluster) ---
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {

@@ -608,7 +608,7 @@ class AttentionForward:
                 raise ValueError(f"sm90 config {sm90_cfg.tag()}: {why}")
         # Masked calls use the default tile (the masked instantiations shipped).
         if sm90_cfg is not None:
-            cuts = sm90_cfg.split_cuts(Sq, Sk, Hq, B, self.num_sms)
+            cuts = sm90_cfg.split_cuts(Sq, Sk, Hq, B, self.num_sms, bool(causal))
             sm90_cfg = sm90_cfg.for_call(bool(causal), mask is not None, cuts)
         cfg = sm90_cfg or config or (default_config(D, self.arch, self.smem_limit, masked=True) if mask else
                                      choose_config(D, Sq, Sk, bool(causal), self.arch, self.smem_limit))

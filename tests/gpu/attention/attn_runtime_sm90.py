@@ -29,6 +29,27 @@ HEAD_DIMS_SM90 = (64, 128)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 
 
+def causal_split_cuts(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, heads_batch: int, grid: int) -> bool:
+    """Whether the causal split cuts the pairs schedule's tail (C++ attn_sm90_causal_split_cuts): more
+    tiles than the grid and every CTA's tail range at least the longest tile."""
+    num_m = -(-seqlen_q // block_m)
+    if seqlen_q <= 0 or seqlen_k <= 0 or grid <= 0 or num_m * heads_batch <= grid:
+        return False
+
+    def blocks(m):
+        key_end = min(min((m + 1) * block_m, seqlen_q) + seqlen_k - seqlen_q, seqlen_k)
+        return -(-key_end // block_n) if key_end > 0 else 0
+
+    p2 = num_m // 2
+    np_ = p2 * heads_batch
+    j0 = max(np_ // grid - 1, 0) * grid
+    items = [blocks(num_m - 1 - q) + blocks(q) for q in range(p2)]
+    h = sum(items)
+    c_j0 = (j0 // p2 * h + sum(items[:j0 % p2])) if p2 else 0
+    t = heads_batch * h - c_j0 + (heads_batch * blocks(num_m // 2) if num_m & 1 else 0)
+    return np_ < 2**30 and t // grid >= blocks(num_m - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sm90Config:
     block_n: int
@@ -40,7 +61,7 @@ class Sm90Config:
     skip: bool = False  # OPTS kOptSkip: a consumer skips the key blocks none of its rows see
     pairs: bool = False  # OPTS kOptPairs: causal tiles handed out in pairs (x, num_m - 1 - x) of one head
     desc: bool = False  # OPTS kOptDesc: wgmma descriptors as the first one plus constant offsets
-    split: bool = False  # OPTS kOptSplit: the last rounds' tiles cut over the CTAs by key blocks (non-causal)
+    split: bool = False  # OPTS kOptSplit: the last rounds' tiles cut over the CTAs by key blocks (causal: with pairs)
 
     @property
     def opts(self) -> int:
@@ -70,16 +91,21 @@ class Sm90Config:
                           bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)), bool(m.group(9)))
 
     def for_call(self, causal: bool, masked: bool, cuts: bool = True) -> "Sm90Config":
-        """The config a call runs (C++ AttnSm90Tile::for_call): kOptSplit only for non-causal, unmasked
-        calls whose tiles it cuts (`cuts`: split_cuts)."""
-        keep = self.split and not causal and not masked and cuts
-        return self if keep or not self.split else dataclasses.replace(self, split=False)
+        """The config a call runs (C++ AttnSm90Tile::for_call): kOptSplit only for unmasked calls whose
+        tiles it cuts (`cuts`: split_cuts), causal ones with pairs; a non-causal split without pairs."""
+        keep = self.split and not masked and cuts and (not causal or self.pairs)
+        if not keep:
+            return dataclasses.replace(self, split=False) if self.split else self
+        return self if causal or not self.pairs else dataclasses.replace(self, pairs=False)
 
-    def split_cuts(self, seqlen_q: int, seqlen_k: int, heads_q: int, batch: int, num_sms: int) -> bool:
+    def split_cuts(self, seqlen_q: int, seqlen_k: int, heads_q: int, batch: int, num_sms: int,
+                   causal: bool = False) -> bool:
         """Whether the split tail cuts any tile (C++ plan_sm90): tiles that do not fill whole rounds of a
-        persistent grid, and the kernel's 32-bit tail arithmetic."""
+        persistent grid, and the kernel's 32-bit tail arithmetic; causal: causal_split_cuts."""
         tiles = -(-seqlen_q // self.block_m) * heads_q * batch
         g = self.grid(seqlen_q, heads_q, batch, num_sms)[0]
+        if causal:
+            return causal_split_cuts(seqlen_q, seqlen_k, self.block_m, self.block_n, heads_q * batch, g)
         nb = -(-seqlen_k // self.block_n)
         return tiles > g and tiles % g != 0 and 2 * g * nb < 2**31 - 1
 
@@ -101,9 +127,9 @@ class Sm90Config:
 # 0.2-1% with it, so causal keeps "pl").
 DEFAULT_SM90 = {
     (64, False): Sm90Config(128, 3, 4, True, desc=True, split=True),
-    (64, True): Sm90Config(128, 3, 4, True, pairs=True),
+    (64, True): Sm90Config(128, 3, 4, True, pairs=True, split=True),
     (128, False): Sm90Config(128, 2, 2, True, desc=True, split=True),
-    (128, True): Sm90Config(128, 2, 2, True, pairs=True),
+    (128, True): Sm90Config(128, 2, 2, True, pairs=True, split=True),
 }
 # The previous non-causal defaults, the overlap options, and (branch
 # attn-fwd-4) 176-key blocks at D = 128: FlashAttention-3's non-causal tile
@@ -144,13 +170,14 @@ SMEM_LIMIT_SM90 = 227 * 1024
 def q_buffers_sm90(head_dim: int, cfg: Sm90Config) -> int:
     """Sm90Tile::kQBufs: two Q buffers when they fit."""
     q, kv = cfg.block_m * head_dim * 2, cfg.block_n * head_dim * 2
-    return 2 if 2 * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 1024 <= SMEM_LIMIT_SM90 else 1
+    return 2 if 2 * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 32 + 1024 <= SMEM_LIMIT_SM90 else 1
 
 
 def smem_bytes_sm90(head_dim: int, cfg: Sm90Config) -> int:
     """Sm90Tile::kSmemBytes: Q buffers, the K/V ring, the mbarriers and 1 KB to align the base."""
     q, kv = cfg.block_m * head_dim * 2, cfg.block_n * head_dim * 2
-    return q_buffers_sm90(head_dim, cfg) * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 1024
+    # mbarriers, then 32 bytes of the causal split's schedule
+    return q_buffers_sm90(head_dim, cfg) * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 32 + 1024
 
 
 def name_expression_sm90(elem: str, head_dim: int, causal: bool, cfg: Sm90Config, mask=None) -> str:

@@ -236,7 +236,10 @@ def _sm90_persistent_params():
 # tile whose third consumer has no row (700 = 3 x 192 + 124); then Sq = Sk with
 # ragged last tiles and an odd number of query blocks (the middle one a single
 # in the pairs schedule: 9 of 128 rows for 1100, 5 of 192 rows for 900).
-PERSISTENT_SHAPES = [(3, 24, 8, 700, 300), (2, 40, 20, 1100, 1100), (1, 48, 16, 900, 900)]
+# Then causal split tails (D = 64 and 128): with tiles that see no key inside
+# the line (1100 x 700), and keys ahead of the queries (1000 x 1537).
+PERSISTENT_SHAPES = [(3, 24, 8, 700, 300), (2, 40, 20, 1100, 1100), (1, 48, 16, 900, 900), (2, 40, 20, 1100, 700),
+                     (1, 40, 8, 1000, 1537)]
 
 
 @pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -258,7 +261,7 @@ def test_sm90_persistent_grid_matches_one_cta_per_tile(fwd, D, cfg, causal, shap
     assert cfg.persistent and cfg.grid(Sq, Hq, B, fwd.num_sms)[0] < -(-Sq // cfg.block_m) * Hq * B
     o1, l1 = run_and_check(fwd, q, k, v, causal, config=cfg)
     o2, l2 = run_and_check(fwd, q, k, v, causal, config=dataclasses.replace(cfg, persistent=False))
-    if cfg.split and not causal and cfg.split_cuts(Sq, Sk, Hq, B, fwd.num_sms):
+    if cfg.for_call(causal, False, cfg.split_cuts(Sq, Sk, Hq, B, fwd.num_sms, causal)).split:
         # The split tail merged cut tiles (other float32 sums): not bit-identical to
         # uncut tiles, but to itself (the merge order is fixed).
         o3, l3 = run_and_check(fwd, q, k, v, causal, config=cfg)
