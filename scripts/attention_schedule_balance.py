@@ -4,9 +4,10 @@ Mirrors the slot functions of src/kernels/attention/attention_fwd_sm90.cu
 (`cta_tile`: snake rounds, or the causal pairs schedule) and prints, for the
 FlashAttention setup (hidden 2048, 16k tokens), each CTA's work in key
 blocks (plus `--tile-cost` blocks for a tile's fixed costs), the makespan
-over the mean (the imbalance) and, for non-causal tiles, the split tail's
-makespan (`cta_split_tile`: whole rounds, then the tail cut into equal
-ranges). A model of the schedule, not of the kernel's speed: it says how much
+over the mean (the imbalance) and the split tail's makespan
+(`cta_split_tile`: whole rounds, then the tail cut into equal ranges;
+causal: `cta_causal_split_tile`, the pairs schedule's whole item rounds,
+then its tail cut the same way). A model of the schedule, not of the kernel's speed: it says how much
 a perfect balance could gain, before any GPU time is spent.
 
     python3 scripts/attention_schedule_balance.py [--sms 132] [--tile-cost 0]
@@ -67,6 +68,32 @@ def split_makespan(s, block_m, block_n, hbs, g, tile_cost):
     return worst
 
 
+def causal_split_makespan(s, block_m, block_n, hbs, g, tile_cost):
+    """Causal split tail (`cta_causal_split_tile`): R = NP / G - 1 whole pair-item rounds, then the tail
+    (items [R G, NP), long tile then short, then the middles) cut into equal ranges of iterations."""
+    num_m = math.ceil(s / block_m)
+    p2 = num_m // 2
+    n_items = p2 * hbs
+    blocks = [n_blocks(x, block_m, block_n, s, True) for x in range(num_m)]
+    r = max(n_items // g - 1, 0)
+    work = [0.0] * g
+    for k in range(r):
+        for i in range(g):
+            pr = (k * g + i) % p2
+            work[i] += 2 * tile_cost + blocks[num_m - 1 - pr] + blocks[pr]
+    tail = [blocks[num_m - 1 - j % p2] if u == 0 else blocks[j % p2] for j in range(r * g, n_items) for u in (0, 1)]
+    tail += [blocks[num_m // 2]] * (hbs if num_m & 1 else 0)
+    offsets = [0]
+    for length in tail:
+        offsets.append(offsets[-1] + length)
+    t_tail = offsets[-1]
+    for i in range(g):
+        lo, hi = t_tail * i // g, t_tail * (i + 1) // g
+        pieces = sum(1 for u, length in enumerate(tail) if offsets[u] < hi and offsets[u] + length > lo)
+        work[i] += (hi - lo) + pieces * tile_cost
+    return max(work)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sms", type=int, default=132)
@@ -81,9 +108,8 @@ def main(argv=None):
                 mean = sum(work) / a.sms
                 line = (f"D{d:<4}{'causal' if causal else 'full':7}S{s:<6} rounds: makespan {max(work):8.1f} "
                         f"mean {mean:8.1f} imbalance {100 * (max(work) / mean - 1):4.1f}%")
-                if not causal:
-                    sp = split_makespan(s, block_m, 128, hbs, a.sms, a.tile_cost)
-                    line += f"   split tail: {sp:8.1f} ({100 * (sp / mean - 1):4.1f}%)"
+                sp = (causal_split_makespan if causal else split_makespan)(s, block_m, 128, hbs, a.sms, a.tile_cost)
+                line += f"   split tail: {sp:8.1f} ({100 * (sp / mean - 1):4.1f}%)"
                 print(line)
 
 

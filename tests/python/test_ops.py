@@ -667,9 +667,13 @@ def test_attention_sm90_option_tags_compile():
     expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 128, False, "wg128x128s2pd", False)
     assert expr.endswith("false, 128, 2, 2, true, opfuse_attn::MaskNone, 8>") and cubin[:4] == b"\x7fELF"
     assert "Performance Loss" not in log
-    # w (split tail, bit 16): the non-causal default since session 23; a causal "w" kernel does not exist.
+    # w (split tail, bit 16): the non-causal default since session 23, the causal one (with
+    # pairs, "lw") since session 24; a causal "w" kernel without pairs does not exist.
     expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 64, False, "wg192x128s4pdw", False)
     assert expr.endswith("false, 128, 3, 4, true, opfuse_attn::MaskNone, 24>") and cubin[:4] == b"\x7fELF"
+    assert "Performance Loss" not in log
+    expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2plw", False)
+    assert expr.endswith("true, 128, 2, 2, true, opfuse_attn::MaskNone, 20>") and cubin[:4] == b"\x7fELF"
     assert "Performance Loss" not in log
     with pytest.raises(Exception, match="kOptSplit"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pdw", False)
@@ -813,12 +817,15 @@ def _kernel_call_args(q, k, v, causal=False):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
-def test_attention_cuda_split_tail(D, monkeypatch):
+def test_attention_cuda_split_tail(D, causal, monkeypatch):
     # More tiles than SMs, not a whole number of rounds: on sm_90 the Hopper
     # kernel cuts the last rounds' tiles over the CTAs by key blocks and
     # merges the pieces through the workspace the op allocates (odd Sk: the
-    # ragged key block sits in the written piece). GQA, non-causal.
+    # ragged key block sits in the written piece). GQA. Causal (Sk < Sq, so
+    # the diagonal is offset): the pairs schedule's tail, tiles of several
+    # lengths, cut where the equal ranges end.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the split tail is the Hopper kernel's")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -826,18 +833,19 @@ def test_attention_cuda_split_tail(D, monkeypatch):
     tiles = -(-Sq // (128 if D == 128 else 192)) * Hq * B
     assert tiles > sms and tiles % sms, (tiles, sms)
     q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, device="cuda", seed=91 + D)
-    args = _kernel_call_args(q, k, v)
+    args = _kernel_call_args(q, k, v, causal)
     ws_bytes, ws_zero = _C.attention_cuda_workspace(*args)
     assert ws_bytes > ws_zero > 0
-    check_flash_rule(q, k, v, causal=False)
+    check_flash_rule(q, k, v, causal=causal)
     assert not attention_module._broken, attention_module._broken
-    o1 = ops.attention(q, k, v)
-    o2 = ops.attention(q, k, v)
+    o1 = ops.attention(q, k, v, causal=causal)
+    o2 = ops.attention(q, k, v, causal=causal)
     torch.cuda.synchronize()
     assert torch.equal(o1, o2)  # the merge order is fixed: reruns are bit-identical
     monkeypatch.setenv("OPFUSE_ATTN_SM90_SPLIT", "0")
     assert _C.attention_cuda_workspace(*args) == (0, 0)
-    torch.testing.assert_close(ops.attention(q, k, v), o1, rtol=0, atol=2e-2)  # uncut tiles: rounding apart
+    # uncut tiles: rounding apart
+    torch.testing.assert_close(ops.attention(q, k, v, causal=causal), o1, rtol=0, atol=2e-2)
     monkeypatch.delenv("OPFUSE_ATTN_SM90_SPLIT")
     # CUDA graph capture: the workspace's zeroing is captured with the launch.
     with torch.no_grad():
@@ -845,13 +853,13 @@ def test_attention_cuda_split_tail(D, monkeypatch):
         qs, ks, vs = (t.detach().clone() for t in (q, k, v))
         torch.cuda.synchronize()
         with torch.cuda.graph(g):
-            og = ops.attention(qs, ks, vs)
+            og = ops.attention(qs, ks, vs, causal=causal)
         for seed in (5, 6):
             q2, k2, v2 = (t.detach() for t in _qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, device="cuda", seed=seed))
             qs.copy_(q2), ks.copy_(k2), vs.copy_(v2)
             g.replay()
             torch.cuda.synchronize()
-            assert torch.equal(og, ops.attention(q2, k2, v2))
+            assert torch.equal(og, ops.attention(q2, k2, v2, causal=causal))
 
 
 @pytest.mark.gpu
