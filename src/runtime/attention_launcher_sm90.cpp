@@ -69,13 +69,13 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
          (pingpong ? "p" : "") + (overlap ? "o" : "") + (skip ? "k" : "") + (pairs ? "l" : "") +
-         (desc ? "d" : "") + (split ? "w" : "") + (persistent ? "" : "n");
+         (desc ? "d" : "") + (split ? "w" : "") + (shift ? "b" : "") + (persistent ? "" : "n");
 }
 
 bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
 
 AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
-  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(n?))");
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(b?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
     throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
@@ -89,7 +89,8 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.pairs = m[7].length() > 0;
   t.desc = m[8].length() > 0;
   t.split = m[9].length() > 0;
-  t.persistent = m[10].length() == 0;
+  t.shift = m[10].length() > 0;
+  t.persistent = m[11].length() == 0;
   return t;
 }
 
@@ -204,12 +205,13 @@ int sm_count(CUcontext ctx) {
 }  // namespace
 
 bool attn_sm90_causal_split_cuts(int64_t seqlen_q, int64_t seqlen_k, int block_m, int block_n, int64_t heads_batch,
-                                 int64_t grid) {
+                                 int64_t grid, bool shift) {
   // Mirrors CausalTail / causal_tail_schedule (attention_fwd_sm90.cu).
   const int64_t num_m = (seqlen_q + block_m - 1) / block_m, tiles = num_m * heads_batch;
   if (seqlen_q <= 0 || seqlen_k <= 0 || grid <= 0 || tiles <= grid || num_m > INT32_MAX / 2) return false;
+  const int64_t row_shift = shift ? num_m * block_m - seqlen_q : 0;  // query_block_start
   auto blocks = [&](int64_t m) {  // tile_key_blocks, causal
-    const int64_t m_end = std::min((m + 1) * block_m, seqlen_q);
+    const int64_t m_end = std::min((m + 1) * block_m - row_shift, seqlen_q);
     const int64_t key_end = std::min(m_end + seqlen_k - seqlen_q, seqlen_k);
     return key_end > 0 ? (key_end + block_n - 1) / block_n : int64_t{0};
   };
@@ -254,7 +256,8 @@ Sm90Plan plan_sm90(const AttnForwardArgs& a, CUcontext ctx) {
   // the longest tile.
   const int64_t nb = (a.seqlen_k + pl.tile.block_n - 1) / pl.tile.block_n;
   const bool cuts = a.causal ? attn_sm90_causal_split_cuts(a.seqlen_q, a.seqlen_k, pl.tile.block_m(), pl.tile.block_n,
-                                                           a.heads_q * a.batch, pl.grid_x)
+                                                           a.heads_q * a.batch, pl.grid_x,
+                                                           pl.tile.for_call(true, masked).shift)
                              : tiles > pl.grid_x && tiles % pl.grid_x != 0 && 2 * int64_t{pl.grid_x} * nb < INT32_MAX;
   pl.tile = pl.tile.for_call(a.causal, masked, cuts);
   if (pl.tile.split) {

@@ -30,21 +30,25 @@ namespace opfuse::attention {
 // of the last one or two rounds (causal: of the pairs schedule's last item
 // rounds and its middles) cut over the CTAs by key blocks, the two pieces of
 // a cut tile merged through a workspace (docs/attention.md, "split tail").
+// shift ("b", causal calls without an attn_mask, no skip): the query blocks
+// end at Sq, the ragged one first (the shortest causal tile, not the longest).
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
   bool pingpong = true, persistent = true;
-  bool overlap = false, skip = false, pairs = false, desc = false, split = false;
+  bool overlap = false, skip = false, pairs = false, desc = false, split = false, shift = false;
   int opts() const {
-    return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0) | (split ? 16 : 0);
+    return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0) | (split ? 16 : 0) | (shift ? 32 : 0);
   }
   // The tile a call runs: without the split when it does not apply (an
   // attn_mask; causal without pairs) or `fits` is false (nothing to cut, no
   // workspace, too many iterations); a non-causal split without pairs (which
   // only order causal tiles).
+  // The shift only for causal calls without an attn_mask or skip.
   AttnSm90Tile for_call(bool causal, bool masked, bool fits = true) const {
     AttnSm90Tile t = *this;
     t.split = split && !masked && fits && (!causal || pairs);
     if (t.split && !causal) t.pairs = false;
+    t.shift = shift && causal && !masked && !skip;
     return t;
   }
   int block_m() const { return 64 * consumers; }
@@ -97,7 +101,7 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 // grid, and every CTA's tail range at least the longest tile (a tile is then
 // cut at most once; mirrors causal_tail_schedule in attention_fwd_sm90.cu).
 bool attn_sm90_causal_split_cuts(int64_t seqlen_q, int64_t seqlen_k, int block_m, int block_n, int64_t heads_batch,
-                                 int64_t grid);
+                                 int64_t grid, bool shift);
 
 // The split tail's workspace for a call the Hopper kernel takes (attn_forward_workspace).
 AttnWorkspace attn_sm90_workspace(const AttnForwardArgs& a, CUcontext ctx);

@@ -135,13 +135,24 @@ struct TileWork {
 };
 constexpr int kRoleFull = 0, kRoleWrite = 1, kRoleMerge = 2;
 
+// Query block m's first row is m BLOCK_M - row_shift. row_shift = 0, or
+// (kOptShift, causal) num_m BLOCK_M - Sq: the blocks then end at Sq and the
+// ragged one is the first, whose causal tile is the shortest, rather than the
+// last, the longest (rows before 0 see no key, load as zeros through the
+// tensor map and are never stored).
+template <int BLOCK_M, bool SHIFT>
+__device__ __forceinline__ int row_shift_of(const AttnFwdParams& p, int num_m) {
+  return SHIFT ? num_m * BLOCK_M - p.seqlen_q : 0;
+}
+
 // Key blocks [0, n) that some row of query block m_block sees (the same for
 // every head): all of Sk, or (causal, aligned bottom-right) up to the last
 // row's diagonal; 0 when no row sees a key (causal, Sq > Sk).
 template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ int tile_key_blocks(const AttnFwdParams& p, int m_block) {
+__device__ __forceinline__ int tile_key_blocks(const AttnFwdParams& p, int m_block, int row_shift) {
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
-  const int m_end = (m_block * BLOCK_M + BLOCK_M < Sq) ? m_block * BLOCK_M + BLOCK_M : Sq;
+  const int m0 = m_block * BLOCK_M - row_shift;
+  const int m_end = (m0 + BLOCK_M < Sq) ? m0 + BLOCK_M : Sq;
   int key_end = Sk;
   if (IS_CAUSAL) key_end = (m_end + Sk - Sq < Sk) ? m_end + Sk - Sq : Sk;
   return key_end > 0 ? (key_end + BLOCK_N - 1) / BLOCK_N : 0;
@@ -149,14 +160,14 @@ __device__ __forceinline__ int tile_key_blocks(const AttnFwdParams& p, int m_blo
 
 // The tile of query block m_block of (batch, head) hb = batch * Hq + head.
 template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ TileWork tile_at(const AttnFwdParams& p, int hb, int m_block) {
+__device__ __forceinline__ TileWork tile_at(const AttnFwdParams& p, int hb, int m_block, int row_shift = 0) {
   TileWork w;
   w.head = hb % p.heads_q;
   w.batch = hb / p.heads_q;
   w.head_kv = w.head / p.q_per_kv;
   const int Sq = p.seqlen_q, Sk = p.seqlen_k;
-  w.m_start = m_block * BLOCK_M;
-  w.n_blocks = tile_key_blocks<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, m_block);
+  w.m_start = m_block * BLOCK_M - row_shift;
+  w.n_blocks = tile_key_blocks<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, m_block, row_shift);
   // Keys [0, full_end) are visible to every row of the tile.
   int full_end = Sk;
   if (IS_CAUSAL) full_end = (w.m_start + Sk - Sq + 1 < Sk) ? w.m_start + Sk - Sq + 1 : Sk;
@@ -166,7 +177,7 @@ __device__ __forceinline__ TileWork tile_at(const AttnFwdParams& p, int hb, int 
   return w;
 }
 
-template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N>
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, bool SHIFT = false>
 __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m, int t) {
   // Not causal: m block fastest (CTAs that run together share a head's K and
   // V in L2). Causal: tiles in order of decreasing work (the last query
@@ -175,7 +186,8 @@ __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m,
   // out in this order balances like longest-processing-time-first.
   const int hb = IS_CAUSAL ? t % (p.heads_q * p.batch) : t / num_m;
   const int x = IS_CAUSAL ? t / (p.heads_q * p.batch) : t % num_m;
-  return tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, hb, IS_CAUSAL ? num_m - 1 - x : x);
+  return tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, hb, IS_CAUSAL ? num_m - 1 - x : x,
+                                             row_shift_of<BLOCK_M, SHIFT>(p, num_m));
 }
 
 // Slot k of this CTA's persistent loop: 1 and the tile in w, 0 for an empty
@@ -191,7 +203,7 @@ __device__ __forceinline__ TileWork tile_work(const AttnFwdParams& p, int num_m,
 // together overflow L2 at S = 2048 (H200: 128 heads x 1 MB at D = 128). Then,
 // when num_m is odd, the middle blocks (half the work), one a slot, CTAs in
 // reverse order: those that got no item in the last, partial pair round first.
-template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, bool PAIRS>
+template <bool IS_CAUSAL, int BLOCK_M, int BLOCK_N, bool PAIRS, bool SHIFT>
 __device__ __forceinline__ int cta_tile(const AttnFwdParams& p, int num_m, int k, TileWork& w) {
   const int G = (int)gridDim.x, i = (int)blockIdx.x;
   const int hbs = p.heads_q * p.batch;
@@ -203,14 +215,15 @@ __device__ __forceinline__ int cta_tile(const AttnFwdParams& p, int num_m, int k
       const int j = (k >> 1) * G + i;
       if (j >= NP) return 0;
       const int hb = j / P2, pr = j - hb * P2;
-      w = tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, hb, (k & 1) ? pr : num_m - 1 - pr);
+      w = tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, hb, (k & 1) ? pr : num_m - 1 - pr,
+                                               row_shift_of<BLOCK_M, SHIFT>(p, num_m));
       return 1;
     }
     const int r = k - 2 * R2;
     if ((num_m & 1) == 0 || r * G >= hbs) return -1;
     const int j = r * G + (G - 1 - i);
     if (j >= hbs) return 0;
-    w = tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, j, num_m / 2);
+    w = tile_at<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, j, num_m / 2, row_shift_of<BLOCK_M, SHIFT>(p, num_m));
     return 1;
   } else {
     const int num_tiles = num_m * hbs;
@@ -218,7 +231,7 @@ __device__ __forceinline__ int cta_tile(const AttnFwdParams& p, int num_m, int k
     if (base >= num_tiles) return -1;
     const int t = base + ((k & 1) ? G - 1 - i : i);
     if (t >= num_tiles) return 0;
-    w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N>(p, num_m, t);
+    w = tile_work<IS_CAUSAL, BLOCK_M, BLOCK_N, SHIFT>(p, num_m, t);
     return 1;
   }
 }
@@ -294,7 +307,7 @@ __device__ __forceinline__ int cta_split_tile(const AttnFwdParams& p, int num_m,
 // range holds at least the longest tile, so a tile is cut at most once.
 // Zero-length tiles (causal, Sq > Sk) go whole to the CTA whose range holds
 // their offset (the last CTA also takes those at the line's end).
-template <int BLOCK_M, int BLOCK_N>
+template <int BLOCK_M, int BLOCK_N, bool SHIFT>
 struct CausalTail {
   int num_m, p2, np, j0, n_pair_tiles;
   __device__ __forceinline__ CausalTail(const AttnFwdParams& p, int num_m_) : num_m(num_m_) {
@@ -306,7 +319,7 @@ struct CausalTail {
   }
   __device__ __forceinline__ int rounds() const { return j0 / (int)gridDim.x; }
   __device__ __forceinline__ int blocks(const AttnFwdParams& p, int m) const {
-    return tile_key_blocks<true, BLOCK_M, BLOCK_N>(p, m);
+    return tile_key_blocks<true, BLOCK_M, BLOCK_N>(p, m, row_shift_of<BLOCK_M, SHIFT>(p, num_m));
   }
   // Iterations of pair item pr of a head: its long and its short tile.
   __device__ __forceinline__ int item_blocks(const AttnFwdParams& p, int pr) const {
@@ -324,8 +337,8 @@ struct TailBound {
 // Offsets of the line: item j starts at C(j) = (j / P2) H + sum of the first
 // j % P2 item lengths (absolute, from item 0; H a head's sum), the middles
 // after C(NP), each Lm long. The smallest tile whose offset is >= x.
-template <int BLOCK_M, int BLOCK_N>
-__device__ __forceinline__ TailBound causal_tail_find(const AttnFwdParams& p, const CausalTail<BLOCK_M, BLOCK_N>& ct,
+template <int BLOCK_M, int BLOCK_N, bool SHIFT>
+__device__ __forceinline__ TailBound causal_tail_find(const AttnFwdParams& p, const CausalTail<BLOCK_M, BLOCK_N, SHIFT>& ct,
                                                    i64 H, i64 c_j0, i64 lm, i64 x) {
   const i64 X = c_j0 + x;
   const i64 c_np = (i64)(ct.np / (ct.p2 > 0 ? ct.p2 : 1)) * H;
@@ -362,10 +375,10 @@ __device__ __forceinline__ TailBound causal_tail_find(const AttnFwdParams& p, co
 
 // This CTA's causal split schedule into sched[8]: its tail range
 // [T i / G, T (i + 1) / G) as {start f, rem, end f, rem}, then the whole item
-// rounds R, the pairs a head P2 and the pair tiles of the tail.
-template <int BLOCK_M, int BLOCK_N>
+// rounds R, the pairs a head P2, the pair tiles of the tail and the row shift.
+template <int BLOCK_M, int BLOCK_N, bool SHIFT>
 __device__ __forceinline__ void causal_tail_schedule(const AttnFwdParams& p, int num_m, int* sched) {
-  const CausalTail<BLOCK_M, BLOCK_N> ct(p, num_m);
+  const CausalTail<BLOCK_M, BLOCK_N, SHIFT> ct(p, num_m);
   const int G = (int)gridDim.x, i = (int)blockIdx.x;
   i64 H = 0, c_j0 = 0;
   const int j0_in = ct.p2 > 0 ? ct.j0 % ct.p2 : 0;
@@ -378,13 +391,13 @@ __device__ __forceinline__ void causal_tail_schedule(const AttnFwdParams& p, int
   const int hbs = p.heads_q * p.batch;
   const i64 lm = (num_m & 1) ? ct.blocks(p, num_m / 2) : 0;
   const i64 T = (i64)hbs * H - c_j0 + ((num_m & 1) ? (i64)hbs * lm : 0);
-  const TailBound s = causal_tail_find<BLOCK_M, BLOCK_N>(p, ct, H, c_j0, lm, T * i / G);
+  const TailBound s = causal_tail_find<BLOCK_M, BLOCK_N, SHIFT>(p, ct, H, c_j0, lm, T * i / G);
   TailBound e;
   if (i == G - 1) {
     e.f = ct.n_pair_tiles + ((num_m & 1) ? hbs : 0);  // every tile to the end
     e.rem = 0;
   } else {
-    e = causal_tail_find<BLOCK_M, BLOCK_N>(p, ct, H, c_j0, lm, T * (i + 1) / G);
+    e = causal_tail_find<BLOCK_M, BLOCK_N, SHIFT>(p, ct, H, c_j0, lm, T * (i + 1) / G);
   }
   sched[0] = s.f;
   sched[1] = s.rem;
@@ -393,7 +406,7 @@ __device__ __forceinline__ void causal_tail_schedule(const AttnFwdParams& p, int
   sched[4] = ct.rounds();
   sched[5] = ct.p2;
   sched[6] = ct.n_pair_tiles;
-  sched[7] = 0;
+  sched[7] = row_shift_of<BLOCK_M, SHIFT>(p, num_m);
 }
 
 // Slot k of the causal split: the whole item rounds, then the tail range as
@@ -408,7 +421,7 @@ __device__ __forceinline__ int cta_causal_split_tile(const AttnFwdParams& p, int
   const int R = sched[4], p2 = sched[5];
   if (k < 2 * R) {
     const int j = (k >> 1) * G + i, hb = j / p2, pr = j - hb * p2;
-    w = tile_at<true, BLOCK_M, BLOCK_N>(p, hb, (k & 1) ? pr : num_m - 1 - pr);
+    w = tile_at<true, BLOCK_M, BLOCK_N>(p, hb, (k & 1) ? pr : num_m - 1 - pr, sched[7]);
     return 1;
   }
   const int f_s = sched[0], rem_s = sched[1], f_e = sched[2], rem_e = sched[3];
@@ -417,9 +430,9 @@ __device__ __forceinline__ int cta_causal_split_tile(const AttnFwdParams& p, int
     const int j0 = R * G, n_pair_tiles = sched[6];
     if (u < n_pair_tiles) {
       const int j = j0 + u / 2, hb = j / p2, pr = j - hb * p2;
-      return tile_at<true, BLOCK_M, BLOCK_N>(p, hb, (u & 1) ? pr : num_m - 1 - pr);
+      return tile_at<true, BLOCK_M, BLOCK_N>(p, hb, (u & 1) ? pr : num_m - 1 - pr, sched[7]);
     }
-    return tile_at<true, BLOCK_M, BLOCK_N>(p, u - n_pair_tiles, num_m / 2);
+    return tile_at<true, BLOCK_M, BLOCK_N>(p, u - n_pair_tiles, num_m / 2, sched[7]);
   };
   int t = k - 2 * R;
   if (rem_e > 0) {
@@ -491,6 +504,11 @@ constexpr int kOptDesc = 8;
 // schedule's tail, cta_causal_split_tile); the kernel's fifth argument
 // (AttnSplitWs) carries the partials and flags.
 constexpr int kOptSplit = 16;
+// kOptShift (tag letter "b", causal, no attn_mask, no skip): query blocks
+// aligned to end at Sq (row_shift_of), the ragged block first. At
+// Sq = 2048 with 192-row tiles (10.67 blocks) the third consumer's rows of the
+// last, 16-key-block tile were past Sq: 5% of the key-block iterations.
+constexpr int kOptShift = 32;
 
 // Descriptor `d` with its start address moved by `bytes` (a multiple of 16).
 // Exact: every shared-memory address of the CTA is below 2^18 (the 14-bit
@@ -543,6 +561,9 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   constexpr bool kPairs = (OPTS & kOptPairs) != 0;
   constexpr bool kDescAdd = (OPTS & kOptDesc) != 0;
   constexpr bool kSplit = (OPTS & kOptSplit) != 0;
+  constexpr bool kShift = (OPTS & kOptShift) != 0;
+  static_assert(!kShift || (IS_CAUSAL && Mask::kMode == 0 && (OPTS & kOptSkip) == 0),
+                "kOptShift: causal, no attn_mask, no skip");
   static_assert(!kSplit || (Mask::kMode == 0 && (OPTS & (kOptOverlap | kOptSkip)) == 0 && kPairs == IS_CAUSAL),
                 "kOptSplit: no attn_mask, no overlap / skip; causal with pairs, non-causal without");
   // The causal split's schedule (causal_tail_schedule), after the mbarriers.
@@ -552,7 +573,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   auto next_tile = [&](int k, TileWork& w) -> int {
     if constexpr (kSplit && IS_CAUSAL) return cta_causal_split_tile<BLOCK_M, BLOCK_N>(p, num_m, k, tail_sched, w);
     if constexpr (kSplit && !IS_CAUSAL) return cta_split_tile<BLOCK_M, BLOCK_N>(p, num_m, k, w);
-    return cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs>(p, num_m, k, w);
+    return cta_tile<IS_CAUSAL, BLOCK_M, BLOCK_N, kPairs, kShift>(p, num_m, k, w);
   };
 
   if (tid == 0) {
@@ -571,7 +592,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   }
   if constexpr (kSplit && IS_CAUSAL) {
     // (another warp than the barriers' thread: the two run side by side)
-    if (tid == 32) causal_tail_schedule<BLOCK_M, BLOCK_N>(p, num_m, tail_sched);
+    if (tid == 32) causal_tail_schedule<BLOCK_M, BLOCK_N, kShift>(p, num_m, tail_sched);
   }
   __syncthreads();
 
@@ -697,9 +718,9 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
 #pragma unroll 1
         for (int c = tw; c < 64 * kChunks; c += 128) {
           const int row = w.m_start + wg * 64 + c / kChunks;
-          if (row < Sq) store_zero16_global(o_base + row * o_rs + (c % kChunks) * 16);
+          if (row >= 0 && row < Sq) store_zero16_global(o_base + row * o_rs + (c % kChunks) * 16);
         }
-        if (lse_base && tw < 64 && w.m_start + wg * 64 + tw < Sq)
+        if (lse_base && tw < 64 && w.m_start + wg * 64 + tw >= 0 && w.m_start + wg * 64 + tw < Sq)
           store_f32_global(lse_base + w.m_start + wg * 64 + tw, neg_inf());
         continue;
       }
@@ -1060,7 +1081,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         s += shfl_xor(s, 2);
         inv_sum[h] = (s > 0.f) ? rcp(s) : 0.f;
         const int row = w.m_start + e_row0 + 8 * h;
-        if (lse_base && (e_lane & 3) == 0 && row < Sq) {
+        if (lse_base && (e_lane & 3) == 0 && row >= 0 && row < Sq) {
           float lse = (s > 0.f) ? (row_max[h] + lg2(s)) * 0.69314718055994531f : neg_inf();
           if constexpr (kMaskMode != 0)  // only huge mask values give a max of +-FLT_MAX
             if (s > 0.f && is_huge_row_max(row_max[h])) lse = huge_row_lse(row_max[h], lg2(s));
@@ -1087,7 +1108,8 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         const int c = e_tw + i * 128;
         const int r = wg * 64 + c / kChunks, ch = c % kChunks;
         const u32 src = sQ + (ch / 8) * BLOCK_M * 128 + r * 128 + (((ch % 8) ^ (r & 7)) << 4);
-        if (w.m_start + r < Sq) copy16_shared_to_global(o_base + (w.m_start + r) * o_rs + ch * 16, src);
+        if ((unsigned)(w.m_start + r) < (unsigned)Sq)  // rows before 0 (kOptShift) or past Sq: none
+          copy16_shared_to_global(o_base + (w.m_start + r) * o_rs + ch * 16, src);
       }
       // This warp is done with the Q buffer: the producer may load a later
       // tile's Q into it once every consumer warp has said so.

@@ -29,15 +29,17 @@ HEAD_DIMS_SM90 = (64, 128)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 
 
-def causal_split_cuts(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, heads_batch: int, grid: int) -> bool:
+def causal_split_cuts(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, heads_batch: int, grid: int,
+                      shift: bool = False) -> bool:
     """Whether the causal split cuts the pairs schedule's tail (C++ attn_sm90_causal_split_cuts): more
     tiles than the grid and every CTA's tail range at least the longest tile."""
     num_m = -(-seqlen_q // block_m)
     if seqlen_q <= 0 or seqlen_k <= 0 or grid <= 0 or num_m * heads_batch <= grid:
         return False
+    row_shift = num_m * block_m - seqlen_q if shift else 0  # query_block_start
 
     def blocks(m):
-        key_end = min(min((m + 1) * block_m, seqlen_q) + seqlen_k - seqlen_q, seqlen_k)
+        key_end = min(min((m + 1) * block_m - row_shift, seqlen_q) + seqlen_k - seqlen_q, seqlen_k)
         return -(-key_end // block_n) if key_end > 0 else 0
 
     p2 = num_m // 2
@@ -62,12 +64,13 @@ class Sm90Config:
     pairs: bool = False  # OPTS kOptPairs: causal tiles handed out in pairs (x, num_m - 1 - x) of one head
     desc: bool = False  # OPTS kOptDesc: wgmma descriptors as the first one plus constant offsets
     split: bool = False  # OPTS kOptSplit: the last rounds' tiles cut over the CTAs by key blocks (causal: with pairs)
+    shift: bool = False  # OPTS kOptShift (causal): query blocks end at Sq, the ragged one first
 
     @property
     def opts(self) -> int:
         """The kernel's OPTS template argument."""
         return ((1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0) | (8 if self.desc else 0)
-                | (16 if self.split else 0))
+                | (16 if self.split else 0) | (32 if self.shift else 0))
 
     @property
     def block_m(self) -> int:
@@ -80,23 +83,24 @@ class Sm90Config:
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
                 f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}{'d' if self.desc else ''}"
-                f"{'w' if self.split else ''}{'' if self.persistent else 'n'}")
+                f"{'w' if self.split else ''}{'b' if self.shift else ''}{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(n?)", tag)
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(b?)(n?)", tag)
         if not m or int(m.group(1)) % 64:
             raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(10),
-                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)), bool(m.group(9)))
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(11),
+                          bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)), bool(m.group(9)),
+                          bool(m.group(10)))
 
     def for_call(self, causal: bool, masked: bool, cuts: bool = True) -> "Sm90Config":
         """The config a call runs (C++ AttnSm90Tile::for_call): kOptSplit only for unmasked calls whose
         tiles it cuts (`cuts`: split_cuts), causal ones with pairs; a non-causal split without pairs."""
         keep = self.split and not masked and cuts and (not causal or self.pairs)
-        if not keep:
-            return dataclasses.replace(self, split=False) if self.split else self
-        return self if causal or not self.pairs else dataclasses.replace(self, pairs=False)
+        shift = self.shift and causal and not masked and not self.skip
+        pairs = self.pairs and (causal or not keep)
+        return dataclasses.replace(self, split=keep, shift=shift, pairs=pairs)
 
     def split_cuts(self, seqlen_q: int, seqlen_k: int, heads_q: int, batch: int, num_sms: int,
                    causal: bool = False) -> bool:
@@ -105,7 +109,8 @@ class Sm90Config:
         tiles = -(-seqlen_q // self.block_m) * heads_q * batch
         g = self.grid(seqlen_q, heads_q, batch, num_sms)[0]
         if causal:
-            return causal_split_cuts(seqlen_q, seqlen_k, self.block_m, self.block_n, heads_q * batch, g)
+            return causal_split_cuts(seqlen_q, seqlen_k, self.block_m, self.block_n, heads_q * batch, g,
+                                     self.shift and not self.skip)
         nb = -(-seqlen_k // self.block_n)
         return tiles > g and tiles % g != 0 and 2 * g * nb < 2**31 - 1
 
@@ -143,6 +148,9 @@ VARIANT_SM90 = {
 # The non-causal default without the split tail (tag "w": the last rounds' tiles cut over the CTAs;
 # non-causal only, a causal call of a "w" tile runs the tile without it).
 VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True))
+# Causal query blocks ending at Sq (tag "b"), with the causal split tail.
+for _d, (_c, _s) in ((64, (3, 4)), (128, (2, 2))):
+    VARIANT_SM90[_d].append(Sm90Config(128, _c, _s, True, pairs=True, split=True, shift=True))
 
 
 def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
@@ -152,7 +160,7 @@ def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm
     cfg = DEFAULT_SM90[(head_dim, bool(causal))]
     if os.environ.get("OPFUSE_ATTN_SM90_SPLIT") == "0":
         cfg = dataclasses.replace(cfg, split=False)
-    return dataclasses.replace(cfg, pairs=False, desc=False, split=False) if masked else cfg
+    return dataclasses.replace(cfg, pairs=False, desc=False, split=False, shift=False) if masked else cfg
 
 
 def configs_sm90(head_dim: int):
