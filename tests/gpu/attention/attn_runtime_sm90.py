@@ -129,12 +129,14 @@ class Sm90Config:
 # -0.4% at S = 8192 / 16384, a tie). Non-causal: descriptors by offset (tag
 # "d"), 1.0-1.8% faster than the plain tile in all four non-causal cases of
 # the H200 run at 487e149 (inside the two rounds' spreads; causal lost
-# 0.2-1% with it, so causal keeps "pl").
+# 0.2-1% with it, so causal keeps "pl"). Split tails ("w", session 23 for
+# non-causal, session 24 for causal: up to +3.6%) and, causal, query blocks
+# ending at Sq ("b", session 24: +4.5% at D = 64, S = 2048 and 4096).
 DEFAULT_SM90 = {
     (64, False): Sm90Config(128, 3, 4, True, desc=True, split=True),
-    (64, True): Sm90Config(128, 3, 4, True, pairs=True, split=True),
+    (64, True): Sm90Config(128, 3, 4, True, pairs=True, split=True, shift=True),
     (128, False): Sm90Config(128, 2, 2, True, desc=True, split=True),
-    (128, True): Sm90Config(128, 2, 2, True, pairs=True, split=True),
+    (128, True): Sm90Config(128, 2, 2, True, pairs=True, split=True, shift=True),
 }
 # The previous non-causal defaults, the overlap options, and (branch
 # attn-fwd-4) 176-key blocks at D = 128: FlashAttention-3's non-causal tile
@@ -148,9 +150,9 @@ VARIANT_SM90 = {
 # The non-causal default without the split tail (tag "w": the last rounds' tiles cut over the CTAs;
 # non-causal only, a causal call of a "w" tile runs the tile without it).
 VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True))
-# Causal query blocks ending at Sq (tag "b"), with the causal split tail.
+# The causal default without query blocks ending at Sq (tag "b"; 4.5% slower at D = 64, S = 2048, 4096).
 for _d, (_c, _s) in ((64, (3, 4)), (128, (2, 2))):
-    VARIANT_SM90[_d].append(Sm90Config(128, _c, _s, True, pairs=True, split=True, shift=True))
+    VARIANT_SM90[_d].append(Sm90Config(128, _c, _s, True, pairs=True, split=True))
 
 
 def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
