@@ -677,6 +677,12 @@ def test_attention_sm90_option_tags_compile():
     assert "Performance Loss" not in log
     with pytest.raises(Exception, match="kOptSplit"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pdw", False)
+    # b (query blocks ending at Sq, bit 32): causal only, the causal default since session 24.
+    expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 64, True, "wg192x128s4plwb", False)
+    assert expr.endswith("true, 128, 3, 4, true, opfuse_attn::MaskNone, 52>") and cubin[:4] == b"\x7fELF"
+    assert "Performance Loss" not in log
+    with pytest.raises(Exception, match="kOptShift"):
+        _C.attention_sm90_compile("bf16", 64, False, "wg192x128s4pb", False)
     with pytest.raises(ValueError, match="tag"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2lp", False)
     with pytest.raises(ValueError, match="tag"):
