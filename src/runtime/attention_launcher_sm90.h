@@ -98,8 +98,10 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
                                    int64_t seqlen, int head_dim, int box_rows, const char* what);
 
 // Whether the causal split cuts a call's pairs schedule: more tiles than the
-// grid, and every CTA's tail range at least the longest tile (a tile is then
-// cut at most once; mirrors causal_tail_schedule in attention_fwd_sm90.cu).
+// grid, the longest tile at least kAttnCausalSplitMinBlocks key blocks, and
+// every CTA's tail range at least that tile (a tile is then cut at most once;
+// mirrors causal_tail_schedule in attention_fwd_sm90.cu).
+constexpr int64_t kAttnCausalSplitMinBlocks = 16;
 bool attn_sm90_causal_split_cuts(int64_t seqlen_q, int64_t seqlen_k, int block_m, int block_n, int64_t heads_batch,
                                  int64_t grid, bool shift);
 

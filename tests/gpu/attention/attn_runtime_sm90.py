@@ -29,10 +29,15 @@ HEAD_DIMS_SM90 = (64, 128)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 
 
+# kAttnCausalSplitMinBlocks: the causal split only when the longest tile has this many key blocks.
+CAUSAL_SPLIT_MIN_BLOCKS = 16
+
+
 def causal_split_cuts(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, heads_batch: int, grid: int,
                       shift: bool = False) -> bool:
     """Whether the causal split cuts the pairs schedule's tail (C++ attn_sm90_causal_split_cuts): more
-    tiles than the grid and every CTA's tail range at least the longest tile."""
+    tiles than the grid, the longest tile at least CAUSAL_SPLIT_MIN_BLOCKS key blocks and every CTA's
+    tail range at least that tile."""
     num_m = -(-seqlen_q // block_m)
     if seqlen_q <= 0 or seqlen_k <= 0 or grid <= 0 or num_m * heads_batch <= grid:
         return False
@@ -49,7 +54,8 @@ def causal_split_cuts(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, 
     h = sum(items)
     c_j0 = (j0 // p2 * h + sum(items[:j0 % p2])) if p2 else 0
     t = heads_batch * h - c_j0 + (heads_batch * blocks(num_m // 2) if num_m & 1 else 0)
-    return np_ < 2**30 and t // grid >= blocks(num_m - 1)
+    longest = blocks(num_m - 1)
+    return np_ < 2**30 and longest >= CAUSAL_SPLIT_MIN_BLOCKS and t // grid >= longest
 
 
 @dataclasses.dataclass(frozen=True)

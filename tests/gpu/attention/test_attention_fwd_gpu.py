@@ -236,10 +236,11 @@ def _sm90_persistent_params():
 # tile whose third consumer has no row (700 = 3 x 192 + 124); then Sq = Sk with
 # ragged last tiles and an odd number of query blocks (the middle one a single
 # in the pairs schedule: 9 of 128 rows for 1100, 5 of 192 rows for 900).
-# Then causal split tails (D = 64 and 128): with tiles that see no key inside
-# the line (1100 x 700), and keys ahead of the queries (1000 x 1537).
-PERSISTENT_SHAPES = [(3, 24, 8, 700, 300), (2, 40, 20, 1100, 1100), (1, 48, 16, 900, 900), (2, 40, 20, 1100, 700),
-                     (1, 40, 8, 1000, 1537)]
+# Then causal split tails (D = 64 and 128; the longest tile needs 16 key
+# blocks): with tiles that see no key inside the line (2400 x 2050), and keys
+# ahead of the queries (2000 x 2537).
+PERSISTENT_SHAPES = [(3, 24, 8, 700, 300), (2, 40, 20, 1100, 1100), (1, 48, 16, 900, 900), (3, 24, 8, 2400, 2050),
+                     (1, 40, 8, 2000, 2537)]
 
 
 @pytest.mark.parametrize("shape", PERSISTENT_SHAPES, ids=lambda s: "x".join(map(str, s)))
