@@ -1,6 +1,6 @@
 """Balance of the Hopper attention forward's static schedules, counted on the CPU.
 
-Mirrors the slot functions of src/kernels/attention/attention_fwd_sm90.cu
+Mirrors the slot functions of src/kernels/attention/attention_fwd_sm90_schedule.cu
 (`cta_tile`: snake rounds, or the causal pairs schedule) and prints, for the
 FlashAttention setup (hidden 2048, 16k tokens), each CTA's work in key
 blocks (plus `--tile-cost` blocks for a tile's fixed costs), the makespan

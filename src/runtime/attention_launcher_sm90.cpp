@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "attention_fwd_sm90_cu.inc"  // static const char attention_fwd_sm90_cu[]
+#include "attention_fwd_sm90_schedule_cu.inc"  // static const char attention_fwd_sm90_schedule_cu[]
 #include "attention_ptx_cu.inc"        // static const char attention_ptx_cu[]
 #include "attention_sm90_ptx_cu.inc"   // static const char attention_sm90_ptx_cu[]
 
@@ -23,10 +24,10 @@ constexpr int kDevAttrMultiprocessorCount = 16;  // CU_DEVICE_ATTRIBUTE_MULTIPRO
 constexpr int kTmaBf16 = 9, kTmaF16 = 6;
 constexpr int kTmaInterleaveNone = 0, kTmaSwizzle128B = 3, kTmaL2Promo128B = 2, kTmaOobZero = 0;
 
-// The shared PTX helpers (all kernels', then Hopper's), then the kernel.
+// The shared PTX helpers (all kernels', then Hopper's), the schedules, then the kernel.
 const std::string& source() {
-  static const std::string s =
-      std::string(attention_ptx_cu) + "\n" + attention_sm90_ptx_cu + "\n" + attention_fwd_sm90_cu;
+  static const std::string s = std::string(attention_ptx_cu) + "\n" + attention_sm90_ptx_cu + "\n" +
+                               attention_fwd_sm90_schedule_cu + "\n" + attention_fwd_sm90_cu;
   return s;
 }
 
@@ -210,7 +211,7 @@ int sm_count(CUcontext ctx) {
 
 bool attn_sm90_causal_split_cuts(int64_t seqlen_q, int64_t seqlen_k, int block_m, int block_n, int64_t heads_batch,
                                  int64_t grid, bool shift) {
-  // Mirrors CausalTail / causal_tail_schedule (attention_fwd_sm90.cu).
+  // Mirrors CausalTail / causal_tail_schedule (attention_fwd_sm90_schedule.cu).
   const int64_t num_m = (seqlen_q + block_m - 1) / block_m, tiles = num_m * heads_batch;
   if (seqlen_q <= 0 || seqlen_k <= 0 || grid <= 0 || tiles <= grid || num_m > INT32_MAX / 2) return false;
   const int64_t row_shift = shift ? num_m * block_m - seqlen_q : 0;  // query_block_start

@@ -1,5 +1,6 @@
 // The launcher of the Hopper attention forward kernel
-// (src/kernels/attention/attention_fwd_sm90.cu, embedded as a string):
+// (src/kernels/attention/attention_fwd_sm90.cu after its schedules,
+// attention_fwd_sm90_schedule.cu, embedded as strings):
 // its tiles, NVRTC compilation for sm_90a through the disk cache, the TMA
 // tensor maps (cuTensorMapEncodeTiled) and the launch. attn_forward_cuda
 // (attention_launcher.h) dispatches here on sm_90 devices for the head dims
@@ -100,7 +101,7 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 // Whether the causal split cuts a call's pairs schedule: more tiles than the
 // grid, the longest tile at least kAttnCausalSplitMinBlocks key blocks, and
 // every CTA's tail range at least that tile (a tile is then cut at most once;
-// mirrors causal_tail_schedule in attention_fwd_sm90.cu).
+// mirrors causal_tail_schedule in attention_fwd_sm90_schedule.cu).
 constexpr int64_t kAttnCausalSplitMinBlocks = 16;
 bool attn_sm90_causal_split_cuts(int64_t seqlen_q, int64_t seqlen_k, int block_m, int block_n, int64_t heads_batch,
                                  int64_t grid, bool shift);

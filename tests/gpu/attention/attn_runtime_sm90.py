@@ -17,14 +17,17 @@ import re
 import attn_runtime as ar
 
 KERNEL_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_fwd_sm90.cu"
+SCHEDULE_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_fwd_sm90_schedule.cu"
 PTX_SOURCE_SM90 = ar.REPO / "src" / "kernels" / "attention" / "attention_sm90_ptx.cu"
 
 
 def sm90_source() -> str:
-    """What NVRTC compiles: the shared PTX helpers (all kernels', then Hopper's), then the Hopper kernel
-    (OPFUSE_ATTN_SM90_KERNEL=FILE: another version of the kernel file, to time two versions in one session)."""
+    """What NVRTC compiles: the shared PTX helpers (all kernels', then Hopper's), the schedules, then the
+    Hopper kernel (OPFUSE_ATTN_SM90_KERNEL=FILE: another version of the kernel file, to time two versions
+    in one session)."""
     kernel = os.environ.get("OPFUSE_ATTN_SM90_KERNEL") or KERNEL_SOURCE_SM90
-    return ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + pathlib.Path(kernel).read_text()
+    return (ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + SCHEDULE_SOURCE_SM90.read_text()
+            + "\n" + pathlib.Path(kernel).read_text())
 HEAD_DIMS_SM90 = (64, 128)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 

@@ -7,7 +7,8 @@
 // (attention_reference.h) on the same bf16-rounded inputs.
 //
 // Build (any x86-64 machine; it links no CUDA library):
-//   g++ -O2 -std=c++20 -Isrc -I<dir with attention_fwd_cu.inc, attention_fwd_sm90_cu.inc, attention_ptx_cu.inc, attention_sm90_ptx_cu.inc> \
+//   g++ -O2 -std=c++20 -Isrc -I<dir with attention_fwd_cu.inc, attention_fwd_sm90_cu.inc,
+//       attention_fwd_sm90_schedule_cu.inc, attention_ptx_cu.inc, attention_sm90_ptx_cu.inc> \
 //       tests/gpu/attention/launcher_check.cpp src/runtime/{attention_launcher,attention_launcher_sm90,nvrtc_named,cuda_api,compile_cache,hash}.cpp \
 //       src/kernels/attention/attention_reference.cpp -ldl -o launcher_check
 // Run on a GPU machine: OPFUSE_CUDA_LIB_DIRS=<dir of libnvrtc.so.13> ./launcher_check

@@ -106,6 +106,13 @@ def test_source_includes_no_header():
     assert not re.search(r"^\s*#\s*include", src, re.M), "NVRTC on target machines has no CUDA headers"
 
 
+def test_sm90_sources_include_no_header():
+    import attn_runtime_sm90 as sm90
+
+    for f in (sm90.KERNEL_SOURCE_SM90, sm90.SCHEDULE_SOURCE_SM90, sm90.PTX_SOURCE_SM90):
+        assert not re.search(r"^\s*#\s*include", f.read_text(), re.M), f
+
+
 # ---- the Hopper kernel (attention_fwd_sm90.cu), compiled for sm_90a ----
 
 import os  # noqa: E402
