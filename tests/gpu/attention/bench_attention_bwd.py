@@ -7,7 +7,8 @@ causal and not. TFLOP/s of forward+backward with FLOPs = 3.5 x the forward's
 D = 64 / 128 attention_fwd_sm90.cu + attention_bwd_sm90.cu; "opfuse:bwd-mma"
 times the mma.sync backward of attention_bwd.cu beside it; atomic dQ;
 "opfuse-det" the deterministic mode, which stays on mma.sync); PyTorch SDPA's flash and
-cuDNN backends fwd+bwd (autograd) in the same run. Median of
+cuDNN backends fwd+bwd (autograd) in the same run; "opfuse-op" the product's
+path, opfuse.ops.attention with autograd (when the package is installed). Median of
 triton.testing.do_bench; writes JSON records (suite attention_fwd_bwd) to
 --out/attention_fwd_bwd-<UTC time>-<commit>.json.
 
@@ -28,7 +29,7 @@ import torch  # noqa: E402
 
 import attn_bwd_runtime as br  # noqa: E402
 import attn_runtime as ar  # noqa: E402
-from bench_attention_fwd import commit_id, print_ratio_table, results_name, time_rounds  # noqa: E402
+from bench_attention_fwd import commit_id, print_ratio_table, product_op, results_name, time_rounds  # noqa: E402
 
 
 def main(argv=None):
@@ -120,6 +121,13 @@ def main(argv=None):
                                                            out=grads, tiles=(kv_t, q_t)), 2.5)
                 impls = {n: x for n, x in impls.items() if n not in skip}
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                op = product_op()
+                if op is not None and "opfuse-op" not in skip:
+                    # The product's path (the torch op with autograd, the C++ launchers,
+                    # workspaces from PyTorch's allocator), beside the ctypes harness's "opfuse".
+                    def run_op():
+                        torch.autograd.grad(op(qg, kg, vg, causal=causal), (qg, kg, vg), dout)
+                    impls["opfuse-op"] = (run_op, 3.5)
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
                     def run(backend=backend):
@@ -153,7 +161,7 @@ def main(argv=None):
                 del q, k, v, dout, o, lse, grads, qg, kg, vg
                 torch.cuda.empty_cache()
 
-    names = ["opfuse", "opfuse-det", "opfuse:bwd", "opfuse:bwd-mma", "sdpa-flash", "sdpa-cudnn"]
+    names = ["opfuse", "opfuse-op", "opfuse-det", "opfuse:bwd", "opfuse:bwd-mma", "sdpa-flash", "sdpa-cudnn"]
     names += sorted({n for r in rows for n in r if n.startswith("opfuse:bwd[") or n.startswith("opfuse[")})
     print_ratio_table("TFLOP/s fwd+bwd (opfuse:bwd = backward alone), bf16, hidden 2048, 16k tokens", rows, names, 11)
 

@@ -79,6 +79,15 @@ def time_rounds(fns: dict, rounds: int, case: str, skip=()) -> dict:
     return times
 
 
+def product_op():
+    """opfuse.ops.attention when the package is installed (the GPU scripts build it), else None."""
+    try:
+        from opfuse import ops
+    except ImportError:
+        return None
+    return ops.attention
+
+
 def print_ratio_table(title: str, rows, names, width: int):
     """The summary: one row per (D, causal, S), TFLOP/s per implementation in
     `names`, and opfuse over SDPA's flash and cuDNN backends."""
@@ -207,6 +216,11 @@ def main(argv=None):
                                 and ar.smem_bytes(D, cfg) <= (fwd.smem_limit or 1 << 30)):
                             impls[f"opfuse[{cfg.tag()}]"] = (
                                 lambda cfg=cfg: fwd(q, k, v, causal=causal, config=cfg, out=out, lse=lse))
+                op = product_op()
+                if op is not None:
+                    # The product's path: the torch op, the C++ launcher, workspaces from PyTorch's
+                    # allocator (the harness above builds tensor maps and launches through ctypes).
+                    impls["opfuse-op"] = lambda: op(q, k, v, causal=causal)
                 for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
                     def run(backend=backend):
