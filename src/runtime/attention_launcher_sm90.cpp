@@ -214,7 +214,7 @@ bool attn_sm90_causal_split_cuts(int64_t seqlen_q, int64_t seqlen_k, int block_m
   // Mirrors CausalTail / causal_tail_schedule (attention_fwd_sm90_schedule.cu).
   const int64_t num_m = (seqlen_q + block_m - 1) / block_m, tiles = num_m * heads_batch;
   if (seqlen_q <= 0 || seqlen_k <= 0 || grid <= 0 || tiles <= grid || num_m > INT32_MAX / 2) return false;
-  const int64_t row_shift = shift ? num_m * block_m - seqlen_q : 0;  // query_block_start
+  const int64_t row_shift = shift ? num_m * block_m - seqlen_q : 0;  // row_shift_of
   auto blocks = [&](int64_t m) {  // tile_key_blocks, causal
     const int64_t m_end = std::min((m + 1) * block_m - row_shift, seqlen_q);
     const int64_t key_end = std::min(m_end + seqlen_k - seqlen_q, seqlen_k);

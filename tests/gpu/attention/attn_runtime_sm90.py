@@ -44,7 +44,7 @@ def causal_split_cuts(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, 
     num_m = -(-seqlen_q // block_m)
     if seqlen_q <= 0 or seqlen_k <= 0 or grid <= 0 or num_m * heads_batch <= grid:
         return False
-    row_shift = num_m * block_m - seqlen_q if shift else 0  # query_block_start
+    row_shift = num_m * block_m - seqlen_q if shift else 0  # row_shift_of
 
     def blocks(m):
         key_end = min(min((m + 1) * block_m - row_shift, seqlen_q) + seqlen_k - seqlen_q, seqlen_k)
@@ -224,11 +224,12 @@ def all_instantiations_sm90():
         for cfg in configs_sm90(d):
             for elem in ar.ELEMENTS:
                 for causal in (False, True):
-                    c = cfg.for_call(causal, False)  # (the CI compile: every kernel a call can run)
-                    e = name_expression_sm90(elem, d, causal, c)
-                    if e not in seen:
-                        seen.add(e)
-                        out.append((elem, d, causal, c))
+                    for cuts in (True, False):  # (the CI compile: every kernel a call can run)
+                        c = cfg.for_call(causal, False, cuts)
+                        e = name_expression_sm90(elem, d, causal, c)
+                        if e not in seen:
+                            seen.add(e)
+                            out.append((elem, d, causal, c))
     return out
 
 
