@@ -194,6 +194,12 @@ void bind_ops(nb::module_& m) {
       "NVRTC-compiles one Hopper attention instantiation for sm_90a (no GPU needed): as attention_compile.");
   m.def("attention_smem_bytes",
         [](int head_dim, const std::string& tile) { return at::attn_smem_bytes(head_dim, at::AttnTile::parse(tile)); });
+  m.def("attention_sm90_smem_bytes", [](int head_dim, const std::string& tile) {
+    return at::attn_sm90_smem_bytes(head_dim, at::AttnSm90Tile::parse(tile));
+  });
+  m.def("attention_sm90_causal_split_cuts", &at::attn_sm90_causal_split_cuts, nb::arg("seqlen_q"), nb::arg("seqlen_k"),
+        nb::arg("block_m"), nb::arg("block_n"), nb::arg("heads_batch"), nb::arg("grid"), nb::arg("shift"),
+        "Whether the Hopper forward's causal split cuts a call (the launcher's rule; the harness mirrors it).");
 
   // --- CPU ------------------------------------------------------------------
   m.def(

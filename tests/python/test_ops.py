@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib
 import math
+import pathlib
 
 import pytest
 import torch
@@ -687,6 +688,32 @@ def test_attention_sm90_option_tags_compile():
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2lp", False)
     with pytest.raises(ValueError, match="tag"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pdl", False)
+
+
+def test_attention_sm90_mirrors_match_the_launcher():
+    # The ctypes harness (tests/gpu/attention/attn_runtime_sm90.py) decides on its own whether a call
+    # cuts the causal split and how much shared memory a tile takes; both must be the launcher's.
+    import random
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "gpu" / "attention"))
+    import attn_runtime_sm90 as sm
+
+    rng = random.Random(24)
+    for _ in range(3000):
+        sq, sk = rng.randint(1, 20000), rng.randint(1, 20000)
+        if rng.random() < 0.3:
+            sk = sq
+        block_m, block_n = rng.choice([64, 128, 192]), rng.choice([64, 128, 176])
+        hb, grid, shift = rng.randint(1, 600), rng.choice([1, 7, 78, 114, 132]), rng.random() < 0.5
+        assert (_C.attention_sm90_causal_split_cuts(sq, sk, block_m, block_n, hb, grid, shift)
+                == sm.causal_split_cuts(sq, sk, block_m, block_n, hb, grid, shift)), (sq, sk, block_m, block_n, hb, grid)
+    # FlashAttention setup: cut at S >= 2048 (16 key blocks), not below.
+    assert _C.attention_sm90_causal_split_cuts(2048, 2048, 192, 128, 8 * 32, 132, True)
+    assert not _C.attention_sm90_causal_split_cuts(1024, 1024, 192, 128, 16 * 32, 132, True)
+    for d in sm.HEAD_DIMS_SM90:
+        for cfg in sm.configs_sm90(d):
+            assert _C.attention_sm90_smem_bytes(d, cfg.tag()) == sm.smem_bytes_sm90(d, cfg), cfg.tag()
 
 
 @needs_nvrtc
