@@ -164,8 +164,13 @@ def test_sm90_tags_round_trip_and_option_bits():
     assert sm90.Sm90Config.parse("wg128x128s2pld").opts == 12
     with pytest.raises(ValueError):
         sm90.Sm90Config.parse("wg128x128s2pdl")
+    # b (query blocks ending at Sq, bit 32) and w (split, bit 16) on pairs: the causal default.
+    cfg = sm90.Sm90Config.parse("wg192x128s4plwb")
+    assert cfg.pairs and cfg.split and cfg.shift and cfg.opts == 52
+    assert sm90.name_expression_sm90("bf16", 64, True, cfg).endswith(", true, opfuse_attn::MaskNone, 52>")
+    # 176 x 128 x 2 x 2 x 2 K/V + one 32 KB Q buffer + mbarriers (8 x 12) + 32 bytes of schedule + 1 KB
     wide = sm90.Sm90Config.parse("wg128x176s2pd")
-    assert sm90.q_buffers_sm90(128, wide) == 1 and sm90.smem_bytes_sm90(128, wide) == 214112
+    assert sm90.q_buffers_sm90(128, wide) == 1 and sm90.smem_bytes_sm90(128, wide) == 214144
     # Masked calls keep the plain tile (neither pairs nor descriptors by offset).
     for d in sm90.HEAD_DIMS_SM90:
         for causal in (False, True):
