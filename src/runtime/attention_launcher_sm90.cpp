@@ -70,13 +70,13 @@ AttnTensorMap attn_sm90_tensor_map(AttnElem e, const void* ptr, const int64_t (&
 std::string AttnSm90Tile::tag() const {
   return "wg" + std::to_string(block_m()) + "x" + std::to_string(block_n) + "s" + std::to_string(stages) +
          (pingpong ? "p" : "") + (overlap ? "o" : "") + (skip ? "k" : "") + (pairs ? "l" : "") +
-         (desc ? "d" : "") + (split ? "w" : "") + (shift ? "b" : "") + (persistent ? "" : "n");
+         (desc ? "d" : "") + (split ? "w" : "") + (shift ? "b" : "") + (store_o ? "t" : "") + (persistent ? "" : "n");
 }
 
 bool AttnSm90Tile::is_tag(const std::string& tag) { return tag.rfind("wg", 0) == 0; }
 
 AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
-  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(b?)(n?))");
+  static const std::regex re(R"(wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(b?)(t?)(n?))");
   std::smatch m;
   if (!std::regex_match(tag, m, re) || std::stoi(m[1]) % 64 != 0)
     throw std::invalid_argument("bad sm90 attention tile tag '" + tag + "' (want e.g. wg128x128s2p)");
@@ -91,7 +91,9 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.desc = m[8].length() > 0;
   t.split = m[9].length() > 0;
   t.shift = m[10].length() > 0;
-  t.persistent = m[11].length() == 0;
+  t.store_o = m[11].length() > 0;
+  t.persistent = m[12].length() == 0;
+  if (t.store_o && t.overlap) throw std::invalid_argument("sm90 attention tile '" + tag + "': 't' with 'o'");
   return t;
 }
 
@@ -128,6 +130,12 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   AttnSm90Tile t = attn_sm90_default_tile(head_dim, true);
   t.shift = false;
   r.push_back(t);
+  // The defaults storing O through TMA (tile letter "t").
+  for (bool causal : {false, true}) {
+    AttnSm90Tile s = attn_sm90_default_tile(head_dim, causal);
+    s.store_o = true;
+    r.push_back(s);
+  }
   return r;
 }
 
@@ -332,7 +340,12 @@ void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, 
     void* flags;
   } split_ws{nullptr, nullptr};
   if (tile.split) split_ws = {static_cast<char*>(a.split_ws) + pl.ws.zero_bytes, a.split_ws};
-  void* args[] = {&params, tq.bytes, tk.bytes, tv.bytes, &split_ws};
+  // The O map (tile letter "t"; 64-row boxes, one consumer's rows); other
+  // tiles take q's map in its place and never read it.
+  TensorMap to = tile.store_o ? encode(a.elem, a.o, a.o_strides, a.batch, a.heads_q, a.seqlen_q, D, 64,
+                                       "cuTensorMapEncodeTiled(o)")
+                              : tq;
+  void* args[] = {&params, tq.bytes, tk.bytes, tv.bytes, &split_ws, to.bytes};
   check_cuda(c.LaunchKernel(fn, pl.grid_x, 1, 1,
                             static_cast<unsigned>(tile.threads()), 1, 1, static_cast<unsigned>(smem), stream, args, nullptr),
              "cuLaunchKernel(attention sm90)");

@@ -33,12 +33,15 @@ namespace opfuse::attention {
 // a cut tile merged through a workspace (docs/attention.md, "split tail").
 // shift ("b", causal calls without an attn_mask, no skip): the query blocks
 // end at Sq, the ragged one first (the shortest causal tile, not the longest).
+// store_o ("t", not with overlap): O leaves through TMA stores (the kernel's
+// sixth argument, a map over O with 64-row boxes) instead of 16-byte copies.
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
   bool pingpong = true, persistent = true;
-  bool overlap = false, skip = false, pairs = false, desc = false, split = false, shift = false;
+  bool overlap = false, skip = false, pairs = false, desc = false, split = false, shift = false, store_o = false;
   int opts() const {
-    return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0) | (split ? 16 : 0) | (shift ? 32 : 0);
+    return (overlap ? 1 : 0) | (skip ? 2 : 0) | (pairs ? 4 : 0) | (desc ? 8 : 0) | (split ? 16 : 0) | (shift ? 32 : 0) |
+           (store_o ? 64 : 0);
   }
   // The tile a call runs: without the split when it does not apply (an
   // attn_mask; causal without pairs) or `fits` is false (nothing to cut, no

@@ -686,6 +686,12 @@ def test_attention_sm90_option_tags_compile():
         _C.attention_sm90_compile("bf16", 64, False, "wg192x128s4pb", False)
     with pytest.raises(ValueError, match="tag"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2lp", False)
+    # t (O through TMA stores, bit 64; session 25): one store per 64 columns, not with the overlap.
+    expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 128, False, "wg128x128s2pdwt", False)
+    assert expr.endswith("false, 128, 2, 2, true, opfuse_attn::MaskNone, 88>") and cubin[:4] == b"\x7fELF"
+    assert "Performance Loss" not in log and "0 bytes spill stores" in log
+    with pytest.raises(ValueError, match="'t' with 'o'"):
+        _C.attention_sm90_compile("bf16", 128, False, "wg128x128s2pot", False)
     with pytest.raises(ValueError, match="tag"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pdl", False)
 
@@ -894,6 +900,46 @@ def test_attention_cuda_split_tail(D, causal, monkeypatch):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(og, ops.attention(q2, k2, v2, causal=causal))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_attention_cuda_tma_store_of_o(D, causal):
+    # Tile letter "t" through the C++ launcher: O leaves through TMA stores
+    # (a map over O made by the launcher) into a strided view ([B, S, H, D]
+    # memory, an offset into a sentinel-filled buffer): the same bits as the
+    # default tile's 16-byte copies, LSE too, and nothing written outside O's
+    # rows (ragged Sq, causal query blocks ending at Sq: rows before 0 and past
+    # Sq fall outside the map). Split tails cut (more tiles than SMs, GQA).
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper kernel's option")
+    B, Hq, Hkv, Sq, Sk = 2, 40, 10, 2100, 2037
+    q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, device="cuda", seed=77 + D)
+    tag = {64: "wg192x128s4p", 128: "wg128x128s2p"}[D] + ("lwb" if causal else "dw")  # the defaults
+    outs = []
+    for t in (tag, tag + "t"):
+        store = torch.full((B * Sq * Hq * D + 4096,), 7.0, dtype=torch.bfloat16, device="cuda")
+        o = store[1024:1024 + B * Sq * Hq * D].view(B, Sq, Hq, D).transpose(1, 2)
+        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device="cuda")
+        args = ("bf16", [x.data_ptr() for x in (q, k, v, o, lse)], [B, Hq, Hkv, Sq, Sk, D],
+                [list(x.stride()[:3]) for x in (q, k, v, o)] + [list(lse.stride()[:2])], causal, 1.0 / D ** 0.5)
+        ws_bytes, ws_zero = _C.attention_cuda_workspace(*args, t, 0)
+        ws = torch.zeros(max(ws_bytes, 1), dtype=torch.uint8, device="cuda")
+        _C.attention_cuda(*args, torch.cuda.current_stream().cuda_stream, t, 0, workspace=ws.data_ptr(),
+                          workspace_bytes=ws_bytes)
+        torch.cuda.synchronize()
+        assert (store[:1024] == 7).all() and (store[1024 + B * Sq * Hq * D:] == 7).all(), t
+        outs.append((o.clone(), lse.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # bottom-right causal: query i sees keys j <= i + Sk - Sq; rows that see none give 0
+    mask = torch.ones(Sq, Sk, dtype=torch.bool, device="cuda").tril(Sk - Sq) if causal else None
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(Hq // Hkv, 1), v.float().repeat_interleave(Hq // Hkv, 1), attn_mask=mask)
+    seen = slice(max(Sq - Sk, 0) if causal else 0, Sq)
+    assert (outs[1][0][:, :, :seen.start] == 0).all()
+    torch.testing.assert_close(outs[1][0][:, :, seen].float(), ref[:, :, seen], rtol=0, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -177,6 +177,16 @@ constexpr int kOptSplit = 16;
 // Sq = 2048 with 192-row tiles (10.67 blocks) the third consumer's rows of the
 // last, 16-key-block tile were past Sq: 5% of the key-block iterations.
 constexpr int kOptShift = 32;
+// kOptStoreO (tag letter "t", not with kOptOverlap): a consumer's O rows,
+// staged in its Q rows as before, leave through one TMA store per 64-column
+// chunk (the kernel's sixth argument, a map over O with 64-row boxes) issued
+// by one thread, instead of every thread's 16-byte copies; rows outside
+// [0, Sq) are not written by the TMA. The consumer's warps 1-3 free the Q
+// buffer at once; warp 0, whose first lane issued the store, frees it after
+// the next tile's first S (by then the store has long read it; waiting here
+// would hold the warpgroup's next products), or before a wait on that same
+// buffer (one Q buffer, or a tile without keys in between).
+constexpr int kOptStoreO = 64;
 
 // Descriptor `d` with its start address moved by `bytes` (a multiple of 16).
 // Exact: every shared-memory address of the CTA is below 2^18 (the 14-bit
@@ -199,7 +209,8 @@ template <typename Elem, int HEAD_DIM, bool IS_CAUSAL, int BLOCK_N, int NUM_CONS
           typename Mask = MaskNone, int OPTS = 0>
 __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     attention_fwd_sm90(const AttnFwdParams p, const __grid_constant__ TmaDesc tm_q, const __grid_constant__ TmaDesc tm_k,
-                       const __grid_constant__ TmaDesc tm_v, const AttnSplitWs ws) {
+                       const __grid_constant__ TmaDesc tm_v, const AttnSplitWs ws,
+                       const __grid_constant__ TmaDesc tm_o) {
   using Tile = Sm90Tile<HEAD_DIM, BLOCK_N, NUM_CONSUMERS, STAGES>;
   constexpr int BLOCK_M = Tile::kBlockM;
   constexpr int kChunks64 = Tile::kChunks64;
@@ -230,6 +241,8 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   constexpr bool kDescAdd = (OPTS & kOptDesc) != 0;
   constexpr bool kSplit = (OPTS & kOptSplit) != 0;
   constexpr bool kShift = (OPTS & kOptShift) != 0;
+  constexpr bool kStoreO = (OPTS & kOptStoreO) != 0;
+  static_assert(!kStoreO || (OPTS & kOptOverlap) == 0, "kOptStoreO: not with kOptOverlap");
   static_assert(!kShift || (IS_CAUSAL && Mask::kMode == 0 && (OPTS & kOptSkip) == 0),
                 "kOptShift: causal, no attn_mask, no skip");
   static_assert(!kSplit || (Mask::kMode == 0 && (OPTS & (kOptOverlap | kOptSkip)) == 0 && kPairs == IS_CAUSAL),
@@ -364,6 +377,21 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     };
 
     int q_count = 0, kv_count = 0;
+    // kOptStoreO: warp 0 of a consumer frees a tile's Q buffer only once the
+    // next tile with keys (q_count on) is under way (no state to keep: every
+    // tile with keys owes it, the split's written pieces included), after its
+    // first lane's stores have read the buffer.
+    // With three consumers (D = 64) the deferred free made ptxas spill
+    // 192-228 bytes: there warp 0 frees the buffer in the epilogue, once the
+    // store has read it.
+    constexpr bool kDeferQFree = kStoreO && NUM_CONSUMERS <= 2;
+    auto free_q_of = [&](int count) {
+      if (tid_opaque() % 128 == 0) bulk_wait_read_all();
+      release(bar_q_empty + 8 * (count % kQBufs));
+    };
+    auto free_q_now = [&](int qbuf) {  // the other warps (all warps without kDeferQFree)
+      if (!kDeferQFree || ((tid_opaque() / 32) & 3) != 0) release(bar_q_empty + 8 * qbuf);
+    };
     // pre: the first S of this tile went out with the previous tile's last
     // P V (kOverlap; the same for every consumer, so turns stay matched).
     bool pre = false;
@@ -395,6 +423,8 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
 
       const int qb = q_count % kQBufs;
       const u32 sQ = sQ0 + qb * Tile::kQBytes;
+      // One Q buffer: the previous tile's must be free before this tile's load.
+      if (kDeferQFree && kQBufs == 1 && q_count > 0 && ((tid_opaque() / 32) & 3) == 0) free_q_of(q_count - 1);
       // (Already waited for when pre: a completed phase waits no further, and
       // the buffer cannot be refilled before this tile releases it.)
       mbar_wait(bar_q_full + 8 * qb, (q_count / kQBufs) & 1);
@@ -637,6 +667,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       // without one cost 4 bytes of spill in a masked instantiation.)
       if ((OPTS & kOptSkip) == 0 || it < n_blocks) {
         first_step(it);
+        if (kDeferQFree && kQBufs == 2 && q_count > 1 && ((tid_opaque() / 32) & 3) == 0) free_q_of(q_count - 2);
         for (++it; it < n_iters && n_blocks - 1 - it >= w.n_mask_start; ++it) iteration(it, true);
         for (; it < n_iters; ++it) iteration(it, false);
       }
@@ -710,7 +741,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
           fence_acq_rel_gpu();
           named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
           if (e_tw == 0) st_release_gpu_u32(ws.flags + cta * NUM_CONSUMERS + e_wg, 1u);
-          release(bar_q_empty + 8 * qb);
+          free_q_now(qb);
           continue;
         }
         if (w.role == kRoleMerge) {
@@ -770,6 +801,19 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
           st_shared_u32(addr, pack2<Elem>(acc_o[4 * j + 2 * h] * inv_sum[h], acc_o[4 * j + 2 * h + 1] * inv_sum[h]));
         }
       }
+      if constexpr (kStoreO) {
+        fence_proxy_async_smem();  // this thread's staged rows, before the TMA reads them
+        named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
+        if (e_tw == 0) {
+#pragma unroll
+          for (int c = 0; c < kChunks64; ++c)
+            tma_store_4d(&tm_o, sQ + c * BLOCK_M * 128 + wg * 64 * 128, c * 64, w.m_start + wg * 64, w.head, w.batch);
+          bulk_commit();
+          if constexpr (!kDeferQFree) bulk_wait_read_all();
+        }
+        free_q_now(qb);
+        continue;
+      }
       named_bar_sync(1 + NUM_CONSUMERS + wg, 128);
 #pragma unroll
       for (int i = 0; i < 64 * kChunks / 128; ++i) {
@@ -784,6 +828,8 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       release(bar_q_empty + 8 * qb);
     }
     if constexpr (kOverlap) wgmma_wait<0>();  // (nothing is in flight here; for ptxas)
+    if constexpr (kStoreO)
+      if (tid_opaque() % 128 == 0) bulk_wait_all();  // O written before the CTA (and its shared memory) goes
     if (PINGPONG && NUM_CONSUMERS > 1 && wg == 0) turn_wait();  // matches the last consumer's final pass
   }
 }

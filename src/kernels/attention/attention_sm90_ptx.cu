@@ -74,6 +74,14 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, int c0,
       "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
+// --- TMA: a 4-D tile from shared memory to global memory, in this thread's bulk
+// group (cp.async.bulk.commit_group / wait_group); elements outside the
+// tensor (negative or past-the-end rows) are not written ---
+__device__ __forceinline__ void tma_store_4d(const TmaDesc* map, u32 src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"((u64)map),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
 __device__ __forceinline__ void prefetch_tma_desc(const TmaDesc* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"((u64)map) : "memory");
 }

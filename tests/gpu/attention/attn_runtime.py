@@ -656,7 +656,9 @@ class AttentionForward:
                 buf[:zbytes].zero_()
                 self._split_ws_alive = buf  # until the next call (the launch is asynchronous)
                 ws = sm.AttnSplitWs(buf.data_ptr() + zbytes, buf.data_ptr())
-            sm.launch_sm90(self.driver, fn, grid, cfg, sm.smem_bytes_sm90(D, cfg), stream, p, *tms, ws=ws)
+            tm_o = sm.encode_tensor_map(self.driver, elem, out.data_ptr(), out.shape, out.stride(), 64) \
+                if cfg.store_o else None
+            sm.launch_sm90(self.driver, fn, grid, cfg, sm.smem_bytes_sm90(D, cfg), stream, p, *tms, ws=ws, tm_o=tm_o)
             return out, lse
         self.driver.launch(fn, grid, (cfg.num_warps * 32, 1, 1), smem_bytes(D, cfg, mask), stream, p)
         return out, lse

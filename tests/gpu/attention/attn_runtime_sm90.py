@@ -74,12 +74,13 @@ class Sm90Config:
     desc: bool = False  # OPTS kOptDesc: wgmma descriptors as the first one plus constant offsets
     split: bool = False  # OPTS kOptSplit: the last rounds' tiles cut over the CTAs by key blocks (causal: with pairs)
     shift: bool = False  # OPTS kOptShift (causal): query blocks end at Sq, the ragged one first
+    store_o: bool = False  # OPTS kOptStoreO (not with overlap): O leaves through TMA stores (sixth argument)
 
     @property
     def opts(self) -> int:
         """The kernel's OPTS template argument."""
         return ((1 if self.overlap else 0) | (2 if self.skip else 0) | (4 if self.pairs else 0) | (8 if self.desc else 0)
-                | (16 if self.split else 0) | (32 if self.shift else 0))
+                | (16 if self.split else 0) | (32 if self.shift else 0) | (64 if self.store_o else 0))
 
     @property
     def block_m(self) -> int:
@@ -92,16 +93,17 @@ class Sm90Config:
     def tag(self) -> str:
         return (f"wg{self.block_m}x{self.block_n}s{self.stages}{'p' if self.pingpong else ''}"
                 f"{'o' if self.overlap else ''}{'k' if self.skip else ''}{'l' if self.pairs else ''}{'d' if self.desc else ''}"
-                f"{'w' if self.split else ''}{'b' if self.shift else ''}{'' if self.persistent else 'n'}")
+                f"{'w' if self.split else ''}{'b' if self.shift else ''}{'t' if self.store_o else ''}"
+                f"{'' if self.persistent else 'n'}")
 
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
-        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(b?)(n?)", tag)
-        if not m or int(m.group(1)) % 64:
-            raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p)")
-        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(11),
+        m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(b?)(t?)(n?)", tag)
+        if not m or int(m.group(1)) % 64 or (m.group(5) and m.group(11)):
+            raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p; 't' not with 'o')")
+        return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(12),
                           bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)), bool(m.group(9)),
-                          bool(m.group(10)))
+                          bool(m.group(10)), bool(m.group(11)))
 
     def for_call(self, causal: bool, masked: bool, cuts: bool = True) -> "Sm90Config":
         """The config a call runs (C++ AttnSm90Tile::for_call): kOptSplit only for unmasked calls whose
@@ -162,6 +164,9 @@ VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True))
 # The causal default without query blocks ending at Sq (tag "b"; 4.5% slower at D = 64, S = 2048, 4096).
 for _d, (_c, _s) in ((64, (3, 4)), (128, (2, 2))):
     VARIANT_SM90[_d].append(Sm90Config(128, _c, _s, True, pairs=True, split=True))
+# The defaults storing O through TMA (tag "t", session 25).
+for _d in (64, 128):
+    VARIANT_SM90[_d] += [dataclasses.replace(DEFAULT_SM90[(_d, _c)], store_o=True) for _c in (False, True)]
 
 
 def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
@@ -342,11 +347,14 @@ def split_workspace_sm90(head_dim: int, cfg: Sm90Config, grid_x: int):
 
 
 def launch_sm90(driver: ar.CudaDriver, fn, grid, cfg: Sm90Config, smem: int, stream, params, tm_q, tm_k, tm_v,
-                ws: AttnSplitWs | None = None):
-    """grid: cfg.grid(...) (persistent CTAs loop over the tiles); ws: the split workspace (kOptSplit)."""
+                ws: AttnSplitWs | None = None, tm_o=None):
+    """grid: cfg.grid(...) (persistent CTAs loop over the tiles); ws: the split workspace (kOptSplit);
+    tm_o: the map over O with 64-row boxes (kOptStoreO; other tiles get tm_q in its place, never read)."""
     ws = ws if ws is not None else AttnSplitWs()
-    args = (ctypes.c_void_p * 5)(*(ctypes.cast(ctypes.pointer(x), ctypes.c_void_p)
-                                   for x in (params, tm_q, tm_k, tm_v, ws)))
+    if cfg.store_o and tm_o is None:
+        raise ValueError(f"tile {cfg.tag()} stores O through TMA: launch_sm90 needs tm_o")
+    args = (ctypes.c_void_p * 6)(*(ctypes.cast(ctypes.pointer(x), ctypes.c_void_p)
+                                   for x in (params, tm_q, tm_k, tm_v, ws, tm_o if tm_o is not None else tm_q)))
     driver.check(driver.lib.cuLaunchKernel(fn, grid[0], grid[1], grid[2], cfg.num_threads, 1, 1, smem,
                                            ctypes.c_void_p(stream), args, None), "cuLaunchKernel(sm90)")
 

@@ -171,6 +171,14 @@ def test_sm90_tags_round_trip_and_option_bits():
     # 176 x 128 x 2 x 2 x 2 K/V + one 32 KB Q buffer + mbarriers (8 x 12) + 32 bytes of schedule + 1 KB
     wide = sm90.Sm90Config.parse("wg128x176s2pd")
     assert sm90.q_buffers_sm90(128, wide) == 1 and sm90.smem_bytes_sm90(128, wide) == 214144
+    # t (O through TMA stores, bit 64) after b, before n; not with the overlap.
+    cfg = sm90.Sm90Config.parse("wg128x128s2pdwtn")
+    assert cfg.store_o and cfg.split and not cfg.persistent and cfg.opts == 88
+    assert sm90.smem_bytes_sm90(128, cfg) == sm90.smem_bytes_sm90(128, sm90.Sm90Config.parse("wg128x128s2pdw"))
+    with pytest.raises(ValueError):
+        sm90.Sm90Config.parse("wg128x128s2potd")
+    with pytest.raises(ValueError):
+        sm90.Sm90Config.parse("wg128x128s2pot")
     # Masked calls keep the plain tile (neither pairs nor descriptors by offset).
     for d in sm90.HEAD_DIMS_SM90:
         for causal in (False, True):
@@ -194,7 +202,9 @@ def test_sm90_ptx_uses_wgmma_tma_mbarriers_and_setmaxnreg(compiled_sm90):
         extra = d // 16 if cfg.overlap and sm90.q_buffers_sm90(d, cfg) == 2 else 0
         assert body.count("wgmma.mma_async") == 3 * (d // 16 + cfg.block_n // 16) + extra, e
         assert "wgmma.wait_group" in body and "wgmma.commit_group" in body and "wgmma.fence" in body, e
-        assert body.count("cp.async.bulk.tensor.4d") == 3 * (d // 64), e  # Q, K, V: one per 64 columns
+        # Q, K, V loads: one per 64 columns; "t" tiles store O the same way.
+        assert body.count("cp.async.bulk.tensor.4d") == (4 if cfg.store_o else 3) * (d // 64), e
+        assert body.count("cp.async.bulk.tensor.4d.global.shared::cta") == (d // 64 if cfg.store_o else 0), e
         assert "mbarrier.try_wait.parity" in body and "mbarrier.arrive.expect_tx" in body, e
         assert "setmaxnreg.dec" in body and "setmaxnreg.inc" in body, e
         assert "mma.sync" not in body and "ldmatrix" not in body, e
