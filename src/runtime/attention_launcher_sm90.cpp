@@ -93,7 +93,8 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   t.shift = m[10].length() > 0;
   t.store_o = m[11].length() > 0;
   t.persistent = m[12].length() == 0;
-  if (t.store_o && t.overlap) throw std::invalid_argument("sm90 attention tile '" + tag + "': 't' with 'o'");
+  if (t.store_o && (t.overlap || t.consumers != 2))
+    throw std::invalid_argument("sm90 attention tile '" + tag + "': 't' needs two consumers and no 'o'");
   return t;
 }
 
@@ -130,8 +131,9 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
   AttnSm90Tile t = attn_sm90_default_tile(head_dim, true);
   t.shift = false;
   r.push_back(t);
-  // The defaults storing O through TMA (tile letter "t").
+  // The D = 128 defaults storing O through TMA (tile letter "t"; two consumers only).
   for (bool causal : {false, true}) {
+    if (head_dim != 128) break;
     AttnSm90Tile s = attn_sm90_default_tile(head_dim, causal);
     s.store_o = true;
     r.push_back(s);

@@ -690,8 +690,10 @@ def test_attention_sm90_option_tags_compile():
     expr, _, cubin, log, _ = _C.attention_sm90_compile("bf16", 128, False, "wg128x128s2pdwt", False)
     assert expr.endswith("false, 128, 2, 2, true, opfuse_attn::MaskNone, 88>") and cubin[:4] == b"\x7fELF"
     assert "Performance Loss" not in log and "0 bytes spill stores" in log
-    with pytest.raises(ValueError, match="'t' with 'o'"):
+    with pytest.raises(ValueError, match="'t' needs two consumers and no 'o'"):
         _C.attention_sm90_compile("bf16", 128, False, "wg128x128s2pot", False)
+    with pytest.raises(ValueError, match="'t' needs two consumers"):
+        _C.attention_sm90_compile("bf16", 64, False, "wg192x128s4pdwt", False)
     with pytest.raises(ValueError, match="tag"):
         _C.attention_sm90_compile("bf16", 128, True, "wg128x128s2pdl", False)
 
@@ -905,7 +907,7 @@ def test_attention_cuda_split_tail(D, causal, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [128])
 def test_attention_cuda_tma_store_of_o(D, causal):
     # Tile letter "t" through the C++ launcher: O leaves through TMA stores
     # (a map over O made by the launcher) into a strided view ([B, S, H, D]

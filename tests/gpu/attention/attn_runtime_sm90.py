@@ -99,8 +99,8 @@ class Sm90Config:
     @staticmethod
     def parse(tag: str) -> "Sm90Config":
         m = re.fullmatch(r"wg(\d+)x(\d+)s(\d+)(p?)(o?)(k?)(l?)(d?)(w?)(b?)(t?)(n?)", tag)
-        if not m or int(m.group(1)) % 64 or (m.group(5) and m.group(11)):
-            raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p; 't' not with 'o')")
+        if not m or int(m.group(1)) % 64 or (m.group(11) and (m.group(5) or int(m.group(1)) != 128)):
+            raise ValueError(f"bad sm90 config tag {tag!r} (want e.g. wg128x128s2p; 't': 128 rows, no 'o')")
         return Sm90Config(int(m.group(2)), int(m.group(1)) // 64, int(m.group(3)), bool(m.group(4)), not m.group(12),
                           bool(m.group(5)), bool(m.group(6)), bool(m.group(7)), bool(m.group(8)), bool(m.group(9)),
                           bool(m.group(10)), bool(m.group(11)))
@@ -164,9 +164,8 @@ VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True))
 # The causal default without query blocks ending at Sq (tag "b"; 4.5% slower at D = 64, S = 2048, 4096).
 for _d, (_c, _s) in ((64, (3, 4)), (128, (2, 2))):
     VARIANT_SM90[_d].append(Sm90Config(128, _c, _s, True, pairs=True, split=True))
-# The defaults storing O through TMA (tag "t", session 25).
-for _d in (64, 128):
-    VARIANT_SM90[_d] += [dataclasses.replace(DEFAULT_SM90[(_d, _c)], store_o=True) for _c in (False, True)]
+# The D = 128 defaults storing O through TMA (tag "t", session 25; two consumers only).
+VARIANT_SM90[128] += [dataclasses.replace(DEFAULT_SM90[(128, _c)], store_o=True) for _c in (False, True)]
 
 
 def default_config_sm90(head_dim: int, causal: bool, masked: bool = False) -> Sm90Config:
