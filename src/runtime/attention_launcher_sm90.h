@@ -33,8 +33,9 @@ namespace opfuse::attention {
 // a cut tile merged through a workspace (docs/attention.md, "split tail").
 // shift ("b", causal calls without an attn_mask, no skip): the query blocks
 // end at Sq, the ragged one first (the shortest causal tile, not the longest).
-// store_o ("t", not with overlap): O leaves through TMA stores (the kernel's
-// sixth argument, a map over O with 64-row boxes) instead of 16-byte copies.
+// store_o ("t", two consumers, not with overlap): O leaves through TMA stores
+// (the kernel's sixth argument, a map over O with 64-row boxes) instead of
+// 16-byte copies; slower than without on the H200 (session 25), a variant.
 struct AttnSm90Tile {
   int block_n = 128, consumers = 2, stages = 2;
   bool pingpong = true, persistent = true;

@@ -177,15 +177,17 @@ constexpr int kOptSplit = 16;
 // Sq = 2048 with 192-row tiles (10.67 blocks) the third consumer's rows of the
 // last, 16-key-block tile were past Sq: 5% of the key-block iterations.
 constexpr int kOptShift = 32;
-// kOptStoreO (tag letter "t", not with kOptOverlap): a consumer's O rows,
-// staged in its Q rows as before, leave through one TMA store per 64-column
-// chunk (the kernel's sixth argument, a map over O with 64-row boxes) issued
-// by one thread, instead of every thread's 16-byte copies; rows outside
-// [0, Sq) are not written by the TMA. The consumer's warps 1-3 free the Q
-// buffer at once; warp 0, whose first lane issued the store, frees it after
-// the next tile's first S (by then the store has long read it; waiting here
-// would hold the warpgroup's next products), or before a wait on that same
-// buffer (one Q buffer, or a tile without keys in between).
+// kOptStoreO (tag letter "t"; two consumers, not with kOptOverlap): a
+// consumer's O rows, staged in its Q rows as before, leave through one TMA
+// store per 64-column chunk (the kernel's sixth argument, a map over O with
+// 64-row boxes) issued by one thread, instead of every thread's 16-byte
+// copies; the map clips rows past Sq. Rows that start before 0 (the causal
+// shift's first block) take the copies: such a store trapped. The
+// consumer's warps 1-3 free the Q buffer at once; warp 0, whose first lane
+// issued the store, frees it after the next tile's first S (by then the
+// store has long read it; waiting here would hold the warpgroup's next
+// products), or, with one Q buffer, before the next tile's Q wait.
+// 0.5-4.3% slower than without at D = 128 (H200, session 25): a variant.
 constexpr int kOptStoreO = 64;
 
 // Descriptor `d` with its start address moved by `bytes` (a multiple of 16).
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   constexpr bool kSplit = (OPTS & kOptSplit) != 0;
   constexpr bool kShift = (OPTS & kOptShift) != 0;
   constexpr bool kStoreO = (OPTS & kOptStoreO) != 0;
-  // (Three consumers spilled 168-208 bytes with the store beside the copies.)
+  // (Three consumers spilled 168-228 bytes with the store beside the copies.)
   static_assert(!kStoreO || ((OPTS & kOptOverlap) == 0 && NUM_CONSUMERS == 2),
                 "kOptStoreO: two consumers, not with kOptOverlap");
   static_assert(!kShift || (IS_CAUSAL && Mask::kMode == 0 && (OPTS & kOptSkip) == 0),

@@ -75,8 +75,9 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaDesc* map, int c0,
       : "memory");
 }
 // --- TMA: a 4-D tile from shared memory to global memory, in this thread's bulk
-// group (cp.async.bulk.commit_group / wait_group); elements outside the
-// tensor (negative or past-the-end rows) are not written ---
+// group (cp.async.bulk.commit_group / wait_group); elements past the tensor's
+// end are not written. A box starting at a negative row trapped (illegal
+// instruction) on the H200, where a load from there fills zeros. ---
 __device__ __forceinline__ void tma_store_4d(const TmaDesc* map, u32 src, int c0, int c1, int c2, int c3) {
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"((u64)map),
                "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
