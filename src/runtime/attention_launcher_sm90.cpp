@@ -344,10 +344,9 @@ void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, 
   if (tile.split) split_ws = {static_cast<char*>(a.split_ws) + pl.ws.zero_bytes, a.split_ws};
   // The O map (tile letter "t"; 64-row boxes, one consumer's rows); other
   // tiles take q's map in its place and never read it.
-  TensorMap to = tile.store_o ? encode(a.elem, a.o, a.o_strides, a.batch, a.heads_q, a.seqlen_q, D, 64,
-                                       "cuTensorMapEncodeTiled(o)")
-                              : tq;
-  void* args[] = {&params, tq.bytes, tk.bytes, tv.bytes, &split_ws, to.bytes};
+  TensorMap to;
+  if (tile.store_o) to = encode(a.elem, a.o, a.o_strides, a.batch, a.heads_q, a.seqlen_q, D, 64, "cuTensorMapEncodeTiled(o)");
+  void* args[] = {&params, tq.bytes, tk.bytes, tv.bytes, &split_ws, tile.store_o ? to.bytes : tq.bytes};
   check_cuda(c.LaunchKernel(fn, pl.grid_x, 1, 1,
                             static_cast<unsigned>(tile.threads()), 1, 1, static_cast<unsigned>(smem), stream, args, nullptr),
              "cuLaunchKernel(attention sm90)");

@@ -385,13 +385,12 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
     // next tile with keys (q_count on) is under way (no state to keep: every
     // tile with keys owes it, the split's written pieces included), after its
     // first lane's stores have read the buffer.
-    constexpr bool kDeferQFree = kStoreO;
     auto free_q_of = [&](int count) {
       if (tid_opaque() % 128 == 0) bulk_wait_read_all();
       release(bar_q_empty + 8 * (count % kQBufs));
     };
-    auto free_q_now = [&](int qbuf) {  // the other warps (all warps without kDeferQFree)
-      if (!kDeferQFree || ((tid_opaque() / 32) & 3) != 0) release(bar_q_empty + 8 * qbuf);
+    auto free_q_now = [&](int qbuf) {  // the other warps (all warps without kOptStoreO)
+      if (!kStoreO || ((tid_opaque() / 32) & 3) != 0) release(bar_q_empty + 8 * qbuf);
     };
     // pre: the first S of this tile went out with the previous tile's last
     // P V (kOverlap; the same for every consumer, so turns stay matched).
@@ -425,7 +424,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       const int qb = q_count % kQBufs;
       const u32 sQ = sQ0 + qb * Tile::kQBytes;
       // One Q buffer: the previous tile's must be free before this tile's load.
-      if (kDeferQFree && kQBufs == 1 && q_count > 0 && ((tid_opaque() / 32) & 3) == 0) free_q_of(q_count - 1);
+      if (kStoreO && kQBufs == 1 && q_count > 0 && ((tid_opaque() / 32) & 3) == 0) free_q_of(q_count - 1);
       // (Already waited for when pre: a completed phase waits no further, and
       // the buffer cannot be refilled before this tile releases it.)
       mbar_wait(bar_q_full + 8 * qb, (q_count / kQBufs) & 1);
@@ -668,7 +667,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
       // without one cost 4 bytes of spill in a masked instantiation.)
       if ((OPTS & kOptSkip) == 0 || it < n_blocks) {
         first_step(it);
-        if (kDeferQFree && kQBufs == 2 && q_count > 1 && ((tid_opaque() / 32) & 3) == 0) free_q_of(q_count - 2);
+        if (kStoreO && kQBufs == 2 && q_count > 1 && ((tid_opaque() / 32) & 3) == 0) free_q_of(q_count - 2);
         for (++it; it < n_iters && n_blocks - 1 - it >= w.n_mask_start; ++it) iteration(it, true);
         for (; it < n_iters; ++it) iteration(it, false);
       }
