@@ -6,7 +6,8 @@ prints TB/s (input read once + output written once, over the time).
 
   python3 scripts/row_variants.py [--variants 8:32,1:32,4:16] [--shapes 8192x32768,4096x262144]
   python3 scripts/row_variants.py --envs 'OPFUSE_ROW_PREFETCH=1|' --ops layer_norm_backward --shapes 32768x4096
-(--envs: variants of any OPFUSE_* knobs in one process, '|' between them.)
+(--envs: variants of any OPFUSE_* knobs in one process, '|' between them;
+the variant 'inductor' times torch.compile's default backend instead.)
 
 A variant is max_cluster:cache_values[:cache_row_invariant[:column_partials]]
 (OPFUSE_ROW_CACHE_INVARIANT, OPFUSE_COLUMN_PARTIALS; defaults -1 = by row length, and 1).
@@ -23,7 +24,7 @@ OPS = ("softmax", "log_softmax", "layer_norm", "rms_norm")
 # whose weight and bias sums are column partials inside the dx kernel.
 
 
-def child(shapes, ops, once=False):
+def child(shapes, ops, once=False, backend="opfuse"):
     import torch
     import torch.nn.functional as F
     import opfuse  # noqa: F401
@@ -49,7 +50,7 @@ def child(shapes, ops, once=False):
         b = torch.randn(c, device="cuda", dtype=torch.bfloat16)
         for op in ops:
             torch._dynamo.reset()
-            fn = torch.compile(fns[op], backend="opfuse", dynamic=False)
+            fn = torch.compile(fns[op], backend=backend, dynamic=False)
             if op in floats:
                 ref_args = floats[op](x, w, b)
                 args = tuple(a.to(x.dtype) if a.shape == x.shape or a.dim() == 1 else a for a in ref_args)
@@ -113,7 +114,10 @@ def main():
     if a.envs is not None:
         for settings in a.envs.split("|"):
             print(f"variant {settings.strip() or 'defaults'}", flush=True)
-            with_env(settings, lambda: child(shapes, a.ops.split(","), once=a.once))
+            if settings.strip() == "inductor":
+                child(shapes, a.ops.split(","), once=a.once, backend="inductor")
+            else:
+                with_env(settings, lambda: child(shapes, a.ops.split(","), once=a.once))
         return
     for v in a.variants.split(","):
         # cluster:values[:invariant[:partials]]

@@ -62,6 +62,11 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   if (!(mb && std::atoi(mb) > 0) && k_->row && index_type_ == "int" && !partial_buffers_.empty() && !grouped_rows_ &&
       cluster_ == 1 && caching_ && vec_ > 1 && threads == 512)
     min_blocks = "2";
+  // Lane groups stepping through rows (OPFUSE_ROW_GROUP_LOOP) hold the next
+  // row's vectors too: at 262144x256 bf16 ptxas took 72-96 registers at one
+  // block an SM (two or three 256-thread blocks), 64-80 at three without
+  // spills (four or three: layer_norm spilled 8 bytes at four).
+  if (!(mb && std::atoi(mb) > 0) && k_->row && group_loop_ && vec_ > 1) min_blocks = "3";
   // Lean partials kernels (OPFUSE_ROW_LEAN): see lean_blocks_.
   if (!(mb && std::atoi(mb) > 0) && k_->row && lean_blocks_ > 0 && vec_ > 1) min_blocks = std::to_string(lean_blocks_);
   // Rows staged in shared memory: as many blocks an SM as its shared memory

@@ -35,8 +35,9 @@ struct CudaLaunch {
   int vec_threads = 0, vec_rows_per_block = 0, vec_cluster = 1;  // row kernels: geometry of the vector twin
   int64_t parts = 0;       // row kernels with column partials: grid x rows_per_block = parts
   int smem = 0, vec_smem = 0;  // row kernels: dynamic shared memory bytes (rows staged there), scalar and vector twin
-  // The vector twin loops over rows with a staged ring (OPFUSE_ROW_STAGE_RING):
-  // its grid is as many row groups (clusters) as the device holds at once.
+  // The vector twin loops over rows with a staged ring (OPFUSE_ROW_STAGE_RING)
+  // or in lane groups (OPFUSE_ROW_GROUP_LOOP): its grid is as many row groups
+  // (clusters, or blocks of vec_rows_per_block rows) as the device holds at once.
   bool vec_ring = false;
   // Both twins begin with opf_grid_dependency_wait (sm_90 unless OPFUSE_PDL=0): the
   // launcher may then launch them with the programmatic serialization
@@ -106,6 +107,7 @@ class CudaEmitter : public CEmitter {
   // loaded in the previous iteration (or in this one, the first); the next
   // row's loads into them are printed after the stage loop (pipe_lines_).
   bool pipeline_ = false;
+  bool group_loop_ = false;  // forward lane groups step through rows with the pipeline (OPFUSE_ROW_GROUP_LOOP)
   std::vector<std::pair<std::string, int>> pipe_arrays_;  // nx<k> and its items, declared before the row loop
   std::vector<std::string> pipe_lines_;
   int pipe_items_ = 0;                                    // items of the stage loop being printed

@@ -95,6 +95,17 @@ int l2_hints() { return env_int("OPFUSE_ROW_L2_HINTS", 0); }
 // 32768x4096: dy and x, one 16-byte vector each), so it goes with the raw
 // cache. OPFUSE_ROW_PIPELINE=1 turns it on (replaces the L2 prefetch).
 int row_pipeline() { return env_int("OPFUSE_ROW_PIPELINE", 0); }
+// Forward lane groups (rows of at most 1024 elements, no column partials)
+// that step through rows with the same register pipeline: the grid is the
+// blocks the device holds at once (CompiledGraph's persistent grid, evened
+// out so every block takes the same number of row steps), and row r + 1's
+// 16-byte loads are in flight through row r's shuffles, later passes and
+// stores. A block a row group (the default) has its group's loads in flight
+// only between its start and its first reduction: at 262144x256 four
+// 256-thread blocks an SM keep at most 64 KB in flight, where the
+// weight-stream microbenchmark read HBM at its copy rate only with ~128 KB.
+// OPFUSE_ROW_GROUP_LOOP=1 turns it on.
+int group_loop() { return env_int("OPFUSE_ROW_GROUP_LOOP", 0); }
 // Lane groups with column partials write one partial row a block (the sum of
 // its groups' partials, through shared memory, at the end) instead of one a
 // group: at 262144x256 the 8192 parts' 16.8 MB of partials, written and read
@@ -1082,7 +1093,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   const int push = cluster_push();
   cluster_push_ = cluster_ > 1 && stage_bytes_ > 0 && partial_cluster <= 1 && !columns_ && arch_ >= 90 &&
                   (push > 0 || (push < 0 && cluster_row_loop_));
-  launch_.vec_ring = stage_ring_ && stage_bytes_ > 0;
+  group_loop_ = grouped_rows_ && !partials && !columns_ && caching_ && vec > 1 && group_loop() > 0;
+  launch_.vec_ring = (stage_ring_ && stage_bytes_ > 0) || group_loop_;
   loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
   launch_.smem = stage_bytes_;
   cluster_reductions_ = 0;
@@ -1137,7 +1149,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   pipeline_ = false;
   pipe_arrays_.clear();
-  if (row_pipeline() > 0 && vec > 1 && !columns_ && partials && (cluster_ == 1 || cluster_row_loop_)) {
+  if ((row_pipeline() > 0 && vec > 1 && !columns_ && partials && (cluster_ == 1 || cluster_row_loop_)) || group_loop_) {
     std::string rpb = std::to_string(g.rows_per_block);
     pipeline_ = true;
     if (cluster_row_loop_) next_row = "row_ + (" + I + ")(gridDim.x / " + std::to_string(cluster_) + ")";
@@ -1361,6 +1373,16 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     line("  " + I + " row_ = rbase_ + " + (I == "int" ? "(int)(threadIdx.x / " + L + ")" : "threadIdx.x / " + L) + ";");
     line("  const bool real_ = row_ < rows;");
     line("  if (!real_) row_ = rows - 1;");
+  } else if (grouped_rows_ && group_loop_) {
+    // The block's groups step through the rows together (OPFUSE_ROW_GROUP_LOOP);
+    // a group past the last row redoes it, as below.
+    std::string RPB = std::to_string(g.rows_per_block), L = std::to_string(lanes_);
+    line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
+    line("const " + I + " cbase_ = 0, cbegin_ = 0, cend_ = cols;");
+    partial_declarations();
+    line("for (" + I + " rbase_ = (" + I + ")blockIdx.x * " + RPB + "; rbase_ < rows; rbase_ += (" + I + ")gridDim.x * " + RPB + ") {");
+    line("  " + I + " row_ = rbase_ + " + (I == "int" ? "(int)(threadIdx.x / " + L + ")" : "threadIdx.x / " + L) + ";");
+    line("  if (row_ >= rows) row_ = rows - 1;");
   } else if (grouped_rows_) {
     // A group past the last row redoes the last row (same values to the same
     // places) rather than leaving its warp's shuffles short of lanes.

@@ -584,8 +584,16 @@ void CompiledGraph::prepare_cuda_kernel(const Variant& v, size_t i, const std::v
     };
     st->grid = blocks(cl.rows_per_block, cl.cluster, &st->too_many_rows);
     if (st->vec_possible && cl.vec_ring) {
-      // The staged ring: persistent row groups, each stepping through rows g, g + G, ...
-      int64_t groups = std::min<int64_t>(std::max<int64_t>(rows, 1), std::max(1, v.ring_groups.at(i)));
+      // Persistent row groups (the staged ring; lane groups that loop over
+      // rows), each stepping through row steps g, g + G, ... of
+      // vec_rows_per_block rows. For lane groups G is evened out (at most
+      // the blocks the device holds) so that every block takes the same
+      // number of steps: 8192 steps on 528 resident blocks would leave half
+      // of them a sixteenth step the others do not take. (The ring keeps
+      // every resident group, as measured.)
+      int64_t steps = std::max<int64_t>(1, (rows + cl.vec_rows_per_block - 1) / std::max(1, cl.vec_rows_per_block));
+      int64_t groups = std::min<int64_t>(steps, std::max(1, v.ring_groups.at(i)));
+      if (cl.vec_rows_per_block > 1) groups = (steps + (steps + groups - 1) / groups - 1) / ((steps + groups - 1) / groups);
       st->vec_grid = static_cast<unsigned>(groups * cl.vec_cluster);
     } else if (st->vec_possible) {
       st->vec_grid = blocks(cl.vec_rows_per_block, cl.vec_cluster, &st->vec_too_many_rows);

@@ -632,3 +632,38 @@ def test_staged_ring_row_views(ring, monkeypatch):
         w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
         for fn in OPS.values():
             check(fn, x, w, w, torch.bfloat16)
+
+
+# Forward lane groups stepping through rows with the next row's vectors in
+# registers (OPFUSE_ROW_GROUP_LOOP; CPU checks of the source in
+# test_row_group_loop.py): the same arithmetic as a block a row group, so the
+# same bits. Rows past one pass of the persistent grid and not a multiple of a
+# block's groups (100003 at 256: 3126 row steps), float16 at 1000 (32 lanes),
+# float32's vectors of 4 (70001 x 64), fewer rows than a block's groups (5),
+# and a view with a storage offset and a row stride past its columns.
+GROUP_LOOP = [((100003, 256), torch.bfloat16), ((40001, 1000), torch.float16), ((70001, 64), torch.float32),
+              ((5, 256), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("shape,dtype", GROUP_LOOP, ids=[f"{r}x{c}-{str(d)[6:]}" for (r, c), d in GROUP_LOOP])
+@pytest.mark.parametrize("op", list(OPS))
+def test_group_loop_same_bits_as_a_block_a_group(op, shape, dtype, monkeypatch):
+    rows, cols = shape
+    torch.manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * 3
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+
+    def run(loop, xv):
+        monkeypatch.setenv("OPFUSE_ROW_GROUP_LOOP", loop)
+        torch._dynamo.reset()
+        return torch.compile(OPS[op], backend="opfuse", dynamic=False)(xv, w, b)
+
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_LOOP", "1")
+    check(OPS[op], x, w, b, dtype)
+    assert torch.equal(run("1", x), run("0", x))
+    wide = torch.randn(rows, cols + 16, device="cuda", dtype=dtype)[:, 8:cols + 8]
+    ref = reference(OPS[op], wide, w, b)
+    out = run("1", wide)
+    torch.testing.assert_close(out, ref.to(dtype), **TOL[dtype])
+    assert torch.equal(out, run("0", wide))
