@@ -344,7 +344,7 @@ class AttentionBackward:
 
 def hopper_bench_problem(ap):
     """The problem of the Hopper backward's profiling scripts
-    (profile_bwd_sm90.py, time_bwd_parts.py): adds --d, --s and --causal to
+    (profile_bwd_sm90.py, time_bwd_parts.py): adds --d, --s, --causal and --b to
     the parser `ap` and parses; FlashAttention's bench setup as
     bench_attention_bwd.py (bf16, hidden 2048, 16k tokens). Returns the
     arguments `a`, the sizes B, H, S, D, the inputs q, k, v, dout, the
@@ -356,9 +356,10 @@ def hopper_bench_problem(ap):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--s", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--b", type=int, default=0, help="batch (default 16384 // S)")
     a = ap.parse_args()
     S, D = a.s, a.d
-    B, H = 16384 // S, 2048 // D
+    B, H = a.b or 16384 // S, 2048 // D
     g = torch.Generator(device="cuda").manual_seed(S + D)
     q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
     fwd, bwd = ar.AttentionForward(), AttentionBackward()

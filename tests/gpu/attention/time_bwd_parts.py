@@ -4,7 +4,7 @@ events around back-to-back calls, for the Hopper backward tiles named on the
 command line (default: the default tile). FlashAttention setup as
 bench_attention_bwd.py: bf16, hidden 2048, 16k tokens.
 
-    python tests/gpu/attention/time_bwd_parts.py [--d 128] [--s 4096] [--causal] [TAG ...]
+    python tests/gpu/attention/time_bwd_parts.py [--d 128] [--s 4096] [--b B] [--causal] [TAG ...]
 """
 
 import argparse
@@ -50,7 +50,7 @@ for tag in a.tags or [None]:
     torch.cuda.synchronize()
     per_call_us = start.elapsed_time(end) * 1e3 / a.calls
     gpu_us = sum(sum(t) for t in kernels.values()) / a.calls
-    print(f"{tag or bwd.sm90.default(D).tag()} D={D} S={S} causal={a.causal}: {per_call_us:.1f} us per call back to back "
+    print(f"{tag or bwd.sm90.default(D).tag()} B={B} H={H} D={D} S={S} causal={a.causal}: {per_call_us:.1f} us per call back to back "
           f"({flops / per_call_us / 1e6:.0f} TFLOP/s), kernels {gpu_us:.1f} us", flush=True)
     for name, ts in sorted(kernels.items(), key=lambda x: -sum(x[1])):
         print(f"  {sum(ts) / a.calls:9.1f} us  x{len(ts) // a.calls}  {name[:110]}", flush=True)
