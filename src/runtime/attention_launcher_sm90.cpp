@@ -98,7 +98,7 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   return t;
 }
 
-bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 128; }
+bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
 AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
   // Mirrors attn_runtime_sm90.default_config_sm90: causal tiles in the pairs
@@ -113,7 +113,10 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
   const bool split = !masked && attn_sm90_split_enabled(), shift = pairs;
   if (head_dim == 64) return {128, 3, 4, true, true, false, false, pairs, desc, split, shift};
   if (head_dim == 128) return {128, 2, 2, true, true, false, false, pairs, desc, split, shift};
-  throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
+  // D = 256: 64-key blocks (128 O accumulators a thread leave room for 32 S
+  // floats; Sm90Tile), one Q buffer (64 KB) and two K/V stages (128 KB).
+  if (head_dim == 256) return {64, 2, 2, true, true, false, false, pairs, desc, split, shift};
+  throw std::invalid_argument("the sm90 attention kernel covers head dims 64, 128 and 256, not " + std::to_string(head_dim));
 }
 
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
@@ -180,7 +183,7 @@ std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
   if (a.tile.empty() && !attn_sm90_enabled()) return "OPFUSE_ATTN_SM90=0";
   if (a.tile.empty() && a.mask != AttnMaskKind::None && !attn_sm90_mask_enabled(a.head_dim))
     return "an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)";
-  if (!attn_sm90_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64 or 128";
+  if (!attn_sm90_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64, 128 or 256";
   if (a.seqlen_k == 0) return "Sk = 0 (a tensor map needs non-empty dims)";
   if (!cuda().TensorMapEncodeTiled) return "the CUDA driver has no cuTensorMapEncodeTiled";
   // TMA: global strides below 2^40 bytes (multiples of 16 bytes is
@@ -194,7 +197,7 @@ std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
 AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache,
                                AttnMaskKind mask) {
   if (!attn_sm90_head_dim_supported(head_dim))
-    throw std::invalid_argument("the sm90 attention kernel covers head dims 64 and 128, not " + std::to_string(head_dim));
+    throw std::invalid_argument("the sm90 attention kernel covers head dims 64, 128 and 256, not " + std::to_string(head_dim));
   // wgmma and setmaxnreg exist only on the arch-specific target.
   return attn_compile_named(source(), "attention_fwd_sm90.cu", attn_sm90_name_expression(e, head_dim, causal, t, mask),
                             "sm_90a", kMagic, use_cache);

@@ -859,7 +859,7 @@ def _kernel_call_args(q, k, v, causal=False):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_attention_cuda_split_tail(D, causal, monkeypatch):
     # More tiles than SMs, not a whole number of rounds: on sm_90 the Hopper
     # kernel cuts the last rounds' tiles over the CTAs by key blocks and
@@ -872,7 +872,7 @@ def test_attention_cuda_split_tail(D, causal, monkeypatch):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # (causal: the split needs a longest tile of 16 key blocks)
     B, Hq, Hkv, Sq, Sk = 2, 40, 10, 2100, 2037
-    tiles = -(-Sq // (128 if D == 128 else 192)) * Hq * B
+    tiles = -(-Sq // (192 if D == 64 else 128)) * Hq * B
     assert tiles > sms and tiles % sms, (tiles, sms)
     q, k, v = _qkv(B, Hq, Hkv, Sq, Sk, D, torch.bfloat16, device="cuda", seed=91 + D)
     args = _kernel_call_args(q, k, v, causal)

@@ -28,7 +28,7 @@ def sm90_source() -> str:
     kernel = os.environ.get("OPFUSE_ATTN_SM90_KERNEL") or KERNEL_SOURCE_SM90
     return (ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + SCHEDULE_SOURCE_SM90.read_text()
             + "\n" + pathlib.Path(kernel).read_text())
-HEAD_DIMS_SM90 = (64, 128)
+HEAD_DIMS_SM90 = (64, 128, 256)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 
 
@@ -148,6 +148,10 @@ DEFAULT_SM90 = {
     (64, True): Sm90Config(128, 3, 4, True, pairs=True, split=True, shift=True),
     (128, False): Sm90Config(128, 2, 2, True, desc=True, split=True),
     (128, True): Sm90Config(128, 2, 2, True, pairs=True, split=True, shift=True),
+    # D = 256 (session 26): 64-key blocks (Sm90Tile: 128 O accumulators a
+    # thread leave room for 32 S floats), one Q buffer, the D = 128 options.
+    (256, False): Sm90Config(64, 2, 2, True, desc=True, split=True),
+    (256, True): Sm90Config(64, 2, 2, True, pairs=True, split=True, shift=True),
 }
 # The previous non-causal defaults, the overlap options, and (branch
 # attn-fwd-4) 176-key blocks at D = 128: FlashAttention-3's non-causal tile
@@ -157,13 +161,16 @@ VARIANT_SM90 = {
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
           Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True),
           Sm90Config(176, 2, 2, True, desc=True), Sm90Config(128, 2, 2, True, desc=True)],
+    256: [],
 }
 # The non-causal default without the split tail (tag "w": the last rounds' tiles cut over the CTAs;
 # non-causal only, a causal call of a "w" tile runs the tile without it).
 VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True))
 # The causal default without query blocks ending at Sq (tag "b"; 4.5% slower at D = 64, S = 2048, 4096).
-for _d, (_c, _s) in ((64, (3, 4)), (128, (2, 2))):
-    VARIANT_SM90[_d].append(Sm90Config(128, _c, _s, True, pairs=True, split=True))
+for _d, (_n, _c, _s) in ((64, (128, 3, 4)), (128, (128, 2, 2)), (256, (64, 2, 2))):
+    VARIANT_SM90[_d].append(Sm90Config(_n, _c, _s, True, pairs=True, split=True))
+# The D = 256 non-causal default without the split tail.
+VARIANT_SM90[256].append(Sm90Config(64, 2, 2, True, desc=True))
 # The D = 128 defaults storing O through TMA (tag "t", session 25; two consumers only).
 VARIANT_SM90[128] += [dataclasses.replace(DEFAULT_SM90[(128, _c)], store_o=True) for _c in (False, True)]
 
@@ -269,7 +276,7 @@ def sm90_unsupported_reason(arch: str, head_dim: int, seqlen_k: int, mask=None) 
     if mask and not sm90_mask_enabled(head_dim):
         return "an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)"
     if head_dim not in HEAD_DIMS_SM90:
-        return f"head dim {head_dim} is not 64 or 128"
+        return f"head dim {head_dim} is not 64, 128 or 256"
     if seqlen_k == 0:
         return "Sk = 0 (a tensor map needs non-empty dims)"
     return ""

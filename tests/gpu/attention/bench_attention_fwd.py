@@ -1,7 +1,7 @@
 """Attention forward benchmark in the FlashAttention setup.
 
 hidden 2048 (H = 2048 / D), 16k tokens (B = 16384 / S), bf16, S in
-{512, 2048, 8192, 16384}, D in {64, 128}, causal and not. TFLOP/s with
+{512, 2048, 8192, 16384}, D in {64, 128} (--dims), causal and not. TFLOP/s with
 FLOPs = 4 * B * H * S * S * D (halved when causal), median time of
 triton.testing.do_bench (CUDA events). PyTorch SDPA's flash and cuDNN backends
 are timed in the same run. Prints a table; writes JSON records
@@ -156,6 +156,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds; the best median is kept")
     ap.add_argument("--skip", default="", help="comma-separated implementations not to time (e.g. opfuse-mma,sdpa-flash)")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="which masks to run")
+    ap.add_argument("--dims", default="64,128", help="comma-separated head dims (H = 2048 / D)")
     ap.add_argument("--tags", default=None,
                     help="with --variants sm90: time only these Hopper tiles, comma-separated D:tag[:full|causal] "
                          "(e.g. 128:wg128x176s2pd:full)")
@@ -184,7 +185,7 @@ def main(argv=None):
     if a.seqlens:
         seqlens = [int(s) for s in a.seqlens.split(",")]
     rows = []
-    for D in (64, 128):
+    for D in (int(d) for d in a.dims.split(",")):
         for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[a.causal]:
             for S in seqlens:
                 B, H = 16384 // S, 2048 // D
@@ -197,7 +198,7 @@ def main(argv=None):
                 lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
                 impls = {}
                 # "opfuse" is the default dispatch (sm_90: the Hopper kernel for
-                # D = 64, 128 unless OPFUSE_ATTN_SM90=0); "opfuse-mma" the mma.sync tile.
+                # D = 64, 128, 256 unless OPFUSE_ATTN_SM90=0); "opfuse-mma" the mma.sync tile.
                 cfg0 = ar.choose_config(D, S, S, causal, fwd.arch, fwd.smem_limit)
                 impls["opfuse"] = lambda: fwd(q, k, v, causal=causal, out=out, lse=lse)
                 fwd(q, k, v, causal=causal, out=out, lse=lse)  # sets fwd.last_config (and compiles)
