@@ -98,9 +98,19 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
   return t;
 }
 
-bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 128 || d == 256; }
+bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
+
+int attn_sm90_kernel_head_dim(int64_t d) {
+  // D = 96 runs as D = 128: the tensor maps keep q, k and v's real 96
+  // columns and TMA zero-fills the rest of the second 64-column box, so S and
+  // O's first 96 columns are exact; O's last 32 (zeros) are not stored. A
+  // wgmma K step is 16 wide and the 128-byte swizzle wants 64-column boxes,
+  // so 96 as 64 + 32 would need a second swizzle mode for a 25% saving.
+  return d == 96 ? 128 : static_cast<int>(d);
+}
 
 AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
+  head_dim = attn_sm90_kernel_head_dim(head_dim);
   // Mirrors attn_runtime_sm90.default_config_sm90: causal tiles in the pairs
   // schedule (15% faster at D = 128, S = 2048 on the H200; docs/attention.md)
   // unless masked (pairs with a mask spilled); non-causal ones with the
@@ -116,10 +126,11 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
   // D = 256: 64-key blocks (128 O accumulators a thread leave room for 32 S
   // floats; Sm90Tile), one Q buffer (64 KB) and two K/V stages (128 KB).
   if (head_dim == 256) return {64, 2, 2, true, true, false, false, pairs, desc, split, shift};
-  throw std::invalid_argument("the sm90 attention kernel covers head dims 64, 128 and 256, not " + std::to_string(head_dim));
+  throw std::invalid_argument("the sm90 attention kernel covers head dims 64, 96, 128 and 256, not " + std::to_string(head_dim));
 }
 
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
+  head_dim = attn_sm90_kernel_head_dim(head_dim);
   // Mirrors attn_runtime_sm90.VARIANT_SM90 (the benchmark's variants).
   std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim, false), attn_sm90_default_tile(head_dim, true)};
   // {block_n, consumers, stages, pingpong, persistent, overlap, skip, pairs}
@@ -145,6 +156,7 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
 }
 
 int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t) {
+  head_dim = attn_sm90_kernel_head_dim(head_dim);
   // + 32: the causal split's schedule after the mbarriers
   const int q = t.block_m() * head_dim * 2, kv = t.block_n * head_dim * 2,
             rest = 2 * t.stages * kv + 8 * (4 + 4 * t.stages) + 32 + 1024;
@@ -152,6 +164,7 @@ int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t) {
 }
 
 std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, AttnMaskKind mask) {
+  head_dim = attn_sm90_kernel_head_dim(head_dim);
   return std::string("opfuse_attn::attention_fwd_sm90<opfuse_attn::") + attn_elem_name(e) + ", " +
          std::to_string(head_dim) + ", " + (causal ? "true" : "false") + ", " + std::to_string(t.block_n) + ", " +
          std::to_string(t.consumers) + ", " + std::to_string(t.stages) + ", " + (t.pingpong ? "true" : "false") +
@@ -174,7 +187,7 @@ bool attn_sm90_mask_enabled(int64_t head_dim) {
   // the mma.sync kernel's speed with a mask on the H200); D = 64 spills.
   const char* v = std::getenv("OPFUSE_ATTN_SM90_MASK");
   const std::string s = v ? v : "";
-  return s == "1" || (s != "0" && head_dim == 128);
+  return s == "1" || (s != "0" && attn_sm90_kernel_head_dim(head_dim) == 128);
 }
 
 std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
@@ -183,7 +196,7 @@ std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
   if (a.tile.empty() && !attn_sm90_enabled()) return "OPFUSE_ATTN_SM90=0";
   if (a.tile.empty() && a.mask != AttnMaskKind::None && !attn_sm90_mask_enabled(a.head_dim))
     return "an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)";
-  if (!attn_sm90_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64, 128 or 256";
+  if (!attn_sm90_head_dim_supported(a.head_dim)) return "head dim " + std::to_string(a.head_dim) + " is not 64, 96, 128 or 256";
   if (a.seqlen_k == 0) return "Sk = 0 (a tensor map needs non-empty dims)";
   if (!cuda().TensorMapEncodeTiled) return "the CUDA driver has no cuTensorMapEncodeTiled";
   // TMA: global strides below 2^40 bytes (multiples of 16 bytes is
@@ -197,7 +210,7 @@ std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
 AttnCompiled attn_sm90_compile(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, bool use_cache,
                                AttnMaskKind mask) {
   if (!attn_sm90_head_dim_supported(head_dim))
-    throw std::invalid_argument("the sm90 attention kernel covers head dims 64, 128 and 256, not " + std::to_string(head_dim));
+    throw std::invalid_argument("the sm90 attention kernel covers head dims 64, 96, 128 and 256, not " + std::to_string(head_dim));
   // wgmma and setmaxnreg exist only on the arch-specific target.
   return attn_compile_named(source(), "attention_fwd_sm90.cu", attn_sm90_name_expression(e, head_dim, causal, t, mask),
                             "sm_90a", kMagic, use_cache);
@@ -276,7 +289,7 @@ struct Sm90Plan {
 };
 
 Sm90Plan plan_sm90(const AttnForwardArgs& a, CUcontext ctx) {
-  const int D = static_cast<int>(a.head_dim);
+  const int D = attn_sm90_kernel_head_dim(a.head_dim);  // the partials are the kernel's
   const bool masked = a.mask != AttnMaskKind::None;
   Sm90Plan pl;
   pl.tile = a.tile.empty() ? attn_sm90_default_tile(D, a.causal, masked) : AttnSm90Tile::parse(a.tile);
@@ -339,6 +352,8 @@ void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, 
   TensorMap tk = encode(a.elem, a.k, a.k_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(k)");
   TensorMap tv = encode(a.elem, a.v, a.v_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(v)");
   AttnFwdParams params = p;
+  // The maps above hold the real head dim; the kernel's is attn_sm90_kernel_head_dim's.
+  if (attn_sm90_kernel_head_dim(D) != D) params.o_cols = D;
   // AttnSplitWs {partial, flags}: the flags at the workspace's start.
   struct {
     void* partial;

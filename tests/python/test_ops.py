@@ -724,6 +724,21 @@ def test_attention_sm90_mirrors_match_the_launcher():
             assert _C.attention_sm90_smem_bytes(d, cfg.tag()) == sm.smem_bytes_sm90(d, cfg), cfg.tag()
 
 
+def test_attention_sm90_runs_head_dim_96_as_128():
+    # D = 96 on Hopper: the D = 128 instantiation over tensor maps of 96
+    # columns (TMA zero-fills the rest); the launch stores O's first 96.
+    assert _C.attention_sm90_kernel_head_dim(96) == 128
+    assert [_C.attention_sm90_kernel_head_dim(d) for d in (64, 128, 256)] == [64, 128, 256]
+    for causal in (False, True):
+        for masked in (False, True):
+            assert (_C.attention_sm90_default_tile(96, causal, masked)
+                    == _C.attention_sm90_default_tile(128, causal, masked))
+    tag = _C.attention_sm90_default_tile(96, False)
+    assert _C.attention_sm90_smem_bytes(96, tag) == _C.attention_sm90_smem_bytes(128, tag)
+    with pytest.raises(ValueError, match="64, 96, 128 and 256"):
+        _C.attention_sm90_default_tile(80, False)
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", [80, 90])
 def test_norm_kernels_compile_for_cuda(arch):
@@ -833,6 +848,31 @@ def test_attention_cuda_kernel_flash_rule(dtype, D, causal, seqs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_cuda_head_dim_96_views_of_wider_rows(causal):
+    # D = 96 views of 128-column rows whose last 32 columns hold NaN: on sm_90
+    # the D = 128 kernel reads through tensor maps of 96 columns, so those
+    # columns must come in as TMA's zero fill, never from memory; and it must
+    # store only O's 96 columns (O here is contiguous: a 97th column written
+    # would land on the next row). Same bits as on contiguous copies.
+    B, Hq, Hkv, Sq, Sk = 2, 4, 2, 203, 331
+    wide = [rand(B, h, s, 128, dtype=torch.bfloat16, device="cuda", seed=40 + i)
+            for i, (h, s) in enumerate(((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))]
+    for t in wide:
+        t[..., 96:] = float("nan")
+    q, k, v = (t[..., :96] for t in wide)
+    assert q.stride(2) == 128 and not q.is_contiguous()
+    opfuse.reset_stats()
+    o = ops.attention(q, k, v, causal=causal)
+    assert not attention_module._broken, attention_module._broken
+    assert opfuse.stats()["kernel_launches"] >= 1
+    assert o.shape == (B, Hq, Sq, 96) and not o.isnan().any()
+    assert torch.equal(o, ops.attention(*(t.contiguous() for t in (q, k, v)), causal=causal))
+    check_flash_rule(*(t.contiguous().requires_grad_() for t in (q, k, v)), causal=causal, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_attention_cuda_masks_and_fallbacks():
     q, k, v = _qkv(3, 4, 2, 37, 53, 64, torch.bfloat16, device="cuda", seed=71)
     mask = _padding_mask(3, 53, [53, 17, 0], device="cuda")
@@ -859,7 +899,7 @@ def _kernel_call_args(q, k, v, causal=False):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
 def test_attention_cuda_split_tail(D, causal, monkeypatch):
     # More tiles than SMs, not a whole number of rounds: on sm_90 the Hopper
     # kernel cuts the last rounds' tiles over the CTAs by key blocks and
