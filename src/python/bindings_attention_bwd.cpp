@@ -77,7 +77,7 @@ void bind_attention_bwd(nb::module_& m) {
       "Launches the attention backward kernels on `stream` (an integer cudaStream_t).\n"
       "ptrs: q, k, v, o, dout, dq, dk, dv, lse, delta, lse_log2, dq_accum (workspaces: float32,\n"
       "contiguous, attention_backward_padded_rows(Sq) rows per (b, h); lse_log2 twice that with a mask;\n"
-      "dq_accum [.., D], unused when\n"
+      "dq_accum [.., attention_backward_accum_cols(D)], unused when\n"
       "deterministic); sizes: B, Hq, Hkv, Sq, Sk, D; strides: dims 0..2 of the eight tensors, 0..1 of lse.");
   m.def(
       "attention_backward_unsupported_reason",
@@ -87,6 +87,8 @@ void bind_attention_bwd(nb::module_& m) {
       },
       "Empty when the backward kernels cover the problem, else the reason.");
   m.def("attention_backward_padded_rows", &at::attn_bwd_padded_rows);
+  m.def("attention_backward_accum_cols", &at::attn_bwd_accum_cols, nb::arg("head_dim"),
+        "Floats of a dq_accum row for this head dim (128 for 96: the Hopper backward runs it as 128).");
   m.def(
       "attention_backward_tiles",
       [](int head_dim, int arch, int smem_limit, bool masked) {

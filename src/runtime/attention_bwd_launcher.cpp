@@ -181,6 +181,8 @@ AttnBwdCompiled attn_bwd_compile(AttnElem e, int head_dim, bool causal, const At
                                   "the attention backward (" + exprs.at(1) + ")", kMagic, ".bwd.cubin", use_cache);
 }
 
+int64_t attn_bwd_accum_cols(int64_t head_dim) { return head_dim == 96 ? 128 : head_dim; }
+
 int64_t attn_bwd_padded_rows(int64_t sq) { return (sq + kAttnBwdRowPad - 1) / kAttnBwdRowPad * kAttnBwdRowPad; }
 
 std::string attn_bwd_unsupported_reason(const AttnBackwardArgs& a) {

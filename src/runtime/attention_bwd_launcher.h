@@ -34,7 +34,8 @@ struct AttnBwdParams {
       dv_strides[3];
   int64_t lse_strides[2];
   int32_t batch, heads_q, heads_kv, q_per_kv;
-  int32_t seqlen_q, seqlen_k, seqlen_q_pad, reserved;
+  int32_t seqlen_q, seqlen_k, seqlen_q_pad;
+  int32_t d_cols;  // columns of O, dO, dQ, dK, dV (0: the kernel's head dim; the Hopper backward's D = 96 as 128)
   float softmax_scale, scale_log2;
   const void* mask;  // attn_mask or null (as AttnFwdParams::mask)
   int64_t mask_strides[4];
@@ -110,6 +111,10 @@ struct AttnBackwardArgs {
 
 // Rows of the workspaces per (b, h): round_up(seqlen_q, 128).
 int64_t attn_bwd_padded_rows(int64_t seqlen_q);
+// Floats of a dq_accum row: the head dim, but 128 for 96 (the Hopper backward
+// runs D = 96 as 128; the mma.sync kernels use the first 96 of each row's
+// place, so one size serves both).
+int64_t attn_bwd_accum_cols(int64_t head_dim);
 
 // Empty when the kernels cover the problem, else why not.
 std::string attn_bwd_unsupported_reason(const AttnBackwardArgs& a);

@@ -77,6 +77,17 @@ def test_backward_sm90_tiles_match_the_harness(monkeypatch):
             assert _C.attention_backward_sm90_tiles(d)[0] == cfg.tag() == b90.default(d).tag(), (mode, d)
 
 
+def test_backward_sm90_runs_head_dim_96_as_128(monkeypatch):
+    # D = 96 on Hopper: the D = 128 kernels (tiles, dq_accum rows of 128
+    # floats), with AttnBwdParams.d_cols = 96 limiting what they read and write.
+    monkeypatch.delenv("OPFUSE_ATTN_BWD_SM90_DQ", raising=False)
+    assert _C.attention_backward_sm90_tiles(96) == _C.attention_backward_sm90_tiles(128)
+    assert _C.attention_backward_accum_cols(96) == 128
+    assert [_C.attention_backward_accum_cols(d) for d in (64, 128, 256)] == [64, 128, 256]
+    with pytest.raises(ValueError, match="64, 96 and 128"):
+        _C.attention_backward_sm90_tiles(256)
+
+
 def _bwd_args(**over):
     B, Hq, Hkv, Sq, Sk, D = 1, 4, 2, 10, 12, 64
     a = dict(elem="bf16", ptrs=[0] * 12, sizes=[B, Hq, Hkv, Sq, Sk, D],

@@ -841,7 +841,7 @@ def test_attention_cuda_kernel_flash_rule(dtype, D, causal, seqs):
     Sq, Sk = seqs
     q, k, v = _qkv(2, 4, 2, Sq, Sk, D, dtype, device="cuda", seed=Sq + D)
     opfuse.reset_stats()
-    check_flash_rule(q, k, v, causal=causal, grads=D == 128)
+    check_flash_rule(q, k, v, causal=causal, grads=D in (96, 128))
     assert not attention_module._broken, attention_module._broken  # no compile/launch failure fell back
     assert opfuse.stats()["kernel_launches"] >= 1  # the forward ran the kernel, not the math path
 
@@ -869,6 +869,38 @@ def test_attention_cuda_head_dim_96_views_of_wider_rows(causal):
     assert o.shape == (B, Hq, Sq, 96) and not o.isnan().any()
     assert torch.equal(o, ops.attention(*(t.contiguous() for t in (q, k, v)), causal=causal))
     check_flash_rule(*(t.contiguous().requires_grad_() for t in (q, k, v)), causal=causal, grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_cuda_head_dim_96_backward_views(causal, monkeypatch):
+    # The backward at D = 96 (on sm_90 the D = 128 Hopper kernels with
+    # AttnBwdParams.d_cols = 96): q, k, v and dO are views of 128-column rows
+    # holding NaN past 96. Gradients: no NaN, dK and dV the same bits as from
+    # contiguous copies (each key block has one writer), dQ (float atomics)
+    # within rounding; the mma.sync backward agrees; the flash rule holds.
+    B, Hq, Hkv, Sq, Sk = 2, 4, 2, 203, 331
+    shapes = ((Hq, Sq), (Hkv, Sk), (Hkv, Sk), (Hq, Sq))
+    wide = [rand(B, h, s, 128, dtype=torch.bfloat16, device="cuda", seed=60 + i) for i, (h, s) in enumerate(shapes)]
+    for t in wide:
+        t[..., 96:] = float("nan")
+    q, k, v, go = (t[..., :96] for t in wide)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))  # (views of non-leaf-grad tensors: leaves)
+    o = ops.attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(o, (q, k, v), go)
+    assert not attention_module._broken, attention_module._broken
+    assert all(not g.isnan().any() for g in grads)
+    qc, kc, vc = (t.detach().contiguous().requires_grad_() for t in (q, k, v))
+    gc = torch.autograd.grad(ops.attention(qc, kc, vc, causal=causal), (qc, kc, vc), go.contiguous())
+    torch.testing.assert_close(grads[0], gc[0], rtol=1e-2, atol=1e-2)  # one bf16 step apart at most
+    assert torch.equal(grads[1], gc[1]) and torch.equal(grads[2], gc[2])
+    monkeypatch.setenv("OPFUSE_ATTN_BWD_SM90", "0")
+    gm = torch.autograd.grad(ops.attention(qc, kc, vc, causal=causal), (qc, kc, vc), go.contiguous())
+    for a, b in zip(gc, gm):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    monkeypatch.delenv("OPFUSE_ATTN_BWD_SM90")
+    check_flash_rule(qc, kc, vc, causal=causal, grads=True)
 
 
 @pytest.mark.gpu

@@ -333,7 +333,8 @@ def _backward_cuda_kernel(grad, q, k, v, o, lse, causal, scale, deterministic, a
     # With a mask, lse2 holds two arrays: L2, then the rows' scales of S
     # (attention_bwd.cu, attn_bwd_row_terms: rows masked only by huge values).
     lse2 = torch.empty((2 if mt is not None else 1, B, Hq, rows), dtype=torch.float32, device=q.device)
-    acc = None if deterministic else torch.empty((B, Hq, rows, D), dtype=torch.float32, device=q.device)
+    acc_cols = _C.attention_backward_accum_cols(D)  # 128 at D = 96 (the Hopper backward runs it as 128)
+    acc = None if deterministic else torch.empty((B, Hq, rows, acc_cols), dtype=torch.float32, device=q.device)
     elem = "bf16" if q.dtype == torch.bfloat16 else "f16"
     ts = (q, k, v, o, grad, dq, dk, dv)
     ptrs = [t.data_ptr() for t in ts] + [lse.data_ptr(), delta.data_ptr(), lse2.data_ptr(),

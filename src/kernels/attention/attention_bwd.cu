@@ -77,7 +77,11 @@ struct AttnBwdParams {
   int batch, heads_q, heads_kv, q_per_kv;  // q_per_kv = heads_q / heads_kv
   int seqlen_q, seqlen_k;
   int seqlen_q_pad;  // rows per (b, h) of the workspaces: round_up(seqlen_q, 128)
-  int reserved;
+  // Columns of O, dO, dQ, dK and dV (a multiple of 8 up to HEAD_DIM; 0: all
+  // HEAD_DIM). The Hopper backward runs D = 96 as 128: its tensor maps
+  // zero-fill q, k, v and dO past column 96, preprocess reads and the dQ
+  // convert and dK/dV epilogue write only these; dq_accum rows stay HEAD_DIM.
+  int d_cols;
   float softmax_scale;  // > 0
   float scale_log2;     // softmax_scale * log2(e)
   // attn_mask as in the forward (AttnFwdParams::mask; the Mask template
@@ -176,8 +180,9 @@ __global__ void __launch_bounds__(256) attention_bwd_preprocess(const AttnBwdPar
       const char* orow = elem_ptr(p.o, b, p.o_batch_stride, h, p.o_head_stride, i, p.o_row_stride);
       const char* grow = elem_ptr(p.dout, b, p.do_batch_stride, h, p.do_head_stride, i, p.do_row_stride);
       float s = 0.f;
+      const int pairs = (p.d_cols > 0 ? p.d_cols : HEAD_DIM) / 2;
 #pragma unroll
-      for (int c = lane; c < HEAD_DIM / 2; c += 32) {
+      for (int c = lane; c < pairs; c += 32) {
         float o0, o1, g0, g1;
         Ops::unpack(ld_global_u32(orow + 4 * c), o0, o1);
         Ops::unpack(ld_global_u32(grow + 4 * c), g0, g1);
@@ -588,8 +593,9 @@ __global__ void __launch_bounds__(256) attention_bwd_dq_convert(const AttnBwdPar
     if (i >= p.seqlen_q) break;
     const float* src = p.dq_accum + (ws_row0 + i) * HEAD_DIM;
     char* dst = (char*)elem_ptr(p.dq, b, p.dq_batch_stride, h, p.dq_head_stride, i, p.dq_row_stride);
+    const int cols = p.d_cols > 0 ? p.d_cols : HEAD_DIM;
 #pragma unroll
-    for (int c = 2 * lane; c < HEAD_DIM; c += 64) {
+    for (int c = 2 * lane; c < cols; c += 64) {
       float x, y;
       ld_global_f32x2(src + c, x, y);
       st_global_u32(dst + 2 * c, Ops::pack(x * scale, y * scale));

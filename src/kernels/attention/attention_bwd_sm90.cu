@@ -767,6 +767,7 @@ __global__ void __launch_bounds__(384, 1)
 
     // ---- epilogue: dK = scale * acc, dV (zeros when no query sees the block) ----
     const float scale = p.softmax_scale;
+    const int cols = p.d_cols > 0 ? p.d_cols : HEAD_DIM;  // D = 96 as 128: the first 96
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = n0 + wg * 64 + r0 + 8 * h;
@@ -776,6 +777,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int j = 0; j < HEAD_DIM / 8; ++j) {
           const int col = 8 * j + c0;
+          if (8 * j >= cols) continue;  // (cols is a multiple of 8: whole j)
           st_global_u32(dk_row + 2 * col, pack2<Elem>(acc_dk[4 * j + 2 * h] * scale, acc_dk[4 * j + 2 * h + 1] * scale));
           st_global_u32(dv_row + 2 * col, pack2<Elem>(acc_dv[4 * j + 2 * h], acc_dv[4 * j + 2 * h + 1]));
         }

@@ -190,7 +190,7 @@ class AttnBwdParams(ctypes.Structure):
            for s in ("batch", "head", "row")]
         + [("lse_batch_stride", _I64), ("lse_head_stride", _I64)]
         + [(n, _I32) for n in ("batch", "heads_q", "heads_kv", "q_per_kv", "seqlen_q", "seqlen_k", "seqlen_q_pad",
-                               "reserved")]
+                               "d_cols")]
         + [("softmax_scale", _F), ("scale_log2", _F)]
         + [("mask", _P), ("mask_batch_stride", _I64), ("mask_head_stride", _I64), ("mask_row_stride", _I64),
            ("mask_col_stride", _I64)]
