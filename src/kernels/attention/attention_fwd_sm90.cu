@@ -103,6 +103,30 @@ __device__ __forceinline__ void wgmma_rs_tb<f16, 256>(float (&d)[128], const u32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 
+// P V with N = D = 96 (the D = 96 tiles): the m64n96k16 operand list (48
+// accumulators). V's rows are stored 128 columns wide (two 64-column swizzle
+// atoms, the second half zero-filled by TMA); N = 96 reads the first one and
+// a half.
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<bf16, 96>(float (&d)[48], const u32 (&a)[4], u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs_tb<f16, 96>(float (&d)[48], const u32 (&a)[4], u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, {%48, %49, %50, %51}, %52, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
 // ---------------------------------------------------------------------------
 // Tile geometry (the launchers mirror kSmemBytes: docs/attention.md, "Hopper")
 // ---------------------------------------------------------------------------
@@ -111,9 +135,13 @@ template <int HEAD_DIM, int BLOCK_N, int NUM_CONSUMERS, int STAGES>
 struct Sm90Tile {
   static constexpr int kBlockM = 64 * NUM_CONSUMERS;
   static constexpr int kThreads = (NUM_CONSUMERS + 1) * 128;
-  static constexpr int kChunks64 = HEAD_DIM / 64;  // 128-byte column chunks of a row
-  static constexpr int kQBytes = kBlockM * HEAD_DIM * 2;
-  static constexpr int kKVBytes = BLOCK_N * HEAD_DIM * 2;  // one K or one V tile
+  // Columns a row takes in shared memory: whole 64-column (128-byte) swizzle
+  // atoms, so D = 96 is stored as 128 (TMA zero-fills the last 32; the
+  // products read only the first 96).
+  static constexpr int kStoredDim = (HEAD_DIM + 63) / 64 * 64;
+  static constexpr int kChunks64 = kStoredDim / 64;  // 128-byte column chunks of a row
+  static constexpr int kQBytes = kBlockM * kStoredDim * 2;
+  static constexpr int kKVBytes = BLOCK_N * kStoredDim * 2;  // one K or one V tile
   // mbarriers (Q full / empty x 2, K and V full / empty a stage), then 32
   // bytes for the causal split's schedule (causal_tail_schedule)
   static constexpr int kBarBytes = 8 * (4 + 4 * STAGES) + 32;
@@ -135,7 +163,8 @@ struct Sm90Tile {
       ((65536 / 128 - kProducerRegs) / NUM_CONSUMERS) / 8 * 8 > 240 ? 240
                                                                      : ((65536 / 128 - kProducerRegs) / NUM_CONSUMERS) / 8 * 8;
 
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "the sm_90 kernel covers head dims 64, 128 and 256");
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 96 || HEAD_DIM == 128 || HEAD_DIM == 256,
+                "the sm_90 kernel covers head dims 64, 96, 128 and 256");
   // D = 256: 128 O accumulators a thread; with 64-key blocks (32 S floats and
   // 16 P registers) two consumers fit their 240 registers.
   static_assert(HEAD_DIM != 256 || (BLOCK_N == 64 && NUM_CONSUMERS <= 2), "D = 256: 64-key blocks, at most two consumers");

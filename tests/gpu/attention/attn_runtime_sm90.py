@@ -28,7 +28,7 @@ def sm90_source() -> str:
     kernel = os.environ.get("OPFUSE_ATTN_SM90_KERNEL") or KERNEL_SOURCE_SM90
     return (ar.PTX_SOURCE.read_text() + "\n" + PTX_SOURCE_SM90.read_text() + "\n" + SCHEDULE_SOURCE_SM90.read_text()
             + "\n" + pathlib.Path(kernel).read_text())
-HEAD_DIMS_SM90 = (64, 128, 256)
+HEAD_DIMS_SM90 = (64, 96, 128, 256)
 ARCH_SM90 = "sm_90a"  # wgmma and setmaxnreg exist only on the arch-specific target
 
 
@@ -150,6 +150,11 @@ DEFAULT_SM90 = {
     (128, True): Sm90Config(128, 2, 2, True, pairs=True, split=True, shift=True),
     # D = 256 (session 26): 64-key blocks (Sm90Tile: 128 O accumulators a
     # thread leave room for 32 S floats), one Q buffer, the D = 128 options.
+    # D = 96 (session 27): D = 128's tiles; rows stored 128 columns wide in
+    # shared memory (TMA zero-fills the last 32), the products 96 wide.
+    # Non-causal without "d" (with it ptxas spilled 8 bytes).
+    (96, False): Sm90Config(128, 2, 2, True, split=True),
+    (96, True): Sm90Config(128, 2, 2, True, pairs=True, split=True, shift=True),
     (256, False): Sm90Config(64, 2, 2, True, desc=True, split=True),
     (256, True): Sm90Config(64, 2, 2, True, pairs=True, split=True, shift=True),
 }
@@ -161,13 +166,14 @@ VARIANT_SM90 = {
     128: [Sm90Config(128, 2, 2, True), Sm90Config(128, 2, 2, True, overlap=True),
           Sm90Config(128, 2, 2, True, pairs=True), Sm90Config(128, 2, 2, True, overlap=True, pairs=True),
           Sm90Config(176, 2, 2, True, desc=True), Sm90Config(128, 2, 2, True, desc=True)],
+    96: [],
     256: [],
 }
 # The non-causal default without the split tail (tag "w": the last rounds' tiles cut over the CTAs;
 # non-causal only, a causal call of a "w" tile runs the tile without it).
 VARIANT_SM90[64].append(Sm90Config(128, 3, 4, True, desc=True))
 # The causal default without query blocks ending at Sq (tag "b"; 4.5% slower at D = 64, S = 2048, 4096).
-for _d, (_n, _c, _s) in ((64, (128, 3, 4)), (128, (128, 2, 2)), (256, (64, 2, 2))):
+for _d, (_n, _c, _s) in ((64, (128, 3, 4)), (96, (128, 2, 2)), (128, (128, 2, 2)), (256, (64, 2, 2))):
     VARIANT_SM90[_d].append(Sm90Config(_n, _c, _s, True, pairs=True, split=True))
 # The D = 256 non-causal default without the split tail.
 VARIANT_SM90[256].append(Sm90Config(64, 2, 2, True, desc=True))
@@ -197,15 +203,22 @@ def configs_sm90(head_dim: int):
 SMEM_LIMIT_SM90 = 227 * 1024
 
 
+def stored_dim_sm90(head_dim: int) -> int:
+    """Sm90Tile::kStoredDim: columns a row takes in shared memory (whole 64-column swizzle atoms: 96 -> 128)."""
+    return -(-head_dim // 64) * 64
+
+
 def q_buffers_sm90(head_dim: int, cfg: Sm90Config) -> int:
     """Sm90Tile::kQBufs: two Q buffers when they fit."""
-    q, kv = cfg.block_m * head_dim * 2, cfg.block_n * head_dim * 2
+    d = stored_dim_sm90(head_dim)
+    q, kv = cfg.block_m * d * 2, cfg.block_n * d * 2
     return 2 if 2 * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 32 + 1024 <= SMEM_LIMIT_SM90 else 1
 
 
 def smem_bytes_sm90(head_dim: int, cfg: Sm90Config) -> int:
     """Sm90Tile::kSmemBytes: Q buffers, the K/V ring, the mbarriers and 1 KB to align the base."""
-    q, kv = cfg.block_m * head_dim * 2, cfg.block_n * head_dim * 2
+    d = stored_dim_sm90(head_dim)
+    q, kv = cfg.block_m * d * 2, cfg.block_n * d * 2
     # mbarriers, then 32 bytes of the causal split's schedule
     return q_buffers_sm90(head_dim, cfg) * q + 2 * cfg.stages * kv + 8 * (4 + 4 * cfg.stages) + 32 + 1024
 
@@ -276,7 +289,7 @@ def sm90_unsupported_reason(arch: str, head_dim: int, seqlen_k: int, mask=None) 
     if mask and not sm90_mask_enabled(head_dim):
         return "an attn_mask at this head dim (OPFUSE_ATTN_SM90_MASK)"
     if head_dim not in HEAD_DIMS_SM90:
-        return f"head dim {head_dim} is not 64, 128 or 256"
+        return f"head dim {head_dim} is not 64, 96, 128 or 256"
     if seqlen_k == 0:
         return "Sk = 0 (a tensor map needs non-empty dims)"
     return ""

@@ -189,7 +189,7 @@ def test_sm90_dispatch_and_switch(fwd, D, monkeypatch):
     q = randn(1, 2, 200, D, dtype=torch.bfloat16, seed=D)
     k = randn(1, 2, 300, D, dtype=torch.bfloat16, seed=D + 1)
     run_and_check(fwd, q, k, k, True)
-    assert isinstance(fwd.last_config, fwd.sm90.Sm90Config) == (D in (64, 128, 256)), fwd.last_config
+    assert isinstance(fwd.last_config, fwd.sm90.Sm90Config), fwd.last_config  # every head dim on sm_90
     monkeypatch.setenv("OPFUSE_ATTN_SM90", "0")
     run_and_check(fwd, q, k, k, True)
     assert isinstance(fwd.last_config, ar.FwdConfig), fwd.last_config
