@@ -198,8 +198,8 @@ void bind_ops(nb::module_& m) {
       "attention_sm90_default_tile",
       [](int head_dim, bool causal, bool masked) { return at::attn_sm90_default_tile(head_dim, causal, masked).tag(); },
       nb::arg("head_dim"), nb::arg("causal"), nb::arg("masked") = false,
-      "The Hopper kernel's default tile tag for a call at this head dim (96 runs the 128 instantiation).");
-  m.def("attention_sm90_kernel_head_dim", &at::attn_sm90_kernel_head_dim, nb::arg("head_dim"));
+      "The Hopper kernel's default tile tag for a call at this head dim.");
+  m.def("attention_sm90_stored_dim", &at::attn_sm90_stored_dim, nb::arg("head_dim"));
   m.def("attention_sm90_smem_bytes", [](int head_dim, const std::string& tile) {
     return at::attn_sm90_smem_bytes(head_dim, at::AttnSm90Tile::parse(tile));
   });

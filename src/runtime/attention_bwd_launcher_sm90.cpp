@@ -50,10 +50,16 @@ bool attn_bwd_sm90_enabled() {
 }
 
 namespace {
+// The head dim of the kernels that run a call's: D = 96 runs the D = 128
+// kernels (dq_accum rows of 128 floats: attn_bwd_accum_cols) with
+// AttnBwdParams::d_cols = 96; their tensor maps zero-fill q, k, v and dO past
+// column 96.
+int kernel_head_dim(int d) { return static_cast<int>(attn_bwd_accum_cols(d)); }
+
 // Mirrors attn_bwd_runtime_sm90.BY_DQ_MODE: the tile of each dQ mode (modes 1
 // and 2 stage dQ in shared memory, which leaves room for 2 stages at D = 64).
 AttnBwdSm90Tile tile_of_dq_mode(int head_dim, int mode) {
-  head_dim = attn_sm90_kernel_head_dim(head_dim);  // 96: the 128 kernel's tile
+  head_dim = kernel_head_dim(head_dim);  // 96: the 128 kernel's tile
   if (head_dim != 64 && head_dim != 128)
     throw std::invalid_argument("the sm90 attention backward covers head dims 64, 96 and 128, not " + std::to_string(head_dim));
   // Modes 1 and 2 at D = 64 (BLOCK_M = 128) spill in the consumers: not offered.
@@ -67,7 +73,7 @@ AttnBwdSm90Tile tile_of_dq_mode(int head_dim, int mode) {
 // TFLOP/s for wgb64s2w at S = 4096, full / causal, on the H200 at fad5c51;
 // docs/attention.md, "Hopper backward").
 AttnBwdSm90Tile default_tile(int head_dim) {
-  head_dim = attn_sm90_kernel_head_dim(head_dim);
+  head_dim = kernel_head_dim(head_dim);
   AttnBwdSm90Tile t = tile_of_dq_mode(head_dim, head_dim == 128 ? 2 : 0);
   t.opts = head_dim == 128 ? 32 + 64 : 32;
   return t;
@@ -86,7 +92,7 @@ AttnBwdSm90Tile attn_bwd_sm90_default_tile(int head_dim) {
 }
 
 std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
-  head_dim = attn_sm90_kernel_head_dim(head_dim);
+  head_dim = kernel_head_dim(head_dim);
   // The default, then the plain tile of each dQ mode (attn_bwd_runtime_sm90.configs
   // also carries the option variants being measured).
   if (head_dim == 64) return {default_tile(64), tile_of_dq_mode(64, 0), {128, 2, 0}};
@@ -95,7 +101,7 @@ std::vector<AttnBwdSm90Tile> attn_bwd_sm90_candidate_tiles(int head_dim) {
 }
 
 int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {
-  d = attn_sm90_kernel_head_dim(d);
+  d = kernel_head_dim(d);
   // BwdSm90Tile::kSmemBytes: dQ staging (mode 1: 8 warps x 16 rows of a
   // consumer's columns, rows padded by 32 bytes; mode 2: the block's BLOCK_M x D
   // in pairs of rows padded by 32 bytes), in mode 2 two more mbarriers, and
@@ -110,7 +116,7 @@ int attn_bwd_sm90_smem_bytes(int d, const AttnBwdSm90Tile& t) {
 }
 
 std::vector<std::string> attn_bwd_sm90_name_expressions(AttnElem e, int d, bool causal, const AttnBwdSm90Tile& t) {
-  d = attn_sm90_kernel_head_dim(d);  // D = 96 runs the 128 kernels (AttnBwdParams::d_cols)
+  d = kernel_head_dim(d);  // D = 96 runs the 128 kernels (AttnBwdParams::d_cols)
   const std::string el = std::string("opfuse_attn::") + attn_elem_name(e), D = std::to_string(d);
   return {
       "opfuse_attn::attention_bwd_preprocess<" + el + ", " + D + ">",
@@ -183,9 +189,8 @@ void attn_backward_sm90_launch(const AttnBackwardArgs& a, const AttnBwdParams& p
   AttnTensorMap tdo = attn_sm90_tensor_map(a.elem, a.dout, a.do_strides, a.batch, a.heads_q, a.seqlen_q, D, tile.block_m,
                                            "cuTensorMapEncodeTiled(dout)");
   AttnBwdParams params = p;
-  // The maps above hold the real head dim; the kernels' is attn_sm90_kernel_head_dim's
-  // (dq_accum rows are that wide: attn_bwd_accum_cols).
-  if (attn_sm90_kernel_head_dim(D) != D) params.d_cols = D;
+  // The maps above hold the real head dim; the kernels' is kernel_head_dim's.
+  if (kernel_head_dim(D) != D) params.d_cols = D;
   void* one[] = {&params};
   void* five[] = {&params, tq.bytes, tk.bytes, tv.bytes, tdo.bytes};
   const unsigned B = static_cast<unsigned>(a.batch), Hq = static_cast<unsigned>(a.heads_q);

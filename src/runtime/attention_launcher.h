@@ -38,13 +38,10 @@ struct AttnFwdParams {
   float scale_log2;
   const void* mask;  // attn_mask or null; element strides over [B, Hq, Sq, Sk], key stride 1
   int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
-  int32_t o_cols;  // columns of O the kernel stores (0: its head dim); the Hopper kernel's D = 96 as 128
-  int32_t o_cols_pad_;
 };
-static_assert(sizeof(AttnFwdParams) == 232, "AttnFwdParams layout is the kernel's launch ABI");
+static_assert(sizeof(AttnFwdParams) == 224, "AttnFwdParams layout is the kernel's launch ABI");
 static_assert(offsetof(AttnFwdParams, lse_batch_stride) == 136 && offsetof(AttnFwdParams, batch) == 152 &&
-                  offsetof(AttnFwdParams, softmax_scale) == 176 && offsetof(AttnFwdParams, mask) == 184 &&
-                  offsetof(AttnFwdParams, o_cols) == 224,
+                  offsetof(AttnFwdParams, softmax_scale) == 176 && offsetof(AttnFwdParams, mask) == 184,
               "AttnFwdParams field offsets are the kernel's launch ABI");
 
 enum class AttnElem { BF16, F16 };

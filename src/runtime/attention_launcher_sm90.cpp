@@ -100,17 +100,16 @@ AttnSm90Tile AttnSm90Tile::parse(const std::string& tag) {
 
 bool attn_sm90_head_dim_supported(int64_t d) { return d == 64 || d == 96 || d == 128 || d == 256; }
 
-int attn_sm90_kernel_head_dim(int64_t d) {
-  // D = 96 runs as D = 128: the tensor maps keep q, k and v's real 96
-  // columns and TMA zero-fills the rest of the second 64-column box, so S and
-  // O's first 96 columns are exact; O's last 32 (zeros) are not stored. A
-  // wgmma K step is 16 wide and the 128-byte swizzle wants 64-column boxes,
-  // so 96 as 64 + 32 would need a second swizzle mode for a 25% saving.
-  return d == 96 ? 128 : static_cast<int>(d);
+int attn_sm90_stored_dim(int64_t d) {
+  // Sm90Tile::kStoredDim: whole 64-column (128-byte) swizzle atoms. D = 96
+  // rows take 128 columns in shared memory (TMA zero-fills the last 32 of
+  // the second box); its products are 96 wide (six k steps of S, P V as
+  // m64n96k16): 1.10-1.13x the D = 128 kernel over 96-column maps on the H200
+  // (session 27).
+  return static_cast<int>((d + 63) / 64 * 64);
 }
 
 AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
-  head_dim = attn_sm90_kernel_head_dim(head_dim);
   // Mirrors attn_runtime_sm90.default_config_sm90: causal tiles in the pairs
   // schedule (15% faster at D = 128, S = 2048 on the H200; docs/attention.md)
   // unless masked (pairs with a mask spilled); non-causal ones with the
@@ -123,6 +122,8 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
   const bool split = !masked && attn_sm90_split_enabled(), shift = pairs;
   if (head_dim == 64) return {128, 3, 4, true, true, false, false, pairs, desc, split, shift};
   if (head_dim == 128) return {128, 2, 2, true, true, false, false, pairs, desc, split, shift};
+  // D = 96: D = 128's tiles, non-causal without "d" (ptxas spilled 8 bytes with it).
+  if (head_dim == 96) return {128, 2, 2, true, true, false, false, pairs, false, split, shift};
   // D = 256: 64-key blocks (128 O accumulators a thread leave room for 32 S
   // floats; Sm90Tile), one Q buffer (64 KB) and two K/V stages (128 KB).
   if (head_dim == 256) return {64, 2, 2, true, true, false, false, pairs, desc, split, shift};
@@ -130,7 +131,6 @@ AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked) {
 }
 
 std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
-  head_dim = attn_sm90_kernel_head_dim(head_dim);
   // Mirrors attn_runtime_sm90.VARIANT_SM90 (the benchmark's variants).
   std::vector<AttnSm90Tile> r{attn_sm90_default_tile(head_dim, false), attn_sm90_default_tile(head_dim, true)};
   // {block_n, consumers, stages, pingpong, persistent, overlap, skip, pairs}
@@ -156,7 +156,7 @@ std::vector<AttnSm90Tile> attn_sm90_candidate_tiles(int head_dim) {
 }
 
 int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t) {
-  head_dim = attn_sm90_kernel_head_dim(head_dim);
+  head_dim = attn_sm90_stored_dim(head_dim);
   // + 32: the causal split's schedule after the mbarriers
   const int q = t.block_m() * head_dim * 2, kv = t.block_n * head_dim * 2,
             rest = 2 * t.stages * kv + 8 * (4 + 4 * t.stages) + 32 + 1024;
@@ -164,7 +164,6 @@ int attn_sm90_smem_bytes(int head_dim, const AttnSm90Tile& t) {
 }
 
 std::string attn_sm90_name_expression(AttnElem e, int head_dim, bool causal, const AttnSm90Tile& t, AttnMaskKind mask) {
-  head_dim = attn_sm90_kernel_head_dim(head_dim);
   return std::string("opfuse_attn::attention_fwd_sm90<opfuse_attn::") + attn_elem_name(e) + ", " +
          std::to_string(head_dim) + ", " + (causal ? "true" : "false") + ", " + std::to_string(t.block_n) + ", " +
          std::to_string(t.consumers) + ", " + std::to_string(t.stages) + ", " + (t.pingpong ? "true" : "false") +
@@ -187,7 +186,7 @@ bool attn_sm90_mask_enabled(int64_t head_dim) {
   // the mma.sync kernel's speed with a mask on the H200); D = 64 spills.
   const char* v = std::getenv("OPFUSE_ATTN_SM90_MASK");
   const std::string s = v ? v : "";
-  return s == "1" || (s != "0" && attn_sm90_kernel_head_dim(head_dim) == 128);
+  return s == "1" || (s != "0" && head_dim == 128);
 }
 
 std::string attn_sm90_unsupported_reason(const AttnForwardArgs& a, int arch) {
@@ -289,7 +288,7 @@ struct Sm90Plan {
 };
 
 Sm90Plan plan_sm90(const AttnForwardArgs& a, CUcontext ctx) {
-  const int D = attn_sm90_kernel_head_dim(a.head_dim);  // the partials are the kernel's
+  const int D = static_cast<int>(a.head_dim);
   const bool masked = a.mask != AttnMaskKind::None;
   Sm90Plan pl;
   pl.tile = a.tile.empty() ? attn_sm90_default_tile(D, a.causal, masked) : AttnSm90Tile::parse(a.tile);
@@ -352,8 +351,6 @@ void attn_forward_sm90_launch(const AttnForwardArgs& a, const AttnFwdParams& p, 
   TensorMap tk = encode(a.elem, a.k, a.k_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(k)");
   TensorMap tv = encode(a.elem, a.v, a.v_strides, a.batch, a.heads_kv, a.seqlen_k, D, tile.block_n, "cuTensorMapEncodeTiled(v)");
   AttnFwdParams params = p;
-  // The maps above hold the real head dim; the kernel's is attn_sm90_kernel_head_dim's.
-  if (attn_sm90_kernel_head_dim(D) != D) params.o_cols = D;
   // AttnSplitWs {partial, flags}: the flags at the workspace's start.
   struct {
     void* partial;

@@ -65,9 +65,9 @@ struct AttnSm90Tile {
 };
 
 bool attn_sm90_head_dim_supported(int64_t head_dim);  // 64, 96, 128, 256
-// The head dim of the instantiation that runs a call's: 128 for 96 (zero
-// columns from TMA's out-of-bounds fill), the head dim otherwise.
-int attn_sm90_kernel_head_dim(int64_t head_dim);
+// Columns a row takes in the kernel's shared memory (128 for 96: whole
+// 64-column swizzle atoms, the rest zero-filled by TMA).
+int attn_sm90_stored_dim(int64_t head_dim);
 // The persistent grid; causal: the pairs schedule (docs/attention.md,
 // "Hopper"), except with an attn_mask (pairs there spilled 16-28 bytes).
 AttnSm90Tile attn_sm90_default_tile(int head_dim, bool causal, bool masked = false);
@@ -83,7 +83,7 @@ bool attn_sm90_enabled();
 // False when OPFUSE_ATTN_SM90_SPLIT=0 (the default tiles without the split tail).
 bool attn_sm90_split_enabled();
 // Whether masked calls at this head dim take the Hopper kernel:
-// OPFUSE_ATTN_SM90_MASK unset: D = 128 (and 96, run as 128) only (faster than the mma.sync kernel
+// OPFUSE_ATTN_SM90_MASK unset: D = 128 only (faster than the mma.sync kernel
 // with a mask; at D = 64 a full mask spills, docs/attention.md, "attn_mask");
 // 0: never; 1: every head dim the kernel covers (64, 96, 128, 256).
 bool attn_sm90_mask_enabled(int64_t head_dim);

@@ -292,8 +292,6 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
   const int warpgroup = tid / 128;
   const int Sq = p.seqlen_q;
   const int Sk = p.seqlen_k;
-  // 16-byte chunks of an O row to store: D = 96 runs here as 128 (p.o_cols).
-  const int o_chunks = p.o_cols > 0 ? p.o_cols / 8 : HEAD_DIM / 8;
   const int num_m = (Sq + BLOCK_M - 1) / BLOCK_M;
   constexpr bool kPairs = (OPTS & kOptPairs) != 0;
   // (Always at D = 256: with the split tail and make_desc's chains, a tile
@@ -472,7 +470,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
 #pragma unroll 1
         for (int c = tw; c < 64 * kChunks; c += 128) {
           const int row = w.m_start + wg * 64 + c / kChunks;
-          if (row >= 0 && row < Sq && c % kChunks < o_chunks) store_zero16_global(o_base + row * o_rs + (c % kChunks) * 16);
+          if (row >= 0 && row < Sq) store_zero16_global(o_base + row * o_rs + (c % kChunks) * 16);
         }
         if (lse_base && tw < 64 && w.m_start + wg * 64 + tw >= 0 && w.m_start + wg * 64 + tw < Sq)
           store_f32_global(lse_base + w.m_start + wg * 64 + tw, neg_inf());
@@ -880,8 +878,7 @@ __global__ void __launch_bounds__((NUM_CONSUMERS + 1) * 128, 1)
         const int c = e_tw + i * 128;
         const int r = wg * 64 + c / kChunks, ch = c % kChunks;
         const u32 src = sQ + (ch / 8) * BLOCK_M * 128 + r * 128 + (((ch % 8) ^ (r & 7)) << 4);
-        // rows before 0 (kOptShift) or past Sq: none; columns past p.o_cols (D = 96 as 128): none
-        if ((unsigned)(w.m_start + r) < (unsigned)Sq && ch < o_chunks)
+        if ((unsigned)(w.m_start + r) < (unsigned)Sq)  // rows before 0 (kOptShift) or past Sq: none
           copy16_shared_to_global(o_base + (w.m_start + r) * o_rs + ch * 16, src);
       }
       // This warp is done with the Q buffer: the producer may load a later

@@ -254,13 +254,8 @@ struct AttnFwdParams {
   // the key stride must be 1 (the launchers make it so).
   const void* mask;
   i64 mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
-  // Columns of O to store, a multiple of 8 up to the kernel's head dim; 0:
-  // all of them. The Hopper kernel runs D = 96 as D = 128 (its tensor maps
-  // zero-fill q, k and v past column 96) and stores O's first 96 columns.
-  int o_cols;
-  int o_cols_pad_;
 };
-static_assert(sizeof(AttnFwdParams) == 232, "AttnFwdParams layout is a launch ABI");
+static_assert(sizeof(AttnFwdParams) == 224, "AttnFwdParams layout is a launch ABI");
 
 // ---------------------------------------------------------------------------
 // attn_mask: the kernels' last template argument (Mask) says whether there is

@@ -459,12 +459,11 @@ class AttnFwdParams(ctypes.Structure):
         ("mask", ctypes.c_void_p),
         ("mask_batch_stride", ctypes.c_int64), ("mask_head_stride", ctypes.c_int64),
         ("mask_row_stride", ctypes.c_int64), ("mask_col_stride", ctypes.c_int64),
-        ("o_cols", ctypes.c_int32), ("o_cols_pad_", ctypes.c_int32),  # 0: every column of O
     ]
 
 
-assert ctypes.sizeof(AttnFwdParams) == 232, ctypes.sizeof(AttnFwdParams)
-assert AttnFwdParams.batch.offset == 152 and AttnFwdParams.mask.offset == 184 and AttnFwdParams.o_cols.offset == 224
+assert ctypes.sizeof(AttnFwdParams) == 224, ctypes.sizeof(AttnFwdParams)
+assert AttnFwdParams.batch.offset == 152 and AttnFwdParams.mask.offset == 184
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
