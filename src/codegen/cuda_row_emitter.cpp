@@ -1360,10 +1360,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       line("const int64_t cbegin_ = 0, cend_ = cols;");
     }
     line("{");
-  } else if (grouped_rows_ && partials) {
-    // Column partials: the block's groups step through the rows together
-    // (every lane takes part in each row's shuffles); a group past the last
-    // row redoes it without adding to its partials.
+  } else if (grouped_rows_ && (partials || group_loop_)) {
+    // The block's groups step through the rows together: for column partials
+    // (every lane takes part in each row's shuffles) and with
+    // OPFUSE_ROW_GROUP_LOOP. A group past the last row redoes it; with
+    // partials it must not add to them, so it remembers the row was not real.
     std::string RPB = std::to_string(g.rows_per_block), L = std::to_string(lanes_);
     line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
     line("const " + I + " cbase_ = 0, cbegin_ = 0, cend_ = cols;");
@@ -1371,18 +1372,12 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     line("for (" + I + " rbase_ = (" + I + ")blockIdx.x * " + RPB + "; rbase_ < rows; rbase_ += (" + I + ")gridDim.x * " + RPB + ") {");
     // (int + unsigned would be unsigned: the int cast only with 32-bit indices, the defaults' source unchanged.)
     line("  " + I + " row_ = rbase_ + " + (I == "int" ? "(int)(threadIdx.x / " + L + ")" : "threadIdx.x / " + L) + ";");
-    line("  const bool real_ = row_ < rows;");
-    line("  if (!real_) row_ = rows - 1;");
-  } else if (grouped_rows_ && group_loop_) {
-    // The block's groups step through the rows together (OPFUSE_ROW_GROUP_LOOP);
-    // a group past the last row redoes it, as below.
-    std::string RPB = std::to_string(g.rows_per_block), L = std::to_string(lanes_);
-    line("const int tid_ = threadIdx.x & " + std::to_string(lanes_ - 1) + ";");
-    line("const " + I + " cbase_ = 0, cbegin_ = 0, cend_ = cols;");
-    partial_declarations();
-    line("for (" + I + " rbase_ = (" + I + ")blockIdx.x * " + RPB + "; rbase_ < rows; rbase_ += (" + I + ")gridDim.x * " + RPB + ") {");
-    line("  " + I + " row_ = rbase_ + " + (I == "int" ? "(int)(threadIdx.x / " + L + ")" : "threadIdx.x / " + L) + ";");
-    line("  if (row_ >= rows) row_ = rows - 1;");
+    if (partials) {
+      line("  const bool real_ = row_ < rows;");
+      line("  if (!real_) row_ = rows - 1;");
+    } else {
+      line("  if (row_ >= rows) row_ = rows - 1;");
+    }
   } else if (grouped_rows_) {
     // A group past the last row redoes the last row (same values to the same
     // places) rather than leaving its warp's shuffles short of lanes.
