@@ -431,6 +431,7 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
       launch_.vec_cluster = vl.cluster;
       launch_.vec_smem = vl.smem;
       launch_.vec_ring = vl.vec_ring;
+      launch_.vec_group_exchange = vl.group_exchange;
       for (size_t b = 0; b < vb.size(); ++b)
         if (vb[b]) launch_.vec_buffers.push_back(static_cast<int>(b));
     }

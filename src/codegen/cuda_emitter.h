@@ -14,6 +14,7 @@
 // When the row length is known, what later stages need from earlier ones is
 // kept in registers (see row_cache_plan.h), so each row is read once.
 #pragma once
+#include <algorithm>
 #include <functional>
 #include <set>
 #include <string>
@@ -23,6 +24,10 @@
 #include "codegen/row_cache_plan.h"
 
 namespace opfuse {
+
+// Groups of blocks exchanging through global memory (group_exchange) a
+// kernel provides counters and slots for.
+constexpr int kRowGroupsMax = 1024;
 
 struct CudaLaunch {
   bool row = false;
@@ -39,6 +44,11 @@ struct CudaLaunch {
   // or in lane groups (OPFUSE_ROW_GROUP_LOOP): its grid is as many row groups
   // (clusters, or blocks of vec_rows_per_block rows) as the device holds at once.
   bool vec_ring = false;
+  // The ring's blocks of a row exchange their partials through global
+  // memory instead of a cluster (OPFUSE_ROW_GROUP_EXCHANGE): the grid is as
+  // many groups of `cluster` consecutive blocks as the device holds at once,
+  // at most kRowGroupsMax (the size of the kernel's counters).
+  bool group_exchange = false, vec_group_exchange = false;
   // Both twins begin with opf_grid_dependency_wait (sm_90 unless OPFUSE_PDL=0): the
   // launcher may then launch them with the programmatic serialization
   // attribute, and only then.
@@ -88,6 +98,10 @@ class CudaEmitter : public CEmitter {
   int pair_reductions_ = 0;       // opf_block_sum2 calls printed (their shared buffer and parity are declared)
   bool cluster_row_loop_ = false;
   bool cluster_push_ = false;      // staged rows' cluster reductions pushed into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH)
+  bool group_exchange_ = false;    // the ring's row groups without a cluster, exchanging through global memory
+  // A group's 8-byte words in its kernel's exchange array: its counter's
+  // 128-byte line, then a slot a block for each (reduction, row parity).
+  int group_words() const { return 16 + 2 * std::max(1, cluster_reductions_) * cluster_; }
   bool loop_overflow_ = false;     // loop stages in 1024-thread blocks, later stages backwards (rows overflowing L2)  // a cluster steps through rows (column partials): slots alternate by row (par_)
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)

@@ -160,7 +160,12 @@ int pair_reduce() { return env_int("OPFUSE_ROW_PAIR_REDUCE", row_lean()); }
 //   steps in the second tree, not 5; the same sums bit for bit, see the prelude).
 int row_issue() { return env_int("OPFUSE_ROW_ISSUE", 1); }
 // Unrolling of staged stage loops (see row_stage_loop).
-int stage_unroll(int cluster) { return env_int("OPFUSE_ROW_STAGE_UNROLL", cluster > 1 ? 8 : 0); }
+// Rows split over blocks unroll by 8, by 4 when the blocks exchange through
+// global memory (OPFUSE_ROW_GROUP_EXCHANGE: at 8 the 512-thread ring spilled
+// 8 bytes at its 40 registers, bf16 log_softmax and layer_norm; at 6 float32).
+int stage_unroll(int cluster, bool group_exchange) {
+  return env_int("OPFUSE_ROW_STAGE_UNROLL", cluster > 1 ? (group_exchange ? 4 : 8) : 0);
+}
 // The mean and variance in one pass in staged rows (see row_kernel).
 int stage_moments() { return env_int("OPFUSE_ROW_STAGE_MOMENTS", 0); }
 // The online (max, sum) pass in staged rows (see row_kernel).
@@ -169,6 +174,19 @@ int stage_online() { return env_int("OPFUSE_ROW_STAGE_ONLINE", 0); }
 // -1 (default) in the ring only (4-8% faster at 4096x262144 on the H200; a
 // cluster a row measured no faster, rms_norm slower), 1 always, 0 never.
 int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", -1); }
+// The ring's row groups without a cluster (an experiment, off by default):
+// the blocks of a row are C consecutive blocks of a grid as large as the
+// device holds at once, and their reductions go through global memory
+// (opf_group_reduce). Clusters of 8 three-block SMs leave 8 of the H200's
+// 132 SMs idle (the GPCs do not divide into them: 45 clusters resident, not
+// 49); without a cluster every SM takes three blocks.
+int group_exchange() { return env_int("OPFUSE_ROW_GROUP_EXCHANGE", 0); }
+const char* const kGroupWords = "@GROUP_WORDS@";
+const char* const kGroupArray = "@GROUP_ARRAY@";
+
+void replace_all(std::string& s, const std::string& from, const std::string& to) {
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+}
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
 int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }
 int sum2_const() { return env_int("OPFUSE_ROW_SUM2_CONST", row_issue()); }
@@ -395,6 +413,15 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
       // is its use count, xit_ / 2; a cluster a row uses each once.
       int k = cluster_reductions_++;
       std::string idx = cluster_row_loop_ ? std::to_string(2 * k) + " + par_" : std::to_string(k);
+      if (group_exchange_) {  // the same slots by (reduction, parity), in global memory (opf_group_reduce)
+        // (The array and a group's words are known once the row's last
+        // reduction is printed: row_kernel fills in the placeholders. The
+        // group's address is computed in the call, not kept in registers:
+        // the in-place ring's 512-thread blocks have 40 at three an SM.)
+        line(n + " = opf_group_reduce<" + op + ", " + std::to_string(cluster_) + ", " + kGroupWords + ">(" + n + ", " + smem_ +
+             ", " + kGroupArray + ", " + idx + ");");
+        return;
+      }
       line(n + " = opf_cluster_reduce_push<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", reinterpret_cast<" +
            value_type(a.type) + "*>(opf_xslot[" + idx + "]), &opf_xbar[" + idx + "], " +
            (cluster_row_loop_ ? "(unsigned)(xit_ >> 1) & 1u" : "0u") + ");");
@@ -515,7 +542,7 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
     // 1443 -> 1309 us (2 and 4: 1368, 1342), softmax 1259-1272 -> 1255,
     // rms_norm 1204-1221 -> 1199, log_softmax the same; a block per row
     // (8192x32768) gained nothing, so it keeps the plain loop.
-    else if (int n = stage_bytes_ > 0 && vec_ > 1 ? stage_unroll(cluster_) : 0; n > 1)
+    else if (int n = stage_bytes_ > 0 && vec_ > 1 ? stage_unroll(cluster_, group_exchange_) : 0; n > 1)
       line("#pragma unroll " + std::to_string(n));
     line("for (" + I + " c_ = cbegin_ + (" + I + ")tid_ * " + V + "; c_ < cend_; c_ += " + std::to_string(threads_per_row * vec_) + ") {");
   }
@@ -1093,6 +1120,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   const int push = cluster_push();
   cluster_push_ = cluster_ > 1 && stage_bytes_ > 0 && partial_cluster <= 1 && !columns_ && arch_ >= 90 &&
                   (push > 0 || (push < 0 && cluster_row_loop_));
+  // (Not with the one-pass online pair or moments, whose pairs go through
+  // the cluster's shared memory.)
+  group_exchange_ = cluster_push_ && cluster_row_loop_ && stage_ring_ && stage_bytes_ > 0 && vec > 1 && group_exchange() > 0 &&
+                    stage_online() <= 0 && stage_moments() <= 0;
+  launch_.group_exchange = group_exchange_;
   group_loop_ = grouped_rows_ && !partials && !columns_ && caching_ && vec > 1 && group_loop() > 0;
   launch_.vec_ring = (stage_ring_ && stage_bytes_ > 0) || group_loop_;
   loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
@@ -1273,6 +1305,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   prefetch_ = false;
   std::string body = out_.str();
+  if (group_exchange_) {
+    replace_all(body, kGroupWords, std::to_string(group_words()));
+    replace_all(body, kGroupArray, name + "_gx");
+  }
   // A row split over a cluster (one row, no loop over rows) arrives at its
   // exit barrier right after its last cluster reduction and waits for it
   // only at the end (opf_cluster_arrive), not for the slowest peer's output
@@ -1288,7 +1324,14 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   out_ << saved;
   indent_ = base_indent;
 
-  header(name, g.threads, cluster_);
+  if (group_exchange_) {
+    // A group's counter (alone in a 128-byte line) and slots (a (reduction,
+    // row parity) pair's C partials), zero when the module loads;
+    // opf_group_reduce leaves the counters' low bits at zero.
+    line("__device__ unsigned long long " + name + "_gx[" +
+         std::to_string(static_cast<int64_t>(kRowGroupsMax) * group_words()) + "];");
+  }
+  header(name, g.threads, group_exchange_ ? 1 : cluster_);
   line("__shared__ __align__(16) double " + smem_ + "[128];");
   line("(void)" + smem_ + ";");
   if (columns_) {
@@ -1298,7 +1341,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   } else if (cluster_ > 1) {
     int slots = std::max(1, cluster_reductions_) * (cluster_row_loop_ ? 2 : 1);
     line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(slots) + "];");
-    if (cluster_push_ && cluster_reductions_ > 0) {
+    if (group_exchange_) {
+      std::string C = std::to_string(cluster_);
+    } else if (cluster_push_ && cluster_reductions_ > 0) {
       // Each reduction's (and row parity's, in the ring) mbarrier and the
       // cluster's partials (8-byte slots, a peer a slot); the peers may push
       // into them only once every block's mbarriers are initialised: one
@@ -1395,7 +1440,8 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     // next row's into the other slot before reducing this one.
     std::string S = std::to_string(stage_chunk_), C = std::to_string(cluster_);
     line("const int tid_ = threadIdx.x;");
-    line("const " + I + " cbase_ = 0, cbegin_ = " + (cluster_ > 1 ? "(" + I + ")opf_cluster_rank() * " + S : std::string("0")) + ";");
+    std::string rank = group_exchange_ ? "(blockIdx.x % " + C + ")" : "opf_cluster_rank()";
+    line("const " + I + " cbase_ = 0, cbegin_ = " + (cluster_ > 1 ? "(" + I + ")" + rank + " * " + S : std::string("0")) + ";");
     line("const " + I + " cend_ = cbegin_ + " + S + " < cols ? cbegin_ + " + S + " : cols;");
     line("if ((" + I + ")blockIdx.x / " + C + " < rows) {");
     ++indent_;
@@ -1404,9 +1450,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     --indent_;
     line("}");
     line("opf_cp_async_commit();");
-    line(cluster_push_ ? "int par_ = 0, xit_ = 0;" : "int par_ = 0;");
+    const bool phases = cluster_push_ && !group_exchange_;  // the mbarriers' use count
+    line(phases ? "int par_ = 0, xit_ = 0;" : "int par_ = 0;");
     line("for (" + I + " row_ = blockIdx.x / " + C + "; row_ < rows; row_ += gridDim.x / " + C + ", par_ ^= 1" +
-         (cluster_push_ ? ", ++xit_" : "") + ") {");
+         (phases ? ", ++xit_" : "") + ") {");
   } else if (cluster_row_loop_) {
     std::string C = std::to_string(cluster_);
     std::string slice = std::to_string(static_cast<int64_t>(partial_items_) * g.threads * vec);
@@ -1454,7 +1501,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
                                                         std::to_string(lanes_)
                                     : cluster_row_loop_ ? "(int64_t)(blockIdx.x / " + std::to_string(cluster_) + ")"
                                                         : "(int64_t)blockIdx.x");
-  if (cluster_ > 1) line(early_arrive ? "opf_cluster_wait();" : "opf_cluster_sync();");
+  if (cluster_ > 1 && !group_exchange_) line(early_arrive ? "opf_cluster_wait();" : "opf_cluster_sync();");
   --indent_;
   line("}");
   index_type_ = "int64_t";

@@ -524,6 +524,46 @@ static __device__ __forceinline__ T opf_cluster_reduce_push(T v, void* smem, T* 
   return opf_warp_reduce<Op>(v);
 }
 
+// The same reduction over a group of C blocks that is not a cluster
+// (OPFUSE_ROW_GROUP_EXCHANGE, the staged ring): the group's blocks are
+// consecutive in the grid and all resident at once (the grid is at most the
+// blocks the device holds), so they may wait for each other. Thread 0 puts
+// the block's partial in slots[rank] (global memory, 8 bytes a block) and
+// arrives on the group's counter `bar`; the counter needs no reset: block 0
+// adds 2^31 - (C - 1), the others 1, so the C arrivals add exactly 2^31,
+// flip the top bit and leave the low bits as they were (zero, as the module
+// loaded it). A block waits until the top bit differs from what it saw
+// before its own arrival; a fast block's arrival at the next reduction adds
+// less than 2^31 and cannot flip it back. Slots alternate by row parity
+// (the caller's), so a block writes a slot again only after every peer has
+// passed the barrier that follows its read. Release and acquire at gpu
+// scope order the slot stores before the arrivals and the loads after the
+// wait; the loads are volatile (strong), so L1 holds no stale copy.
+template <class Op, int C, int W, class T>
+static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned long long* groups, int slot) {
+  static_assert(sizeof(T) <= 8, "partials of at most 8 bytes");
+  // Group blockIdx.x / C's W words: its counter's 128-byte line, then C slots
+  // for each (reduction, row parity).
+  unsigned long long* const g = groups + (size_t)(blockIdx.x / C) * W;
+  unsigned* const bar = reinterpret_cast<unsigned*>(g);
+  unsigned long long* const slots = g + 16 + slot * C;
+  const unsigned rank = blockIdx.x % C;
+  v = opf_block_reduce<Op>(v, smem);
+  if (threadIdx.x == 0) {
+    *reinterpret_cast<volatile T*>(slots + rank) = v;
+    const unsigned add = rank == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
+    unsigned seen, now;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(bar), "r"(add) : "memory");
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+    } while (((now ^ seen) & 0x80000000u) == 0u);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  v = lane < C ? *reinterpret_cast<volatile T*>(slots + lane) : Op::template identity<T>();
+  return opf_warp_reduce<Op>(v);
+}
+
 // Online softmax: a running (max m, sum s of exp(x - m)) pair, so the max
 // and the sum of exp(x - max) take one pass over the row. A larger x
 // rescales the sum; -inf adds nothing; NaN makes both NaN (as the max pass

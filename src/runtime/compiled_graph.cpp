@@ -506,13 +506,25 @@ void CompiledGraph::build_cuda_variant(Variant& v, const std::vector<StrideSigna
     // an experiment) are non-portable: the kernel must opt in before the
     // occupancy query and the launch.
     constexpr int kAttrNonPortableClusterSizeAllowed = 14;  // CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-    if (fv && l.vec_cluster > 8)
+    if (fv && l.vec_cluster > 8 && !l.vec_group_exchange)
       check_cuda(c.FuncSetAttribute(fv, kAttrNonPortableClusterSizeAllowed, 1), "cuFuncSetAttribute(non-portable cluster size)");
     if (fv && l.vec_smem > 0 && carveout >= 0 && carveout <= 100)
       check_cuda(c.FuncSetAttribute(fv, kAttrPreferredCarveout, carveout), "cuFuncSetAttribute(preferred carveout)");
     v.cu_scalar.push_back(f);
     v.cu_vector.push_back(fv);
-    v.ring_groups.push_back(fv && l.vec_ring ? resident_groups(fv, l.vec_threads, l.vec_smem, l.vec_cluster) : 0);
+    if (fv && l.vec_ring && l.vec_group_exchange) {
+      // Groups of vec_cluster blocks that are not clusters: as many whole
+      // groups as the device holds blocks at once (every block of a group
+      // must be resident while the others wait for it), at most the
+      // kernel's counters.
+      int groups = std::min(resident_groups(fv, l.vec_threads, l.vec_smem, 1) / l.vec_cluster, kRowGroupsMax);
+      if (groups < 1)
+        throw std::runtime_error("opfuse: the device holds fewer than " + std::to_string(l.vec_cluster) +
+                                 " blocks of " + l.vec_name + " at once (OPFUSE_ROW_GROUP_EXCHANGE)");
+      v.ring_groups.push_back(groups);
+    } else {
+      v.ring_groups.push_back(fv && l.vec_ring ? resident_groups(fv, l.vec_threads, l.vec_smem, l.vec_cluster) : 0);
+    }
   }
 }
 

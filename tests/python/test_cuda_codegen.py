@@ -341,6 +341,47 @@ def test_cluster_push_reductions_replace_the_cluster_barriers(ring, monkeypatch)
             assert spills and all(int(x) == 0 for x in spills), log[-2000:]
 
 
+@pytest.mark.parametrize("cols", [262144, 70000, 32776])
+def test_group_exchange_replaces_the_cluster(cols, monkeypatch):
+    """OPFUSE_ROW_GROUP_EXCHANGE=1 (sm_90, the ring over several blocks a
+    row): no cluster (no __cluster_dims__, no cluster rank, barrier or
+    mbarrier); each of the ring's pushed reductions becomes one
+    opf_group_reduce on the kernel's own global array, slots by (reduction,
+    row parity) as before; a block's slice is blockIdx.x % group; the stage
+    loops unroll by 4; no spills at any dtype; sm_80, the knob's absence and
+    rows that are not staged (float32 at 262144) unchanged."""
+    nvrtc_or_skip()
+    for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+        for dtype in ("bf16", "f16", "f32"):
+            shapes = [[4096, cols]]
+            cg = _C.CompiledGraph(row_ir(op, dtype, 4096, cols), target="cuda")
+            default = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+            default80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
+            monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+            on = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+            assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == default80
+            _, log = compile_for(row_ir(op, dtype, 4096, cols), shapes, 90)
+            monkeypatch.delenv("OPFUSE_ROW_GROUP_EXCHANGE")
+            assert cg.cuda_source(shapes, contiguous_strides(shapes), 90) == default
+            v, d = _vector_kernel(on), _vector_kernel(default)
+            n = d.count("opf_cluster_reduce_push<")
+            if dtype == "f32" and cols == 262144:  # 1 MB rows: not staged (more than 8 blocks of 64 KB)
+                assert n == 0 and on == default
+                continue
+            group = int(re.search(r"__cluster_dims__\((\d+), 1, 1\)", d).group(1))
+            assert n >= 1 and group > 1
+            assert "__cluster_dims__" not in v and "opf_cluster" not in v and "opf_xbar" not in v and "xit_" not in v
+            assert "@GROUP" not in on and v.count("opf_group_reduce<") == n
+            name = re.search(r"void __launch_bounds__\(\d+, \d+\) (\w+)\(", v).group(1)
+            words = 16 + 2 * n * group
+            assert f"__device__ unsigned long long {name}_gx[{1024 * words}];" in on
+            for k in range(n):
+                assert f", {words}>(" in v and f"{name}_gx, {2 * k} + par_);" in v
+            assert f"(blockIdx.x % {group}) * " in v and "#pragma unroll 4" in v and "#pragma unroll 8" not in v
+            spills = re.findall(r"(\d+) bytes spill stores", log)
+            assert spills and all(int(x) == 0 for x in spills), (op, dtype, log[-2000:])
+
+
 def test_staged_rows_in_a_non_portable_cluster_of_16(monkeypatch):
     """OPFUSE_ROW_SMEM_KB=32 with OPFUSE_ROW_SMEM_CLUSTER=16 (an experiment):
     a 512 KB row in 16 slices of 32 KB, 256-thread blocks, six an SM, with

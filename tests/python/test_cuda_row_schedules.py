@@ -615,6 +615,56 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
         _grads_against_float64(lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5), (97, cols), dtype, 3)
 
 
+# OPFUSE_ROW_GROUP_EXCHANGE=1 (an experiment): the ring's blocks of a row are
+# consecutive blocks of a grid the device holds at once, exchanging partials
+# through global memory (opf_group_reduce) instead of a cluster. The push
+# cases (groups of 2, 4 and 8, many rows a group so every counter flips many
+# times and both parities' slots refill, rows of very different scale, the
+# staged backward kernels), then the counters across launches: repeated
+# calls and CUDA graph replays give the same bits.
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
+@pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
+def test_group_exchange_matches_float64(rows, cols, dtype, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+    torch.manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * torch.logspace(-2, 2, rows, device="cuda", dtype=dtype)[:, None]
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+    for fn in OPS.values():
+        check(fn, x, w, b, dtype)
+    if cols == 262144 and rows > 3:
+        _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (97, cols), dtype, 2)
+        _grads_against_float64(lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5), (97, cols), dtype, 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
+def test_group_exchange_counters_survive_launches_and_graph_replays(monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+    torch.manual_seed(5)
+    x = torch.randn(509, 262144, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(262144, device="cuda", dtype=torch.bfloat16)
+    for fn in (layer_norm, softmax):
+        torch._dynamo.reset()
+        f = torch.compile(fn, backend="opfuse", dynamic=False)
+        first = f(x, w, w)
+        for _ in range(3):
+            assert torch.equal(f(x, w, w), first)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            f(x, w, w)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = f(x, w, w)
+        for _ in range(3):
+            out.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, first)
+        torch.testing.assert_close(first, fn(x.double(), w.double(), w.double()).to(x.dtype), **TOL[torch.bfloat16])
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
 @pytest.mark.parametrize("ring", ["1", "2"], ids=["two_slots", "in_place"])
 def test_staged_ring_row_views(ring, monkeypatch):
