@@ -99,6 +99,7 @@ class CudaEmitter : public CEmitter {
   bool cluster_row_loop_ = false;
   bool cluster_push_ = false;      // staged rows' cluster reductions pushed into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH)
   bool group_exchange_ = false;    // the ring's row groups without a cluster, exchanging through global memory
+  bool group_tagged_ = false;      // ... their 4-byte partials tagged, no counter (OPFUSE_ROW_GROUP_EXCHANGE=2)
   // A group's 8-byte words in its kernel's exchange array: its counter's
   // 128-byte line, then a slot a block for each (reduction, row parity).
   int group_words() const { return 16 + 2 * std::max(1, cluster_reductions_) * cluster_; }

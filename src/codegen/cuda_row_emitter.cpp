@@ -179,7 +179,9 @@ int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", -1); }
 // device holds at once, and their reductions go through global memory
 // (opf_group_reduce). Clusters of 8 three-block SMs leave 8 of the H200's
 // 132 SMs idle (the GPCs do not divide into them: 45 clusters resident, not
-// 49); without a cluster every SM takes three blocks.
+// 49); without a cluster every SM takes three blocks. 1: a counter a group
+// and the partials read after it (opf_group_reduce); 2: 4-byte partials
+// with their tag in one word a block, no counter (opf_group_reduce_tagged).
 int group_exchange() { return env_int("OPFUSE_ROW_GROUP_EXCHANGE", 0); }
 const char* const kGroupWords = "@GROUP_WORDS@";
 const char* const kGroupArray = "@GROUP_ARRAY@";
@@ -413,6 +415,12 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
       // is its use count, xit_ / 2; a cluster a row uses each once.
       int k = cluster_reductions_++;
       std::string idx = cluster_row_loop_ ? std::to_string(2 * k) + " + par_" : std::to_string(k);
+      if (group_tagged_ && dtype_size(a.type) == 4) {
+        // Tagged with the row and the reduction (unique within a launch, never 0).
+        line(n + " = opf_group_reduce_tagged<" + op + ", " + std::to_string(cluster_) + ", " + kGroupWords + ">(" + n + ", " +
+             smem_ + ", " + kGroupArray + ", " + idx + ", ((unsigned)row_ << 8) + " + std::to_string(k + 1) + "u);");
+        return;
+      }
       if (group_exchange_) {  // the same slots by (reduction, parity), in global memory (opf_group_reduce)
         // (The array and a group's words are known once the row's last
         // reduction is printed: row_kernel fills in the placeholders. The
@@ -1124,6 +1132,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   // the cluster's shared memory.)
   group_exchange_ = cluster_push_ && cluster_row_loop_ && stage_ring_ && stage_bytes_ > 0 && vec > 1 && group_exchange() > 0 &&
                     stage_online() <= 0 && stage_moments() <= 0;
+  group_tagged_ = group_exchange_ && group_exchange() == 2;
   launch_.group_exchange = group_exchange_;
   group_loop_ = grouped_rows_ && !partials && !columns_ && caching_ && vec > 1 && group_loop() > 0;
   launch_.vec_ring = (stage_ring_ && stage_bytes_ > 0) || group_loop_;
@@ -1502,6 +1511,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
                                     : cluster_row_loop_ ? "(int64_t)(blockIdx.x / " + std::to_string(cluster_) + ")"
                                                         : "(int64_t)blockIdx.x");
   if (cluster_ > 1 && !group_exchange_) line(early_arrive ? "opf_cluster_wait();" : "opf_cluster_sync();");
+  if (group_tagged_)
+    line("opf_group_finish<" + std::to_string(cluster_) + ", " + std::to_string(group_words()) + ", " +
+         std::to_string(2 * std::max(1, cluster_reductions_)) + ">(" + name + "_gx);");
   --indent_;
   line("}");
   index_type_ = "int64_t";

@@ -341,15 +341,18 @@ def test_cluster_push_reductions_replace_the_cluster_barriers(ring, monkeypatch)
             assert spills and all(int(x) == 0 for x in spills), log[-2000:]
 
 
+@pytest.mark.parametrize("mode", ["1", "2"], ids=["counter", "tagged"])
 @pytest.mark.parametrize("cols", [262144, 70000, 32776])
-def test_group_exchange_replaces_the_cluster(cols, monkeypatch):
+def test_group_exchange_replaces_the_cluster(cols, mode, monkeypatch):
     """OPFUSE_ROW_GROUP_EXCHANGE=1 (sm_90, the ring over several blocks a
     row): no cluster (no __cluster_dims__, no cluster rank, barrier or
     mbarrier); each of the ring's pushed reductions becomes one
     opf_group_reduce on the kernel's own global array, slots by (reduction,
     row parity) as before; a block's slice is blockIdx.x % group; the stage
     loops unroll by 4; no spills at any dtype; sm_80, the knob's absence and
-    rows that are not staged (float32 at 262144) unchanged."""
+    rows that are not staged (float32 at 262144) unchanged. =2: each
+    reduction tagged with its row and index, and the kernel ends zeroing
+    its slots (opf_group_finish)."""
     nvrtc_or_skip()
     for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         for dtype in ("bf16", "f16", "f32"):
@@ -357,7 +360,7 @@ def test_group_exchange_replaces_the_cluster(cols, monkeypatch):
             cg = _C.CompiledGraph(row_ir(op, dtype, 4096, cols), target="cuda")
             default = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
             default80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
-            monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+            monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
             on = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
             assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == default80
             _, log = compile_for(row_ir(op, dtype, 4096, cols), shapes, 90)
@@ -371,12 +374,15 @@ def test_group_exchange_replaces_the_cluster(cols, monkeypatch):
             group = int(re.search(r"__cluster_dims__\((\d+), 1, 1\)", d).group(1))
             assert n >= 1 and group > 1
             assert "__cluster_dims__" not in v and "opf_cluster" not in v and "opf_xbar" not in v and "xit_" not in v
-            assert "@GROUP" not in on and v.count("opf_group_reduce<") == n
+            call = "opf_group_reduce_tagged<" if mode == "2" else "opf_group_reduce<"
+            assert "@GROUP" not in on and v.count(call) == n
             name = re.search(r"void __launch_bounds__\(\d+, \d+\) (\w+)\(", v).group(1)
             words = 16 + 2 * n * group
             assert f"__device__ unsigned long long {name}_gx[{1024 * words}];" in on
             for k in range(n):
-                assert f", {words}>(" in v and f"{name}_gx, {2 * k} + par_);" in v
+                tail = f", ((unsigned)row_ << 8) + {k + 1}u);" if mode == "2" else ");"
+                assert f", {words}>(" in v and f"{name}_gx, {2 * k} + par_{tail}" in v
+            assert (f"opf_group_finish<{group}, {words}, {2 * n}>({name}_gx);" in v) == (mode == "2")
             assert f"(blockIdx.x % {group}) * " in v and "#pragma unroll 4" in v and "#pragma unroll 8" not in v
             spills = re.findall(r"(\d+) bytes spill stores", log)
             assert spills and all(int(x) == 0 for x in spills), (op, dtype, log[-2000:])

@@ -620,12 +620,14 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
 # through global memory (opf_group_reduce) instead of a cluster. The push
 # cases (groups of 2, 4 and 8, many rows a group so every counter flips many
 # times and both parities' slots refill, rows of very different scale, the
-# staged backward kernels), then the counters across launches: repeated
-# calls and CUDA graph replays give the same bits.
+# staged backward kernels), then the counters and slots across launches:
+# repeated calls and CUDA graph replays give the same bits. Both modes: a
+# counter a group (1) and tagged partials (2).
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
+@pytest.mark.parametrize("mode", ["1", "2"], ids=["counter", "tagged"])
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
-def test_group_exchange_matches_float64(rows, cols, dtype, monkeypatch):
-    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+def test_group_exchange_matches_float64(rows, cols, dtype, mode, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
     torch.manual_seed(rows + cols)
     x = torch.randn(rows, cols, device="cuda", dtype=dtype) * torch.logspace(-2, 2, rows, device="cuda", dtype=dtype)[:, None]
     w = torch.randn(cols, device="cuda", dtype=dtype)
@@ -638,8 +640,9 @@ def test_group_exchange_matches_float64(rows, cols, dtype, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-def test_group_exchange_counters_survive_launches_and_graph_replays(monkeypatch):
-    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+@pytest.mark.parametrize("mode", ["1", "2"], ids=["counter", "tagged"])
+def test_group_exchange_counters_survive_launches_and_graph_replays(mode, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
     torch.manual_seed(5)
     x = torch.randn(509, 262144, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(262144, device="cuda", dtype=torch.bfloat16)
