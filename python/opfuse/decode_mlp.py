@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from opfuse import _C
-from opfuse.frontend.runtime import decode_mlp_workspace
+from opfuse.frontend.runtime import zeroed_workspace
 
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -35,7 +35,7 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b1: torch.Tensor | 
     _C.ensure_cuda_context(x.device.index)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    ws = decode_mlp_workspace(x.device.index, stream)
+    ws = zeroed_workspace(x.device.index, stream)
     ok, why = _C.decode_mlp(_ELEM[x.dtype], m, k, h, n, x.data_ptr(), x.stride(0), w1.data_ptr(), w1.stride(0),
                             w3.data_ptr() if w3 is not None else 0, w3.stride(0) if w3 is not None else 0,
                             b1.data_ptr() if b1 is not None else 0, b1.stride(0) if b1 is not None else 1,

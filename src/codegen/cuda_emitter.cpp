@@ -31,8 +31,10 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
   for (auto& b : k_->buffers)
     if (b.strided) nt += b.shape.size();
   std::string args = name + "_args";
+  // Row groups exchanging through global memory: their workspace last (the
+  // runtime puts it after the strides).
   line("struct " + args + " { const void* b[" + std::to_string(nb) + "]; int64_t s[" + std::to_string(ns) + "]; int64_t st[" +
-       std::to_string(std::max<size_t>(1, nt)) + "]; };");
+       std::to_string(std::max<size_t>(1, nt)) + "];" + (group_exchange_ ? " unsigned long long* gx;" : "") + " };");
   std::string dims = cluster > 1 ? "__cluster_dims__(" + std::to_string(cluster) + ", 1, 1) " : "";
   // Row kernels say "at least one block an SM": with the thread count alone,
   // ptxas sometimes caps registers at 48 and spills a register cache that

@@ -25,9 +25,14 @@
 
 namespace opfuse {
 
-// Groups of blocks exchanging through global memory (group_exchange) a
-// kernel provides counters and slots for.
+// Groups of blocks exchanging through global memory (group_exchange): at
+// most kRowGroupsMax groups a launch, kGroupWordsMax 8-byte words a group
+// (CudaEmitter::group_words), in the runtime's zeroed per-stream workspace
+// (RunOptions::zeroed_workspace, kRowGroupWorkspaceBytes past the decode
+// MLP's region), passed as the kernel argument's last member.
 constexpr int kRowGroupsMax = 1024;
+constexpr int kGroupWordsMax = 16 + 2 * 8 * 16;  // 8 reductions a row over 16 blocks
+constexpr size_t kRowGroupWorkspaceBytes = size_t(kRowGroupsMax) * kGroupWordsMax * 8;
 
 struct CudaLaunch {
   bool row = false;
@@ -99,7 +104,8 @@ class CudaEmitter : public CEmitter {
   bool cluster_row_loop_ = false;
   bool cluster_push_ = false;      // staged rows' cluster reductions pushed into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH)
   bool group_exchange_ = false;    // the ring's row groups without a cluster, exchanging through global memory
-  bool group_tagged_ = false;      // ... their 4-byte partials tagged, no counter (OPFUSE_ROW_GROUP_EXCHANGE=2)
+  bool group_auto_ = false;        // chosen by default, kept only for one reduction a row (see row_kernel)
+  bool group_retry_ = false;       // generating again with the cluster (see row_kernel)
   // A group's 8-byte words in its kernel's exchange array: its counter's
   // 128-byte line, then a slot a block for each (reduction, row parity).
   int group_words() const { return 16 + 2 * std::max(1, cluster_reductions_) * cluster_; }

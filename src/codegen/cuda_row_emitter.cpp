@@ -179,12 +179,17 @@ int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", -1); }
 // device holds at once, and their reductions go through global memory
 // (opf_group_reduce). Clusters of 8 three-block SMs leave 8 of the H200's
 // 132 SMs idle (the GPCs do not divide into them: 45 clusters resident, not
-// 49); without a cluster every SM takes three blocks. 1: a counter a group
-// and the partials read after it (opf_group_reduce); 2: 4-byte partials
-// with their tag in one word a block, no counter (opf_group_reduce_tagged).
-int group_exchange() { return env_int("OPFUSE_ROW_GROUP_EXCHANGE", 0); }
+// 49); without a cluster every SM takes three blocks. -1 (default): for
+// rows over clusters of 8 with one reduction across the row (rms_norm,
+// softmax backward), 1: every ring over several blocks, 0: never. H200,
+// bf16 4096x262144 (session 29, us): rms_norm 1196 -> 1097 and 1237 ->
+// 1129, softmax backward 1942 -> 1708 and 1957 -> 1743; with two
+// reductions a row (softmax, log_softmax, layer_norm, layer_norm
+// backward) 0-6% slower: an exchange costs more than the cluster's pushed
+// one. (Tried and dropped: the partial and a tag in one word, no counter,
+// 2-3% slower than the counter.)
+int group_exchange() { return env_int("OPFUSE_ROW_GROUP_EXCHANGE", -1); }
 const char* const kGroupWords = "@GROUP_WORDS@";
-const char* const kGroupArray = "@GROUP_ARRAY@";
 
 void replace_all(std::string& s, const std::string& from, const std::string& to) {
   for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
@@ -415,19 +420,14 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
       // is its use count, xit_ / 2; a cluster a row uses each once.
       int k = cluster_reductions_++;
       std::string idx = cluster_row_loop_ ? std::to_string(2 * k) + " + par_" : std::to_string(k);
-      if (group_tagged_ && dtype_size(a.type) == 4) {
-        // Tagged with the row and the reduction (unique within a launch, never 0).
-        line(n + " = opf_group_reduce_tagged<" + op + ", " + std::to_string(cluster_) + ", " + kGroupWords + ">(" + n + ", " +
-             smem_ + ", " + kGroupArray + ", " + idx + ", ((unsigned)row_ << 8) + " + std::to_string(k + 1) + "u);");
-        return;
-      }
       if (group_exchange_) {  // the same slots by (reduction, parity), in global memory (opf_group_reduce)
-        // (The array and a group's words are known once the row's last
-        // reduction is printed: row_kernel fills in the placeholders. The
-        // group's address is computed in the call, not kept in registers:
-        // the in-place ring's 512-thread blocks have 40 at three an SM.)
+        // (A group's words are known once the row's last reduction is
+        // printed: row_kernel fills in the placeholder. The group's address
+        // is computed in the call from the kernel argument, not kept in
+        // registers: the in-place ring's 512-thread blocks have 40 at three
+        // an SM.)
         line(n + " = opf_group_reduce<" + op + ", " + std::to_string(cluster_) + ", " + kGroupWords + ">(" + n + ", " + smem_ +
-             ", " + kGroupArray + ", " + idx + ");");
+             ", a.gx, " + idx + ");");
         return;
       }
       line(n + " = opf_cluster_reduce_push<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", reinterpret_cast<" +
@@ -1130,9 +1130,10 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
                   (push > 0 || (push < 0 && cluster_row_loop_));
   // (Not with the one-pass online pair or moments, whose pairs go through
   // the cluster's shared memory.)
-  group_exchange_ = cluster_push_ && cluster_row_loop_ && stage_ring_ && stage_bytes_ > 0 && vec > 1 && group_exchange() > 0 &&
-                    stage_online() <= 0 && stage_moments() <= 0;
-  group_tagged_ = group_exchange_ && group_exchange() == 2;
+  const int ge = group_retry_ ? 0 : group_exchange();
+  group_exchange_ = cluster_push_ && cluster_row_loop_ && stage_ring_ && stage_bytes_ > 0 && vec > 1 && stage_online() <= 0 &&
+                    stage_moments() <= 0 && (ge > 0 || (ge < 0 && cluster_ == 8));
+  group_auto_ = group_exchange_ && ge < 0;
   launch_.group_exchange = group_exchange_;
   group_loop_ = grouped_rows_ && !partials && !columns_ && caching_ && vec > 1 && group_loop() > 0;
   launch_.vec_ring = (stage_ring_ && stage_bytes_ > 0) || group_loop_;
@@ -1314,10 +1315,19 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   prefetch_ = false;
   std::string body = out_.str();
-  if (group_exchange_) {
-    replace_all(body, kGroupWords, std::to_string(group_words()));
-    replace_all(body, kGroupArray, name + "_gx");
+  if (group_exchange_ && ((group_auto_ && cluster_reductions_ != 1) || group_words() > kGroupWordsMax)) {
+    // By default only rows with one reduction across the blocks (see
+    // group_exchange), and never past the workspace's words a group: the
+    // kernel again, with the cluster.
+    out_.str("");
+    out_ << saved;
+    indent_ = base_indent;
+    group_retry_ = true;
+    row_kernel(name, vec);
+    group_retry_ = false;
+    return;
   }
+  if (group_exchange_) replace_all(body, kGroupWords, std::to_string(group_words()));
   // A row split over a cluster (one row, no loop over rows) arrives at its
   // exit barrier right after its last cluster reduction and waits for it
   // only at the end (opf_cluster_arrive), not for the slowest peer's output
@@ -1333,13 +1343,6 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   out_ << saved;
   indent_ = base_indent;
 
-  if (group_exchange_) {
-    // A group's counter (alone in a 128-byte line) and slots (a (reduction,
-    // row parity) pair's C partials), zero when the module loads;
-    // opf_group_reduce leaves the counters' low bits at zero.
-    line("__device__ unsigned long long " + name + "_gx[" +
-         std::to_string(static_cast<int64_t>(kRowGroupsMax) * group_words()) + "];");
-  }
   header(name, g.threads, group_exchange_ ? 1 : cluster_);
   line("__shared__ __align__(16) double " + smem_ + "[128];");
   line("(void)" + smem_ + ";");
@@ -1511,14 +1514,13 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
                                     : cluster_row_loop_ ? "(int64_t)(blockIdx.x / " + std::to_string(cluster_) + ")"
                                                         : "(int64_t)blockIdx.x");
   if (cluster_ > 1 && !group_exchange_) line(early_arrive ? "opf_cluster_wait();" : "opf_cluster_sync();");
-  if (group_tagged_)
-    line("opf_group_finish<" + std::to_string(cluster_) + ", " + std::to_string(group_words()) + ", " +
-         std::to_string(2 * std::max(1, cluster_reductions_)) + ">(" + name + "_gx);");
+
   --indent_;
   line("}");
   index_type_ = "int64_t";
   raw_lanes_ = false;
   ncols_ = -1;
+  group_exchange_ = false;
 }
 
 // With 32-bit indices (index32): a buffer of fixed strides (no strides

@@ -531,8 +531,8 @@ static __device__ __forceinline__ T opf_cluster_reduce_push(T v, void* smem, T* 
 // the block's partial in slots[rank] (global memory, 8 bytes a block) and
 // arrives on the group's counter `bar`; the counter needs no reset: block 0
 // adds 2^31 - (C - 1), the others 1, so the C arrivals add exactly 2^31,
-// flip the top bit and leave the low bits as they were (zero, as the module
-// loaded it). A block waits until the top bit differs from what it saw
+// flip the top bit and leave the low bits as they were (zero: the runtime's
+// zeroed per-stream workspace). A block waits until the top bit differs from what it saw
 // before its own arrival; a fast block's arrival at the next reduction adds
 // less than 2^31 and cannot flip it back. Slots alternate by row parity
 // (the caller's), so a block writes a slot again only after every peer has
@@ -562,64 +562,6 @@ static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned l
   const int lane = threadIdx.x & 31;
   v = lane < C ? *reinterpret_cast<volatile T*>(slots + lane) : Op::template identity<T>();
   return opf_warp_reduce<Op>(v);
-}
-
-// The group reduction with the partial and its tag in one 8-byte word
-// (OPFUSE_ROW_GROUP_EXCHANGE=2, 4-byte partials): thread 0 stores (tag,
-// partial) with one 64-bit store, and lanes r < C of warp 0 wait until slot
-// r holds this exchange's tag; no counter, no second round trip for the
-// values. Tags are unique within a launch (the caller's: its row and the
-// reduction's index, never 0) and opf_group_finish zeroes every slot
-// before the kernel ends, so a slot never holds this tag from an earlier
-// launch. Slot reuse is safe as in opf_group_reduce: a block writes a slot
-// again two rows later, after every peer's warp 0 has read it (their next
-// arrivals need all their warps past the block reductions that follow).
-template <class Op, int C, int W, class T>
-static __device__ __forceinline__ T opf_group_reduce_tagged(T v, void* smem, unsigned long long* groups, int slot, unsigned tag) {
-  static_assert(sizeof(T) == 4, "4-byte partials (8-byte ones take opf_group_reduce)");
-  unsigned long long* const slots = groups + (size_t)(blockIdx.x / C) * W + 16 + slot * C;
-  union { T v; unsigned u; } p;
-  p.v = opf_block_reduce<Op>(v, smem);
-  if (threadIdx.x == 0) {
-    const unsigned long long word = ((unsigned long long)tag << 32) | p.u;
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(slots + blockIdx.x % C), "l"(word) : "memory");
-  }
-  T* const out = reinterpret_cast<T*>(smem) + 32;  // past opf_block_reduce's 32 partials
-  if (threadIdx.x < 32) {
-    p.v = Op::template identity<T>();
-    if (threadIdx.x < C) {
-      unsigned long long w;
-      do {
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(slots + threadIdx.x) : "memory");
-      } while ((unsigned)(w >> 32) != tag);
-      p.u = (unsigned)w;
-    }
-    p.v = opf_warp_reduce<Op>(p.v);
-    if (threadIdx.x == 0) *out = p.v;
-  }
-  __syncthreads();
-  return *out;
-}
-
-// The end of a kernel whose group reductions are tagged: once every block of
-// the group is past its last reduction (a barrier on the group's counter,
-// as opf_group_reduce arrives), each block zeroes its S slots.
-template <int C, int W, int S>
-static __device__ __forceinline__ void opf_group_finish(unsigned long long* groups) {
-  unsigned long long* const g = groups + (size_t)(blockIdx.x / C) * W;
-  unsigned* const bar = reinterpret_cast<unsigned*>(g);
-  const unsigned rank = blockIdx.x % C;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned add = rank == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
-    unsigned seen, now;
-    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(bar), "r"(add) : "memory");
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
-    } while (((now ^ seen) & 0x80000000u) == 0u);
-  }
-  __syncthreads();
-  if (threadIdx.x < S) asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(g + 16 + threadIdx.x * C + rank), "l"(0ull) : "memory");
 }
 
 // Online softmax: a running (max m, sum s of exp(x - m)) pair, so the max

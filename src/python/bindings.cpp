@@ -217,7 +217,7 @@ NB_MODULE(_C, m) {
            })
       .def_prop_ro("num_kernels", [](const CompiledGraph& c) { return c.kernels().size(); })
       .def_prop_ro("num_library_calls", [](const CompiledGraph& c) { return c.gemms().size(); })
-      // Whether a GEMM step is the decode MLP kernel (it needs RunOptions::decode_workspace).
+      // Whether a GEMM step is the decode MLP kernel (it needs RunOptions::zeroed_workspace).
       .def_prop_ro("uses_decode_mlp",
                    [](const CompiledGraph& c) {
                      for (const GemmStep& s : c.gemms())
@@ -286,12 +286,12 @@ NB_MODULE(_C, m) {
       .def("run",
            [](const CompiledGraph& c, int variant, const std::vector<int64_t>& syms, const std::vector<uintptr_t>& ptrs,
               const std::vector<std::vector<int64_t>>& strides, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
-              bool allow_tf32, nb::object cpu_gemm, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
+              bool allow_tf32, nb::object cpu_gemm, uintptr_t zeroed_workspace, size_t zeroed_workspace_bytes) {
              std::vector<void*> p;
              p.reserve(ptrs.size());
              for (auto x : ptrs) p.push_back(reinterpret_cast<void*>(x));
-             RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm, decode_workspace,
-                                                    decode_workspace_bytes);
+             RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm, zeroed_workspace,
+                                                    zeroed_workspace_bytes);
              int gemm_kernels = 0;
              o.gemm_kernels = &gemm_kernels;
              {
@@ -302,7 +302,7 @@ NB_MODULE(_C, m) {
            },
            nb::arg("variant"), nb::arg("syms"), nb::arg("ptrs"), nb::arg("strides"), nb::arg("stream") = 0,
            nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0, nb::arg("allow_tf32") = false,
-           nb::arg("cpu_gemm") = nb::none(), nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0);
+           nb::arg("cpu_gemm") = nb::none(), nb::arg("zeroed_workspace") = 0, nb::arg("zeroed_workspace_bytes") = 0);
   nb::exception<GemmUnsupported>(m, "GemmUnsupported");
   m.def("cublaslt_version", [] { return cublaslt_version(); });
   m.def("cublaslt_path", [] { return cublaslt().path; });

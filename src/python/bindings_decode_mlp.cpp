@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/decode_mlp/decode_mlp_reference.h"
+#include "runtime/compiled_graph.h"
 #include "runtime/decode_mlp_launcher.h"
 #include "runtime/small_m_launch.h"
 
@@ -84,7 +85,7 @@ void bind_decode_mlp(nb::module_& m) {
     return r;
   });
   m.def("decode_mlp_smem_bytes", [](const std::string& config) { return decode_mlp::smem_bytes(decode_mlp::Config::parse(config)); });
-  m.def("decode_mlp_workspace_bytes", [] { return decode_mlp::kWorkspaceBytes; });
+  m.def("zeroed_workspace_bytes", [] { return kZeroedWorkspaceBytes; });
   m.def("decode_mlp_launch_count", [] { return decode_mlp::launch_count(); });
   m.def("decode_mlp_last_error", [] { return decode_mlp::last_error(); });
   m.def(

@@ -92,11 +92,13 @@ LibraryArgs library_args(Launcher& L, long device, uintptr_t stream) {
   if (!found) {
     nb::object both = L.workspaces(device, stream);
     nb::object ws = both[0], dws = both[1];
-    a.workspace = reinterpret_cast<uintptr_t>(data_ptr_of(ws.ptr()));
-    a.workspace_bytes = nb::cast<size_t>(ws.attr("nbytes"));
+    if (!ws.is_none()) {  // (None: a launcher without library calls)
+      a.workspace = reinterpret_cast<uintptr_t>(data_ptr_of(ws.ptr()));
+      a.workspace_bytes = nb::cast<size_t>(ws.attr("nbytes"));
+    }
     if (!dws.is_none()) {
-      a.decode_workspace = reinterpret_cast<uintptr_t>(data_ptr_of(dws.ptr()));
-      a.decode_workspace_bytes = nb::cast<size_t>(dws.attr("nbytes"));
+      a.zeroed_workspace = reinterpret_cast<uintptr_t>(data_ptr_of(dws.ptr()));
+      a.zeroed_workspace_bytes = nb::cast<size_t>(dws.attr("nbytes"));
     }
     L.workspace_cache.insert(L.workspace_cache.begin(), Launcher::Workspaces{device, stream, both, a});
     if (L.workspace_cache.size() > Launcher::kWorkspaces) L.workspace_cache.pop_back();
@@ -203,7 +205,10 @@ PyObject* launch_call(PyObject* self, PyObject* args, PyObject* kwargs, PyObject
       nb::object s = nb::steal(PyObject_Vectorcall(L.raw_stream.ptr(), &dev_arg, 1, nullptr));
       if (!s.is_valid()) return nullptr;
       stream = reinterpret_cast<uintptr_t>(as_pointer(s.ptr()));
-      if (!run->graph->gemms().empty()) lib = library_args(L, d, stream);
+      // Workspaces for library calls, and the zeroed one for row groups (a
+      // launcher without `workspaces` runs such rows on their scalar twin).
+      if (!run->graph->gemms().empty() || (run->run.wants_zeroed_workspace && !L.workspaces.is_none()))
+        lib = library_args(L, d, stream);
     }
     try {
       return run_on_tensors(*run, tensors, n, in_ptrs, stream, true, L.cuda ? &lib : nullptr).release().ptr();
@@ -246,12 +251,12 @@ void def_call(Class& c, const char* name, bool finish, const char* doc) {
   c.def(
       name,
       [finish](const PreparedRunRef& r, nb::handle tensors, uintptr_t stream, uintptr_t workspace,
-               size_t workspace_bytes, bool allow_tf32, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
-        LibraryArgs lib{workspace, workspace_bytes, decode_workspace, decode_workspace_bytes, allow_tf32};
-        return call_on(r, tensors, stream, finish, workspace ? &lib : nullptr);
+               size_t workspace_bytes, bool allow_tf32, uintptr_t zeroed_workspace, size_t zeroed_workspace_bytes) {
+        LibraryArgs lib{workspace, workspace_bytes, zeroed_workspace, zeroed_workspace_bytes, allow_tf32};
+        return call_on(r, tensors, stream, finish, workspace || zeroed_workspace ? &lib : nullptr);
       },
       nb::arg("tensors"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
-      nb::arg("allow_tf32") = false, nb::arg("decode_workspace") = 0, nb::arg("decode_workspace_bytes") = 0, doc);
+      nb::arg("allow_tf32") = false, nb::arg("zeroed_workspace") = 0, nb::arg("zeroed_workspace_bytes") = 0, doc);
 }
 
 }  // namespace
@@ -292,6 +297,8 @@ void bind_launch(nb::module_& m) {
       .def_prop_ro("syms", [](const PreparedRunRef& r) { return r.run.symbol_values; })
       .def_prop_ro("strides", [](const PreparedRunRef& r) { return r.run.input_strides; })
       .def_prop_ro("device", [](const PreparedRunRef& r) { return r.run.device; })
+      .def_prop_ro("wants_zeroed_workspace", [](const PreparedRunRef& r) { return r.run.wants_zeroed_workspace; },
+                   "A row step's groups exchange through the zeroed workspace (else it runs its scalar twin).")
       .def(
           "set_result",
           [](PreparedRunRef& r, int kind, const std::vector<std::pair<size_t, nb::object>>& outs) {
@@ -344,10 +351,10 @@ void bind_launch(nb::module_& m) {
       .def(
           "run",
           [](const PreparedRunRef& r, nb::handle ptrs, uintptr_t stream, uintptr_t workspace, size_t workspace_bytes,
-             bool allow_tf32, nb::object cpu_gemm, uintptr_t decode_workspace, size_t decode_workspace_bytes) {
+             bool allow_tf32, nb::object cpu_gemm, uintptr_t zeroed_workspace, size_t zeroed_workspace_bytes) {
             std::vector<void*> p = pointers_from(ptrs);
-            RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm, decode_workspace,
-                                                   decode_workspace_bytes);
+            RunOptions o = run_options_from_python(stream, workspace, workspace_bytes, allow_tf32, cpu_gemm, zeroed_workspace,
+                                                   zeroed_workspace_bytes);
             int gemm_kernels = 0, gemm_merged = 0, folded = 0;
             o.gemm_kernels = &gemm_kernels;
             o.gemm_merged = &gemm_merged;
@@ -361,8 +368,8 @@ void bind_launch(nb::module_& m) {
             return nb::make_tuple(gemm_kernels, gemm_merged, folded);
           },
           nb::arg("ptrs"), nb::arg("stream") = 0, nb::arg("workspace") = 0, nb::arg("workspace_bytes") = 0,
-          nb::arg("allow_tf32") = false, nb::arg("cpu_gemm") = nb::none(), nb::arg("decode_workspace") = 0,
-          nb::arg("decode_workspace_bytes") = 0,
+          nb::arg("allow_tf32") = false, nb::arg("cpu_gemm") = nb::none(), nb::arg("zeroed_workspace") = 0,
+          nb::arg("zeroed_workspace_bytes") = 0,
           "Any graph (GEMM steps too) on raw pointers; returns (GEMM steps run as opfuse kernels, GEMM steps run "
           "inside a paired step's batched call). Not counted.");
   def_call(prepared_run, "call", false,

@@ -13,11 +13,11 @@
 namespace opfuse {
 
 inline RunOptions run_options_from_python(uintptr_t stream, uintptr_t workspace, size_t workspace_bytes, bool allow_tf32,
-                                          nanobind::object cpu_gemm, uintptr_t decode_workspace = 0,
-                                          size_t decode_workspace_bytes = 0) {
+                                          nanobind::object cpu_gemm, uintptr_t zeroed_workspace = 0,
+                                          size_t zeroed_workspace_bytes = 0) {
   RunOptions o;
-  o.decode_workspace = reinterpret_cast<void*>(decode_workspace);
-  o.decode_workspace_bytes = decode_workspace_bytes;
+  o.zeroed_workspace = reinterpret_cast<void*>(zeroed_workspace);
+  o.zeroed_workspace_bytes = zeroed_workspace_bytes;
   o.stream = reinterpret_cast<void*>(stream);
   o.workspace = reinterpret_cast<void*>(workspace);
   o.workspace_bytes = workspace_bytes;

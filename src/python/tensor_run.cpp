@@ -111,6 +111,10 @@ nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n
   }
   RunOptions o;
   o.stream = reinterpret_cast<void*>(stream);
+  if (cuda && lib) {  // the zeroed workspace: the decode MLP's and the row groups' (row steps want it without GEMMs)
+    o.zeroed_workspace = reinterpret_cast<void*>(lib->zeroed_workspace);
+    o.zeroed_workspace_bytes = lib->zeroed_workspace_bytes;
+  }
   int gemm_kernels = 0, gemm_merged = 0, folded = 0;
   nb::object everything;  // the CPU GEMM callback's buffers: inputs, then written ones
   if (n_gemms) {
@@ -120,8 +124,6 @@ nb::object run_on_tensors(const PreparedRunRef& r, PyObject* const* in, size_t n
     if (cuda) {
       o.workspace = reinterpret_cast<void*>(lib->workspace);
       o.workspace_bytes = lib->workspace_bytes;
-      o.decode_workspace = reinterpret_cast<void*>(lib->decode_workspace);
-      o.decode_workspace_bytes = lib->decode_workspace_bytes;
       o.allow_tf32 = lib->allow_tf32;
     } else {
       everything = nb::steal(PyList_New(static_cast<Py_ssize_t>(n_in + n_out)));

@@ -56,8 +56,8 @@ struct PreparedRunRef {
 struct LibraryArgs {
   uintptr_t workspace = 0;
   size_t workspace_bytes = 0;
-  uintptr_t decode_workspace = 0;
-  size_t decode_workspace_bytes = 0;
+  uintptr_t zeroed_workspace = 0;
+  size_t zeroed_workspace_bytes = 0;
   bool allow_tf32 = false;
 };
 

@@ -309,6 +309,7 @@ CompiledGraph::PreparedRun CompiledGraph::prepare(int variant, const std::vector
         st.strides.insert(st.strides.end(), sv.begin(), sv.end());
       }
     }
+    p.wants_zeroed_workspace = p.wants_zeroed_workspace || st.group_arg >= 0;
     p.steps.push_back(std::move(st));
   }
   // CPU: the buffers a run writes that are large enough for huge pages
@@ -392,6 +393,14 @@ void CompiledGraph::run_prepared(const PreparedRun& p, const std::vector<void*>&
       bool vec = st.vec_possible;
       for (size_t a = 0; a < st.vec_align.size() && vec; ++a)
         vec = reinterpret_cast<uintptr_t>(run_ptrs[static_cast<size_t>(st.vec_align[a].first)]) % st.vec_align[a].second == 0;
+      if (vec && st.group_arg >= 0) {
+        // Row groups without the zeroed workspace (a caller that passes
+        // none) take the scalar twin, whose blocks do not wait for each other.
+        if (options.zeroed_workspace && options.zeroed_workspace_bytes >= kZeroedWorkspaceBytes)
+          args[st.group_arg] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(options.zeroed_workspace) + kDecodeRegionBytes);
+        else
+          vec = false;
+      }
       if (vec ? st.vec_too_many_rows : st.too_many_rows)
         throw std::runtime_error("opfuse: too many rows for a cluster row kernel");
       size_t k = static_cast<size_t>(st.kernel);
@@ -563,6 +572,10 @@ void CompiledGraph::prepare_cuda_kernel(const Variant& v, size_t i, const std::v
     }
   }
   st->vec_possible = vec_ok;
+  if (vec_ok && cl.vec_group_exchange) {  // the workspace pointer, after the strides (the kernel's args struct)
+    st->group_arg = static_cast<int>(args.size());
+    args.push_back(0);
+  }
   st->threads = static_cast<unsigned>(cl.threads);
   st->vec_smem = static_cast<unsigned>(cl.vec_smem);
   if (!cl.row) {

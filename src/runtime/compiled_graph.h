@@ -58,14 +58,21 @@ struct GemmStep {
 // What a run needs besides pointers: the stream (CUDA), cuBLASLt's
 // workspace, the TF32 setting, and on the CPU who computes GEMMs (the
 // Python package passes PyTorch's matmul; opfuse has no BLAS of its own).
+// RunOptions::zeroed_workspace: zeroed once per (device, stream) and left
+// zeroed by every kernel that uses it; the decode MLP's region (its first
+// kDecodeRegionBytes, decode_mlp::kWorkspaceBytes), then the row groups'
+// counters and slots (kRowGroupWorkspaceBytes).
+constexpr size_t kDecodeRegionBytes = size_t(16) << 20;
+constexpr size_t kZeroedWorkspaceBytes = kDecodeRegionBytes + kRowGroupWorkspaceBytes;
+
 struct RunOptions {
   void* stream = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  // The decode MLP kernel's workspace (decode_mlp::Args::workspace): zeroed
-  // before its first use, one per stream.
-  void* decode_workspace = nullptr;
-  size_t decode_workspace_bytes = 0;
+  // The zeroed workspace (kZeroedWorkspaceBytes, one per stream): the decode
+  // MLP kernel's (decode_mlp::Args::workspace) and the row groups'.
+  void* zeroed_workspace = nullptr;
+  size_t zeroed_workspace_bytes = 0;
   bool allow_tf32 = false;
   std::function<void(int gemm)> cpu_gemm;
   // Out (CUDA): incremented for each GEMM step that ran as an opfuse kernel
@@ -118,8 +125,14 @@ class CompiledGraph {
       unsigned grid = 1, threads = 1, vec_grid = 1, vec_threads = 1;
       unsigned vec_smem = 0;  // dynamic shared memory of the vector twin (rows staged there)
       bool too_many_rows = false, vec_too_many_rows = false;  // a cluster grid past the limit
+      // The vector twin's row groups exchange through the zeroed workspace
+      // (CudaLaunch::group_exchange): the index in args of its pointer, -1 if not.
+      int group_arg = -1;
     };
     std::vector<Step> steps;
+    // A step wants RunOptions::zeroed_workspace (without it, such a row
+    // step runs its scalar twin).
+    bool wants_zeroed_workspace = false;
     std::vector<std::pair<int, size_t>> huge_pages;  // CPU: (buffer, bytes) to advise before writing
   };
 

@@ -80,8 +80,9 @@ void CompiledGraph::launch_decode_mlp(const GemmStep& s, const SymbolEnv& env, c
   a.ldo = a.n;
   a.activation = s.call.decode_activation;
   a.stream = o.stream;
-  a.workspace = o.decode_workspace;
-  a.workspace_bytes = o.decode_workspace_bytes;
+  static_assert(decode_mlp::kWorkspaceBytes == kDecodeRegionBytes, "the decode MLP's region of the zeroed workspace");
+  a.workspace = o.zeroed_workspace;
+  a.workspace_bytes = o.zeroed_workspace_bytes;
   std::string why;
   if (!decode_mlp::try_run(a, &why)) throw GemmUnsupported("decode MLP: " + why);
   if (o.gemm_kernels) ++*o.gemm_kernels;  // an opfuse kernel, not a library call

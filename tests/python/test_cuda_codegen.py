@@ -195,7 +195,9 @@ def test_long_rows_staged_in_shared_memory_read_each_element_once():
     (cp.async) and every stage reads them there: one block of 512 threads
     per 64 KB row, three an SM; 512 KB rows split over a cluster of 8 on
     sm_90, whose statistics combine through distributed shared memory; on
-    sm_80 (no clusters) such rows keep the loop stages."""
+    sm_80 (no clusters) such rows keep the loop stages. (rms_norm's one
+    reduction: eight blocks that are not a cluster, see
+    test_group_exchange_by_default_for_one_reduction_over_clusters_of_8.)"""
     for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         shapes = [[8192, 32768]]
         cg = _C.CompiledGraph(row_ir(op, "bf16", 8192, 32768), target="cuda")
@@ -209,9 +211,11 @@ def test_long_rows_staged_in_shared_memory_read_each_element_once():
         shapes = [[4096, 262144]]
         cg = _C.CompiledGraph(row_ir(op, "bf16", 4096, 262144), target="cuda")
         v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
-        assert "__cluster_dims__(8, 1, 1)" in v and "opf_cp_async16(sr0" in v and vector_loads(v, "b0") == 0
-        # The ring's cluster reductions push into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH).
-        assert "opf_cluster_reduce_push<" in v and "opf_block_reduce<" not in v
+        assert "opf_cp_async16(sr0" in v and vector_loads(v, "b0") == 0
+        if op == "rms_norm":  # one reduction a row: eight blocks exchanging through global memory
+            assert "__cluster_dims__" not in v and "opf_group_reduce<opf_sum, 8, " in v and "opf_cluster" not in v
+        else:  # the ring's cluster reductions push into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH)
+            assert "__cluster_dims__(8, 1, 1)" in v and "opf_cluster_reduce_push<" in v and "opf_block_reduce<" not in v
         v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 80))
         assert "opf_cp_async16(sr" not in v and vector_loads(v, "b0") > 0
 
@@ -303,6 +307,7 @@ def test_cluster_push_reductions_replace_the_cluster_barriers(ring, monkeypatch)
     parity's use count; a cluster a row (OPFUSE_ROW_STAGE_RING=0) uses each
     once. No spills; sm_80 unchanged by the knob; 0 gives barrier.cluster."""
     nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "0")  # the cluster's reductions, rms_norm's too
     if ring != "default":
         monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
     in_ring = ring == "default"
@@ -341,51 +346,65 @@ def test_cluster_push_reductions_replace_the_cluster_barriers(ring, monkeypatch)
             assert spills and all(int(x) == 0 for x in spills), log[-2000:]
 
 
-@pytest.mark.parametrize("mode", ["1", "2"], ids=["counter", "tagged"])
 @pytest.mark.parametrize("cols", [262144, 70000, 32776])
-def test_group_exchange_replaces_the_cluster(cols, mode, monkeypatch):
+def test_group_exchange_replaces_the_cluster(cols, monkeypatch):
     """OPFUSE_ROW_GROUP_EXCHANGE=1 (sm_90, the ring over several blocks a
     row): no cluster (no __cluster_dims__, no cluster rank, barrier or
     mbarrier); each of the ring's pushed reductions becomes one
-    opf_group_reduce on the kernel's own global array, slots by (reduction,
-    row parity) as before; a block's slice is blockIdx.x % group; the stage
-    loops unroll by 4; no spills at any dtype; sm_80, the knob's absence and
-    rows that are not staged (float32 at 262144) unchanged. =2: each
-    reduction tagged with its row and index, and the kernel ends zeroing
-    its slots (opf_group_finish)."""
+    opf_group_reduce on the zeroed workspace the kernel argument's last
+    member points to (a.gx), slots by (reduction, row parity) as before; a
+    block's slice is blockIdx.x % group; the stage loops unroll by 4; no
+    spills at any dtype; sm_80, =0 and rows that are not staged (float32 at
+    262144) unchanged."""
     nvrtc_or_skip()
     for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         for dtype in ("bf16", "f16", "f32"):
             shapes = [[4096, cols]]
             cg = _C.CompiledGraph(row_ir(op, dtype, 4096, cols), target="cuda")
-            default = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
-            default80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
-            monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
+            monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "0")
+            off = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+            off80 = cg.cuda_source(shapes, contiguous_strides(shapes), 80)
+            monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
             on = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
-            assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == default80
+            assert cg.cuda_source(shapes, contiguous_strides(shapes), 80) == off80
             _, log = compile_for(row_ir(op, dtype, 4096, cols), shapes, 90)
             monkeypatch.delenv("OPFUSE_ROW_GROUP_EXCHANGE")
-            assert cg.cuda_source(shapes, contiguous_strides(shapes), 90) == default
-            v, d = _vector_kernel(on), _vector_kernel(default)
+            v, d = _vector_kernel(on), _vector_kernel(off)
             n = d.count("opf_cluster_reduce_push<")
             if dtype == "f32" and cols == 262144:  # 1 MB rows: not staged (more than 8 blocks of 64 KB)
-                assert n == 0 and on == default
+                assert n == 0 and on == off
                 continue
             group = int(re.search(r"__cluster_dims__\((\d+), 1, 1\)", d).group(1))
             assert n >= 1 and group > 1
             assert "__cluster_dims__" not in v and "opf_cluster" not in v and "opf_xbar" not in v and "xit_" not in v
-            call = "opf_group_reduce_tagged<" if mode == "2" else "opf_group_reduce<"
-            assert "@GROUP" not in on and v.count(call) == n
-            name = re.search(r"void __launch_bounds__\(\d+, \d+\) (\w+)\(", v).group(1)
+            assert "@GROUP" not in on and "__device__ unsigned" not in on and v.count("opf_group_reduce<") == n
+            assert v.split("\n")[0].endswith("int64_t st[2]; unsigned long long* gx; };")
             words = 16 + 2 * n * group
-            assert f"__device__ unsigned long long {name}_gx[{1024 * words}];" in on
             for k in range(n):
-                tail = f", ((unsigned)row_ << 8) + {k + 1}u);" if mode == "2" else ");"
-                assert f", {words}>(" in v and f"{name}_gx, {2 * k} + par_{tail}" in v
-            assert (f"opf_group_finish<{group}, {words}, {2 * n}>({name}_gx);" in v) == (mode == "2")
+                assert f", {words}>(" in v and f", a.gx, {2 * k} + par_);" in v
             assert f"(blockIdx.x % {group}) * " in v and "#pragma unroll 4" in v and "#pragma unroll 8" not in v
             spills = re.findall(r"(\d+) bytes spill stores", log)
             assert spills and all(int(x) == 0 for x in spills), (op, dtype, log[-2000:])
+
+
+def test_group_exchange_by_default_for_one_reduction_over_clusters_of_8(monkeypatch):
+    """The default (OPFUSE_ROW_GROUP_EXCHANGE unset): the ring's rows over
+    clusters of 8 with one reduction across the row (rms_norm) exchange
+    through global memory; two reductions (softmax, log_softmax,
+    layer_norm) and clusters of 2 and 4 keep the cluster's pushed
+    reductions; =0 keeps the cluster everywhere."""
+    for dtype, cols in (("bf16", 262144), ("f16", 262144), ("f32", 131072), ("bf16", 70000), ("bf16", 32776)):
+        for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+            shapes = [[4096, cols]]
+            cg = _C.CompiledGraph(row_ir(op, dtype, 4096, cols), target="cuda")
+            v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+            monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "0")
+            v0 = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+            monkeypatch.delenv("OPFUSE_ROW_GROUP_EXCHANGE")
+            grouped = op == "rms_norm" and "__cluster_dims__(8, 1, 1)" in v0
+            assert (op == "rms_norm") == (v0.count("opf_cluster_reduce_push<") == 1)
+            assert ("opf_group_reduce<" in v) == grouped and (v == v0) == (not grouped), (dtype, cols, op)
+            assert grouped == (op == "rms_norm" and cols >= 131072)
 
 
 def test_staged_rows_in_a_non_portable_cluster_of_16(monkeypatch):
@@ -421,14 +440,15 @@ def softmax_backward_ir(rows, cols):
 
 def test_softmax_backward_stages_both_tensors(monkeypatch):
     """Softmax backward re-reads dy and y: on sm_90 both staged, 64 KB a
-    tensor: one 128 KB block a 32768-column row, a cluster of 8 at 262144;
+    tensor: one 128 KB block a 32768-column row, eight at 262144 (not a
+    cluster: its one reduction a row goes through global memory);
     on sm_80 only with OPFUSE_ROW_SMEM_TENSORS=2 (not measured there), and
     never on sm_86, whose blocks take at most 99 KB (the loop stages);
     OPFUSE_ROW_SMEM_TENSORS=1 gives the loop stages back. No spills."""
     nvrtc_or_skip()
     for rows, cols, arch, expect in ((8192, 32768, 90, "__launch_bounds__(512, 1) opfuse"),
                                      (8192, 32768, 80, "__launch_bounds__(512, 1) opfuse"),
-                                     (4096, 262144, 90, "__launch_bounds__(512, 1) __cluster_dims__(8, 1, 1)"),
+                                     (4096, 262144, 90, "__launch_bounds__(512, 1) opfuse"),
                                      (8192, 32768, 86, None)):
         shapes = [[rows, cols], [rows, cols]]
         cg = _C.CompiledGraph(softmax_backward_ir(rows, cols), target="cuda")
@@ -441,6 +461,7 @@ def test_softmax_backward_stages_both_tensors(monkeypatch):
             monkeypatch.delenv("OPFUSE_ROW_SMEM_TENSORS")
             continue
         assert expect in v, v
+        assert ("opf_group_reduce<opf_sum, 8, " in v) == (cols == 262144)
         assert "opf_cp_async16(sr0" in v and "opf_cp_async16(sr1" in v, v
         for name, (regs, spill) in ptxas_report(cg.compile_cuda(shapes, contiguous_strides(shapes), arch, False)[2]).items():
             assert spill == 0, (rows, cols, arch, name)
@@ -592,8 +613,9 @@ def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):
             last_store = v.rindex("opf_vstore_w<8>(b")
             assert max(v.rfind("opf_vload<8>(sr0 +"), v.rfind("opf_vec<16>*>(sr0 +")) < last_store < v.index(refill)
             assert v.index(refill) < v.index("}", v.index(refill))  # inside the last stage's loop
-            if cluster > 1:
-                assert "&opf_xbar[0 + par_]" in v and "opf_cluster_arrive" not in v
+            if cluster > 1:  # rms_norm's one reduction a row: eight blocks exchanging through global memory
+                assert ("&opf_xbar[0 + par_]" in v) == (op != "rms_norm") and "opf_cluster_arrive" not in v
+                assert (", a.gx, 0 + par_);" in v) == (op == "rms_norm")
 
 
 def _vector_ptx(ptx):

@@ -599,6 +599,7 @@ PUSH_SCHEDULES = {"ring": (None, None), "cluster_a_row": ("0", "1"), "ring_barri
 @pytest.mark.parametrize("schedule", list(PUSH_SCHEDULES))
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
 def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "0")  # the cluster's reductions, rms_norm's too
     ring, push = PUSH_SCHEDULES[schedule]
     if push is not None:
         monkeypatch.setenv("OPFUSE_ROW_CLUSTER_PUSH", push)
@@ -615,19 +616,21 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
         _grads_against_float64(lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5), (97, cols), dtype, 3)
 
 
-# OPFUSE_ROW_GROUP_EXCHANGE=1 (an experiment): the ring's blocks of a row are
+# OPFUSE_ROW_GROUP_EXCHANGE (the default for one reduction a row over eight
+# blocks; 1 everywhere in the ring): the ring's blocks of a row are
 # consecutive blocks of a grid the device holds at once, exchanging partials
-# through global memory (opf_group_reduce) instead of a cluster. The push
-# cases (groups of 2, 4 and 8, many rows a group so every counter flips many
-# times and both parities' slots refill, rows of very different scale, the
-# staged backward kernels), then the counters and slots across launches:
-# repeated calls and CUDA graph replays give the same bits. Both modes: a
-# counter a group (1) and tagged partials (2).
+# through the zeroed per-stream workspace (opf_group_reduce) instead of a
+# cluster. The push cases (groups of 2, 4 and 8, many rows a group so every
+# counter flips many times and both parities' slots refill, rows of very
+# different scale, the staged backward kernels), then the counters across
+# launches: repeated calls, CUDA graph replays and two streams at once give
+# the same bits.
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-@pytest.mark.parametrize("mode", ["1", "2"], ids=["counter", "tagged"])
+@pytest.mark.parametrize("mode", ["1", None], ids=["everywhere", "default"])
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
 def test_group_exchange_matches_float64(rows, cols, dtype, mode, monkeypatch):
-    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
+    if mode is not None:
+        monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
     torch.manual_seed(rows + cols)
     x = torch.randn(rows, cols, device="cuda", dtype=dtype) * torch.logspace(-2, 2, rows, device="cuda", dtype=dtype)[:, None]
     w = torch.randn(cols, device="cuda", dtype=dtype)
@@ -640,13 +643,12 @@ def test_group_exchange_matches_float64(rows, cols, dtype, mode, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-@pytest.mark.parametrize("mode", ["1", "2"], ids=["counter", "tagged"])
-def test_group_exchange_counters_survive_launches_and_graph_replays(mode, monkeypatch):
-    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
+def test_group_exchange_counters_survive_launches_and_graph_replays(monkeypatch):
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
     torch.manual_seed(5)
     x = torch.randn(509, 262144, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(262144, device="cuda", dtype=torch.bfloat16)
-    for fn in (layer_norm, softmax):
+    for fn in (layer_norm, softmax, rms_norm):
         torch._dynamo.reset()
         f = torch.compile(fn, backend="opfuse", dynamic=False)
         first = f(x, w, w)
@@ -666,6 +668,36 @@ def test_group_exchange_counters_survive_launches_and_graph_replays(mode, monkey
             torch.cuda.synchronize()
             assert torch.equal(out, first)
         torch.testing.assert_close(first, fn(x.double(), w.double(), w.double()).to(x.dtype), **TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
+def test_group_exchange_on_two_streams_at_once():
+    """rms_norm at 262144 columns (row groups by default) on two streams
+    whose launches overlap: each stream has its own zeroed workspace, so
+    the two grids never share a counter; the product's op (opfuse.ops) and
+    a compiled function both."""
+    torch.manual_seed(6)
+    xs = [torch.randn(300, 262144, device="cuda", dtype=torch.bfloat16) * s for s in (1.0, 100.0)]
+    w = torch.randn(262144, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(rms_norm, backend="opfuse", dynamic=False)
+    for f in (compiled, lambda x, w, b: opfuse.ops.rms_norm(x, (x.shape[-1],), w, eps=1e-6)):
+        want = [f(x, w, w) for x in xs]
+        torch.cuda.synchronize()
+        streams = [torch.cuda.Stream() for _ in xs]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        outs = [[], []]
+        for _ in range(4):
+            for i, (s, x) in enumerate(zip(streams, xs)):
+                with torch.cuda.stream(s):
+                    outs[i].append(f(x, w, w))
+        torch.cuda.synchronize()
+        for i in range(2):
+            for o in outs[i]:
+                assert torch.equal(o, want[i])
+        torch.testing.assert_close(want[1], rms_norm(xs[1].double(), w.double(), w.double()).to(torch.bfloat16),
+                                   **TOL[torch.bfloat16])
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")

@@ -257,8 +257,8 @@ def test_two_streams_have_their_own_workspace():
     for got, want in outs:
         assert torch.equal(got, want)
     dev = torch.cuda.current_device()
-    w1, w2 = (runtime.decode_mlp_workspace(dev, s.cuda_stream) for s in (s1, s2))
-    assert w1.data_ptr() != w2.data_ptr() and w1.numel() == _C.decode_mlp_workspace_bytes()
+    w1, w2 = (runtime.zeroed_workspace(dev, s.cuda_stream) for s in (s1, s2))
+    assert w1.data_ptr() != w2.data_ptr() and w1.numel() == _C.zeroed_workspace_bytes()
 
 
 @gpu

@@ -92,15 +92,14 @@ def gemm_step_calls(part, part_args, device: torch.device) -> dict:
         dev = get_device()
         stream = raw_stream(dev)
         ws = runtime._workspace(dev, stream)
-        dws = runtime.decode_mlp_workspace(dev, stream) if part.decode_mlp else None
+        dws = runtime.zeroed_workspace(dev, stream)
         steps["device"] = get_device
         steps["stream"] = lambda: raw_stream(dev)
     steps["alloc written"] = lambda: part._written_buffers(lay)
     steps["data_ptr"] = lambda: [t.data_ptr() for t in everything]
     if device.type == "cuda":
         steps["workspace"] = lambda: runtime._workspace(dev, stream).data_ptr()
-        if dws is not None:
-            steps["decode workspace"] = lambda: runtime.decode_mlp_workspace(dev, stream).data_ptr()
+        steps["zeroed workspace"] = lambda: runtime.zeroed_workspace(dev, stream).data_ptr()
         steps["tf32 backends"] = lambda: torch.backends.cuda.matmul.allow_tf32
         steps["tf32 _C getter"] = runtime._allow_tf32
         tf32 = runtime._allow_tf32()
@@ -108,8 +107,7 @@ def gemm_step_calls(part, part_args, device: torch.device) -> dict:
         # `bufs` named in the call so that it lives as long as the callable (`ptrs` points into it).
         steps["run"] = lambda: (lay.prepared.run(
             ptrs, stream, ws.data_ptr(), ws.numel(), tf32,
-            decode_workspace=dws.data_ptr() if dws is not None else 0,
-            decode_workspace_bytes=dws.numel() if dws is not None else 0), bufs)[1]
+            zeroed_workspace=dws.data_ptr(), zeroed_workspace_bytes=dws.numel()), bufs)[1]
     else:
         steps["bump_launch"] = lambda: bump_launch(0, 0)
         gemms = lay.gemms

@@ -74,25 +74,29 @@ def _workspace(device: int, stream: int) -> torch.Tensor:
     return ws
 
 
-_decode_workspaces: dict = {}
+_zeroed_workspaces: dict = {}
 
 
-def library_workspaces(decode_mlp: bool, device: int, stream: int) -> tuple:
-    """(cuBLASLt's workspace, the decode MLP's or None) for (device, stream):
-    what the C++ launcher asks once per (device, stream) and keeps."""
-    return _workspace(device, stream), decode_mlp_workspace(device, stream) if decode_mlp else None
+def library_workspaces(library: bool, device: int, stream: int) -> tuple:
+    """(cuBLASLt's workspace or None without library calls, the zeroed
+    workspace) for (device, stream): what the C++ launcher asks once per
+    (device, stream) and keeps. It asks only for runs that need one of them
+    (GEMM steps; row steps whose groups exchange through the zeroed one)."""
+    return _workspace(device, stream) if library else None, zeroed_workspace(device, stream)
 
 
-def decode_mlp_workspace(device: int, stream: int) -> torch.Tensor:
-    """The decode MLP kernel's workspace for (device index, stream): zeroed
-    once on that stream from PyTorch's allocator and kept for the process (the
+def zeroed_workspace(device: int, stream: int) -> torch.Tensor:
+    """The zeroed workspace for (device index, stream): the decode MLP
+    kernel's region, then the row groups' counters and slots (rows staged
+    over several blocks that exchange through global memory). Zeroed once on
+    that stream from PyTorch's allocator and kept for the process (every
     kernel leaves its counters at zero). One per stream, so launches on two
     streams never share counters; inside CUDA graph capture it comes from the
     graph's pool and its zeroing is captured before the kernel."""
     key = (device, stream)
-    ws = _decode_workspaces.get(key)
+    ws = _zeroed_workspaces.get(key)
     if ws is None:
-        ws = _decode_workspaces[key] = torch.zeros(_C.decode_mlp_workspace_bytes(), dtype=torch.uint8,
+        ws = _zeroed_workspaces[key] = torch.zeros(_C.zeroed_workspace_bytes(), dtype=torch.uint8,
                                                    device=torch.device("cuda", device))
     return ws
 
@@ -197,10 +201,11 @@ class FusedPartition(_C.Launcher):
         # use_gemm_cpp can switch.
         self.gemm_cpp = bool(compiled.num_library_calls) and gemm_cpp_launch()
         library = bool(compiled.num_library_calls) and cuda
+        # On CUDA the workspaces always (asked only by runs that need one).
         super().__init__(cuda, None if all_tensors else list(tensor_positions),
                          _current_device if cuda else None, _raw_stream if cuda else None,
-                         functools.partial(library_workspaces, compiled.uses_decode_mlp) if library else None,
-                         _allow_tf32 if library else None)
+                         functools.partial(library_workspaces, library) if cuda else None,
+                         _allow_tf32 if cuda else None)
         self._all_tensors = all_tensors
         self.ir_text = ir_text
         self.gemm_epilogues = gemm_epilogues  # the level `compiled` was planned with (CompiledGraph's argument)
@@ -228,7 +233,6 @@ class FusedPartition(_C.Launcher):
         self._empty = _empty_strided(device)
         # GEMM result buffers allocated as one block (index into the written buffers), CUDA pairs.
         self.paired = [(a - self.n_inputs, b - self.n_inputs) for a, b in compiled.paired_buffers()]
-        self.decode_mlp = cuda and compiled.uses_decode_mlp  # needs decode_mlp_workspace()
         self.slow_calls = 0  # calls that missed every recent layout check (tests, inspection)
 
     def _prepare(self, tensors, key=None) -> _Layout:
@@ -356,6 +360,10 @@ class FusedPartition(_C.Launcher):
             return self.launch(lay.prepared, args)  # as a call the launcher's check accepted
         try:
             if not self.num_library_calls:
+                if lay.prepared.wants_zeroed_workspace:
+                    zws = zeroed_workspace(lay.device, stream)
+                    return lay.prepared.finish(tensors, stream, zeroed_workspace=zws.data_ptr(),
+                                               zeroed_workspace_bytes=zws.numel())
                 return lay.prepared.finish(tensors, stream)  # counts its launches
             bufs = self._run_with_library_calls(lay, tensors, stream)
         except _C.GemmUnsupported as e:
@@ -404,11 +412,10 @@ class FusedPartition(_C.Launcher):
         ptrs = [t.data_ptr() for t in tensors]
         ptrs += [b.data_ptr() for b in bufs]
         if self.cuda:
-            dws = decode_mlp_workspace(lay.device, stream) if self.decode_mlp else None
+            zws = zeroed_workspace(lay.device, stream)
             gemm_kernels, merged, folded = lay.prepared.run(
                 ptrs, stream, _workspace(lay.device, stream).data_ptr(), WORKSPACE_BYTES,
-                torch.backends.cuda.matmul.allow_tf32, decode_workspace=dws.data_ptr() if dws is not None else 0,
-                decode_workspace_bytes=dws.numel() if dws is not None else 0)
+                torch.backends.cuda.matmul.allow_tf32, zeroed_workspace=zws.data_ptr(), zeroed_workspace_bytes=zws.numel())
         else:
             everything = [*tensors, *bufs]
             gemms = lay.gemms

@@ -7,6 +7,7 @@ CompiledGraph keeps one compiled variant per input stride signature.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -14,8 +15,8 @@ import torch
 
 from .. import _C
 from ..frontend.convert import DTYPE_NAMES, TORCH_DTYPES
-from ..frontend.runtime import (_current_device, _empty_strided, _layout_check, _layout_key, _raw_stream,
-                                contiguous_strides, ensure_context)
+from ..frontend.runtime import (_allow_tf32, _current_device, _empty_strided, _layout_check, _layout_key, _raw_stream,
+                                contiguous_strides, ensure_context, library_workspaces, zeroed_workspace)
 from ..stats import bump, bump_time
 
 _lock = threading.Lock()
@@ -48,7 +49,9 @@ class GraphKernel(_C.Launcher):
 
     def __init__(self, ir_text: str, device: torch.device):
         cuda = device.type == "cuda"
-        super().__init__(cuda, None, _current_device if cuda else None, _raw_stream if cuda else None)
+        # On CUDA the zeroed workspace, asked by runs whose row groups exchange through it (no library calls here).
+        super().__init__(cuda, None, _current_device if cuda else None, _raw_stream if cuda else None,
+                         functools.partial(library_workspaces, False) if cuda else None, _allow_tf32 if cuda else None)
         self.device = device
         self.cuda = cuda
         t0 = time.perf_counter()
@@ -121,7 +124,11 @@ class GraphKernel(_C.Launcher):
         if self.cuda:
             if _current_device() != self.device.index:
                 return self._other_device(*tensors)
-            return prepared.finish(tensors, _raw_stream(self.device.index))
+            stream = _raw_stream(self.device.index)
+            if prepared.wants_zeroed_workspace:
+                zws = zeroed_workspace(self.device.index, stream)
+                return prepared.finish(tensors, stream, zeroed_workspace=zws.data_ptr(), zeroed_workspace_bytes=zws.numel())
+            return prepared.finish(tensors, stream)
         return prepared.finish(tensors, 0)
 
     def _other_device(self, *tensors):
