@@ -25,14 +25,16 @@
 
 namespace opfuse {
 
-// Groups of blocks exchanging through global memory (group_exchange): at
-// most kRowGroupsMax groups a launch, kGroupWordsMax 8-byte words a group
-// (CudaEmitter::group_words), in the runtime's zeroed per-stream workspace
-// (RunOptions::zeroed_workspace, kRowGroupWorkspaceBytes past the decode
-// MLP's region), passed as the kernel argument's last member.
+// Groups of blocks exchanging through global memory (group_exchange), in
+// the runtime's zeroed per-stream workspace (RunOptions::zeroed_workspace,
+// kRowGroupWorkspaceBytes past the decode MLP's region), passed as the
+// kernel argument's last member: at most kRowGroupsMax groups a launch;
+// first every group's counter, alone in a 128-byte line, then every group's
+// kGroupSlotsMax 8-byte slots. One layout for every kernel: the counters
+// (left at zero below the top bit) are never another kernel's slots.
 constexpr int kRowGroupsMax = 1024;
-constexpr int kGroupWordsMax = 16 + 2 * 8 * 16;  // 8 reductions a row over 16 blocks
-constexpr size_t kRowGroupWorkspaceBytes = size_t(kRowGroupsMax) * kGroupWordsMax * 8;
+constexpr int kGroupSlotsMax = 2 * 8 * 16;  // (reduction, row parity) pairs x blocks: 8 reductions a row over 16 blocks
+constexpr size_t kRowGroupWorkspaceBytes = size_t(kRowGroupsMax) * (16 + kGroupSlotsMax) * 8;
 
 struct CudaLaunch {
   bool row = false;
@@ -106,9 +108,8 @@ class CudaEmitter : public CEmitter {
   bool group_exchange_ = false;    // the ring's row groups without a cluster, exchanging through global memory
   bool group_auto_ = false;        // chosen by default, kept only for one reduction a row (see row_kernel)
   bool group_retry_ = false;       // generating again with the cluster (see row_kernel)
-  // A group's 8-byte words in its kernel's exchange array: its counter's
-  // 128-byte line, then a slot a block for each (reduction, row parity).
-  int group_words() const { return 16 + 2 * std::max(1, cluster_reductions_) * cluster_; }
+  // A group's slots: one a block for each (reduction, row parity).
+  int group_slots() const { return 2 * std::max(1, cluster_reductions_) * cluster_; }
   bool loop_overflow_ = false;     // loop stages in 1024-thread blocks, later stages backwards (rows overflowing L2)  // a cluster steps through rows (column partials): slots alternate by row (par_)
   std::set<int> loop_varying_;    // values defined by the current stage loop's varying statements
   std::vector<size_t> row_loop_axes_;  // the reduced axes a row loop runs over (split_rows)

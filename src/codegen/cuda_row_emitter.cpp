@@ -189,11 +189,7 @@ int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", -1); }
 // one. (Tried and dropped: the partial and a tag in one word, no counter,
 // 2-3% slower than the counter.)
 int group_exchange() { return env_int("OPFUSE_ROW_GROUP_EXCHANGE", -1); }
-const char* const kGroupWords = "@GROUP_WORDS@";
 
-void replace_all(std::string& s, const std::string& from, const std::string& to) {
-  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
-}
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
 int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }
 int sum2_const() { return env_int("OPFUSE_ROW_SUM2_CONST", row_issue()); }
@@ -421,13 +417,11 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
       int k = cluster_reductions_++;
       std::string idx = cluster_row_loop_ ? std::to_string(2 * k) + " + par_" : std::to_string(k);
       if (group_exchange_) {  // the same slots by (reduction, parity), in global memory (opf_group_reduce)
-        // (A group's words are known once the row's last reduction is
-        // printed: row_kernel fills in the placeholder. The group's address
-        // is computed in the call from the kernel argument, not kept in
-        // registers: the in-place ring's 512-thread blocks have 40 at three
-        // an SM.)
-        line(n + " = opf_group_reduce<" + op + ", " + std::to_string(cluster_) + ", " + kGroupWords + ">(" + n + ", " + smem_ +
-             ", a.gx, " + idx + ");");
+        // (The group's address is computed in the call from the kernel
+        // argument, not kept in registers: the in-place ring's 512-thread
+        // blocks have 40 at three an SM.)
+        line(n + " = opf_group_reduce<" + op + ", " + std::to_string(cluster_) + ", " + std::to_string(kRowGroupsMax) + ", " +
+             std::to_string(kGroupSlotsMax) + ">(" + n + ", " + smem_ + ", a.gx, " + idx + ");");
         return;
       }
       line(n + " = opf_cluster_reduce_push<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", reinterpret_cast<" +
@@ -1315,9 +1309,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   prefetch_ = false;
   std::string body = out_.str();
-  if (group_exchange_ && ((group_auto_ && cluster_reductions_ != 1) || group_words() > kGroupWordsMax)) {
+  if (group_exchange_ && ((group_auto_ && cluster_reductions_ != 1) || group_slots() > kGroupSlotsMax)) {
     // By default only rows with one reduction across the blocks (see
-    // group_exchange), and never past the workspace's words a group: the
+    // group_exchange), and never past the workspace's slots a group: the
     // kernel again, with the cluster.
     out_.str("");
     out_ << saved;
@@ -1327,7 +1321,6 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
     group_retry_ = false;
     return;
   }
-  if (group_exchange_) replace_all(body, kGroupWords, std::to_string(group_words()));
   // A row split over a cluster (one row, no loop over rows) arrives at its
   // exit barrier right after its last cluster reduction and waits for it
   // only at the end (opf_cluster_arrive), not for the slowest peer's output

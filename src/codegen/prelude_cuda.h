@@ -527,36 +527,44 @@ static __device__ __forceinline__ T opf_cluster_reduce_push(T v, void* smem, T* 
 // The same reduction over a group of C blocks that is not a cluster
 // (OPFUSE_ROW_GROUP_EXCHANGE, the staged ring): the group's blocks are
 // consecutive in the grid and all resident at once (the grid is at most the
-// blocks the device holds), so they may wait for each other. Thread 0 puts
-// the block's partial in slots[rank] (global memory, 8 bytes a block) and
-// arrives on the group's counter `bar`; the counter needs no reset: block 0
+// blocks the device holds), so they may wait for each other. `region` is
+// the zeroed workspace's row-group region: G counters, each alone in a
+// 128-byte line, then S slots a group (G, S: CudaEmitter's kRowGroupsMax,
+// kGroupSlotsMax). Thread 0 puts the block's partial in its slot and
+// arrives on the group's counter; the counter needs no reset: block 0
 // adds 2^31 - (C - 1), the others 1, so the C arrivals add exactly 2^31,
-// flip the top bit and leave the low bits as they were (zero: the runtime's
-// zeroed per-stream workspace). A block waits until the top bit differs from what it saw
-// before its own arrival; a fast block's arrival at the next reduction adds
-// less than 2^31 and cannot flip it back. Slots alternate by row parity
-// (the caller's), so a block writes a slot again only after every peer has
-// passed the barrier that follows its read. Release and acquire at gpu
-// scope order the slot stores before the arrivals and the loads after the
-// wait; the loads are volatile (strong), so L1 holds no stale copy.
-template <class Op, int C, int W, class T>
-static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned long long* groups, int slot) {
+// flip the top bit and leave the low bits as they were (zero: the
+// workspace is zeroed once, and no slot is ever a counter). A block waits
+// until the top bit differs from what it saw before its own arrival; a fast
+// block's arrival at the next reduction adds less than 2^31 and cannot flip
+// it back. Slots alternate by row parity (the caller's), so a block writes
+// a slot again only after every peer has passed the barrier that follows
+// its read. Release and acquire at gpu scope order the slot stores before
+// the arrivals and the loads after the wait; the loads are volatile
+// (strong), so L1 holds no stale copy. A wait past 10 s (a peer that never
+// arrives: a bug, never a schedule) traps rather than hanging the process.
+template <class Op, int C, int G, int S, class T>
+static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned long long* region, int slot) {
   static_assert(sizeof(T) <= 8, "partials of at most 8 bytes");
-  // Group blockIdx.x / C's W words: its counter's 128-byte line, then C slots
-  // for each (reduction, row parity).
-  unsigned long long* const g = groups + (size_t)(blockIdx.x / C) * W;
-  unsigned* const bar = reinterpret_cast<unsigned*>(g);
-  unsigned long long* const slots = g + 16 + slot * C;
-  const unsigned rank = blockIdx.x % C;
+  const unsigned group = blockIdx.x / C, rank = blockIdx.x % C;
+  unsigned* const bar = reinterpret_cast<unsigned*>(region + (size_t)group * 16);
+  unsigned long long* const slots = region + (size_t)G * 16 + (size_t)group * S + slot * C;
   v = opf_block_reduce<Op>(v, smem);
   if (threadIdx.x == 0) {
     *reinterpret_cast<volatile T*>(slots + rank) = v;
     const unsigned add = rank == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
     unsigned seen, now;
     asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(bar), "r"(add) : "memory");
-    do {
+    unsigned long long t0 = 0, t;
+    for (unsigned spins = 0;; ++spins) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
-    } while (((now ^ seen) & 0x80000000u) == 0u);
+      if (((now ^ seen) & 0x80000000u) != 0u) break;
+      if ((spins & 1023u) == 1023u) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t0 == 0) t0 = t;
+        else if (t - t0 > 10000000000ull) asm volatile("trap;");
+      }
+    }
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;

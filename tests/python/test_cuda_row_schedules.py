@@ -624,7 +624,10 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
 # counter flips many times and both parities' slots refill, rows of very
 # different scale, the staged backward kernels), then the counters across
 # launches: repeated calls, CUDA graph replays and two streams at once give
-# the same bits.
+# the same bits. (Each check runs four kernels in turn on one stream's
+# workspace, with one or two reductions a row and groups of 2 to 8: at
+# 5d086ce, whose counters moved with each kernel's slot count, a counter
+# landed on another kernel's slot and the first of these hung.)
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
 @pytest.mark.parametrize("mode", ["1", None], ids=["everywhere", "default"])
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
