@@ -174,10 +174,9 @@ int stage_online() { return env_int("OPFUSE_ROW_STAGE_ONLINE", 0); }
 // -1 (default) in the ring only (4-8% faster at 4096x262144 on the H200; a
 // cluster a row measured no faster, rms_norm slower), 1 always, 0 never.
 int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", -1); }
-// The ring's row groups without a cluster (an experiment, off by default):
-// the blocks of a row are C consecutive blocks of a grid as large as the
-// device holds at once, and their reductions go through global memory
-// (opf_group_reduce). Clusters of 8 three-block SMs leave 8 of the H200's
+// The ring's row groups without a cluster: the blocks of a row are C
+// consecutive blocks of a grid as large as the device holds at once, and
+// their reductions go through global memory (opf_group_reduce). Clusters of 8 three-block SMs leave 8 of the H200's
 // 132 SMs idle (the GPCs do not divide into them: 45 clusters resident, not
 // 49); without a cluster every SM takes three blocks. -1 (default): for
 // rows over clusters of 8 with one reduction across the row (rms_norm,
@@ -1346,9 +1345,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   } else if (cluster_ > 1) {
     int slots = std::max(1, cluster_reductions_) * (cluster_row_loop_ ? 2 : 1);
     line("__shared__ __align__(8) unsigned long long opf_cslot[" + std::to_string(slots) + "];");
-    if (group_exchange_) {
-      std::string C = std::to_string(cluster_);
-    } else if (cluster_push_ && cluster_reductions_ > 0) {
+    if (cluster_push_ && cluster_reductions_ > 0 && !group_exchange_) {  // (row groups: global memory, nothing here)
       // Each reduction's (and row parity's, in the ring) mbarrier and the
       // cluster's partials (8-byte slots, a peer a slot); the peers may push
       // into them only once every block's mbarriers are initialised: one
@@ -1507,7 +1504,6 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
                                     : cluster_row_loop_ ? "(int64_t)(blockIdx.x / " + std::to_string(cluster_) + ")"
                                                         : "(int64_t)blockIdx.x");
   if (cluster_ > 1 && !group_exchange_) line(early_arrive ? "opf_cluster_wait();" : "opf_cluster_sync();");
-
   --indent_;
   line("}");
   index_type_ = "int64_t";
