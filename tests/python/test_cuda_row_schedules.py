@@ -595,6 +595,20 @@ PUSH_CASES = [(401, 32776, torch.bfloat16), (211, 70000, torch.float16), (997, 2
 PUSH_SCHEDULES = {"ring": (None, None), "cluster_a_row": ("0", "1"), "ring_barriers": (None, "0")}
 
 
+def _push_case_against_float64(rows, cols, dtype):
+    """Every op on rows of very different scale, and at 262144 columns the
+    staged backward kernels' gradients."""
+    torch.manual_seed(rows + cols)
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * torch.logspace(-2, 2, rows, device="cuda", dtype=dtype)[:, None]
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+    for fn in OPS.values():
+        check(fn, x, w, b, dtype)
+    if cols == 262144 and rows > 3:
+        _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (97, cols), dtype, 2)
+        _grads_against_float64(lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5), (97, cols), dtype, 3)
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="clusters need sm_90")
 @pytest.mark.parametrize("schedule", list(PUSH_SCHEDULES))
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
@@ -605,15 +619,7 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
         monkeypatch.setenv("OPFUSE_ROW_CLUSTER_PUSH", push)
     if ring is not None:
         monkeypatch.setenv("OPFUSE_ROW_STAGE_RING", ring)
-    torch.manual_seed(rows + cols)
-    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * torch.logspace(-2, 2, rows, device="cuda", dtype=dtype)[:, None]
-    w = torch.randn(cols, device="cuda", dtype=dtype)
-    b = torch.randn(cols, device="cuda", dtype=dtype)
-    for fn in OPS.values():
-        check(fn, x, w, b, dtype)
-    if cols == 262144 and rows > 3:
-        _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (97, cols), dtype, 2)
-        _grads_against_float64(lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5), (97, cols), dtype, 3)
+    _push_case_against_float64(rows, cols, dtype)
 
 
 # OPFUSE_ROW_GROUP_EXCHANGE (the default for one reduction a row over eight
@@ -634,15 +640,7 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
 def test_group_exchange_matches_float64(rows, cols, dtype, mode, monkeypatch):
     if mode is not None:
         monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
-    torch.manual_seed(rows + cols)
-    x = torch.randn(rows, cols, device="cuda", dtype=dtype) * torch.logspace(-2, 2, rows, device="cuda", dtype=dtype)[:, None]
-    w = torch.randn(cols, device="cuda", dtype=dtype)
-    b = torch.randn(cols, device="cuda", dtype=dtype)
-    for fn in OPS.values():
-        check(fn, x, w, b, dtype)
-    if cols == 262144 and rows > 3:
-        _grads_against_float64(lambda x, w, b: torch.softmax(x, -1) * w, (97, cols), dtype, 2)
-        _grads_against_float64(lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5), (97, cols), dtype, 3)
+    _push_case_against_float64(rows, cols, dtype)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
