@@ -108,6 +108,11 @@ class CudaEmitter : public CEmitter {
   bool group_exchange_ = false;    // the ring's row groups without a cluster, exchanging through global memory
   bool group_auto_ = false;        // chosen by default, kept only for one reduction a row (see row_kernel)
   bool group_retry_ = false;       // generating again with the cluster (see row_kernel)
+  int group_exchanges_ = 0;        // the row's exchanges across its group printed so far
+  std::string group_slot(int width);  // the next exchange's first slot index (see cluster_reduction)
+  std::string group_args() const {     // C, G, S of the opf_group_* calls
+    return std::to_string(cluster_) + ", " + std::to_string(kRowGroupsMax) + ", " + std::to_string(kGroupSlotsMax);
+  }
   // A group's slots: one a block for each (reduction, row parity).
   int group_slots() const { return 2 * std::max(1, cluster_reductions_) * cluster_; }
   bool loop_overflow_ = false;     // loop stages in 1024-thread blocks, later stages backwards (rows overflowing L2)  // a cluster steps through rows (column partials): slots alternate by row (par_)

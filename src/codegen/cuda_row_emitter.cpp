@@ -186,7 +186,10 @@ int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", -1); }
 // reductions a row (softmax, log_softmax, layer_norm, layer_norm
 // backward) 0-6% slower: an exchange costs more than the cluster's pushed
 // one. (Tried and dropped: the partial and a tag in one word, no counter,
-// 2-3% slower than the counter.)
+// 2-3% slower than the counter.) With 1, OPFUSE_ROW_STAGE_ONLINE=1 and
+// OPFUSE_ROW_STAGE_MOMENTS=1 exchange their pairs and triples the same way
+// (opf_group_online, opf_group_moments): one exchange a row for softmax
+// and layer_norm, not yet run on a GPU.
 int group_exchange() { return env_int("OPFUSE_ROW_GROUP_EXCHANGE", -1); }
 
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
@@ -376,6 +379,14 @@ std::string CudaEmitter::statement_key(const KStmt& s, const std::vector<std::st
 // part before its peers have read row r's) and marks where the kernel's last
 // cluster reduction ends (see opf_cluster_arrive in row_kernel). `call`
 // holds "@" where the slot's address goes.
+std::string CudaEmitter::group_slot(int width) {
+  // As cluster_reduction's indices in a ring: `width` slots a parity.
+  int base = cluster_reductions_;
+  cluster_reductions_ += width;
+  ++group_exchanges_;
+  return std::to_string(2 * base) + (width == 1 ? " + par_" : " + " + std::to_string(width) + " * par_");
+}
+
 void CudaEmitter::cluster_reduction(int width, const std::string& call) {
   int base = cluster_reductions_;
   cluster_reductions_ += width;
@@ -419,8 +430,8 @@ void CudaEmitter::reduce_across_threads(const KAccumulator& a) {
         // (The group's address is computed in the call from the kernel
         // argument, not kept in registers: the in-place ring's 512-thread
         // blocks have 40 at three an SM.)
-        line(n + " = opf_group_reduce<" + op + ", " + std::to_string(cluster_) + ", " + std::to_string(kRowGroupsMax) + ", " +
-             std::to_string(kGroupSlotsMax) + ">(" + n + ", " + smem_ + ", a.gx, " + idx + ");");
+        ++group_exchanges_;
+        line(n + " = opf_group_reduce<" + op + ", " + group_args() + ">(" + n + ", " + smem_ + ", a.gx, " + idx + ");");
         return;
       }
       line(n + " = opf_cluster_reduce_push<" + op + ", " + std::to_string(cluster_) + ">(" + n + ", " + smem_ + ", reinterpret_cast<" +
@@ -1121,11 +1132,11 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   const int push = cluster_push();
   cluster_push_ = cluster_ > 1 && stage_bytes_ > 0 && partial_cluster <= 1 && !columns_ && arch_ >= 90 &&
                   (push > 0 || (push < 0 && cluster_row_loop_));
-  // (Not with the one-pass online pair or moments, whose pairs go through
-  // the cluster's shared memory.)
+  // (By default not with the one-pass online pair or moments: their group
+  // versions have not run on a GPU.)
   const int ge = group_retry_ ? 0 : group_exchange();
-  group_exchange_ = cluster_push_ && cluster_row_loop_ && stage_ring_ && stage_bytes_ > 0 && vec > 1 && stage_online() <= 0 &&
-                    stage_moments() <= 0 && (ge > 0 || (ge < 0 && cluster_ == 8));
+  group_exchange_ = cluster_push_ && cluster_row_loop_ && stage_ring_ && stage_bytes_ > 0 && vec > 1 &&
+                    (ge > 0 || (ge < 0 && cluster_ == 8 && stage_online() <= 0 && stage_moments() <= 0));
   group_auto_ = group_exchange_ && ge < 0;
   launch_.group_exchange = group_exchange_;
   group_loop_ = grouped_rows_ && !partials && !columns_ && caching_ && vec > 1 && group_loop() > 0;
@@ -1133,6 +1144,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   loop_overflow_ = g.l2_overflow && !caching_ && !columns_ && !partials && cluster_ == 1 && stage_bytes_ == 0;
   launch_.smem = stage_bytes_;
   cluster_reductions_ = 0;
+  group_exchanges_ = 0;
   last_cluster_reduce_end_ = -1;
   pair_reductions_ = 0;
   launch_.threads = g.threads;
@@ -1255,7 +1267,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       // the mean accumulator's finish divides is mean x count.
       std::string m = acc_name(mn), m2 = acc_name(vr);
       line("opf_shifted_moments(wn_, wk_, " + m + ", " + m2 + ");");
-      if (cluster_ > 1) {
+      if (cluster_ > 1 && group_exchange_) {
+        line("opf_group_moments<" + group_args() + ">(wn_, " + m + ", " + m2 + ", " + smem_ + ", a.gx, " + group_slot(2) + ");");
+      } else if (cluster_ > 1) {
         // Two 8-byte slots: count, mean, squared deviations.
         cluster_reduction(2, "opf_cluster_moments<" + std::to_string(cluster_) + ">(wn_, " + m + ", " + m2 + ", " + smem_ +
                                  ", reinterpret_cast<float*>(@));");
@@ -1285,6 +1299,9 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       std::string fast = fast_math_ ? "true" : "false";
       if (grouped_rows_) {
         if (lanes_ > 1) line("opf_warp_online<" + fast + ", " + std::to_string(lanes_) + ">(" + acc_name(mx) + ", " + acc_name(sm) + ");");
+      } else if (cluster_ > 1 && group_exchange_) {
+        line("opf_group_online<" + fast + ", " + group_args() + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ +
+             ", a.gx, " + group_slot(1) + ");");
       } else if (cluster_ > 1) {
         // The pair through distributed shared memory: one 8-byte slot a block.
         cluster_reduction(1, "opf_cluster_online<" + fast + ", " + std::to_string(cluster_) + ">(" + acc_name(mx) + ", " + acc_name(sm) +
@@ -1308,7 +1325,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   }
   prefetch_ = false;
   std::string body = out_.str();
-  if (group_exchange_ && ((group_auto_ && cluster_reductions_ != 1) || group_slots() > kGroupSlotsMax)) {
+  if (group_exchange_ && ((group_auto_ && group_exchanges_ != 1) || group_slots() > kGroupSlotsMax)) {
     // By default only rows with one reduction across the blocks (see
     // group_exchange), and never past the workspace's slots a group: the
     // kernel again, with the cluster.

@@ -543,28 +543,37 @@ static __device__ __forceinline__ T opf_cluster_reduce_push(T v, void* smem, T* 
 // the arrivals and the loads after the wait; the loads are volatile
 // (strong), so L1 holds no stale copy. A wait past 10 s (a peer that never
 // arrives: a bug, never a schedule) traps rather than hanging the process.
+// Group blockIdx.x / C's counter and its slots for (reduction, parity) `slot`.
+template <int C> static __device__ __forceinline__ unsigned* opf_group_bar(unsigned long long* region) {
+  return reinterpret_cast<unsigned*>(region + (size_t)(blockIdx.x / C) * 16);
+}
+template <int C, int G, int S> static __device__ __forceinline__ unsigned long long* opf_group_slots(unsigned long long* region, int slot) {
+  return region + (size_t)G * 16 + (size_t)(blockIdx.x / C) * S + slot * C;
+}
+// Thread 0's arrival on the group's counter and its wait for the group's.
+template <int C> static __device__ __forceinline__ void opf_group_arrive_wait(unsigned* bar) {
+  const unsigned add = blockIdx.x % C == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
+  unsigned seen, now;
+  asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(bar), "r"(add) : "memory");
+  unsigned long long t0 = 0, t;
+  for (unsigned spins = 0;; ++spins) {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+    if (((now ^ seen) & 0x80000000u) != 0u) break;
+    if ((spins & 1023u) == 1023u) {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      if (t0 == 0) t0 = t;
+      else if (t - t0 > 10000000000ull) asm volatile("trap;");
+    }
+  }
+}
 template <class Op, int C, int G, int S, class T>
 static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned long long* region, int slot) {
   static_assert(sizeof(T) <= 8, "partials of at most 8 bytes");
-  const unsigned group = blockIdx.x / C, rank = blockIdx.x % C;
-  unsigned* const bar = reinterpret_cast<unsigned*>(region + (size_t)group * 16);
-  unsigned long long* const slots = region + (size_t)G * 16 + (size_t)group * S + slot * C;
+  unsigned long long* const slots = opf_group_slots<C, G, S>(region, slot);
   v = opf_block_reduce<Op>(v, smem);
   if (threadIdx.x == 0) {
-    *reinterpret_cast<volatile T*>(slots + rank) = v;
-    const unsigned add = rank == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
-    unsigned seen, now;
-    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(bar), "r"(add) : "memory");
-    unsigned long long t0 = 0, t;
-    for (unsigned spins = 0;; ++spins) {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
-      if (((now ^ seen) & 0x80000000u) != 0u) break;
-      if ((spins & 1023u) == 1023u) {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t0 == 0) t0 = t;
-        else if (t - t0 > 10000000000ull) asm volatile("trap;");
-      }
-    }
+    *reinterpret_cast<volatile T*>(slots + blockIdx.x % C) = v;
+    opf_group_arrive_wait<C>(opf_group_bar<C>(region));
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
@@ -643,6 +652,32 @@ template <bool FAST, int C> static __device__ __forceinline__ void opf_cluster_o
   opf_warp_online<FAST>(m, s);
 }
 
+// The online pair across a group of blocks that is not a cluster
+// (OPFUSE_ROW_GROUP_EXCHANGE with OPFUSE_ROW_STAGE_ONLINE): the block's pair
+// in its 8-byte slot, the group's barrier as in opf_group_reduce.
+template <bool FAST, int C, int G, int S>
+static __device__ __forceinline__ void opf_group_online(float& m, float& s, void* smem, unsigned long long* region, int slot) {
+  unsigned long long* const slots = opf_group_slots<C, G, S>(region, slot);
+  opf_block_online<FAST>(m, s, smem);
+  if (threadIdx.x == 0) {
+    volatile float* p = reinterpret_cast<volatile float*>(slots + blockIdx.x % C);
+    p[0] = m;
+    p[1] = s;
+    opf_group_arrive_wait<C>(opf_group_bar<C>(region));
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  if (lane < C) {
+    volatile const float* p = reinterpret_cast<volatile const float*>(slots + lane);
+    m = p[0];
+    s = p[1];
+  } else {
+    m = opf_limits<float>::lowest();
+    s = 0.0f;
+  }
+  opf_warp_online<FAST>(m, s);
+}
+
 // Moments of a staged row in one pass (OPFUSE_ROW_STAGE_MOMENTS): a thread
 // sums s1 = x - k and s2 = (x - k)^2 over its n values around its first value
 // k; opf_shifted_moments turns them into its mean and squared deviations
@@ -713,6 +748,39 @@ template <int C> static __device__ __forceinline__ void opf_cluster_moments(floa
     n = opf_cluster_load(slot, (unsigned)lane);
     m = opf_cluster_load(slot + 1, (unsigned)lane);
     m2 = opf_cluster_load(slot + 2, (unsigned)lane);
+  } else {
+    n = 0.0f;
+    m = 0.0f;
+    m2 = 0.0f;
+  }
+  opf_warp_moments(n, m, m2);
+}
+
+// Across a group of blocks that is not a cluster: the block's triple in two
+// of its 8-byte slots (`slot` and `slot` + 1), the group's barrier as in
+// opf_group_reduce.
+template <int C, int G, int S>
+static __device__ __forceinline__ void opf_group_moments(float& n, float& m, float& m2, void* smem, unsigned long long* region,
+                                                         int slot) {
+  unsigned long long* const a = opf_group_slots<C, G, S>(region, slot);
+  unsigned long long* const b = a + C;
+  opf_block_moments(n, m, m2, smem);
+  if (threadIdx.x == 0) {
+    volatile float* p = reinterpret_cast<volatile float*>(a + blockIdx.x % C);
+    volatile float* q = reinterpret_cast<volatile float*>(b + blockIdx.x % C);
+    p[0] = n;
+    p[1] = m;
+    q[0] = m2;
+    opf_group_arrive_wait<C>(opf_group_bar<C>(region));
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  if (lane < C) {
+    volatile const float* p = reinterpret_cast<volatile const float*>(a + lane);
+    volatile const float* q = reinterpret_cast<volatile const float*>(b + lane);
+    n = p[0];
+    m = p[1];
+    m2 = q[0];
   } else {
     n = 0.0f;
     m = 0.0f;

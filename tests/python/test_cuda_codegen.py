@@ -386,6 +386,35 @@ def test_group_exchange_replaces_the_cluster(cols, monkeypatch):
             assert spills and all(int(x) == 0 for x in spills), (op, dtype, log[-2000:])
 
 
+def test_group_exchange_one_exchange_a_row_with_online_and_moments(monkeypatch):
+    """OPFUSE_ROW_GROUP_EXCHANGE=1 with OPFUSE_ROW_STAGE_ONLINE=1 and
+    OPFUSE_ROW_STAGE_MOMENTS=1 (not yet run on a GPU): softmax's and
+    log_softmax's (max, sum) pair in one opf_group_online, layer_norm's
+    (count, mean, m2) in one opf_group_moments over two slots a parity,
+    rms_norm's one sum as before; no cluster, no spills. Unset, the
+    default keeps the cluster with either knob set (their group versions
+    are opt-in)."""
+    nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_ONLINE", "1")
+    monkeypatch.setenv("OPFUSE_ROW_STAGE_MOMENTS", "1")
+    calls = {"softmax": "opf_group_online<true, 8, 1024, 256>(a2, a7, opf_smem, a.gx, 0 + par_);",
+             "log_softmax": "opf_group_online<true, 8, 1024, 256>(a2, a7, opf_smem, a.gx, 0 + par_);",
+             "layer_norm": "opf_group_moments<8, 1024, 256>(wn_, a2, a7, opf_smem, a.gx, 0 + 2 * par_);",
+             "rms_norm": "a3 = opf_group_reduce<opf_sum, 8, 1024, 256>(a3, opf_smem, a.gx, 0 + par_);"}
+    for op, call in calls.items():
+        shapes = [[4096, 262144]]
+        cg = _C.CompiledGraph(row_ir(op, "bf16", 4096, 262144), target="cuda")
+        default = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        assert "__cluster_dims__(8, 1, 1)" in default  # with either knob set the default keeps every cluster
+        monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+        v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+        _, log = compile_for(row_ir(op, "bf16", 4096, 262144), shapes, 90)
+        monkeypatch.delenv("OPFUSE_ROW_GROUP_EXCHANGE")
+        assert v.count("opf_group_") == 1 and call in v and "opf_cluster" not in v and "__cluster_dims__" not in v
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and all(int(x) == 0 for x in spills), (op, log[-2000:])
+
+
 def test_group_exchange_by_default_for_one_reduction_over_clusters_of_8(monkeypatch):
     """The default (OPFUSE_ROW_GROUP_EXCHANGE unset): the ring's rows over
     clusters of 8 with one reduction across the row (rms_norm) exchange

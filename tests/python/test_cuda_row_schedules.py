@@ -635,11 +635,14 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
 # 5d086ce, whose counters moved with each kernel's slot count, a counter
 # landed on another kernel's slot and the first of these hung.)
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-@pytest.mark.parametrize("mode", ["1", None], ids=["everywhere", "default"])
+@pytest.mark.parametrize("mode", ["1", None, "one"], ids=["everywhere", "default", "one_exchange"])
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
 def test_group_exchange_matches_float64(rows, cols, dtype, mode, monkeypatch):
+    if mode == "one":  # softmax's online pair and layer_norm's moments in one exchange a row
+        for knob in ("OPFUSE_ROW_STAGE_ONLINE", "OPFUSE_ROW_STAGE_MOMENTS"):
+            monkeypatch.setenv(knob, "1")
     if mode is not None:
-        monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", mode)
+        monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
     _push_case_against_float64(rows, cols, dtype)
 
 
