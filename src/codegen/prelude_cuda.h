@@ -543,7 +543,38 @@ static __device__ __forceinline__ T opf_cluster_reduce_push(T v, void* smem, T* 
 // the arrivals and the loads after the wait; the loads are volatile
 // (strong), so L1 holds no stale copy. A wait past 10 s (a peer that never
 // arrives: a bug, never a schedule) traps rather than hanging the process.
-// Group blockIdx.x / C's counter and its slots for (reduction, parity) `slot`.
+template <class Op, int C, int G, int S, class T>
+static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned long long* region, int slot) {
+  static_assert(sizeof(T) <= 8, "partials of at most 8 bytes");
+  const unsigned group = blockIdx.x / C, rank = blockIdx.x % C;
+  unsigned* const bar = reinterpret_cast<unsigned*>(region + (size_t)group * 16);
+  unsigned long long* const slots = region + (size_t)G * 16 + (size_t)group * S + slot * C;
+  v = opf_block_reduce<Op>(v, smem);
+  if (threadIdx.x == 0) {
+    *reinterpret_cast<volatile T*>(slots + rank) = v;
+    const unsigned add = rank == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
+    unsigned seen, now;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(bar), "r"(add) : "memory");
+    unsigned long long t0 = 0, t;
+    for (unsigned spins = 0;; ++spins) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+      if (((now ^ seen) & 0x80000000u) != 0u) break;
+      if ((spins & 1023u) == 1023u) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t0 == 0) t0 = t;
+        else if (t - t0 > 10000000000ull) asm volatile("trap;");
+      }
+    }
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  v = lane < C ? *reinterpret_cast<volatile T*>(slots + lane) : Op::template identity<T>();
+  return opf_warp_reduce<Op>(v);
+}
+
+// opf_group_reduce's protocol in pieces, for the one-pass pair and moments
+// below (opf_group_reduce keeps its own copy: the default, as measured):
+// group blockIdx.x / C's counter and its slots for (reduction, parity) `slot`.
 template <int C> static __device__ __forceinline__ unsigned* opf_group_bar(unsigned long long* region) {
   return reinterpret_cast<unsigned*>(region + (size_t)(blockIdx.x / C) * 16);
 }
@@ -566,21 +597,6 @@ template <int C> static __device__ __forceinline__ void opf_group_arrive_wait(un
     }
   }
 }
-template <class Op, int C, int G, int S, class T>
-static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned long long* region, int slot) {
-  static_assert(sizeof(T) <= 8, "partials of at most 8 bytes");
-  unsigned long long* const slots = opf_group_slots<C, G, S>(region, slot);
-  v = opf_block_reduce<Op>(v, smem);
-  if (threadIdx.x == 0) {
-    *reinterpret_cast<volatile T*>(slots + blockIdx.x % C) = v;
-    opf_group_arrive_wait<C>(opf_group_bar<C>(region));
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31;
-  v = lane < C ? *reinterpret_cast<volatile T*>(slots + lane) : Op::template identity<T>();
-  return opf_warp_reduce<Op>(v);
-}
-
 // Online softmax: a running (max m, sum s of exp(x - m)) pair, so the max
 // and the sum of exp(x - max) take one pass over the row. A larger x
 // rescales the sum; -inf adds nothing; NaN makes both NaN (as the max pass
