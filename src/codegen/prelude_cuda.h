@@ -543,47 +543,18 @@ static __device__ __forceinline__ T opf_cluster_reduce_push(T v, void* smem, T* 
 // the arrivals and the loads after the wait; the loads are volatile
 // (strong), so L1 holds no stale copy. A wait past 10 s (a peer that never
 // arrives: a bug, never a schedule) traps rather than hanging the process.
-template <class Op, int C, int G, int S, class T>
-static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned long long* region, int slot) {
-  static_assert(sizeof(T) <= 8, "partials of at most 8 bytes");
-  const unsigned group = blockIdx.x / C, rank = blockIdx.x % C;
-  unsigned* const bar = reinterpret_cast<unsigned*>(region + (size_t)group * 16);
-  unsigned long long* const slots = region + (size_t)G * 16 + (size_t)group * S + slot * C;
-  v = opf_block_reduce<Op>(v, smem);
-  if (threadIdx.x == 0) {
-    *reinterpret_cast<volatile T*>(slots + rank) = v;
-    const unsigned add = rank == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
-    unsigned seen, now;
-    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(bar), "r"(add) : "memory");
-    unsigned long long t0 = 0, t;
-    for (unsigned spins = 0;; ++spins) {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
-      if (((now ^ seen) & 0x80000000u) != 0u) break;
-      if ((spins & 1023u) == 1023u) {
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        if (t0 == 0) t0 = t;
-        else if (t - t0 > 10000000000ull) asm volatile("trap;");
-      }
-    }
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31;
-  v = lane < C ? *reinterpret_cast<volatile T*>(slots + lane) : Op::template identity<T>();
-  return opf_warp_reduce<Op>(v);
-}
-
-// opf_group_reduce's protocol in pieces, for the one-pass pair and moments
-// below (opf_group_reduce keeps its own copy: the default, as measured):
-// group blockIdx.x / C's counter and its slots for (reduction, parity) `slot`.
+// The group's counter and its slots for (reduction, parity) `slot`, for the
+// one-pass pair and moments below.
 template <int C> static __device__ __forceinline__ unsigned* opf_group_bar(unsigned long long* region) {
   return reinterpret_cast<unsigned*>(region + (size_t)(blockIdx.x / C) * 16);
 }
 template <int C, int G, int S> static __device__ __forceinline__ unsigned long long* opf_group_slots(unsigned long long* region, int slot) {
   return region + (size_t)G * 16 + (size_t)(blockIdx.x / C) * S + slot * C;
 }
-// Thread 0's arrival on the group's counter and its wait for the group's.
-template <int C> static __device__ __forceinline__ void opf_group_arrive_wait(unsigned* bar) {
-  const unsigned add = blockIdx.x % C == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
+// Thread 0's arrival on the group's counter and its wait for the group's
+// (`rank`: blockIdx.x % C).
+template <int C> static __device__ __forceinline__ void opf_group_arrive_wait(unsigned* bar, unsigned rank) {
+  const unsigned add = rank == 0 ? 0x80000000u - (unsigned)(C - 1) : 1u;
   unsigned seen, now;
   asm volatile("atom.add.release.gpu.global.u32 %0, [%1], %2;" : "=r"(seen) : "l"(bar), "r"(add) : "memory");
   unsigned long long t0 = 0, t;
@@ -597,6 +568,23 @@ template <int C> static __device__ __forceinline__ void opf_group_arrive_wait(un
     }
   }
 }
+template <class Op, int C, int G, int S, class T>
+static __device__ __forceinline__ T opf_group_reduce(T v, void* smem, unsigned long long* region, int slot) {
+  static_assert(sizeof(T) <= 8, "partials of at most 8 bytes");
+  const unsigned group = blockIdx.x / C, rank = blockIdx.x % C;
+  unsigned* const bar = reinterpret_cast<unsigned*>(region + (size_t)group * 16);
+  unsigned long long* const slots = region + (size_t)G * 16 + (size_t)group * S + slot * C;
+  v = opf_block_reduce<Op>(v, smem);
+  if (threadIdx.x == 0) {
+    *reinterpret_cast<volatile T*>(slots + rank) = v;
+    opf_group_arrive_wait<C>(bar, rank);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  v = lane < C ? *reinterpret_cast<volatile T*>(slots + lane) : Op::template identity<T>();
+  return opf_warp_reduce<Op>(v);
+}
+
 // Online softmax: a running (max m, sum s of exp(x - m)) pair, so the max
 // and the sum of exp(x - max) take one pass over the row. A larger x
 // rescales the sum; -inf adds nothing; NaN makes both NaN (as the max pass
@@ -679,7 +667,7 @@ static __device__ __forceinline__ void opf_group_online(float& m, float& s, void
     volatile float* p = reinterpret_cast<volatile float*>(slots + blockIdx.x % C);
     p[0] = m;
     p[1] = s;
-    opf_group_arrive_wait<C>(opf_group_bar<C>(region));
+    opf_group_arrive_wait<C>(opf_group_bar<C>(region), blockIdx.x % C);
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
@@ -787,7 +775,7 @@ static __device__ __forceinline__ void opf_group_moments(float& n, float& m, flo
     p[0] = n;
     p[1] = m;
     q[0] = m2;
-    opf_group_arrive_wait<C>(opf_group_bar<C>(region));
+    opf_group_arrive_wait<C>(opf_group_bar<C>(region), blockIdx.x % C);
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
