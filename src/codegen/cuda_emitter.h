@@ -16,6 +16,7 @@
 #pragma once
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
@@ -188,9 +189,14 @@ class CudaEmitter : public CEmitter {
   void row_kernel(const std::string& name, int vec);
   void row_stage_loop(const KStage& st, int items, int threads_per_row);
   std::string statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const;
-  int one_pass_stage(const std::string& first, std::pair<bool, bool> means, const std::function<bool(const KStmt&)>& is_f) const;
-  int online_softmax_stage() const;
-  int moments_stage() const;
+  int one_pass_stage(const std::string& first, std::pair<bool, bool> means, const std::function<bool(const KStmt&)>& is_f,
+                     size_t from = 0) const;
+  int online_softmax_stage(size_t from = 0) const;
+  int moments_stage(size_t from = 0) const;
+  // Stage pairs a row group takes with one exchange against each block's own
+  // max or mean (OPFUSE_ROW_GROUP_LOCAL): stage index -> true for moments.
+  std::map<int, bool> local_reference_stages() const;
+  void local_reference_pair(const KStage& st, const KStage& next, bool moments, int items, int threads_per_row);
   std::string access_key(const KStmt& s) const;
   // Declares lane arrays and issues the vector loads of `stmts` at lane 0's
   // index (`lane0` replaces the innermost variable); skips cached loads.

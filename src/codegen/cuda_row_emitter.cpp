@@ -189,8 +189,18 @@ int cluster_push() { return env_int("OPFUSE_ROW_CLUSTER_PUSH", -1); }
 // 2-3% slower than the counter.) With 1, OPFUSE_ROW_STAGE_ONLINE=1 and
 // OPFUSE_ROW_STAGE_MOMENTS=1 exchange their pairs and triples the same way
 // (opf_group_online, opf_group_moments): one exchange a row for softmax
-// and layer_norm, not yet run on a GPU.
+// and layer_norm, but 6-9% slower than the defaults (session 30: the
+// one-pass loops cost more than the exchange they save).
 int group_exchange() { return env_int("OPFUSE_ROW_GROUP_EXCHANGE", -1); }
+// A row group's two reductions a row (softmax's max and sum, layer_norm's
+// mean and variance) with one exchange: the first across the block only,
+// the second against the block's own value, the blocks' pairs or triples
+// combined in the one exchange (local_reference_pair). 1: on wherever the
+// row is in groups (and so, with one exchange left, softmax, log_softmax and
+// layer_norm over clusters of 8 go to groups by default as rms_norm does);
+// 0 (default until it has been timed on a GPU): two exchanges, which the
+// default declines for the cluster.
+int group_local() { return env_int("OPFUSE_ROW_GROUP_LOCAL", 0); }
 
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
 int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }
@@ -297,7 +307,7 @@ RowGeometry choose_geometry(bool known, int64_t ncols, int vec, int slots, bool 
 // accumulated value u recomputed, and `is_f` tells f's statement. Returns k,
 // or -1.
 int CudaEmitter::one_pass_stage(const std::string& first, std::pair<bool, bool> means,
-                                const std::function<bool(const KStmt&)>& is_f) const {
+                                const std::function<bool(const KStmt&)>& is_f, size_t from) const {
   StatementKey key = [&](const KStmt& s, const std::vector<std::string>& a) { return statement_key(s, a); };
   auto keys_of = [&](const KStage& st) {
     std::map<int, std::string> vk;
@@ -308,7 +318,7 @@ int CudaEmitter::one_pass_stage(const std::string& first, std::pair<bool, bool> 
     }
     return vk;
   };
-  for (size_t k = 0; k + 1 < k_->stages.size(); ++k) {
+  for (size_t k = from; k + 1 < k_->stages.size(); ++k) {
     const KStage& a = k_->stages[k];
     const KStage& b = k_->stages[k + 1];
     if (a.accs.size() != 1 || b.accs.size() != 1 || !b.pre.empty()) continue;
@@ -347,16 +357,92 @@ int CudaEmitter::one_pass_stage(const std::string& first, std::pair<bool, bool> 
 // Softmax's max stage followed by its sum-of-exp stage, which loop stages
 // (rows not cached in registers) can run as one pass with an online
 // (max, sum) pair: f is exp.
-int CudaEmitter::online_softmax_stage() const {
-  return one_pass_stage("max", {false, false}, [](const KStmt& x) { return x.kind == KStmt::Compute && x.node.op == "exp"; });
+int CudaEmitter::online_softmax_stage(size_t from) const {
+  return one_pass_stage("max", {false, false}, [](const KStmt& x) { return x.kind == KStmt::Compute && x.node.op == "exp"; }, from);
 }
 
 // layer_norm's mean stage followed by its variance stage (a mean of d * d),
 // which a staged row can take as one pass of shifted sums (see row_kernel).
-int CudaEmitter::moments_stage() const {
-  return one_pass_stage("sum", {true, true}, [](const KStmt& x) {
-    return x.kind == KStmt::Compute && x.node.op == "mul" && x.args.size() == 2 && x.args[0] == x.args[1];
-  });
+int CudaEmitter::moments_stage(size_t from) const {
+  return one_pass_stage(
+      "sum", {true, true},
+      [](const KStmt& x) { return x.kind == KStmt::Compute && x.node.op == "mul" && x.args.size() == 2 && x.args[0] == x.args[1]; },
+      from);
+}
+
+// Every softmax-like and layer_norm-like stage pair (see one_pass_stage)
+// whose second loop uses nothing the first stage's post statements define:
+// the second loop runs before them, against the block's own max or mean
+// (local_reference_pair).
+std::map<int, bool> CudaEmitter::local_reference_stages() const {
+  std::map<int, bool> found;
+  auto add = [&](int k, bool moments) {
+    if (k < 0 || found.count(k) || found.count(k - 1) || found.count(k + 1)) return;
+    std::set<int> post;
+    for (const KStmt& x : k_->stages[static_cast<size_t>(k)].post)
+      if (x.dst >= 0) post.insert(x.dst);
+    for (const KStmt& x : k_->stages[static_cast<size_t>(k) + 1].loop)
+      for (int arg : x.args)
+        if (post.count(arg)) return;
+    found[k] = moments;
+  };
+  for (size_t k = 0; k + 1 < k_->stages.size(); ++k) {
+    if (online_softmax_stage(k) == static_cast<int>(k)) add(static_cast<int>(k), false);
+    if (moments_stage(k) == static_cast<int>(k)) add(static_cast<int>(k), true);
+  }
+  return found;
+}
+
+// Two reductions a row with one exchange across a row group
+// (OPFUSE_ROW_GROUP_LOCAL): the first (softmax's max, layer_norm's mean)
+// across the block only; the second loop (sum of exp(x - r), of (x - r)^2)
+// against the block's own r; then the blocks' pairs (max, sum) or triples
+// (count, mean, squared deviations) combine in one exchange, exactly as
+// the two passes would within rounding: sum exp(x - M) = sum_b exp(m_b - M)
+// * s_b, and Chan's update for the moments. Unlike the online pair (one
+// exp per element plus a rescale per vector) and the shifted sums, the
+// loops stay those of the two passes: the extra cost is one block
+// reduction, where the second exchange through L2 is saved.
+void CudaEmitter::local_reference_pair(const KStage& st, const KStage& next, bool moments, int items, int threads_per_row) {
+  const KAccumulator& ra = st.accs[0];
+  const KAccumulator& rb = next.accs[0];
+  for (auto& s : st.pre) statement(s, st);
+  accumulator_init(ra);
+  accumulator_init(rb);
+  if (!st.loop.empty()) row_stage_loop(st, items, threads_per_row);
+  const std::string a = acc_name(ra), b = acc_name(rb), n = a + "_n";
+  std::string ref;
+  if (moments) {
+    line(a + " = opf_block_reduce<opf_sum>(" + a + ", " + smem_ + ");");
+    line(a + " = cend_ > cbegin_ ? " + a + " / (float)(cend_ - cbegin_) : 0.0f;  // the block's mean of its columns of the row");
+    ref = a;
+  } else {
+    // A block whose part is all -inf has max -inf: its sum runs against 0
+    // (exp(-inf - 0) adds nothing) and its pair adds nothing to the group's.
+    line(a + " = opf_block_reduce<opf_max>(" + a + ", " + smem_ + ");");
+    ref = a + " == opf_lowest<float>() ? 0.0f : " + a;
+  }
+  line("{");
+  ++indent_;
+  line("const " + value_type(ra.result_type) + " " + value(ra.result) + " = " + ref + ";");
+  ++stage_index_;
+  if (!next.loop.empty()) row_stage_loop(next, items, threads_per_row);
+  --stage_index_;
+  --indent_;
+  line("}");
+  if (moments) {
+    // (The count after the loop, not kept live across it: it is cend_ - cbegin_.)
+    line("float " + n + " = (float)(cend_ > cbegin_ ? cend_ - cbegin_ : 0);");
+    line("opf_group_local_moments<" + group_args() + ">(" + n + ", " + a + ", " + b + ", " + smem_ + ", a.gx, " + group_slot(2) + ");");
+    line(a + " *= " + n + ";");  // the mean accumulator's finish divides the sum by the count
+  } else {
+    line(std::string("opf_group_local_online<") + (fast_math_ ? "true" : "false") + ", " + group_args() + ">(" + a + ", " + b + ", " +
+         smem_ + ", a.gx, " + group_slot(1) + ");");
+  }
+  accumulator_finish(ra);
+  for (auto& s : st.post) statement(s, st);
+  accumulator_finish(rb);
+  for (auto& s : next.post) statement(s, next);
 }
 
 std::string CudaEmitter::statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const {
@@ -1247,9 +1333,19 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   int moments = stage_bytes_ > 0 && vec > 1 && fast_math_ && !caching_ && !columns_ && !grouped_rows_ && stage_moments() > 0
                     ? moments_stage()
                     : -1;
+  // OPFUSE_ROW_GROUP_LOCAL=1: a row group's two reductions with one
+  // exchange (local_reference_pair), where the one-pass knobs are off.
+  std::map<int, bool> local;
+  if (group_exchange_ && online < 0 && moments < 0 && !caching_ && !columns_ && !grouped_rows_ && vec > 1 && group_local() > 0)
+    local = local_reference_stages();
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);
+    if (auto l = local.find(static_cast<int>(si)); l != local.end()) {
+      local_reference_pair(st, k_->stages[si + 1], l->second, g.items, threads_per_row);
+      ++si;
+      continue;
+    }
     if (moments >= 0 && si == static_cast<size_t>(moments)) {
       const KStage& next = k_->stages[si + 1];
       const KAccumulator& mn = st.accs[0];

@@ -656,13 +656,12 @@ template <bool FAST, int C> static __device__ __forceinline__ void opf_cluster_o
   opf_warp_online<FAST>(m, s);
 }
 
-// The online pair across a group of blocks that is not a cluster
-// (OPFUSE_ROW_GROUP_EXCHANGE with OPFUSE_ROW_STAGE_ONLINE): the block's pair
-// in its 8-byte slot, the group's barrier as in opf_group_reduce.
+// The online pair across a group of blocks that is not a cluster: the
+// block's pair (every thread holds it) in its 8-byte slot, the group's
+// barrier as in opf_group_reduce, every thread ends with the group's pair.
 template <bool FAST, int C, int G, int S>
-static __device__ __forceinline__ void opf_group_online(float& m, float& s, void* smem, unsigned long long* region, int slot) {
+static __device__ __forceinline__ void opf_group_pair_exchange(float& m, float& s, unsigned long long* region, int slot) {
   unsigned long long* const slots = opf_group_slots<C, G, S>(region, slot);
-  opf_block_online<FAST>(m, s, smem);
   if (threadIdx.x == 0) {
     volatile float* p = reinterpret_cast<volatile float*>(slots + blockIdx.x % C);
     p[0] = m;
@@ -680,6 +679,20 @@ static __device__ __forceinline__ void opf_group_online(float& m, float& s, void
     s = 0.0f;
   }
   opf_warp_online<FAST>(m, s);
+}
+// OPFUSE_ROW_GROUP_EXCHANGE with OPFUSE_ROW_STAGE_ONLINE: the threads' online
+// pairs combine across the block, then across the group.
+template <bool FAST, int C, int G, int S>
+static __device__ __forceinline__ void opf_group_online(float& m, float& s, void* smem, unsigned long long* region, int slot) {
+  opf_block_online<FAST>(m, s, smem);
+  opf_group_pair_exchange<FAST, C, G, S>(m, s, region, slot);
+}
+// OPFUSE_ROW_GROUP_LOCAL: m is already the block's max (every thread's) and
+// the threads' sums of exp(x - m) only add across the block.
+template <bool FAST, int C, int G, int S>
+static __device__ __forceinline__ void opf_group_local_online(float& m, float& s, void* smem, unsigned long long* region, int slot) {
+  s = opf_block_reduce<opf_sum>(s, smem);
+  opf_group_pair_exchange<FAST, C, G, S>(m, s, region, slot);
 }
 
 // Moments of a staged row in one pass (OPFUSE_ROW_STAGE_MOMENTS): a thread
@@ -760,15 +773,13 @@ template <int C> static __device__ __forceinline__ void opf_cluster_moments(floa
   opf_warp_moments(n, m, m2);
 }
 
-// Across a group of blocks that is not a cluster: the block's triple in two
-// of its 8-byte slots (`slot` and `slot` + 1), the group's barrier as in
-// opf_group_reduce.
+// Across a group of blocks that is not a cluster: the block's triple (every
+// thread holds it) in two of its 8-byte slots (`slot` and `slot` + 1), the
+// group's barrier as in opf_group_reduce.
 template <int C, int G, int S>
-static __device__ __forceinline__ void opf_group_moments(float& n, float& m, float& m2, void* smem, unsigned long long* region,
-                                                         int slot) {
+static __device__ __forceinline__ void opf_group_moments_exchange(float& n, float& m, float& m2, unsigned long long* region, int slot) {
   unsigned long long* const a = opf_group_slots<C, G, S>(region, slot);
   unsigned long long* const b = a + C;
-  opf_block_moments(n, m, m2, smem);
   if (threadIdx.x == 0) {
     volatile float* p = reinterpret_cast<volatile float*>(a + blockIdx.x % C);
     volatile float* q = reinterpret_cast<volatile float*>(b + blockIdx.x % C);
@@ -791,6 +802,22 @@ static __device__ __forceinline__ void opf_group_moments(float& n, float& m, flo
     m2 = 0.0f;
   }
   opf_warp_moments(n, m, m2);
+}
+// OPFUSE_ROW_STAGE_MOMENTS: the threads' triples combine across the block,
+// then across the group.
+template <int C, int G, int S>
+static __device__ __forceinline__ void opf_group_moments(float& n, float& m, float& m2, void* smem, unsigned long long* region,
+                                                         int slot) {
+  opf_block_moments(n, m, m2, smem);
+  opf_group_moments_exchange<C, G, S>(n, m, m2, region, slot);
+}
+// OPFUSE_ROW_GROUP_LOCAL: n and m are already the block's count and mean
+// (every thread's) and the threads' squared deviations from m only add.
+template <int C, int G, int S>
+static __device__ __forceinline__ void opf_group_local_moments(float& n, float& m, float& m2, void* smem, unsigned long long* region,
+                                                               int slot) {
+  m2 = opf_block_reduce<opf_sum>(m2, smem);
+  opf_group_moments_exchange<C, G, S>(n, m, m2, region, slot);
 }
 
 // Outer (column) reductions: lane x of every warp holds a partial of output

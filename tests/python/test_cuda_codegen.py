@@ -388,7 +388,7 @@ def test_group_exchange_replaces_the_cluster(cols, monkeypatch):
 
 def test_group_exchange_one_exchange_a_row_with_online_and_moments(monkeypatch):
     """OPFUSE_ROW_GROUP_EXCHANGE=1 with OPFUSE_ROW_STAGE_ONLINE=1 and
-    OPFUSE_ROW_STAGE_MOMENTS=1 (not yet run on a GPU): softmax's and
+    OPFUSE_ROW_STAGE_MOMENTS=1 (6-9% slower on the H200, session 30): softmax's and
     log_softmax's (max, sum) pair in one opf_group_online, layer_norm's
     (count, mean, m2) in one opf_group_moments over two slots a parity,
     rms_norm's one sum as before; no cluster, no spills. Unset, the
@@ -415,12 +415,61 @@ def test_group_exchange_one_exchange_a_row_with_online_and_moments(monkeypatch):
         assert spills and all(int(x) == 0 for x in spills), (op, log[-2000:])
 
 
-def test_group_exchange_by_default_for_one_reduction_over_clusters_of_8(monkeypatch):
+@pytest.mark.parametrize("cols", [262144, 65544, 131072])
+def test_group_local_reference_one_exchange_a_row(cols, monkeypatch):
+    """OPFUSE_ROW_GROUP_EXCHANGE=1 with OPFUSE_ROW_GROUP_LOCAL=1 (not yet
+    run on a GPU): softmax's and log_softmax's max and layer_norm's mean
+    reduce across the block only (opf_block_reduce), the second loop runs
+    against that block value (0 for a block whose max is -inf), and the
+    one exchange (opf_group_local_online, opf_group_local_moments) comes
+    before the loop that writes the output; rms_norm and unset or =0 leave
+    the kernels as they were; no spills at any dtype."""
+    nvrtc_or_skip()
+    for dtype in ("bf16", "f16", "f32"):
+        for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
+            shapes = [[401, cols]]
+            ir = row_ir(op, dtype, 401, cols)
+            cg = _C.CompiledGraph(ir, target="cuda")
+            monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+            unset = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+            monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", "0")
+            off = cg.cuda_source(shapes, contiguous_strides(shapes), 90)
+            monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", "1")
+            v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
+            _, log = compile_for(ir, shapes, 90)
+            monkeypatch.delenv("OPFUSE_ROW_GROUP_EXCHANGE")
+            monkeypatch.delenv("OPFUSE_ROW_GROUP_LOCAL")
+            assert unset == off
+            if "opf_group_" not in _vector_kernel(off):  # float32 at 262144: 1 MB rows are not staged
+                assert dtype == "f32" and cols == 262144 and _vector_kernel(off) == v
+                continue
+            if op == "rms_norm":
+                assert v == _vector_kernel(off) and v.count("opf_group_reduce<") == 1
+                continue
+            call = "opf_group_local_moments<" if op == "layer_norm" else "opf_group_local_online<"
+            block = "opf_block_reduce<opf_sum>(a" if op == "layer_norm" else "opf_block_reduce<opf_max>(a"
+            assert v.count("opf_group_") == 1 and v.count(call) == 1 and "opf_cluster" not in v, (op, dtype)
+            first, second, store = v.index(block), v.index("#pragma unroll 4", v.index(block)), v.index("opf_vstore")
+            assert first < second < v.index(call) < store
+            if op == "layer_norm":
+                assert "/ (float)(cend_ - cbegin_) : 0.0f;" in v and "_n *= " not in v
+            else:
+                assert "== opf_lowest<float>() ? 0.0f : a" in v
+            spills = re.findall(r"(\d+) bytes spill stores", log)
+            assert spills and all(int(x) == 0 for x in spills), (op, dtype, log[-2000:])
+
+
+@pytest.mark.parametrize("local", [None, "1"], ids=["default", "local"])
+def test_group_exchange_by_default_for_one_reduction_over_clusters_of_8(local, monkeypatch):
     """The default (OPFUSE_ROW_GROUP_EXCHANGE unset): the ring's rows over
     clusters of 8 with one reduction across the row (rms_norm) exchange
     through global memory; two reductions (softmax, log_softmax,
     layer_norm) and clusters of 2 and 4 keep the cluster's pushed
-    reductions; =0 keeps the cluster everywhere."""
+    reductions; =0 keeps the cluster everywhere. With
+    OPFUSE_ROW_GROUP_LOCAL=1 the two-reduction rows have one exchange left
+    and go to groups at clusters of 8 too (opf_group_local_*)."""
+    if local:
+        monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", local)
     for dtype, cols in (("bf16", 262144), ("f16", 262144), ("f32", 131072), ("bf16", 70000), ("bf16", 32776)):
         for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
             shapes = [[4096, cols]]
@@ -429,10 +478,12 @@ def test_group_exchange_by_default_for_one_reduction_over_clusters_of_8(monkeypa
             monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "0")
             v0 = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 90))
             monkeypatch.delenv("OPFUSE_ROW_GROUP_EXCHANGE")
-            grouped = op == "rms_norm" and "__cluster_dims__(8, 1, 1)" in v0
+            eight = "__cluster_dims__(8, 1, 1)" in v0
+            assert eight == (cols >= 131072)
+            grouped = eight and (op == "rms_norm" or local is not None)
             assert (op == "rms_norm") == (v0.count("opf_cluster_reduce_push<") == 1)
-            assert ("opf_group_reduce<" in v) == grouped and (v == v0) == (not grouped), (dtype, cols, op)
-            assert grouped == (op == "rms_norm" and cols >= 131072)
+            call = "opf_group_reduce<" if op == "rms_norm" else "opf_group_local_"
+            assert (call in v) == grouped and (v == v0) == (not grouped), (dtype, cols, op)
 
 
 def test_staged_rows_in_a_non_portable_cluster_of_16(monkeypatch):

@@ -257,17 +257,23 @@ def test_staged_layer_norm_moments_special_rows(dtype, cols, moments, monkeypatc
     x = x.to(dtype)
     w = torch.randn(cols, device="cuda", dtype=dtype)
     b = torch.randn(cols, device="cuda", dtype=dtype)
+    _close_or_twice_eager(layer_norm, x, w, b, dtype)
+
+
+def _close_or_twice_eager(fn, x, w, b, dtype):
+    """Compiled fn against float64: NaN exactly where the reference has
+    NaN, elsewhere within the dtype's tolerance or twice eager's error."""
     torch._dynamo.reset()
-    out = torch.compile(layer_norm, backend="opfuse", dynamic=False)(x, w, b)
-    ref = layer_norm(x.double(), w.double(), b.double())
-    assert torch.equal(out.isnan(), ref.isnan())
+    out = torch.compile(fn, backend="opfuse", dynamic=False)(x, w, b)
+    ref = fn(x.double(), w.double(), b.double())
+    assert torch.equal(out.isnan(), ref.isnan()), fn.__name__
     ok = ~ref.isnan()
     try:
         torch.testing.assert_close(out[ok], ref[ok].to(dtype), **TOL[dtype])
     except AssertionError:
         err = (out.double() - ref)[ok].abs().max().item()
-        eager_err = (layer_norm(x, w, b).double() - ref)[ok].abs().max().item()
-        assert err <= 2 * eager_err, (err, eager_err)
+        eager_err = (fn(x, w, b).double() - ref)[ok].abs().max().item()
+        assert err <= 2 * eager_err, (fn.__name__, err, eager_err)
 
 
 # Column partials (split_column_sums.cpp): dweight and dbias summed per block
@@ -635,15 +641,49 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
 # 5d086ce, whose counters moved with each kernel's slot count, a counter
 # landed on another kernel's slot and the first of these hung.)
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-@pytest.mark.parametrize("mode", ["1", None, "one"], ids=["everywhere", "default", "one_exchange"])
+@pytest.mark.parametrize("mode", ["1", None, "one", "local", "local_default"],
+                         ids=["everywhere", "default", "one_exchange", "local", "local_default"])
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
 def test_group_exchange_matches_float64(rows, cols, dtype, mode, monkeypatch):
     if mode == "one":  # softmax's online pair and layer_norm's moments in one exchange a row
         for knob in ("OPFUSE_ROW_STAGE_ONLINE", "OPFUSE_ROW_STAGE_MOMENTS"):
             monkeypatch.setenv(knob, "1")
-    if mode is not None:
+    if mode in ("local", "local_default"):  # against each block's own max or mean
+        monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", "1")
+    if mode in ("1", "one", "local"):
         monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
     _push_case_against_float64(rows, cols, dtype)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
+@pytest.mark.parametrize("local", ["0", "1"])
+@pytest.mark.parametrize("rows,cols,dtype", [(9, 262144, torch.bfloat16), (9, 65544, torch.float16)], ids=["262144", "65544"])
+def test_group_exchange_special_rows(rows, cols, dtype, local, monkeypatch):
+    """Row groups (OPFUSE_ROW_GROUP_EXCHANGE=1) with two exchanges a row or
+    one against each block's own max or mean (OPFUSE_ROW_GROUP_LOCAL=1):
+    NaN, +inf, all -inf rows, one block's whole slice -inf (its max -inf,
+    its sum against 0), a late larger maximum in the last block, a row far
+    from 0 and a constant row; groups of 8 (262144) and of 4 whose last
+    slice is 24 columns short (65544 in slices of 16392). NaN where eager's
+    float64 answer has NaN, elsewhere within tolerance or twice eager's
+    error."""
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", local)
+    torch.manual_seed(cols + 1)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.float32) * 4
+    x[1, 7] = float("nan")
+    x[2, cols - 1] = float("inf")
+    x[3] = float("-inf")
+    x[4, : cols // 2] = float("-inf")
+    x[5, cols - 5:] = 40
+    x[6] = 30 + x[6] * 0.05
+    x[7] = 1.5
+    x[8, ::3] = float("-inf")
+    x = x.to(dtype)
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+    for fn in (softmax, log_softmax, layer_norm):
+        _close_or_twice_eager(fn, x, w, b, dtype)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
