@@ -5,7 +5,8 @@
 // accesses where every access is unit-stride along that dim (a scalar twin,
 // V = 1, serves inputs whose alignment or strides do not allow it; the
 // runtime picks per launch).
-// Row kernels (cuda_row_emitter.cpp), the schedule chosen by row length:
+// Row kernels (cuda_row_*.cpp; the schedule and knobs in cuda_row_schedule.cpp),
+// the schedule chosen by row length:
 //  - short rows (at most 1024 elements): an aligned group of 1 to 32 lanes
 //    per row, sized so that each lane holds a few 128-bit vectors;
 //  - longer rows: a block per row, or a thread-block cluster of up to 8
@@ -171,7 +172,7 @@ class CudaEmitter : public CEmitter {
   void store_partials(int threads_per_row, const std::string& slot);
   void store_block_partials(int rows_per_block);
 
-  // Fewer instructions a row (see row_issue in cuda_row_emitter.cpp): the
+  // Fewer instructions a row (see row_issue in cuda_row_schedule.cpp): the
   // row length while a row kernel is printed (-1 unknown), and 16-bit
   // vector loads read as raw lanes (OPFUSE_ROW_RAW_LANES).
   int64_t ncols_ = -1;

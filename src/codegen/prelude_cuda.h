@@ -257,7 +257,7 @@ template <int V, class T> static __device__ __forceinline__ void opf_vstore_w(T*
   }
 }
 
-// L2 eviction priorities (OPFUSE_ROW_L2_HINTS, cuda_row_emitter.cpp): a
+// L2 eviction priorities (OPFUSE_ROW_L2_HINTS, cuda_row_schedule.cpp): a
 // policy for every line an access touches (fraction 1.0), evict_last to keep
 // a row that is read again, evict_first for the last pass over it.
 template <bool LAST> static __device__ __forceinline__ unsigned long long opf_l2_policy() {

@@ -60,7 +60,7 @@ bool known_product(const Shape& s, size_t begin, size_t end, int64_t* out) {
 // were 3.9 waves and 64 MB of partials written and read); rows of at most
 // 256 elements take 528 (4 lane-group blocks an SM x 132 SMs, one wave),
 // each block writing one part (the emitter's block partials, on for those
-// rows: see block_partials in cuda_row_emitter.cpp): 262144x256 154.0 ->
+// rows: see block_partials in cuda_row_schedule.cpp): 262144x256 154.0 ->
 // 134.5 us (8192 parts were 16.8 MB of partials).
 int64_t parts_for(int64_t rows, int64_t cols) {
   if (cols > 8192) return 64;

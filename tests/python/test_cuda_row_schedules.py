@@ -489,7 +489,7 @@ def test_row_pipeline_strided_rows(monkeypatch):
         _layer_norm_grads_within_eager(xv, w, b, dy)
 
 
-# Rows staged in shared memory (cuda_row_emitter.cpp, stage_rows): a block
+# Rows staged in shared memory (cuda_row_staging.cpp, stage_rows): a block
 # per row (20000, 32768 bf16), on sm_90 clusters of 2 to 8 blocks (32776:
 # slices of 16392 and 16384; 40000, 70000, 262144; float32 from 20000);
 # 20001 is not a multiple of 8 and takes the scalar twin's loop stages.

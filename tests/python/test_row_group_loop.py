@@ -1,5 +1,5 @@
 """Forward lane groups that step through rows with the next row's vectors
-in registers (OPFUSE_ROW_GROUP_LOOP, cuda_row_emitter.cpp), checked without
+in registers (OPFUSE_ROW_GROUP_LOOP, cuda_row_schedule.cpp), checked without
 a GPU on the generated source and ptxas's report. Their results are checked
 against float64, and bit for bit against a block a row group, on the GPU in
 test_cuda_row_schedules.py."""

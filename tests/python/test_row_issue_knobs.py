@@ -1,6 +1,6 @@
 """The OPFUSE_ROW_ISSUE knobs (branch lnbwd-4, on by default since session
 9's H200 run: fewer instructions a row in row kernels; see
-cuda_row_emitter.cpp, row_issue):
+cuda_row_schedule.cpp, row_issue):
 each knob changes the source the way it says, and with each on (and all
 four) the row kernels compile with NVRTC for sm_80 and sm_90 without
 spills. Their results against float64 are GPU tests
