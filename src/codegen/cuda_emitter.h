@@ -198,6 +198,9 @@ class CudaEmitter : public CEmitter {
   // max or mean (OPFUSE_ROW_GROUP_LOCAL): stage index -> true for moments.
   std::map<int, bool> local_reference_stages() const;
   void local_reference_pair(const KStage& st, const KStage& next, bool moments, int items, int threads_per_row);
+  void moments_pair(const KStage& st, const KStage& next, int items, int threads_per_row);
+  void online_pair(const KStage& st, const KStage& next, bool staged_online, int items, int threads_per_row);
+  void choose_row_cache(bool known, int64_t ncols, int vec, bool lean_try);
   std::string access_key(const KStmt& s) const;
   // Declares lane arrays and issues the vector loads of `stmts` at lane 0's
   // index (`lane0` replaces the innermost variable); skips cached loads.

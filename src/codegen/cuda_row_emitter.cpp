@@ -167,25 +167,9 @@ void CudaEmitter::row_stage_loop(const KStage& st, int items, int threads_per_ro
   }
 }
 
-void CudaEmitter::row_kernel(const std::string& name, int vec) {
-  vec_ = vec;
-  lane_of_.clear();
-  RowSplit split = split_rows(*k_);
-  row_loop_axes_ = split.loop;
-  launch_.rows = split.rows;
-  launch_.cols = split.cols;
-  int64_t ncols = -1;
-  bool known = is_const(split.cols, &ncols);
-  last_var_ = split.loop.size() == 1 ? "x" + std::to_string(split.loop[0]) : "";
-
-  // The lean default (see row_lean): tried for lane groups with partials,
-  // dropped (the kernel generated again without it) unless all of it applies.
-  bool has_partials = false;
-  for (const KBuffer& b : k_->buffers) has_partials = has_partials || b.partials;
-  bool lean_try = row_lean() < 0 && !lean_retry_ && known && ncols <= 1024 && has_partials && vec > 1 && arch_ >= 90;
-
-  // The register cache: the frontier plan or the loads-only plan, whichever
-  // needs fewer registers.
+// The register cache: the frontier plan or the loads-only plan, whichever
+// needs fewer registers (cache_, raw_slots_, raw_type_).
+void CudaEmitter::choose_row_cache(bool known, int64_t ncols, int vec, bool lean_try) {
   cache_ = RowCachePlan{};
   raw_slots_.clear();
   raw_type_.clear();
@@ -227,6 +211,26 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       }
     }
   }
+}
+
+void CudaEmitter::row_kernel(const std::string& name, int vec) {
+  vec_ = vec;
+  lane_of_.clear();
+  RowSplit split = split_rows(*k_);
+  row_loop_axes_ = split.loop;
+  launch_.rows = split.rows;
+  launch_.cols = split.cols;
+  int64_t ncols = -1;
+  bool known = is_const(split.cols, &ncols);
+  last_var_ = split.loop.size() == 1 ? "x" + std::to_string(split.loop[0]) : "";
+
+  // The lean default (see row_lean): tried for lane groups with partials,
+  // dropped (the kernel generated again without it) unless all of it applies.
+  bool has_partials = false;
+  for (const KBuffer& b : k_->buffers) has_partials = has_partials || b.partials;
+  bool lean_try = row_lean() < 0 && !lean_retry_ && known && ncols <= 1024 && has_partials && vec > 1 && arch_ >= 90;
+
+  choose_row_cache(known, ncols, vec, lean_try);
   partial_buffers_.clear();
   for (size_t b = 0; b < k_->buffers.size(); ++b)
     if (k_->buffers[b].partials) partial_buffers_.push_back(static_cast<int>(b));
@@ -356,7 +360,7 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   cluster_push_ = cluster_ > 1 && stage_bytes_ > 0 && partial_cluster <= 1 && !columns_ && arch_ >= 90 &&
                   (push > 0 || (push < 0 && cluster_row_loop_));
   // (By default not with the one-pass online pair or moments: their group
-  // versions have not run on a GPU.)
+  // versions ran 6-9% slower than the cluster, session 30.)
   const int ge = group_retry_ ? 0 : group_exchange();
   group_exchange_ = cluster_push_ && cluster_row_loop_ && stage_ring_ && stage_bytes_ > 0 && vec > 1 &&
                     (ge > 0 || (ge < 0 && cluster_ == 8 && stage_online() <= 0 && stage_moments() <= 0));
@@ -484,68 +488,12 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
       continue;
     }
     if (moments >= 0 && si == static_cast<size_t>(moments)) {
-      const KStage& next = k_->stages[si + 1];
-      const KAccumulator& mn = st.accs[0];
-      const KAccumulator& vr = next.accs[0];
-      for (auto& s : st.pre) statement(s, st);
-      accumulator_init(mn);
-      accumulator_init(vr);
-      line("float wk_ = 0.0f, wn_ = 0.0f;");
-      moments_mean_ = acc_name(mn);
-      online_acc_ = acc_name(vr);
-      if (!st.loop.empty()) row_stage_loop(st, g.items, threads_per_row);
-      moments_mean_.clear();
-      online_acc_.clear();
-      // (mean, squared deviations) of the thread, then of the row; the sum
-      // the mean accumulator's finish divides is mean x count.
-      std::string m = acc_name(mn), m2 = acc_name(vr);
-      line("opf_shifted_moments(wn_, wk_, " + m + ", " + m2 + ");");
-      if (cluster_ > 1 && group_exchange_) {
-        line("opf_group_moments<" + group_args() + ">(wn_, " + m + ", " + m2 + ", " + smem_ + ", a.gx, " + group_slot(2) + ");");
-      } else if (cluster_ > 1) {
-        // Two 8-byte slots: count, mean, squared deviations.
-        cluster_reduction(2, "opf_cluster_moments<" + std::to_string(cluster_) + ">(wn_, " + m + ", " + m2 + ", " + smem_ +
-                                 ", reinterpret_cast<float*>(@));");
-      } else {
-        line("opf_block_moments(wn_, " + m + ", " + m2 + ", " + smem_ + ");");
-      }
-      line(m + " *= wn_;");
-      accumulator_finish(mn);
-      for (auto& s : st.post) statement(s, st);
-      accumulator_finish(vr);
-      for (auto& s : next.post) statement(s, next);
+      moments_pair(st, k_->stages[si + 1], g.items, threads_per_row);
       ++si;
       continue;
     }
     if (online >= 0 && si == static_cast<size_t>(online)) {
-      const KStage& next = k_->stages[si + 1];
-      const KAccumulator& mx = st.accs[0];
-      const KAccumulator& sm = next.accs[0];
-      for (auto& s : st.pre) statement(s, st);
-      accumulator_init(mx);
-      accumulator_init(sm);
-      online_acc_ = acc_name(sm);
-      if (staged_online) online_vec_max_ = acc_name(mx);
-      if (!st.loop.empty()) row_stage_loop(st, g.items, threads_per_row);
-      online_acc_.clear();
-      online_vec_max_.clear();
-      std::string fast = fast_math_ ? "true" : "false";
-      if (grouped_rows_) {
-        if (lanes_ > 1) line("opf_warp_online<" + fast + ", " + std::to_string(lanes_) + ">(" + acc_name(mx) + ", " + acc_name(sm) + ");");
-      } else if (cluster_ > 1 && group_exchange_) {
-        line("opf_group_online<" + fast + ", " + group_args() + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ +
-             ", a.gx, " + group_slot(1) + ");");
-      } else if (cluster_ > 1) {
-        // The pair through distributed shared memory: one 8-byte slot a block.
-        cluster_reduction(1, "opf_cluster_online<" + fast + ", " + std::to_string(cluster_) + ">(" + acc_name(mx) + ", " + acc_name(sm) +
-                                 ", " + smem_ + ", reinterpret_cast<float*>(@));");
-      } else {
-        line("opf_block_online<" + fast + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ + ");");
-      }
-      accumulator_finish(mx);
-      for (auto& s : st.post) statement(s, st);
-      accumulator_finish(sm);
-      for (auto& s : next.post) statement(s, next);
+      online_pair(st, k_->stages[si + 1], staged_online, g.items, threads_per_row);
       ++si;
       continue;
     }

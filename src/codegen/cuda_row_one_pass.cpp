@@ -160,6 +160,74 @@ void CudaEmitter::local_reference_pair(const KStage& st, const KStage& next, boo
   for (auto& s : next.post) statement(s, next);
 }
 
+// A staged row's mean and variance in one pass (OPFUSE_ROW_STAGE_MOMENTS=1,
+// see row_kernel): each thread's shifted sums, then (count, mean, squared
+// deviations) across the block, cluster or row group.
+void CudaEmitter::moments_pair(const KStage& st, const KStage& next, int items, int threads_per_row) {
+  const KAccumulator& mn = st.accs[0];
+  const KAccumulator& vr = next.accs[0];
+  for (auto& s : st.pre) statement(s, st);
+  accumulator_init(mn);
+  accumulator_init(vr);
+  line("float wk_ = 0.0f, wn_ = 0.0f;");
+  moments_mean_ = acc_name(mn);
+  online_acc_ = acc_name(vr);
+  if (!st.loop.empty()) row_stage_loop(st, items, threads_per_row);
+  moments_mean_.clear();
+  online_acc_.clear();
+  // (mean, squared deviations) of the thread, then of the row; the sum
+  // the mean accumulator's finish divides is mean x count.
+  std::string m = acc_name(mn), m2 = acc_name(vr);
+  line("opf_shifted_moments(wn_, wk_, " + m + ", " + m2 + ");");
+  if (cluster_ > 1 && group_exchange_) {
+    line("opf_group_moments<" + group_args() + ">(wn_, " + m + ", " + m2 + ", " + smem_ + ", a.gx, " + group_slot(2) + ");");
+  } else if (cluster_ > 1) {
+    // Two 8-byte slots: count, mean, squared deviations.
+    cluster_reduction(2, "opf_cluster_moments<" + std::to_string(cluster_) + ">(wn_, " + m + ", " + m2 + ", " + smem_ +
+                             ", reinterpret_cast<float*>(@));");
+  } else {
+    line("opf_block_moments(wn_, " + m + ", " + m2 + ", " + smem_ + ");");
+  }
+  line(m + " *= wn_;");
+  accumulator_finish(mn);
+  for (auto& s : st.post) statement(s, st);
+  accumulator_finish(vr);
+  for (auto& s : next.post) statement(s, next);
+}
+
+// Softmax's max and sum of exp as one online (max, sum) pass (long loop
+// rows, or staged rows with OPFUSE_ROW_STAGE_ONLINE=1, see row_kernel), the
+// pair then combined across the lanes, block, cluster or row group.
+void CudaEmitter::online_pair(const KStage& st, const KStage& next, bool staged_online, int items, int threads_per_row) {
+  const KAccumulator& mx = st.accs[0];
+  const KAccumulator& sm = next.accs[0];
+  for (auto& s : st.pre) statement(s, st);
+  accumulator_init(mx);
+  accumulator_init(sm);
+  online_acc_ = acc_name(sm);
+  if (staged_online) online_vec_max_ = acc_name(mx);
+  if (!st.loop.empty()) row_stage_loop(st, items, threads_per_row);
+  online_acc_.clear();
+  online_vec_max_.clear();
+  std::string fast = fast_math_ ? "true" : "false";
+  if (grouped_rows_) {
+    if (lanes_ > 1) line("opf_warp_online<" + fast + ", " + std::to_string(lanes_) + ">(" + acc_name(mx) + ", " + acc_name(sm) + ");");
+  } else if (cluster_ > 1 && group_exchange_) {
+    line("opf_group_online<" + fast + ", " + group_args() + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ +
+         ", a.gx, " + group_slot(1) + ");");
+  } else if (cluster_ > 1) {
+    // The pair through distributed shared memory: one 8-byte slot a block.
+    cluster_reduction(1, "opf_cluster_online<" + fast + ", " + std::to_string(cluster_) + ">(" + acc_name(mx) + ", " + acc_name(sm) +
+                             ", " + smem_ + ", reinterpret_cast<float*>(@));");
+  } else {
+    line("opf_block_online<" + fast + ">(" + acc_name(mx) + ", " + acc_name(sm) + ", " + smem_ + ");");
+  }
+  accumulator_finish(mx);
+  for (auto& s : st.post) statement(s, st);
+  accumulator_finish(sm);
+  for (auto& s : next.post) statement(s, next);
+}
+
 std::string CudaEmitter::statement_key(const KStmt& s, const std::vector<std::string>& arg_keys) const {
   std::vector<std::string> a;
   for (auto& k : arg_keys) a.push_back("{" + k + "}");
