@@ -271,3 +271,27 @@ def test_opfuse_custom_ops_fuse_with_their_neighbours():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert opfuse.stats()["fallback_ops"] == 0
     assert opfuse.stats()["kernel_launches"] == 1
+
+
+def test_decomposition_table_built_once_and_again_for_new_composite_ops(monkeypatch):
+    """The decomposition table (30-110 ms to build) is reused across graphs,
+    and rebuilt once a library registers a CompositeImplicitAutograd op, so
+    the new op's entry is in the table the next graph gets."""
+    from opfuse.frontend import backend
+    builds = []
+    build = backend._build_decompositions
+    monkeypatch.setattr(backend, "_build_decompositions", lambda: builds.append(1) or build())
+    monkeypatch.setattr(backend, "_decomposition_cache", (-1, {}))
+    for fn in (lambda x: torch.relu(x) + 1, lambda x: torch.softmax(x, -1) * 2):
+        torch._dynamo.reset()
+        x = torch.randn(5, 7)
+        torch.testing.assert_close(compiled(fn)(x), fn(x))
+    assert len(builds) == 1
+    first = backend._decompositions()
+    assert len(builds) == 1 and first is backend._decompositions()
+    lib = torch.library.Library("opfuse_test_decomp", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x + x, "CompositeImplicitAutograd")
+    table = backend._decompositions()
+    assert len(builds) == 2 and table is not first
+    assert torch.ops.opfuse_test_decomp.twice.default in table

@@ -38,7 +38,26 @@ def _packet(target):
     return getattr(target, "overloadpacket", target)
 
 
+# (CompositeImplicitAutograd registrations, table): see _decompositions.
+_decomposition_cache: tuple = (-1, {})
+
+
 def _decompositions():
+    """The decomposition table AOTAutograd traces with (read-only). Building
+    it walks every CompositeImplicitAutograd operator (30-110 ms on the
+    development VM, each graph: it was two thirds of opfuse's share of a
+    warm compile), so it is built once, and again only when
+    CompositeImplicitAutograd kernels have been registered since (a library
+    loaded later brings its own; other ops, which torch registers lazily
+    now and then, leave the table as it was)."""
+    global _decomposition_cache
+    registered = len(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
+    if _decomposition_cache[0] != registered:
+        _decomposition_cache = (registered, _build_decompositions())
+    return _decomposition_cache[1]
+
+
+def _build_decompositions():
     # Core ATen decompositions, except the ops opfuse maps to its own
     # composite or elementwise ops; addmm is split so its bias add fuses
     # with what follows.
