@@ -306,7 +306,23 @@ SymbolValues bind_symbols(const Graph& g, const std::vector<std::vector<int64_t>
                          " but the given size is " + std::to_string(input_shapes[k][d]));
     }
   }
+  check_slice_bounds(g, syms);
   return syms;
+}
+
+void check_slice_bounds(const Graph& g, const SymbolValues& syms) {
+  for (const Node& n : g.nodes) {
+    if (n.op != "slice" || !n.get_int("inbounds", 0)) continue;
+    const Node& x = g.node(n.inputs[0]);
+    size_t d = static_cast<size_t>(normalize_dim(n.get_int("dim"), x.rank(), n));
+    const Expr& size = x.shape[d];
+    auto [start, end] = slice_bounds(n, size);
+    int64_t s = evaluate(size, syms), a = evaluate(start, syms), b = evaluate(end, syms);
+    if (!(0 <= a && a <= b && b <= s))
+      throw GraphError(n.where() + ": slice [" + std::to_string(a) + ", " + std::to_string(b) +
+                       ") is out of the bounds it was built for (size " + std::to_string(s) + " at dim " +
+                       std::to_string(d) + ")");
+  }
 }
 
 // matmul in float64 (the operands are already rounded to their dtype).

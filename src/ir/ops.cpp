@@ -33,6 +33,16 @@ int64_t normalize_dim(int64_t d, int64_t rank, const Node& n) {
 std::pair<Expr, Expr> slice_bounds(const Node& n, const Expr& size) {
   Expr start = cst(n.get_int("start", 0)), end = n.has("end") ? cst(n.get_int("end")) : size;
   int64_t c;
+  if (n.get_int("inbounds", 0)) {
+    // The producer has checked 0 <= start <= end <= size once negative
+    // bounds count from the end (PyTorch's guards on a symbolic size), so no
+    // clamp: x[1:] of [s0] is [s0 - 1] as PyTorch says, not
+    // [s0 - min(1, s0)]. check_slice_bounds holds a binding to it.
+    if (is_const(start, &c) && c < 0) start = size + start;
+    if (is_const(end, &c) && c < 0) end = size + end;
+    if (is_const(end, &c) && c >= (int64_t(1) << 62)) end = size;
+    return {start, end};
+  }
   if (is_const(start, &c) && c < 0) start = emax(size + start, cst(0));
   if (is_const(end, &c) && c < 0) end = emax(size + end, cst(0));
   if (is_const(end, &c) && c >= (int64_t(1) << 62)) end = size;

@@ -139,6 +139,9 @@ NB_MODULE(_C, m) {
   });
   m.def("normalize", [](const std::string& text) { return print_graph(parse_graph(text)); },
         "Parses the text form and prints it canonically.");
+  m.def("size_expr", [](const std::string& text) { return to_string(parse_shape({text})[0]); },
+        "A size expression (`s0-1`, `((s0 + 1)//2)`) in the IR's canonical form (`s0 + -1`), so that "
+        "PyTorch's sizes and the IR's compare as text.");
   m.def("verify", [](const std::string& text) { verify(parse_graph(text)); });
   m.def("run_passes", [](const std::string& text) {
     Graph g = parse_graph(text);

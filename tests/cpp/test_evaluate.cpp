@@ -518,6 +518,40 @@ TEST(Evaluate, SymbolicShapes) {
   EXPECT_EQ(r[2].shape, (Ints{3}));
 }
 
+// A slice whose producer checked its bounds (PyTorch's guards on a symbolic
+// size) has PyTorch's unclamped size; a binding out of those bounds is an
+// error naming the slice, never a negative size.
+TEST(Evaluate, InboundsSliceSizesAndTheirCheck) {
+  Graph g;
+  int x = g.add_input("x", F64, {sym("s0")});
+  auto sl = [&](Attrs a) {
+    a["dim"] = int64_t{0};
+    a["inbounds"] = int64_t{1};
+    return g.add("slice", {x}, a);
+  };
+  int from1 = sl({{"start", int64_t{1}}});
+  int drop_last = sl({{"end", int64_t{-1}}});
+  int odd = sl({{"start", int64_t{1}}, {"end", int64_t{9223372036854775807}}, {"step", int64_t{2}}});
+  int mid = sl({{"start", int64_t{2}}, {"end", int64_t{-3}}});
+  int head = sl({{"end", int64_t{5}}});
+  g.outputs = {from1, drop_last, odd, mid, head};
+  verify(g);
+  auto size = [&](int id) { return to_string(g.node(id).shape[0]); };
+  EXPECT_EQ(size(from1), "s0 + -1");
+  EXPECT_EQ(size(drop_last), "s0 + -1");
+  EXPECT_EQ(size(odd), "s0//2");
+  EXPECT_EQ(size(mid), "s0 + -5");
+  EXPECT_EQ(size(head), "5");
+  std::vector<double> ten{0, 1, 2, 3, 4, 5, 6, 7, 8, 9};
+  auto r = evaluate(g, {tensor(F64, {10}, ten)});
+  EXPECT_TRUE(values_are(r[2], {1, 3, 5, 7, 9}));
+  EXPECT_TRUE(values_are(r[3], {2, 3, 4, 5, 6}));
+  EXPECT_TRUE(values_are(r[4], {0, 1, 2, 3, 4}));
+  EXPECT_NO_THROW(bind_symbols(g, {{5}}));
+  EXPECT_TRUE(throws_graph_error([&] { bind_symbols(g, {{4}}); }, {"slice", "[2, 1)", "size 4"}));
+  EXPECT_TRUE(throws_graph_error([&] { bind_symbols(g, {{0}}); }, {"slice", "out of the bounds"}));
+}
+
 TEST(Evaluate, BindSymbols) {
   Graph g;
   g.add_input("y", F32, {cst(2) * sym("s0")});  // compound first: checked after s0 is bound

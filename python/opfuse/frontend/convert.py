@@ -43,8 +43,10 @@ def size_text(s) -> str:
         if expr.is_number:
             return str(int(expr))
         text = str(expr)
+        # `//` is PyTorch's FloorDiv (floor division, as the IR's); a lone
+        # `/` would be a rational.
         for bad in ("floor", "Mod", "ceiling", "/", "Max", "Min", "Piecewise", "sqrt"):
-            if bad in text:
+            if bad in text.replace("//", ""):
                 raise Unsupported(f"size expression {text} is not supported")
         return text.replace(" ", "")
     raise Unsupported(f"size {s!r} is not an integer")
@@ -93,7 +95,7 @@ class Converter:
     def match(self, i, node_val):
         """Casts to the recorded dtype and checks the recorded shape."""
         i = self.cast_to(i, node_val.dtype)
-        want = [size_text(s) for s in node_val.shape]
+        want = [_C.size_expr(size_text(s)) for s in node_val.shape]
         got = self.g.shape(i)
         if want != got:
             raise Unsupported(f"shape {got} differs from PyTorch's {want}")
@@ -258,6 +260,11 @@ def _squeeze(c, node, x, dims=None):
     return c.add("squeeze", [c.val(x)], dims=_dims(dims, rank))
 
 
+def _symbolic_dim(x, dim) -> bool:
+    size = meta_val(x).shape[dim]
+    return isinstance(size, torch.SymInt) and not size.node.expr.is_number
+
+
 def _slice(c, node, x, dim=0, start=None, end=None, step=1):
     for v in (start, end, step):
         if v is not None and not isinstance(v, int):
@@ -265,6 +272,14 @@ def _slice(c, node, x, dim=0, start=None, end=None, step=1):
     attrs = dict(dim=dim, start=start or 0, step=step)
     if end is not None and end < (1 << 62):
         attrs["end"] = end
+    if _symbolic_dim(x, dim):
+        # PyTorch's size for the result (x[1:] of [s0]: s0 - 1) holds under
+        # the guards it added on s0, and clamps nothing; the IR's clamped
+        # bounds (s0 - min(1, s0)) are equal there but not the same
+        # expression. The IR takes the bounds as checked (bind_symbols holds
+        # every binding to them); a size PyTorch does clamp (a Min or Max in
+        # it) is refused by size_text when the result is matched.
+        attrs["inbounds"] = 1
     return c.add("slice", [c.val(x)], **attrs)
 
 
@@ -273,7 +288,10 @@ def _select(c, node, x, dim, index):
         raise Unsupported("select index must be an integer")
     rank = len(meta_val(x).shape)
     end = index + 1 if index != -1 else (1 << 62)
-    s = c.add("slice", [c.val(x)], dim=dim, start=index, end=end, step=1)
+    attrs = dict(dim=dim, start=index, end=end, step=1)
+    if _symbolic_dim(x, dim):
+        attrs["inbounds"] = 1  # PyTorch has checked the index against the size (a guard)
+    s = c.add("slice", [c.val(x)], **attrs)
     return c.add("squeeze", [s], dims=[dim % rank])
 
 
