@@ -160,6 +160,35 @@ def test_mark_dynamic_softmax_runs_at_any_size(device):
     assert opfuse.stats()["graphs_compiled"] == 0
 
 
+def test_slices_of_symbolic_sizes_fuse_without_fallback(device):
+    # PyTorch gives x[1:] of [s0] the size s0 - 1 under its guards; the IR's
+    # clamped bounds said s0 - min(1, s0), and the partition fell back.
+    def f(x, y):
+        return (x[1:] * 2, x[::2] + 1, x[:-1] * 3, x[1::2] - 1, x[2:-3, None] * y[2:-3], x[-1] * 2,
+                x[3] + 1, x[1:] + x[:-1], torch.softmax(y[:, 1::2], -1))
+
+    fn = compiled(f, dynamic=True)
+    opfuse.reset_stats()
+    for n in (9, 12, 7):
+        x, y = torch.randn(n, device=device), torch.randn(n, 2 * n + 1, device=device)[:, 1:]
+        for got, want in zip(fn(x, y), f(x, y)):
+            torch.testing.assert_close(got, want)
+    assert opfuse.stats()["fallback_ops"] == 0
+    assert opfuse.stats()["graphs_compiled"] == 1
+
+
+def test_long_float_sums_stay_within_eager_tolerance(device):
+    # 36891 equal terms: a float accumulator a simd lane drifted 3.4e-4 off
+    # on the CPU; sums in double stay within assert_close's float32
+    # tolerance, as PyTorch's cascade sum does.
+    x = torch.full((9, 4099), -8.317766, device=device)
+    y = torch.randn(3, 200_003, device=device) + 1
+    fn = compiled(lambda x, y: (x.sum(), x.mean(1), y.sum(-1), torch.log_softmax(y, -1).sum(-1)))
+    for got, want in zip(fn(x, y), (x.double().sum(), x.double().mean(1), y.double().sum(-1),
+                                    torch.log_softmax(y.double(), -1).sum(-1))):
+        torch.testing.assert_close(got, want.float())
+
+
 def test_nan_and_inf_propagate_like_eager(device):
     def f(x):
         return torch.relu(x) + x.amax(-1, keepdim=True), torch.softmax(x, -1), torch.clamp(x, -1, 1)
