@@ -132,6 +132,11 @@ Expr floordiv(const Expr& a, const Expr& b) {
     if (rest && k % y == 0) return cst(k / y) * rest;
   }
   if (expr_equal(a, b)) return cst(1);
+  // (x // p) // q == x // (p*q) for positive p and q (floor of a floor):
+  // two slices by step 2 are s0//4, as PyTorch prints them, not s0//2//2.
+  int64_t p;
+  if (is_const(b, &y) && y > 0 && a->kind == ExprNode::FloorDiv && is_const(a->args[1], &p) && p > 0)
+    return floordiv(a->args[0], cst(p * y));
   return make(ExprNode::FloorDiv, {a, b});
 }
 

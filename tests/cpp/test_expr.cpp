@@ -52,6 +52,14 @@ TEST(Expr, IdentitiesSimplify) {
   EXPECT_TRUE(expr_equal(floordiv(cst(4) * s0, cst(2)), cst(2) * s0));
   EXPECT_TRUE(expr_equal(emin(s0, s0), s0));
   EXPECT_TRUE(expr_equal(emax(s1, s1), s1));
+  // A floor of a floor by positive constants is one quotient (and the
+  // same values: checked over negative and positive numerators).
+  EXPECT_TRUE(expr_equal(floordiv(floordiv(s0, cst(2)), cst(2)), floordiv(s0, cst(4))));
+  EXPECT_TRUE(expr_equal(floordiv(floordiv(s0 + cst(1), cst(3)), cst(5)), floordiv(s0 + cst(1), cst(15))));
+  auto floor_div = [](int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); };
+  for (int64_t v = -40; v <= 40; ++v)
+    EXPECT_EQ(evaluate(floordiv(floordiv(s0 + cst(1), cst(3)), cst(5)), {{"s0", v}}),
+              floor_div(floor_div(v + 1, 3), 5));
   // Not simplifiable without knowing s0: 3*s0 // 2 stays a quotient.
   EXPECT_EQ(floordiv(cst(3) * s0, cst(2))->kind, ExprNode::FloorDiv);
 }
