@@ -135,7 +135,7 @@ void CEmitter::statement(const KStmt& s, const KStage& stage) {
   auto def = [&](const std::string& e) { line("const " + value_type(s.type) + " " + value(s.dst) + " = " + e + ";"); };
   switch (s.kind) {
     case KStmt::Load: def(load(s.buffer, offset(s.buffer, s.index))); break;
-    case KStmt::Const: def(literal(s.value, s.type)); break;
+    case KStmt::Const: def(s.size ? "(" + value_type(s.type) + ")(" + size_c(s.size) + ")" : literal(s.value, s.type)); break;
     case KStmt::Cast: {
       std::string v = value(s.args[0]);
       DType to = s.node.dtype;

@@ -233,7 +233,7 @@ std::string CudaEmitter::statement_key(const KStmt& s, const std::vector<std::st
   for (auto& k : arg_keys) a.push_back("{" + k + "}");
   switch (s.kind) {
     case KStmt::Load: return "load " + access_key(s) + " " + dtype_name(s.type);
-    case KStmt::Const: return "const " + literal(s.value, s.type);
+    case KStmt::Const: return s.size ? "size " + size_c(s.size) : "const " + literal(s.value, s.type);
     case KStmt::Cast: return "cast " + std::string(dtype_name(s.node.dtype)) + " " + a[0];
     case KStmt::Compute:
       if (s.node.op == "select_lt") return "select_lt " + size_c(s.index[0]) + " " + size_c(s.index[1]) + " " + a[0] + " " + a[1];

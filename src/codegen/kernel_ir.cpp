@@ -16,7 +16,10 @@ std::string stmt_str(const KStmt& s) {
   auto v = [](int id) { return "v" + std::to_string(id); };
   switch (s.kind) {
     case KStmt::Load: os << v(s.dst) << " = load b" << s.buffer << index_str(s.index); break;
-    case KStmt::Const: os << v(s.dst) << " = const " << s.value; break;
+    case KStmt::Const:
+      if (s.size) os << v(s.dst) << " = size " << opfuse::to_string(s.size);
+      else os << v(s.dst) << " = const " << s.value;
+      break;
     case KStmt::Cast: os << v(s.dst) << " = cast<" << dtype_name(s.node.dtype) << ">(" << v(s.args[0]) << ")"; break;
     case KStmt::Compute: {
       os << v(s.dst) << " = " << s.node.op << "(";

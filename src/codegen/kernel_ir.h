@@ -36,6 +36,7 @@ struct KStmt {
   Node node;                  // Compute: the op and its attributes
   std::vector<int> args;      // operand values
   double value = 0;           // Const
+  Expr size;                  // Const: a size expression in place of value (a size scalar)
   int acc = -1;               // Update: which accumulator
   bool varying = false;       // depends on the stage's loop variables
 };

@@ -102,6 +102,10 @@ class Lowerer {
     for (auto& d : ir_.domain) collect_symbols(d, &syms);
     for (auto& b : ir_.buffers)
       for (auto& d : b.shape) collect_symbols(d, &syms);
+    for (auto& st : ir_.stages)
+      for (auto* list : {&st.pre, &st.loop, &st.post})
+        for (auto& s : *list)
+          if (s.size) collect_symbols(s.size, &syms);
     std::sort(syms.begin(), syms.end());
     ir_.symbols = syms;
     return ir_;
@@ -191,6 +195,14 @@ class Lowerer {
     return emit(s);
   }
 
+  int size_constant(const Expr& size, DType t) {
+    KStmt s;
+    s.kind = KStmt::Const;
+    s.type = compute_dtype(t);
+    s.size = size;
+    return emit(s);
+  }
+
   int load(int node, const std::vector<Expr>& idx) {
     KStmt s;
     s.kind = KStmt::Load;
@@ -215,6 +227,7 @@ class Lowerer {
     if (n.op == "input" || (plan_.kernel_of[static_cast<size_t>(id)] >= 0 && !here(id))) return load(id, idx);
     const OpDef& d = op_def(n);
     if (d.kind == OpKind::Reduction) return reduction_result(n, idx);
+    if (Expr size = n.scalar_size()) return size_constant(size, n.dtype);
     if (n.op == "scalar") return constant(n.get_float("value"), n.dtype);
     if (n.op == "full") return constant(n.get_float("value"), n.dtype);
     if (d.kind == OpKind::Elementwise) return elementwise(n, d, idx);

@@ -356,7 +356,8 @@ HostTensor evaluate_node(const Graph& g, const Node& n, const std::vector<const 
   switch (def.kind) {
     case OpKind::Source:
       if (n.op != "scalar") throw GraphError(n.where() + ": graph inputs are given, not evaluated");
-      store(out, {n.get_float("value")});
+      if (Expr size = n.scalar_size()) store(out, {static_cast<double>(evaluate(size, syms))});
+      else store(out, {n.get_float("value")});
       break;
     case OpKind::Elementwise: eval_elementwise(g, n, def, inputs, out); break;
     case OpKind::Reduction:

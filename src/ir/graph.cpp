@@ -63,6 +63,16 @@ int Graph::add_input(const std::string& name, DType dtype, Shape shape) {
   return add_typed("input", {}, {{"name", name}}, dtype, std::move(shape));
 }
 
+Expr Node::scalar_size() const {
+  if (op != "scalar" || !has("size")) return nullptr;
+  Shape s = get_shape("size");
+  return s.size() == 1 ? s[0] : nullptr;
+}
+
+int Graph::add_size_scalar(const Expr& size) {
+  return add_typed("scalar", {}, {{"size", Shape{size}}, {"weak", true}}, DType::Int64, {});
+}
+
 int Graph::add_scalar(double value, DType dtype, bool weak) {
   Attrs a{{"value", value}};
   if (weak) a["weak"] = true;
@@ -117,6 +127,9 @@ void verify(const Graph& g) {
         throw GraphError(n.where() + ": input %" + std::to_string(in) + " is not defined before it");
     if (n.op == "input" || n.op == "scalar") {
       if (n.op == "scalar" && !n.shape.empty()) throw GraphError(n.where() + ": a scalar has shape []");
+      if (n.op == "scalar" && n.has("size") && (n.get_shape("size").size() != 1 || n.dtype != DType::Int64))
+        throw GraphError(n.where() + ": a size scalar has one size expression and dtype i64");
+      if (n.op == "scalar" && !n.has("size") && !n.has("value")) throw GraphError(n.where() + ": a scalar needs a value or a size");
       if (!n.inputs.empty()) throw GraphError(n.where() + ": takes no inputs");
       continue;
     }

@@ -43,6 +43,8 @@ struct Node {
   Shape get_shape(const std::string& k) const;
   DType get_dtype(const std::string& k) const;
   std::string where() const;  // "%3 (add)", for messages
+  // A scalar's size expression (add_size_scalar), else null.
+  Expr scalar_size() const;
 };
 
 class Graph {
@@ -54,6 +56,9 @@ class Graph {
   int add_input(const std::string& name, DType dtype, Shape shape);
   // A constant scalar; `weak` marks a Python number (it promotes only by category).
   int add_scalar(double value, DType dtype, bool weak = true);
+  // A weak int64 scalar whose value is a size expression, bound at run time
+  // (a SymInt used as a number: mean's backward divides by a symbolic size).
+  int add_size_scalar(const Expr& size);
   // Adds a node and infers its dtype and shape with the op's rule; throws
   // GraphError naming the node when the inputs do not fit the op.
   int add(const std::string& op, std::vector<int> inputs, Attrs attrs = {});

@@ -164,6 +164,8 @@ NB_MODULE(_C, m) {
       .def("input", [](Graph& g, const std::string& name, const std::string& dtype, const std::vector<std::string>& shape) {
         return g.add_input(name, dtype_of(dtype), parse_shape(shape));
       })
+      .def("size_scalar", [](Graph& g, const std::string& size) { return g.add_size_scalar(parse_shape({size})[0]); },
+           nb::arg("size"), "A weak int64 scalar whose value is a size expression (a SymInt used as a number).")
       .def("scalar", [](Graph& g, double v, const std::string& dtype, bool weak) { return g.add_scalar(v, dtype_of(dtype), weak); },
            nb::arg("value"), nb::arg("dtype"), nb::arg("weak") = true)
       .def("add", [](Graph& g, const std::string& op, const std::vector<int>& inputs, const nb::dict& attrs) {

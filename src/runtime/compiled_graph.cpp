@@ -92,6 +92,7 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
   for (auto& n : pg.nodes) {
     std::vector<std::string> syms;
     for (auto& d : n.shape) collect_symbols(d, &syms);
+    if (Expr size = n.scalar_size()) collect_symbols(size, &syms);
     for (auto& s : syms) all.insert(s);
   }
   for (auto& s : all)

@@ -103,6 +103,32 @@ def test_strided_and_dynamic_graphs_compile():
     assert len(cubin) > 0
 
 
+SIZE_SCALAR_IR = """graph {
+  %0 = input() {name="dy"} : bf16[s0]
+  %1 = unsqueeze(%0) {dim=-1} : bf16[s0, 1]
+  %2 = expand(%1) {shape=<s0, s1>} : bf16[s0, s1]
+  %3 = scalar() {size=<s1>, weak=true} : i64[]
+  %4 = div(%2, %3) {rounding_mode="true"} : bf16[s0, s1]
+  %5 = input() {name="m"} : b8[s1]
+  %6 = full() {dtype=bf16, shape=<>, value=0.0} : bf16[]
+  %7 = where(%5, %4, %6) : bf16[s0, s1]
+  %8 = sum(%7) {dims=[0], keepdim=true} : bf16[1, s1]
+  return (%7, %8)
+}"""
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_size_scalars_compile_and_read_their_symbol(arch):
+    # A SymInt used as a number (mean's backward: dy / s1) is a scalar the
+    # kernel computes from its size arguments.
+    nvrtc_or_skip()
+    cg = _C.CompiledGraph(SIZE_SCALAR_IR, target="cuda")
+    src = cg.cuda_source([[5], [5]], [[1], [1]], arch)
+    assert re.search(r"= \(int64_t\)\(s1\);", src), src
+    cubin, ptx, log = cg.compile_cuda([[5], [5]], [[1], [1]], arch, False)
+    assert len(cubin) > 0
+
+
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("cols", [1, 7, 33, 256, 1000, 1025, 5000, 40000, 40001, 70000])
 @pytest.mark.parametrize("max_cluster", ["1", "8"])

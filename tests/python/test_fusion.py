@@ -177,6 +177,22 @@ def test_slices_of_symbolic_sizes_fuse_without_fallback(device):
     assert opfuse.stats()["graphs_compiled"] == 1
 
 
+def test_mean_backward_over_a_symbolic_size_fuses(device):
+    # The backward divides by a SymInt (the mean's count): a size scalar
+    # in the IR, where it fell back ("value of primals_2 is not a tensor").
+    fn = compiled(lambda x, w: (x * w).mean(-1).tanh(), dynamic=True)
+    opfuse.reset_stats()
+    for rows, cols in ((5, 7), (6, 11), (9, 130)):
+        x = torch.randn(rows, cols, device=device, requires_grad=True)
+        w = torch.randn(cols, device=device, requires_grad=True)
+        got = torch.autograd.grad(fn(x, w).sum(), (x, w))
+        xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        want = torch.autograd.grad((xd * wd).mean(-1).tanh().sum(), (xd, wd))
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r.float())
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
 def test_long_float_sums_stay_within_eager_tolerance(device):
     # 36891 equal terms: a float accumulator a simd lane drifted 3.4e-4 off
     # on the CPU; sums in double stay within assert_close's float32

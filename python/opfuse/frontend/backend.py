@@ -278,6 +278,8 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
         if node.op == "call_function" and node.target is not operator.getitem:
             if _packet(node.target) in VIEW_ONLY:
                 continue  # a view costs PyTorch nothing: not a fallback
+            if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+                continue  # arithmetic on sizes (sym_float(n), 2.0 / n): Python's, no kernel
             if str(node.target).startswith("opfuse.") or getattr(node.target, "opfuse_op", False):
                 continue  # opfuse's own fused ops (attention, routed layer_norm backward): not a fallback
             bump("fallback_ops")

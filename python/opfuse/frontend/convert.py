@@ -83,10 +83,57 @@ class Converter:
     def val(self, a):
         if isinstance(a, torch.fx.Node):
             v = self.values.get(a)
+            if v is None and isinstance(a.meta.get("val"), (torch.SymInt, torch.SymFloat)):
+                # A size used as a number (mean's backward divides by it,
+                # var's by 2.0 / sym_float(n)): scalars the run computes
+                # from the inputs' sizes.
+                v = self.values[a] = self.sym_scalar(a.meta["val"])
             if v is None or isinstance(v, tuple):
                 raise Unsupported(f"value of {a.name} is not a tensor")
             return v
+        if isinstance(a, (torch.SymInt, torch.SymFloat)) and not a.node.expr.is_number:
+            return self.sym_scalar(a)
         return self.scalar(a)
+
+    def sym_scalar(self, s):
+        """IR scalars computing a SymInt or SymFloat from size symbols: an
+        integer size expression is one size scalar; a float one (PyTorch's
+        ToFloat, FloatTrueDiv, sums, products, reciprocals) is built of
+        scalar ops over them."""
+        if isinstance(s, torch.SymInt):
+            try:
+                return self.g.size_scalar(size_text(s))
+            except Unsupported:
+                pass
+        return self._sympy_scalar(s.node.expr)
+
+    def _sympy_scalar(self, e):
+        import sympy
+
+        name = type(e).__name__
+        if e.is_Integer:
+            return self.scalar(int(e))
+        if e.is_Number:
+            return self.scalar(float(e))
+        if e.is_Symbol:
+            return self.g.size_scalar(str(e))
+        args = [self._sympy_scalar(a) for a in e.args] if name != "Pow" else None
+        if name == "ToFloat":
+            return self.add("cast", args, dtype=("dtype", "f64"))
+        if name in ("FloatTrueDiv", "IntTrueDiv"):
+            return self.add("div", args)
+        if isinstance(e, (sympy.Add, sympy.Mul)):
+            out = args[0]
+            for a in args[1:]:
+                out = self.add("add" if isinstance(e, sympy.Add) else "mul", [out, a])
+            return out
+        if name == "Pow" and e.exp.is_Integer and -4 <= int(e.exp) <= 4 and int(e.exp) != 0:
+            base = self._sympy_scalar(e.base)
+            out = base
+            for _ in range(abs(int(e.exp)) - 1):
+                out = self.add("mul", [out, base])
+            return self.add("div", [self.scalar(1.0), out]) if int(e.exp) < 0 else out
+        raise Unsupported(f"size expression {e} used as a number")
 
     def cast_to(self, i, dt: torch.dtype):
         name = dtype_name(dt)
