@@ -290,6 +290,31 @@ SymbolValues bind_symbols(const Graph& g, const std::vector<std::vector<int64_t>
                          std::to_string(it->second) + " from " + bound_at[name]);
     }
   }
+  // A dim whose one unbound symbol it is linear in (s0 - 3) binds it:
+  // s0 = (size - f(0)) / (f(1) - f(0)), checked with every dim below.
+  for (bool more = true; more;) {
+    more = false;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      const Node& x = g.node(ids[k]);
+      for (size_t d = 0; d < x.shape.size(); ++d) {
+        std::vector<std::string> names;
+        collect_symbols(x.shape[d], &names);
+        std::vector<std::string> open;
+        for (auto& s : names)
+          if (!syms.count(s)) open.push_back(s);
+        if (open.size() != 1 || !linear_in(x.shape[d], open[0])) continue;
+        SymbolValues at = syms;
+        at[open[0]] = 0;
+        int64_t f0 = evaluate(x.shape[d], at);
+        at[open[0]] = 1;
+        int64_t slope = evaluate(x.shape[d], at) - f0, rest = input_shapes[k][d] - f0;
+        if (slope == 0 || rest % slope != 0) continue;  // the check below names the dim
+        syms[open[0]] = rest / slope;
+        bound_at[open[0]] = who(x, d);
+        more = true;
+      }
+    }
+  }
   for (size_t k = 0; k < ids.size(); ++k) {
     const Node& x = g.node(ids[k]);
     for (size_t d = 0; d < x.shape.size(); ++d) {

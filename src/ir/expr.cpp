@@ -340,6 +340,32 @@ Expr substitute(const Expr& e, const std::function<Expr(const ExprNode&)>& f) {
   }
 }
 
+namespace {
+bool mentions(const Expr& e, const std::string& name) {
+  if (e->kind == ExprNode::Sym) return e->name == name;
+  for (auto& a : e->args)
+    if (mentions(a, name)) return true;
+  return false;
+}
+}  // namespace
+
+bool linear_in(const Expr& e, const std::string& name) {
+  if (e->kind == ExprNode::Sym) return e->name == name;
+  if (e->kind == ExprNode::Add) {
+    int linear = 0;
+    for (auto& t : e->args) {
+      if (!mentions(t, name)) continue;
+      if (!linear_in(t, name)) return false;
+      ++linear;
+    }
+    return linear == 1;
+  }
+  if (e->kind == ExprNode::Mul)  // a constant times the symbol (a product of sorted factors)
+    return e->args.size() == 2 && e->args[0]->kind == ExprNode::Const && e->args[0]->value != 0 &&
+           e->args[1]->kind == ExprNode::Sym && e->args[1]->name == name;
+  return false;
+}
+
 void collect_symbols(const Expr& e, std::vector<std::string>* out) {
   if (e->kind == ExprNode::Sym) {
     if (std::find(out->begin(), out->end(), e->name) == out->end()) out->push_back(e->name);

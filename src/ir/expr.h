@@ -48,6 +48,10 @@ int64_t evaluate(const Expr& e, const std::map<std::string, int64_t>& env);
 // Replaces Var/Sym leaves for which `f` returns non-null.
 Expr substitute(const Expr& e, const std::function<Expr(const ExprNode&)>& f);
 
+// Whether e is c*name + (terms without name) with c a nonzero constant
+// (so that a value of e gives name's).
+bool linear_in(const Expr& e, const std::string& name);
+
 // All symbol names occurring in e.
 void collect_symbols(const Expr& e, std::vector<std::string>* out);
 

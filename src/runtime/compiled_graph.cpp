@@ -88,6 +88,20 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
   for (int id : input_nodes_)
     for (auto& d : pg.node(id).shape)
       if (d->kind == ExprNode::Sym) bound.insert(d->name);
+  // ... or the one unbound symbol of a dim linear in it (s0 - 3: a slice's
+  // gradient), which bind_symbols solves for.
+  for (bool more = true; more;) {
+    more = false;
+    for (int id : input_nodes_)
+      for (auto& d : pg.node(id).shape) {
+        std::vector<std::string> syms;
+        collect_symbols(d, &syms);
+        std::vector<std::string> open;
+        for (auto& s : syms)
+          if (!bound.count(s)) open.push_back(s);
+        if (open.size() == 1 && linear_in(d, open[0])) more = bound.insert(open[0]).second || more;
+      }
+  }
   std::set<std::string> all;
   for (auto& n : pg.nodes) {
     std::vector<std::string> syms;

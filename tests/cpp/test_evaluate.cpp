@@ -552,6 +552,20 @@ TEST(Evaluate, InboundsSliceSizesAndTheirCheck) {
   EXPECT_TRUE(throws_graph_error([&] { bind_symbols(g, {{0}}); }, {"slice", "out of the bounds"}));
 }
 
+// A symbol no input dim is equal to, but one is linear in (a slice's
+// gradient [s0 - 3]), is solved for; a size that fits no whole value is an
+// error naming the dim.
+TEST(Evaluate, BindSymbolsSolvesLinearDims) {
+  Graph g;
+  g.add_input("g", F32, {sym("s1"), sym("s0") + cst(-3)});
+  g.add_input("h", F32, {cst(2) * sym("s2") + cst(1)});
+  EXPECT_EQ(bind_symbols(g, {{4, 6}, {9}}), (SymbolValues{{"s0", 9}, {"s1", 4}, {"s2", 4}}));
+  EXPECT_TRUE(throws_graph_error([&] { bind_symbols(g, {{4, 6}, {8}}); }, {"'h' dim 0", "no input dim binds"}));
+  EXPECT_TRUE(linear_in(cst(3) * sym("s0") + sym("s1"), "s0"));
+  EXPECT_FALSE(linear_in(sym("s0") * sym("s1"), "s0"));
+  EXPECT_FALSE(linear_in(floordiv(sym("s0"), cst(2)), "s0"));
+}
+
 TEST(Evaluate, BindSymbols) {
   Graph g;
   g.add_input("y", F32, {cst(2) * sym("s0")});  // compound first: checked after s0 is bound
@@ -574,8 +588,8 @@ TEST(Evaluate, BindSymbols) {
   EXPECT_TRUE(throws_graph_error([&] { bind_symbols(h, {{3}, {2, 4}}); },
                                  {"'b' dim 1", "size 4 contradicts s0 = 3", "'a' dim 0"}));
   Graph k;
-  k.add_input("a", F32, {sym("s0") + cst(1)});
-  EXPECT_TRUE(throws_graph_error([&] { bind_symbols(k, {{3}}); }, {"'a' dim 0", "no input dim binds"}));
+  k.add_input("a", F32, {sym("s0") * sym("s0")});  // not linear in s0: not solved for
+  EXPECT_TRUE(throws_graph_error([&] { bind_symbols(k, {{9}}); }, {"'a' dim 0", "no input dim binds"}));
 }
 
 TEST(Evaluate, InputChecks) {

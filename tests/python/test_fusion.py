@@ -193,6 +193,21 @@ def test_mean_backward_over_a_symbolic_size_fuses(device):
     assert opfuse.stats()["fallback_ops"] == 0
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_slice_backward_fuses_as_a_cat(dynamic, device):
+    # A slice's backward is slice_scatter(zeros, grad): base's parts around
+    # the gradient, catted (it ran eagerly before, beside a lone fill).
+    fn = compiled(lambda x: (x[:, 1:-2] * x[:, 2:-1]).tanh() + x[:, :-3], dynamic=dynamic)
+    opfuse.reset_stats()
+    for rows, cols in ((4, 9), (5, 16), (3, 40)):
+        x = torch.randn(rows, cols, device=device, requires_grad=True)
+        (got,) = torch.autograd.grad(fn(x).sum(), x)
+        xd = x.detach().double().requires_grad_()
+        (want,) = torch.autograd.grad(((xd[:, 1:-2] * xd[:, 2:-1]).tanh() + xd[:, :-3]).sum(), xd)
+        torch.testing.assert_close(got, want.float())
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
 def test_long_float_sums_stay_within_eager_tolerance(device):
     # 36891 equal terms: a float accumulator a simd lane drifted 3.4e-4 off
     # on the CPU; sums in double stay within assert_close's float32

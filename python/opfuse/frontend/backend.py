@@ -120,6 +120,14 @@ class _Support(OperatorSupportBase):
         return all(v is None or _supported_tensor(v) for v in vals) and val is not None
 
 
+def _constant_fill(node) -> bool:
+    """A node that makes a tensor without reading one (full, scalar_tensor)."""
+    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+        return False
+    reads = [a for a in list(node.args) + list(node.kwargs.values()) for a in (a if isinstance(a, (list, tuple)) else [a])]
+    return not any(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in reads)
+
+
 def _feeds_gemm(node) -> bool:
     """A view some GEMM reads, directly or through more views."""
     for u in node.users:
@@ -239,8 +247,12 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
     partitions = partitioner.propose_partitions()
     for p in partitions:
         _trim_view_tails(p)
+    # Partitions of views alone, or of constant fills alone (full,
+    # scalar_tensor: nothing to fuse, and their sizes may be SymInt
+    # arguments no tensor of the partition binds), stay with PyTorch.
     partitions = [p for p in partitions
-                  if any(n.target is not operator.getitem and _packet(n.target) not in VIEW_ONLY for n in p.nodes)]
+                  if any(n.target is not operator.getitem and _packet(n.target) not in VIEW_ONLY
+                         and not _constant_fill(n) for n in p.nodes)]
     fused_gm = partitioner.fuse_partitions(partitions) if partitions else gm
 
     for node in list(fused_gm.graph.nodes):
@@ -280,6 +292,8 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
                 continue  # a view costs PyTorch nothing: not a fallback
             if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
                 continue  # arithmetic on sizes (sym_float(n), 2.0 / n): Python's, no kernel
+            if _constant_fill(node):
+                continue  # a fill alone: PyTorch's one launch, nothing opfuse would fuse it with
             if str(node.target).startswith("opfuse.") or getattr(node.target, "opfuse_op", False):
                 continue  # opfuse's own fused ops (attention, routed layer_norm backward): not a fallback
             bump("fallback_ops")

@@ -330,6 +330,27 @@ def _slice(c, node, x, dim=0, start=None, end=None, step=1):
     return c.add("slice", [c.val(x)], **attrs)
 
 
+def _slice_scatter(c, node, base, src, dim=0, start=None, end=None, step=1):
+    """slice_scatter(base, src) with step 1 (a slice's backward: src into
+    zeros) as base's parts before and after the slice around src, catted."""
+    for v in (start, end, step):
+        if v is not None and not isinstance(v, int):
+            raise Unsupported("slice_scatter bounds must be integers")
+    if step != 1:
+        raise Unsupported("slice_scatter with a step is not supported")
+    rank = len(meta_val(base).shape)
+    dim = dim % rank
+    extra = {"inbounds": 1} if _symbolic_dim(base, dim) else {}
+    b = c.val(base)
+    parts = []
+    if start:
+        parts.append(c.add("slice", [b], dim=dim, start=0, end=start, step=1, **extra))
+    parts.append(c.cast_to(c.val(src), meta_val(base).dtype))
+    if end is not None and end < (1 << 62):
+        parts.append(c.add("slice", [b], dim=dim, start=end, step=1, **extra))
+    return parts[0] if len(parts) == 1 else c.add("cat", parts, dim=dim)
+
+
 def _select(c, node, x, dim, index):
     if not isinstance(index, int):
         raise Unsupported("select index must be an integer")
@@ -509,7 +530,7 @@ HANDLERS = {
     aten.view: _view, aten._unsafe_view: _view, aten.reshape: _view, aten.expand: _expand,
     aten.permute: _permute, aten.transpose: _transpose, aten.t: _transpose,
     aten.squeeze: _squeeze, aten.unsqueeze: lambda c, n, x, d: c.add("unsqueeze", [c.val(x)], dim=d),
-    aten.slice: _slice, aten.select: _select, aten.cat: _cat,
+    aten.slice: _slice, aten.slice_scatter: _slice_scatter, aten.select: _select, aten.cat: _cat,
     aten._softmax: _softmax("softmax"), aten._log_softmax: _softmax("log_softmax"),
     aten._softmax_backward_data: _softmax_bw("softmax_backward"),
     aten._log_softmax_backward_data: _softmax_bw("log_softmax_backward"),
