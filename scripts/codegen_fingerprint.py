@@ -2,7 +2,7 @@
 """Fingerprints of the generated row and column kernels, without a GPU: the
 CUDA source of forward norms and softmaxes (with and without weights),
 statistics, and the row backward kernels, at 11 shapes, 3 dtypes, sm_80 and
-sm_90 and 25 settings of the OPFUSE_ROW_* knobs. One line a case,
+sm_90 and 26 settings of the OPFUSE_ROW_* knobs. One line a case,
 key<TAB>hash of the source. For refactors of the emitter that must not
 change what it prints:
   .venv/bin/python scripts/codegen_fingerprint.py /tmp/before.txt
@@ -47,7 +47,7 @@ def stats_ir(dt, rows, cols):
 
 SHAPES = [(32768, 4096), (8192, 32768), (4096, 262144), (262144, 256), (401, 32776), (211, 70000), (7, 1000), (13, 40001),
           (5, 33), (97, 131072), (3, 1025)]
-KNOBS = [{}, {"OPFUSE_ROW_GROUP_EXCHANGE": "1"}, {"OPFUSE_ROW_GROUP_EXCHANGE": "0"}, {"OPFUSE_ROW_GROUP_LOCAL": "1"},
+KNOBS = [{}, {"OPFUSE_ROW_GROUP_EXCHANGE": "1"}, {"OPFUSE_ROW_GROUP_EXCHANGE": "0"}, {"OPFUSE_ROW_GROUP_LOCAL": "1"}, {"OPFUSE_ROW_GROUP_LOCAL": "0"},
          {"OPFUSE_ROW_GROUP_EXCHANGE": "1", "OPFUSE_ROW_GROUP_LOCAL": "1"},
          {"OPFUSE_ROW_STAGE_ONLINE": "1", "OPFUSE_ROW_STAGE_MOMENTS": "1"},
          {"OPFUSE_ROW_GROUP_EXCHANGE": "1", "OPFUSE_ROW_STAGE_ONLINE": "1", "OPFUSE_ROW_STAGE_MOMENTS": "1"},

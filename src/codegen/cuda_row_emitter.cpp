@@ -474,11 +474,16 @@ void CudaEmitter::row_kernel(const std::string& name, int vec) {
   int moments = stage_bytes_ > 0 && vec > 1 && fast_math_ && !caching_ && !columns_ && !grouped_rows_ && stage_moments() > 0
                     ? moments_stage()
                     : -1;
-  // OPFUSE_ROW_GROUP_LOCAL=1: a row group's two reductions with one
-  // exchange (local_reference_pair), where the one-pass knobs are off.
+  // OPFUSE_ROW_GROUP_LOCAL: a row group's two reductions with one
+  // exchange (local_reference_pair), where the one-pass knobs are off; by
+  // default the (max, sum) pairs only, not the moments (see group_local).
   std::map<int, bool> local;
-  if (group_exchange_ && online < 0 && moments < 0 && !caching_ && !columns_ && !grouped_rows_ && vec > 1 && group_local() > 0)
+  const int gl = group_local();
+  if (group_exchange_ && online < 0 && moments < 0 && !caching_ && !columns_ && !grouped_rows_ && vec > 1 && gl != 0) {
     local = local_reference_stages();
+    if (gl < 0)
+      for (auto it = local.begin(); it != local.end();) it = it->second ? local.erase(it) : std::next(it);
+  }
   for (size_t si = 0; si < k_->stages.size(); ++si) {
     const KStage& st = k_->stages[si];
     stage_index_ = static_cast<int>(si);

@@ -177,12 +177,15 @@ int group_exchange() { return env_int("OPFUSE_ROW_GROUP_EXCHANGE", -1); }
 // A row group's two reductions a row (softmax's max and sum, layer_norm's
 // mean and variance) with one exchange: the first across the block only,
 // the second against the block's own value, the blocks' pairs or triples
-// combined in the one exchange (local_reference_pair). 1: on wherever the
-// row is in groups (and so, with one exchange left, softmax, log_softmax and
-// layer_norm over clusters of 8 go to groups by default as rms_norm does);
-// 0 (default until it has been timed on a GPU): two exchanges, which the
-// default declines for the cluster.
-int group_local() { return env_int("OPFUSE_ROW_GROUP_LOCAL", 0); }
+// combined in the one exchange (local_reference_pair). With one exchange
+// left, such rows over clusters of 8 go to groups by default as rms_norm's
+// do. -1 (default): softmax's and log_softmax's (max, sum) pairs only; 1:
+// layer_norm's moments too; 0: never (two exchanges, which the default
+// declines for the cluster). Session 33 (H100 80GB HBM3, 4a26dae, bf16
+// 4096x262144, us, defaults first / last): softmax 1522 / 1533 -> 1501,
+// log_softmax 1518 / 1514 -> 1491, layer_norm 1536 / 1538 -> 1577 (its
+// moments' combine costs more than the exchange it saves).
+int group_local() { return env_int("OPFUSE_ROW_GROUP_LOCAL", -1); }
 
 int index32() { return env_int("OPFUSE_ROW_INDEX32", row_issue()); }
 int exact_cols() { return env_int("OPFUSE_ROW_EXACT_COLS", row_issue()); }

@@ -221,8 +221,9 @@ def test_long_rows_staged_in_shared_memory_read_each_element_once():
     (cp.async) and every stage reads them there: one block of 512 threads
     per 64 KB row, three an SM; 512 KB rows split over a cluster of 8 on
     sm_90, whose statistics combine through distributed shared memory; on
-    sm_80 (no clusters) such rows keep the loop stages. (rms_norm's one
-    reduction: eight blocks that are not a cluster, see
+    sm_80 (no clusters) such rows keep the loop stages. (One exchange a
+    row, rms_norm's one reduction and softmax's pair against each block's
+    own max: eight blocks that are not a cluster, see
     test_group_exchange_by_default_for_one_reduction_over_clusters_of_8.)"""
     for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         shapes = [[8192, 32768]]
@@ -240,6 +241,8 @@ def test_long_rows_staged_in_shared_memory_read_each_element_once():
         assert "opf_cp_async16(sr0" in v and vector_loads(v, "b0") == 0
         if op == "rms_norm":  # one reduction a row: eight blocks exchanging through global memory
             assert "__cluster_dims__" not in v and "opf_group_reduce<opf_sum, 8, " in v and "opf_cluster" not in v
+        elif op != "layer_norm":  # one exchange of the blocks' (max, sum) pairs
+            assert "__cluster_dims__" not in v and "opf_group_local_online<" in v and "opf_cluster" not in v
         else:  # the ring's cluster reductions push into the peers' slots (OPFUSE_ROW_CLUSTER_PUSH)
             assert "__cluster_dims__(8, 1, 1)" in v and "opf_cluster_reduce_push<" in v and "opf_block_reduce<" not in v
         v = _vector_kernel(cg.cuda_source(shapes, contiguous_strides(shapes), 80))
@@ -298,7 +301,9 @@ def test_staged_ring_copies_the_next_row_while_reducing_this_one(monkeypatch):
     all but the newest copy group, the stages reading this row's slot, the
     cluster reductions' slots alternating by row parity; one 1024-thread
     block an SM. A block per row at 32768 (no cluster), a cluster of 8 at
-    262144. sm_80 has no ring (the knob changes nothing there)."""
+    262144 (the cluster's reductions: OPFUSE_ROW_GROUP_EXCHANGE=0). sm_80
+    has no ring (the knob changes nothing there)."""
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "0")
     for rows, cols, cluster in ((8192, 32768, 1), (4096, 262144, 8)):
         shapes = [[rows, cols]]
         cg = _C.CompiledGraph(row_ir("softmax", "bf16", rows, cols), target="cuda")
@@ -381,8 +386,10 @@ def test_group_exchange_replaces_the_cluster(cols, monkeypatch):
     member points to (a.gx), slots by (reduction, row parity) as before; a
     block's slice is blockIdx.x % group; the stage loops unroll by 4; no
     spills at any dtype; sm_80, =0 and rows that are not staged (float32 at
-    262144) unchanged."""
+    262144) unchanged. (Two exchanges a row for softmax too:
+    OPFUSE_ROW_GROUP_LOCAL=0; its default is one, see the local tests.)"""
     nvrtc_or_skip()
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", "0")
     for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
         for dtype in ("bf16", "f16", "f32"):
             shapes = [[4096, cols]]
@@ -443,13 +450,14 @@ def test_group_exchange_one_exchange_a_row_with_online_and_moments(monkeypatch):
 
 @pytest.mark.parametrize("cols", [262144, 65544, 131072])
 def test_group_local_reference_one_exchange_a_row(cols, monkeypatch):
-    """OPFUSE_ROW_GROUP_EXCHANGE=1 with OPFUSE_ROW_GROUP_LOCAL=1 (not yet
-    run on a GPU): softmax's and log_softmax's max and layer_norm's mean
-    reduce across the block only (opf_block_reduce), the second loop runs
-    against that block value (0 for a block whose max is -inf), and the
-    one exchange (opf_group_local_online, opf_group_local_moments) comes
-    before the loop that writes the output; rms_norm and unset or =0 leave
-    the kernels as they were; no spills at any dtype."""
+    """OPFUSE_ROW_GROUP_EXCHANGE=1 with OPFUSE_ROW_GROUP_LOCAL=1:
+    softmax's and log_softmax's max and layer_norm's mean reduce across
+    the block only (opf_block_reduce), the second loop runs against that
+    block value (0 for a block whose max is -inf), and the one exchange
+    (opf_group_local_online, opf_group_local_moments) comes before the
+    loop that writes the output; =0 leaves two exchanges; unset (the
+    default) is =1 for softmax and log_softmax and =0 for layer_norm;
+    rms_norm is the same kernel in all three; no spills at any dtype."""
     nvrtc_or_skip()
     for dtype in ("bf16", "f16", "f32"):
         for op in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
@@ -465,10 +473,13 @@ def test_group_local_reference_one_exchange_a_row(cols, monkeypatch):
             _, log = compile_for(ir, shapes, 90)
             monkeypatch.delenv("OPFUSE_ROW_GROUP_EXCHANGE")
             monkeypatch.delenv("OPFUSE_ROW_GROUP_LOCAL")
-            assert unset == off
             if "opf_group_" not in _vector_kernel(off):  # float32 at 262144: 1 MB rows are not staged
-                assert dtype == "f32" and cols == 262144 and _vector_kernel(off) == v
+                assert dtype == "f32" and cols == 262144 and _vector_kernel(off) == v == _vector_kernel(unset)
                 continue
+            if op in ("softmax", "log_softmax"):
+                assert _vector_kernel(unset) == v and v != _vector_kernel(off), (op, dtype)
+            else:
+                assert unset == off, (op, dtype)
             if op == "rms_norm":
                 assert v == _vector_kernel(off) and v.count("opf_group_reduce<") == 1
                 continue
@@ -485,15 +496,16 @@ def test_group_local_reference_one_exchange_a_row(cols, monkeypatch):
             assert spills and all(int(x) == 0 for x in spills), (op, dtype, log[-2000:])
 
 
-@pytest.mark.parametrize("local", [None, "1"], ids=["default", "local"])
+@pytest.mark.parametrize("local", [None, "1", "0"], ids=["default", "local", "two"])
 def test_group_exchange_by_default_for_one_reduction_over_clusters_of_8(local, monkeypatch):
     """The default (OPFUSE_ROW_GROUP_EXCHANGE unset): the ring's rows over
-    clusters of 8 with one reduction across the row (rms_norm) exchange
-    through global memory; two reductions (softmax, log_softmax,
-    layer_norm) and clusters of 2 and 4 keep the cluster's pushed
-    reductions; =0 keeps the cluster everywhere. With
-    OPFUSE_ROW_GROUP_LOCAL=1 the two-reduction rows have one exchange left
-    and go to groups at clusters of 8 too (opf_group_local_*)."""
+    clusters of 8 with one exchange across the row exchange through global
+    memory: rms_norm, and softmax and log_softmax, whose max is the block's
+    own before the one exchange (OPFUSE_ROW_GROUP_LOCAL unset). layer_norm
+    (two exchanges unless OPFUSE_ROW_GROUP_LOCAL=1), every op with
+    OPFUSE_ROW_GROUP_LOCAL=0 but rms_norm, and clusters of 2 and 4 keep the
+    cluster's pushed reductions; OPFUSE_ROW_GROUP_EXCHANGE=0 keeps the
+    cluster everywhere."""
     if local:
         monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", local)
     for dtype, cols in (("bf16", 262144), ("f16", 262144), ("f32", 131072), ("bf16", 70000), ("bf16", 32776)):
@@ -506,7 +518,8 @@ def test_group_exchange_by_default_for_one_reduction_over_clusters_of_8(local, m
             monkeypatch.delenv("OPFUSE_ROW_GROUP_EXCHANGE")
             eight = "__cluster_dims__(8, 1, 1)" in v0
             assert eight == (cols >= 131072)
-            grouped = eight and (op == "rms_norm" or local is not None)
+            one_exchange = op == "rms_norm" or local == "1" or (local is None and op != "layer_norm")
+            grouped = eight and one_exchange
             assert (op == "rms_norm") == (v0.count("opf_cluster_reduce_push<") == 1)
             call = "opf_group_reduce<" if op == "rms_norm" else "opf_group_local_"
             assert (call in v) == grouped and (v == v0) == (not grouped), (dtype, cols, op)
@@ -603,7 +616,10 @@ def test_cluster_staged_loops_are_unrolled(monkeypatch):
     """Rows split over a cluster unroll their staged stage loops 8 times
     (layer_norm's weight and bias loads go out together; 9% faster at
     4096x262144 on the H200), a block per row keeps the plain loop, and
-    OPFUSE_ROW_STAGE_UNROLL=0 turns it off; no spills either way."""
+    OPFUSE_ROW_STAGE_UNROLL=0 turns it off; no spills either way. (Rows in
+    groups unroll by 4: test_group_exchange_replaces_the_cluster; here the
+    cluster's, OPFUSE_ROW_GROUP_EXCHANGE=0.)"""
+    monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "0")
     for op in ("softmax", "layer_norm"):
         for rows, cols, unrolled in ((8192, 32768, False), (4096, 262144, True)):
             shapes = [[rows, cols]]
@@ -718,9 +734,9 @@ def test_staged_ring_in_place_refills_each_piece_after_its_store(monkeypatch):
             last_store = v.rindex("opf_vstore_w<8>(b")
             assert max(v.rfind("opf_vload<8>(sr0 +"), v.rfind("opf_vec<16>*>(sr0 +")) < last_store < v.index(refill)
             assert v.index(refill) < v.index("}", v.index(refill))  # inside the last stage's loop
-            if cluster > 1:  # rms_norm's one reduction a row: eight blocks exchanging through global memory
-                assert ("&opf_xbar[0 + par_]" in v) == (op != "rms_norm") and "opf_cluster_arrive" not in v
-                assert (", a.gx, 0 + par_);" in v) == (op == "rms_norm")
+            if cluster > 1:  # one exchange a row (all but layer_norm): eight blocks exchanging through global memory
+                assert ("&opf_xbar[0 + par_]" in v) == (op == "layer_norm") and "opf_cluster_arrive" not in v
+                assert (", a.gx, 0 + par_);" in v) == (op != "layer_norm")
 
 
 def _vector_ptx(ptx):

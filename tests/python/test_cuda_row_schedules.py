@@ -641,26 +641,32 @@ def test_cluster_push_matches_float64(rows, cols, dtype, schedule, monkeypatch):
 # 5d086ce, whose counters moved with each kernel's slot count, a counter
 # landed on another kernel's slot and the first of these hung.)
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-@pytest.mark.parametrize("mode", ["1", None, "one", "local", "local_default"],
-                         ids=["everywhere", "default", "one_exchange", "local", "local_default"])
+@pytest.mark.parametrize("mode", ["1", None, "one", "local", "local_default", "two"],
+                         ids=["everywhere", "default", "one_exchange", "local", "local_default", "two_exchanges"])
 @pytest.mark.parametrize("rows,cols,dtype", PUSH_CASES, ids=[f"{r}x{c}" for r, c, _ in PUSH_CASES])
 def test_group_exchange_matches_float64(rows, cols, dtype, mode, monkeypatch):
+    # (By default softmax's and log_softmax's pairs are against each block's
+    # own max; "two" is their two exchanges a row, "local" layer_norm's
+    # moments against the block's mean too.)
     if mode == "one":  # softmax's online pair and layer_norm's moments in one exchange a row
         for knob in ("OPFUSE_ROW_STAGE_ONLINE", "OPFUSE_ROW_STAGE_MOMENTS"):
             monkeypatch.setenv(knob, "1")
     if mode in ("local", "local_default"):  # against each block's own max or mean
         monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", "1")
-    if mode in ("1", "one", "local"):
+    if mode == "two":
+        monkeypatch.setenv("OPFUSE_ROW_GROUP_LOCAL", "0")
+    if mode in ("1", "one", "local", "two"):
         monkeypatch.setenv("OPFUSE_ROW_GROUP_EXCHANGE", "1")
     _push_case_against_float64(rows, cols, dtype)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="the ring needs sm_90")
-@pytest.mark.parametrize("local", ["0", "1"])
+@pytest.mark.parametrize("local", ["0", "1", "-1"])
 @pytest.mark.parametrize("rows,cols,dtype", [(9, 262144, torch.bfloat16), (9, 65544, torch.float16)], ids=["262144", "65544"])
 def test_group_exchange_special_rows(rows, cols, dtype, local, monkeypatch):
-    """Row groups (OPFUSE_ROW_GROUP_EXCHANGE=1) with two exchanges a row or
-    one against each block's own max or mean (OPFUSE_ROW_GROUP_LOCAL=1):
+    """Row groups (OPFUSE_ROW_GROUP_EXCHANGE=1) with two exchanges a row
+    (OPFUSE_ROW_GROUP_LOCAL=0), one against each block's own max or mean
+    (=1), or the default (-1: softmax's pairs local, layer_norm's two):
     NaN, +inf, all -inf rows, one block's whole slice -inf (its max -inf,
     its sum against 0), a late larger maximum in the last block, a row far
     from 0 and a constant row; groups of 8 (262144) and of 4 whose last
