@@ -55,6 +55,33 @@ BATCHES, CALLS = 41, 200  # median over 41 batches of 200 calls
 LAYERS = ("torch.compile", "partition", "run", "eager add")
 
 
+def host_us_interleaved(fns: dict, device: torch.device, batches: int, calls: int) -> dict:
+    """name -> (median, min) over batches of the mean host microseconds per
+    call, the callables' batches taken in turn (batch 1 of each, then batch
+    2 of each, ...), so that a slow stretch of a shared host (another
+    process, a frequency change) falls on every row alike instead of on
+    whichever row was being timed then (the 20261205 H100 run read the
+    chain's partition at a median of 7.96 us with a fastest batch of 5.18,
+    timed alone). Each batch follows one untimed call, in which a step that
+    switches state (the GEMM partition's two paths) does so."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    for fn in fns.values():
+        for _ in range(100):
+            fn()
+    sync(device)
+    per_batch = {name: [] for name in fns}
+    for _ in range(batches):
+        for name, fn in fns.items():
+            fn()
+            sync(device)
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            per_batch[name].append((time.perf_counter_ns() - t0) / calls / 1e3)
+            sync(device)  # outside the timed batch: the GPU never falls a queue behind
+    return {name: (statistics.median(b), min(b)) for name, b in per_batch.items()}
+
+
 def _host_us(fn, device: torch.device, batches: int, calls: int) -> tuple[float, float]:
     """(median, min) over batches of the mean host microseconds per call."""
     for _ in range(100):
@@ -139,7 +166,7 @@ def layer_calls(fn, args, device: torch.device) -> tuple[int, dict]:
 def measure_graph(fn, args, device: torch.device, batches: int = BATCHES, calls: int = CALLS) -> dict:
     """Host us (median, min) per layer for one graph, and its kernel count."""
     kernels, calls_of = layer_calls(fn, args, device)
-    results = {layer: _host_us(call, device, batches, calls) for layer, call in calls_of.items()}
+    results = host_us_interleaved(calls_of, device, batches, calls)
     return {"layers": results, "kernels": kernels}
 
 
@@ -183,7 +210,7 @@ def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[d
         records.append(make_record(info, suite="launch", case="driver-floor-host", impl="cuLaunchKernel (empty kernel)",
                                    metric="ms", value=med / 1e3, floor=None, host_us=med, host_us_min=best,
                                    host_us_per_kernel=med, kernels=1))
-    steps = measure_parts(chain, graphs(device)["chain-4K"][1], device, _host_us, batches, calls)
+    steps = measure_parts(chain, graphs(device)["chain-4K"][1], device, host_us_interleaved, batches, calls)
     for graph, r in measured.items():
         k = r["kernels"]
         for layer in LAYERS:
@@ -200,7 +227,7 @@ def run_launch_suite(device: torch.device, info: RunInfo, quick: bool) -> list[d
         print(f"{'  ' + step:34s} {med:9.2f} {'':10s} {best:12.2f}")
         records.append(make_record(info, suite="launch", case="chain-4K-steps-host", impl=step, metric="ms",
                                    value=med / 1e3, floor=None, host_us=med, host_us_min=best, kernels=1))
-    for graph, gemm_steps in measure_gemm_steps(device, _host_us, batches, calls, quick).items():
+    for graph, gemm_steps in measure_gemm_steps(device, host_us_interleaved, batches, calls, quick).items():
         print(f"{graph} partition with GEMM steps, step by step (launch_gemm.py; every row includes 'loop'):")
         for step, (med, best) in gemm_steps.items():
             print(f"{'  ' + step:34s} {med:9.2f} {'':10s} {best:12.2f}")

@@ -143,8 +143,7 @@ def measure_gemm_steps(device: torch.device, host_us, batches: int, calls: int, 
             part, part_args = find_partition(compiled_fn, args)
             built_with = part.gemm_cpp
             try:
-                results[name] = {step: host_us(call, device, batches, calls)
-                                 for step, call in gemm_step_calls(part, part_args, device).items()}
+                results[name] = host_us(gemm_step_calls(part, part_args, device), device, batches, calls)
             finally:
                 part.use_gemm_cpp(built_with)
     finally:

@@ -76,7 +76,8 @@ def part_calls(part, part_args, device: torch.device) -> dict:
 
 def measure_parts(fn, args, device: torch.device, host_us, batches: int, calls: int) -> dict:
     """Step name -> (median, min) host us per call, for the one partition
-    of `fn` compiled with opfuse (`host_us` is the bench's timer)."""
+    of `fn` compiled with opfuse (`host_us` is the bench's timer of a dict
+    of callables, their batches in turn)."""
     from .launch import find_partition
 
     torch._dynamo.reset()
@@ -87,7 +88,6 @@ def measure_parts(fn, args, device: torch.device, host_us, batches: int, calls: 
     if device.type == "cpu":
         torch.set_num_threads(1)  # as the bench's layers on the CPU
     try:
-        return {step: host_us(call, device, batches, calls)
-                for step, call in part_calls(part, part_args, device).items()}
+        return host_us(part_calls(part, part_args, device), device, batches, calls)
     finally:
         torch.set_num_threads(threads)
