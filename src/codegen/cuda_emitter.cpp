@@ -102,9 +102,17 @@ std::string CudaEmitter::header(const std::string& name, int threads, int cluste
 int CudaEmitter::choose_vec(bool all_stages) {
   size_t n = k_->domain.size();
   vec_buffer_.assign(k_->buffers.size(), false);
+  vec_offsets_.clear();
   if (n == 0 || is_one(k_->domain[n - 1])) return 1;
   std::string x = "x" + std::to_string(n - 1);
   int max_size = 0;
+  // Each vector access's element offset with every loop index and stride
+  // at 0: what is left (a slice's start, a cat's shift) must be a multiple
+  // of the vector, on top of the run time's checks of pointers, of the
+  // strides and of the innermost sizes (which cover the terms of the loop
+  // indices). x[1:-3] of 12 floats read at xl_ + 1 as float4 was a
+  // misaligned address on the GPU.
+  std::vector<Expr> bases;
   std::vector<const std::vector<KStmt>*> lists;
   for (size_t i = 0; i < (all_stages ? k_->stages.size() : 1); ++i) {
     lists.push_back(&k_->stages[i].pre);
@@ -127,9 +135,19 @@ int CudaEmitter::choose_vec(bool all_stages) {
       if (!is_const(step, &c) || c != 1) return 1;
       vec_buffer_[static_cast<size_t>(s.buffer)] = true;
       max_size = std::max(max_size, dtype_size(k_->buffers[static_cast<size_t>(s.buffer)].dtype));
+      bases.push_back(substitute(off, [](const ExprNode& v) -> Expr { return v.kind == ExprNode::Var ? cst(0) : nullptr; }));
     }
   if (max_size == 0) return 1;
-  return std::max(1, 16 / max_size);
+  const int vec = std::max(1, 16 / max_size);
+  for (const Expr& b : bases) {
+    int64_t c;
+    if (is_const(b, &c)) {
+      if (c % vec != 0) return 1;
+    } else if (std::none_of(vec_offsets_.begin(), vec_offsets_.end(), [&](const Expr& e) { return expr_equal(e, b); })) {
+      vec_offsets_.push_back(b);
+    }
+  }
+  return vec;
 }
 
 std::string CudaEmitter::access_key(const KStmt& s) const {
@@ -419,6 +437,7 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
     // Vectors along the row when the only reduced axis is the innermost
     // one and every access moves along it with unit stride.
     int v = (k.reduce_axes.size() == 1 && k.reduce_axes[0] == static_cast<int64_t>(k.domain.size()) - 1) ? choose_vec(true) : 1;
+    const std::vector<Expr> offsets = vec_offsets_;
     row_kernel(k.name, 1);
     CudaLaunch scalar = launch_;
     if (v > 1) {
@@ -436,6 +455,7 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
       launch_.vec_group_exchange = vl.group_exchange;
       for (size_t b = 0; b < vb.size(); ++b)
         if (vb[b]) launch_.vec_buffers.push_back(static_cast<int>(b));
+      launch_.vec_offsets = offsets;
     }
     return out_.str();
   }
@@ -448,6 +468,7 @@ std::string CudaEmitter::emit(const KernelIR& k, const StrideSignature& sig) {
     launch_.vec_name = k.name + "_v" + std::to_string(v);
     for (size_t b = 0; b < vec_buffer_.size(); ++b)
       if (vec_buffer_[b]) launch_.vec_buffers.push_back(static_cast<int>(b));
+    launch_.vec_offsets = vec_offsets_;
     pointwise(launch_.vec_name, v);
   }
   return out_.str();

@@ -44,6 +44,11 @@ struct CudaLaunch {
   int rows_per_block = 1;  // row kernels: 8 with a warp per row
   int vec = 1;             // pointwise: elements per thread access
   std::vector<int> vec_buffers;  // kernel buffers accessed with vectors
+  // Element offsets of vector accesses at lane 0 with every loop index 0
+  // that depend on sizes (a slice's start at s0 - 5, a cat's part): the
+  // vector twin runs only where each is a multiple of vec (a constant one
+  // that is not keeps the kernel scalar).
+  std::vector<Expr> vec_offsets;
   int items = 0;           // row kernels: per-thread register cache length (0: none)
   int cluster = 1;          // row kernels: blocks per row (a thread-block cluster)
   int vec_threads = 0, vec_rows_per_block = 0, vec_cluster = 1;  // row kernels: geometry of the vector twin
@@ -89,6 +94,7 @@ class CudaEmitter : public CEmitter {
   int vec_ = 1;                  // the V of the function being printed
   bool in_lanes_ = false;
   std::vector<bool> vec_buffer_;  // by kernel buffer
+  std::vector<Expr> vec_offsets_;  // choose_vec's symbolic base offsets (CudaLaunch::vec_offsets)
   // Row kernels.
   RowCachePlan cache_;            // values kept in registers between stages
   bool caching_ = false;

@@ -574,6 +574,8 @@ void CompiledGraph::prepare_cuda_kernel(const Variant& v, size_t i, const std::v
   if (nst == 0) args.push_back(0);
   // What the vector twin needs of sizes and strides; pointer alignment is left to each run.
   bool vec_ok = v.cu_vector[i] != nullptr && !k.domain.empty() && evaluate(k.domain.back(), env) % cl.vec == 0;
+  for (const Expr& off : cl.vec_offsets)  // a slice's or cat's shift in elements, at these sizes
+    vec_ok = vec_ok && evaluate(off, env) % cl.vec == 0;
   for (int kb : cl.vec_buffers) {
     if (!vec_ok) break;
     const KBuffer& buf = k.buffers[static_cast<size_t>(kb)];

@@ -177,6 +177,26 @@ def test_slices_of_symbolic_sizes_fuse_without_fallback(device):
     assert opfuse.stats()["graphs_compiled"] == 1
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_slices_starting_inside_a_vector_read_element_by_element(dynamic, device):
+    # x[1:-3] of 12 floats is 8 (two whole float4) read from element 1: on
+    # the GPU its vector twin read float4 4 bytes past a 16-byte boundary (a
+    # misaligned address, which killed the CUDA context). Starts the vector
+    # divides keep vectors; 16-bit rows too, and a row kernel over a slice.
+    def f(x, m, h):
+        return (x[1:-3] * 2, x[4:] + 1, m[:, 2:-2] * 3, m[:, 4:] * 3, h[:, 2:-6] * 2, torch.softmax(h[:, 3:-5], -1),
+                h[:, 8:] - 1)
+
+    fn = compiled(f, dynamic=dynamic)
+    opfuse.reset_stats()
+    for n in (12, 16, 20):
+        x, m = torch.randn(n, device=device), torch.randn(3, n, device=device)
+        h = torch.randn(5, n * 64, device=device, dtype=torch.bfloat16)
+        for got, want in zip(fn(x, m, h), f(x, m, h)):
+            torch.testing.assert_close(got, want)
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
 def test_mean_backward_over_a_symbolic_size_fuses(device):
     # The backward divides by a SymInt (the mean's count): a size scalar
     # in the IR, where it fell back ("value of primals_2 is not a tensor").
