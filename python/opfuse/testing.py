@@ -38,21 +38,44 @@ def random_inputs(ir_text, sizes, generator=None):
     return out
 
 
+def same_layout_on(t: torch.Tensor, device) -> torch.Tensor:
+    """t's values in the same layout (sizes, strides, storage offset, so
+    the same alignment of its first element) on `device`."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    whole = torch.as_strided(t, (n,), (1,), 0).to(device)  # the whole storage, in order
+    return torch.as_strided(whole, t.shape, t.stride(), t.storage_offset())
+
+
 def run_compiled(compiled, inputs):
-    """Runs a _C.CompiledGraph on CPU tensors; returns its outputs."""
+    """Runs a _C.CompiledGraph on CPU tensors (a graph compiled for the CPU)
+    or CUDA tensors (compiled with target="cuda": the current stream, then
+    a synchronisation); returns its outputs."""
     shapes = [list(t.shape) for t in inputs]
     strides = [list(t.stride()) for t in inputs]
+    cuda = bool(inputs) and inputs[0].is_cuda
+    device = inputs[0].device if inputs else torch.device("cpu")
+    if cuda:
+        from .frontend.runtime import ensure_context, zeroed_workspace
+        ensure_context(device)
     syms = compiled.bind(shapes)
     variant, _, _ = compiled.variant(shapes, strides)
     buffers = compiled.buffers()
     n_in = sum(1 for b in buffers if b[2])
     bufs = []
     for i, b in enumerate(buffers[n_in:]):
-        t = torch.empty(compiled.buffer_shape(n_in + i, syms), dtype=TORCH_DTYPES[b[1]])
+        t = torch.empty(compiled.buffer_shape(n_in + i, syms), dtype=TORCH_DTYPES[b[1]], device=device)
         if t.is_floating_point():
             t.fill_(float("nan"))  # poisoned: an unwritten element fails the comparison
         bufs.append(t)
-    compiled.run(variant, syms, [t.data_ptr() for t in inputs] + [b.data_ptr() for b in bufs], strides)
+    ptrs = [t.data_ptr() for t in inputs] + [b.data_ptr() for b in bufs]
+    if cuda:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        zws = zeroed_workspace(device.index if device.index is not None else torch.cuda.current_device(), stream)
+        compiled.run(variant, syms, ptrs, strides, stream, zeroed_workspace=zws.data_ptr(),
+                     zeroed_workspace_bytes=zws.numel())
+        torch.cuda.synchronize(device)
+    else:
+        compiled.run(variant, syms, ptrs, strides)
     everything = list(inputs) + bufs
     return [everything[i].view(compiled.output_shape(o, syms)) for o, i in enumerate(compiled.output_buffers())]
 

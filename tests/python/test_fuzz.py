@@ -44,7 +44,7 @@ import torch
 
 from opfuse import _C
 from opfuse.frontend.convert import TORCH_DTYPES
-from opfuse.testing import oracle, run_compiled
+from opfuse.testing import oracle, run_compiled, same_layout_on
 
 SEED = int(os.environ.get("OPFUSE_FUZZ_SEED", "20250611"))
 NUM_GRAPHS = int(os.environ.get("OPFUSE_FUZZ_GRAPHS", "40"))
@@ -831,8 +831,11 @@ def tolerance(v):
     return 2.0 * U[v.dtype], 2.0 * v.err + 1e-30
 
 
-def check_run(case, cg, inputs, label):
-    got = run_compiled(cg, inputs)
+def check_run(case, cg, inputs, label, device="cpu"):
+    # CUDA: the same values in the same layouts (storage offsets too, so the
+    # vector twins' alignment checks see what they see on the CPU).
+    got = run_compiled(cg, [same_layout_on(t, device) for t in inputs] if device != "cpu" else inputs)
+    got = [g.cpu() for g in got]
     want = oracle(case.text, inputs)
     assert len(got) == len(want) == len(case.outputs)
     for i, (g, w, v) in enumerate(zip(got, want, case.outputs)):
@@ -850,29 +853,29 @@ def check_run(case, cg, inputs, label):
             )
 
 
-def run_case(case):
+def run_case(case, device="cpu"):
     try:
-        return _run_case(case)
+        return _run_case(case, device)
     except Exception as e:  # a crash in the compiler: say which graph
         pytest.fail(f"fuzz graph {case.index} (OPFUSE_FUZZ_SEED={SEED} OPFUSE_FUZZ_ONLY={case.index}) raised "
                     f"{type(e).__name__}: {str(e)[:3000]}\n\n{case.text}", pytrace=False)
 
 
-def _run_case(case):
-    cg = _C.CompiledGraph(case.text)
+def _run_case(case, device="cpu"):
+    cg = _C.CompiledGraph(case.text, target="cuda") if device == "cuda" else _C.CompiledGraph(case.text)
     g = torch.Generator().manual_seed(SEED * 1000 + case.index)
     base = case.bindings[0]
     shapes = [concrete(s, base) for _, _, s in case.inputs]
     check_run(case, cg, [make_tensor(dt, sh, "contiguous", g) for (_, dt, _), sh in zip(case.inputs, shapes)],
-              "contiguous")
+              "contiguous", device)
     for layout in case.layouts:
         ins = [make_tensor(dt, sh, lay, g) for (_, dt, _), sh, lay in zip(case.inputs, shapes, layout)]
-        check_run(case, cg, ins, "layouts " + ",".join(layout))
+        check_run(case, cg, ins, "layouts " + ",".join(layout), device)
     if len(case.bindings) > 1:
         # Symbolic sizes: the same compiled graph at other sizes.
         shapes = [concrete(s, case.bindings[1]) for _, _, s in case.inputs]
         check_run(case, cg, [make_tensor(dt, sh, "contiguous", g) for (_, dt, _), sh in zip(case.inputs, shapes)],
-                  f"sizes {case.bindings[1]}")
+                  f"sizes {case.bindings[1]}", device)
     return cg
 
 
@@ -880,8 +883,10 @@ INDICES = ONLY or list(range(NUM_GRAPHS))
 
 
 @pytest.mark.parametrize("index", INDICES)
-def test_random_graph_matches_oracle(index):
-    run_case(make_case(index))
+def test_random_graph_matches_oracle(index, device):
+    """The CPU kernels; on a GPU machine the CUDA kernels of the same graphs
+    too (the same inputs, layouts and sizes, against the same oracle)."""
+    run_case(make_case(index), device)
 
 
 REQUIRED_OPS = {
