@@ -63,6 +63,15 @@ const HostCompiler& host_compiler() {
     // sqrt and friends vectorise without changing results; -fno-trapping-math
     // lets selects (relu, max) become vector blends (no FP traps are used).
     c.flags = {"-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fwrapv", "-fno-math-errno", "-fno-trapping-math", "-w"};
+    // Generated kernels compute half types in float, so AVX512-FP16's half
+    // arithmetic buys nothing; and GCC (12 to 14.3 at least) emits masked
+    // scalar `vmovsh` forms that the assembler rejects ("unsupported masking
+    // for `vmovsh'") for some float16 kernels on CPUs that have it (IR fuzz
+    // seed 3303, graph 170). Without it GCC converts with F16C instead,
+    // packed (vcvtph2ps/vcvtps2ph). Only where -march=native turns it on:
+    // a compiler that defines the macro knows the flag.
+    std::string native_macros = capture({c.command, "-march=native", "-dM", "-E", "-x", "c++", "/dev/null"});
+    if (native_macros.find("__AVX512FP16__") != std::string::npos) c.flags.push_back("-mno-avx512fp16");
     std::string version = capture({c.command, "--version"});
     if (version.empty()) version = "unknown";
     bool ok = false;
