@@ -2,8 +2,10 @@
 both compiled; losses and gradients match eager's."""
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import opfuse
 
@@ -63,3 +65,25 @@ def test_backward_of_softmax_and_layer_norm_is_fused():
     f(x, w).backward()
     torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_layer_norm_weight_gradients_with_no_batch_dims(dynamic):
+    # A rank-1 input (or one normalized over all its dims) has no batch dims
+    # to sum dweight and dbias over: the IR's sum with no dims summed
+    # everything, and the backward fell back (shape [] against [7]).
+    def f(x, w, b, m, mw):
+        return F.layer_norm(x, x.shape, w, b).tanh(), F.layer_norm(m, m.shape, mw).sin()
+
+    fn = torch.compile(f, backend="opfuse", dynamic=dynamic)
+    opfuse.reset_stats()
+    for n in (7, 9):
+        args = [torch.randn(n), torch.randn(n), torch.randn(n), torch.randn(3, n), torch.randn(3, n)]
+        leaves = [a.clone().requires_grad_() for a in args]
+        ref = [a.double().requires_grad_() for a in args]
+        weights = [torch.randn(n), torch.randn(3, n)]
+        got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(fn(*leaves), weights)), leaves)
+        want = torch.autograd.grad(sum((o * w).sum() for o, w in zip(f(*ref), weights)), ref)
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r.float(), rtol=1e-4, atol=1e-5)
+    assert opfuse.stats()["fallback_ops"] == 0

@@ -478,14 +478,20 @@ def _layer_norm_backward(c, node, dy, x, normalized_shape, mean, rstd, weight, b
     ins = [dyi, xi, mi, ri] + ([c.val(weight)] if weight is not None else [])
     dx = c.add("layer_norm_backward", ins, normalized_ndim=nd) if mask[0] else None
     batch = list(range(rank - nd))
+    f32 = lambda i: c.cast_to(i, torch.float32) if c.g.dtype(i) in ("f16", "bf16") else i
+
+    def over_batch(v):
+        # The IR's sum with no dims sums everything: with no batch dims (a
+        # rank-1 input normalized whole) there is nothing to sum over, and
+        # the per-element value is the gradient itself.
+        return c.add("sum", [v], dims=batch, keepdim=False) if batch else v
+
     dw = db = None
     if mask[1] and weight is not None:
-        f32 = lambda i: c.cast_to(i, torch.float32) if c.g.dtype(i) in ("f16", "bf16") else i
         xhat = c.add("mul", [c.add("sub", [f32(xi), f32(mi)]), f32(ri)])
-        dw = c.add("sum", [c.add("mul", [f32(dyi), xhat])], dims=batch, keepdim=False)
+        dw = over_batch(c.add("mul", [f32(dyi), xhat]))
     if mask[2] and bias is not None:
-        f32 = lambda i: c.cast_to(i, torch.float32) if c.g.dtype(i) in ("f16", "bf16") else i
-        db = c.add("sum", [f32(dyi)], dims=batch, keepdim=False)
+        db = over_batch(f32(dyi))
     return (dx, dw, db)
 
 
