@@ -63,6 +63,11 @@ POOL_LIMIT = 1e4  # values beyond this only feed outputs
 # generated: comparing it would check little (ill-conditioned, e.g. a norm of
 # nearly constant rows with a tiny eps, or a long half-precision chain).
 MAX_REL_ERR = 0.1
+# No value larger than this at any binding: inputs stay under 150k elements,
+# but an expand of a size-1 dim to a large one multiplies them (seed 3404,
+# graph 116: s0x8209x8209, 1G float64 elements a node in the oracle at the
+# second binding, which holds every node, used or not).
+MAX_VALUE_NUMEL = 600_000
 
 
 def ucomp(dt):
@@ -152,6 +157,9 @@ class GraphGen:
     def emit(self, op, inputs, attrs, lo, hi, err, nan=False, terminal=False):
         if not nan and math.isfinite(err) and err > MAX_REL_ERR * max(abs(lo), abs(hi)) + 1e-7:
             return None
+        probed = self.probe(op, inputs, attrs)
+        if probed is None or self.numel_max(probed[1]) > MAX_VALUE_NUMEL:
+            return None
         try:
             vid = self.b.add(op, [v.id for v in inputs], attrs or {})
         except ValueError:
@@ -190,16 +198,22 @@ class GraphGen:
         self.ops["scalar"] += 1
         return Val(vid, self.b.dtype(vid), [], float(value), float(value), 0.0, op="scalar", weak=weak)
 
-    def result_dtype(self, op, inputs, attrs=None):
-        """The dtype `op` would give (None if the combination is invalid), found
-        on a scratch graph so that the real one gets no node it does not keep:
-        the oracle evaluates every node, and a dead one could raise."""
+    def probe(self, op, inputs, attrs=None):
+        """The (dtype, shape) `op` would give (None if the combination is
+        invalid), found on a scratch graph so that the real one gets no node
+        it does not keep: the oracle evaluates every node, and a dead one
+        could raise or be huge."""
         probe = _C.GraphBuilder()
         ids = [probe.scalar(v.lo, v.dtype, True) if v.weak else probe.input("t", v.dtype, v.shape) for v in inputs]
         try:
-            return probe.dtype(probe.add(op, ids, attrs or {}))
+            vid = probe.add(op, ids, attrs or {})
         except ValueError:
             return None
+        return probe.dtype(vid), probe.shape(vid)
+
+    def result_dtype(self, op, inputs, attrs=None):
+        probed = self.probe(op, inputs, attrs)
+        return probed and probed[0]
 
     def conv_err(self, v, dt):
         """Error bound of v after conversion to dtype dt (exact conversions add nothing)."""
