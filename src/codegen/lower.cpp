@@ -102,11 +102,21 @@ class Lowerer {
     for (auto& d : ir_.domain) collect_symbols(d, &syms);
     for (auto& b : ir_.buffers)
       for (auto& d : b.shape) collect_symbols(d, &syms);
-    for (auto& st : ir_.stages)
+    // Indices mention symbols no size does (a slice starting at <s0>, the
+    // gradient of a cat's second part): the kernel takes those too.
+    for (auto& st : ir_.stages) {
       for (auto* list : {&st.pre, &st.loop, &st.post})
-        for (auto& s : *list)
+        for (auto& s : *list) {
           if (s.size) collect_symbols(s.size, &syms);
+          for (auto& e : s.index) collect_symbols(e, &syms);
+        }
+      for (auto& a : st.accs) {
+        if (a.count) collect_symbols(a.count, &syms);
+        if (a.index) collect_symbols(a.index, &syms);
+      }
+    }
     std::sort(syms.begin(), syms.end());
+    syms.erase(std::unique(syms.begin(), syms.end()), syms.end());
     ir_.symbols = syms;
     return ir_;
   }

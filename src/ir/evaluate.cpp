@@ -208,7 +208,7 @@ void eval_column_partials(const Node& n, const HostTensor& x, HostTensor& out) {
 
 // ---- layout ----------------------------------------------------------------
 
-void eval_layout(const Node& n, const std::vector<const HostTensor*>& in, HostTensor& out) {
+void eval_layout(const Node& n, const std::vector<const HostTensor*>& in, HostTensor& out, const SymbolValues& syms) {
   const HostTensor& x = *in[0];
   int64_t rank = static_cast<int64_t>(x.shape.size());
   const std::string& op = n.op;
@@ -228,11 +228,8 @@ void eval_layout(const Node& n, const std::vector<const HostTensor*>& in, HostTe
     // The same clamping as the shape rule in ops.cpp, on concrete numbers.
     size_t d = static_cast<size_t>(normalize_dim(n.get_int("dim"), rank, n));
     int64_t size = x.shape[d], step = n.get_int("step", 1);
-    int64_t start = n.get_int("start", 0), end = n.has("end") ? n.get_int("end") : size;
-    if (start < 0) start = std::max<int64_t>(size + start, 0);
-    if (end < 0) end = std::max<int64_t>(size + end, 0);
-    end = std::min(end, size);
-    start = std::min(start, end);
+    auto [start_expr, end_expr] = slice_bounds(n, cst(size));  // bounds may be size expressions
+    int64_t start = evaluate(start_expr, syms), end = evaluate(end_expr, syms);
     int64_t len = (end - start + step - 1) / step;
     if (len != out.shape[d])
       throw GraphError(n.where() + ": slice gives " + std::to_string(len) + " elements but the node's size is " +
@@ -390,7 +387,7 @@ HostTensor evaluate_node(const Graph& g, const Node& n, const std::vector<const 
       else eval_reduction(n, *inputs[0], out);
       break;
     case OpKind::Broadcast:
-    case OpKind::Layout: eval_layout(n, inputs, out); break;
+    case OpKind::Layout: eval_layout(n, inputs, out, syms); break;
     case OpKind::Composite: eval_detail::evaluate_composite(n, inputs, out); break;
     case OpKind::Gemm: eval_matmul(*inputs[0], *inputs[1], out); break;
     case OpKind::Opaque: throw GraphError(n.where() + ": an opaque op has no reference evaluation");

@@ -69,6 +69,13 @@ Expr Node::scalar_size() const {
   return s.size() == 1 ? s[0] : nullptr;
 }
 
+void Node::collect_symbols(std::vector<std::string>* out) const {
+  for (const Expr& d : shape) opfuse::collect_symbols(d, out);
+  for (const auto& [key, value] : attrs)
+    if (auto p = std::get_if<Shape>(&value))
+      for (const Expr& e : *p) opfuse::collect_symbols(e, out);
+}
+
 int Graph::add_size_scalar(const Expr& size) {
   return add_typed("scalar", {}, {{"size", Shape{size}}, {"weak", true}}, DType::Int64, {});
 }

@@ -45,6 +45,9 @@ struct Node {
   std::string where() const;  // "%3 (add)", for messages
   // A scalar's size expression (add_size_scalar), else null.
   Expr scalar_size() const;
+  // Every size symbol the node mentions: in its shape and in its size
+  // attributes (a size scalar's, a slice's bounds, a reshape's shape).
+  void collect_symbols(std::vector<std::string>* out) const;
 };
 
 class Graph {

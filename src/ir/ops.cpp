@@ -30,9 +30,27 @@ int64_t normalize_dim(int64_t d, int64_t rank, const Node& n) {
   return d < 0 ? d + r : d;
 }
 
+namespace {
+
+// A slice bound: an integer, or a size expression (`start=<s0>`: the
+// gradient of a cat's second part starts at the first part's size).
+Expr bound_attr(const Node& n, const std::string& key, const Expr& dflt) {
+  if (!n.has(key)) return dflt;
+  if (std::holds_alternative<int64_t>(n.attrs.at(key))) return cst(n.get_int(key));
+  Shape s = n.get_shape(key);
+  if (s.size() != 1) throw GraphError(n.where() + ": attribute '" + key + "' must be an integer or one size expression");
+  return s[0];
+}
+
+}  // namespace
+
 std::pair<Expr, Expr> slice_bounds(const Node& n, const Expr& size) {
-  Expr start = cst(n.get_int("start", 0)), end = n.has("end") ? cst(n.get_int("end")) : size;
+  Expr start = bound_attr(n, "start", cst(0)), end = bound_attr(n, "end", size);
   int64_t c;
+  if ((!is_const(start) || !is_const(end)) && !n.get_int("inbounds", 0))
+    // A symbolic bound has no sign to clamp by: only a producer that has
+    // checked it (PyTorch's guards) may give one.
+    throw GraphError(n.where() + ": a symbolic slice bound needs inbounds");
   if (n.get_int("inbounds", 0)) {
     // The producer has checked 0 <= start <= end <= size once negative
     // bounds count from the end (PyTorch's guards on a symbolic size), so no

@@ -105,8 +105,7 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
   std::set<std::string> all;
   for (auto& n : pg.nodes) {
     std::vector<std::string> syms;
-    for (auto& d : n.shape) collect_symbols(d, &syms);
-    if (Expr size = n.scalar_size()) collect_symbols(size, &syms);
+    n.collect_symbols(&syms);  // shapes, size scalars, slice bounds
     for (auto& s : syms) all.insert(s);
   }
   for (auto& s : all)

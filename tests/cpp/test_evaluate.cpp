@@ -552,6 +552,29 @@ TEST(Evaluate, InboundsSliceSizesAndTheirCheck) {
   EXPECT_TRUE(throws_graph_error([&] { bind_symbols(g, {{0}}); }, {"slice", "out of the bounds"}));
 }
 
+// A slice bound may be a size expression (a cat's gradient sliced from
+// <s0>, the first part's size): only an inbounds one, whose producer checked
+// it; the oracle evaluates it at the bound sizes, and the bounds check holds
+// a binding to it.
+TEST(Evaluate, SymbolicSliceBounds) {
+  Graph g;
+  int x = g.add_input("g", F64, {sym("s0") + sym("s1")});
+  g.add_input("carrier", B8, {sym("s0")});
+  Attrs a{{"dim", int64_t{0}}, {"start", Shape{sym("s0")}}, {"end", Shape{sym("s0") + sym("s1")}}, {"inbounds", int64_t{1}}};
+  int tail = g.add("slice", {x}, a);
+  g.outputs = {tail};
+  verify(g);
+  EXPECT_EQ(to_string(g.node(tail).shape[0]), "s1");
+  EXPECT_EQ(to_string(parse_graph(print_graph(g)).node(tail).get_shape("start")[0]), "s0");  // the text form keeps it
+  auto r = evaluate(g, {tensor(F64, {5}, {0, 1, 2, 3, 4}), tensor(B8, {2}, {0, 0})});
+  EXPECT_TRUE(values_are(r[0], {2, 3, 4}));
+  EXPECT_TRUE(throws_graph_error([&] { bind_symbols(g, {{5}, {6}}); }, {"slice", "out of the bounds"}));
+  Graph h;
+  int y = h.add_input("x", F64, {sym("s0")});
+  EXPECT_TRUE(throws_graph_error([&] { h.add("slice", {y}, {{"dim", int64_t{0}}, {"start", Shape{sym("s1")}}}); },
+                                 {"symbolic slice bound needs inbounds"}));
+}
+
 // A symbol no input dim is equal to, but one is linear in (a slice's
 // gradient [s0 - 3]), is solved for; a size that fits no whole value is an
 // error naming the dim.

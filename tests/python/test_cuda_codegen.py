@@ -849,3 +849,32 @@ def test_vector_accesses_only_at_offsets_the_vector_divides(op):
                 else:
                     kernels = src[src.index("opfuse_take_error"):]
                     assert "opf_vload<" not in kernels and "opf_cp_async16(" not in kernels
+
+
+# A cat's backward slices its gradient [s2, s0 + s1] from <s0> (the first
+# part's size), a symbol no size of the slice's result or the kernel's
+# domain mentions; b8[s0] is the size carrier that binds it.
+SYMBOLIC_START_IR = """graph {
+  %0 = input() {name="g"} : f32[s2, s0 + s1]
+  %1 = input() {name="size_carrier_s0"} : b8[s0]
+  %2 = slice(%0) {dim=1, start=<s0>, end=<s0 + s1>, step=1, inbounds=1} : f32[s2, s1]
+  %3 = scalar() {value=2.0, weak=true} : f32[]
+  %4 = mul(%2, %3) : f32[s2, s1]
+  return (%4)
+}"""
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_slices_from_a_symbolic_start_take_its_symbol(arch):
+    # The kernel reads g at s0 + ...: s0 must be among its size arguments
+    # (collected from the indices, not only from sizes), and the vector
+    # twin reads at that shift, which the run time checks (vec_offsets).
+    nvrtc_or_skip()
+    cg = _C.CompiledGraph(SYMBOLIC_START_IR, target="cuda")
+    shapes, strides = [[3, 16], [8]], [[16, 1], [0]]
+    src = cg.cuda_source(shapes, strides, arch)
+    kernels = src[src.index("opfuse_take_error"):]
+    assert kernels.count("const int64_t s0 = syms[0];") == 2, kernels
+    assert "_v4_args" in kernels and "opf_vload<4>(b0 + (s0 + " in kernels, kernels
+    cubin, ptx, log = cg.compile_cuda(shapes, strides, arch, False)
+    assert len(cubin) > 0

@@ -312,20 +312,36 @@ def _symbolic_dim(x, dim) -> bool:
     return isinstance(size, torch.SymInt) and not size.node.expr.is_number
 
 
+def _slice_bound(v):
+    """An int, or a size expression attribute (`<s0>`) for a symbolic one
+    (None stays None)."""
+    if isinstance(v, torch.fx.Node):  # a SymInt input of the graph, or size arithmetic on one
+        v = meta_val(v)
+    if isinstance(v, torch.SymInt):
+        if v.node.expr.is_number:
+            return int(v.node.expr)
+        return ("shape", [size_text(v)])
+    if v is not None and not isinstance(v, int):
+        raise Unsupported(f"slice bound {v!r} is not an integer")
+    return v
+
+
 def _slice(c, node, x, dim=0, start=None, end=None, step=1):
-    for v in (start, end, step):
-        if v is not None and not isinstance(v, int):
-            raise Unsupported("slice bounds must be integers")
+    if not isinstance(step, int):
+        raise Unsupported("a slice's step must be an integer")
+    start, end = _slice_bound(start), _slice_bound(end)
     attrs = dict(dim=dim, start=start or 0, step=step)
-    if end is not None and end < (1 << 62):
+    if isinstance(end, tuple) or (end is not None and end < (1 << 62)):
         attrs["end"] = end
-    if _symbolic_dim(x, dim):
+    if _symbolic_dim(x, dim) or isinstance(start, tuple) or isinstance(end, tuple):
         # PyTorch's size for the result (x[1:] of [s0]: s0 - 1) holds under
         # the guards it added on s0, and clamps nothing; the IR's clamped
         # bounds (s0 - min(1, s0)) are equal there but not the same
         # expression. The IR takes the bounds as checked (bind_symbols holds
         # every binding to them); a size PyTorch does clamp (a Min or Max in
         # it) is refused by size_text when the result is matched.
+        # A symbolic bound (a cat's backward slices its gradient from <s0>)
+        # is guarded the same way.
         attrs["inbounds"] = 1
     return c.add("slice", [c.val(x)], **attrs)
 
