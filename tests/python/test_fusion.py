@@ -228,6 +228,45 @@ def test_slice_backward_fuses_as_a_cat(dynamic, device):
     assert opfuse.stats()["fallback_ops"] == 0
 
 
+def _grads_match(fn, f, args, weights):
+    """fn's gradients of sum(output * weight) against f's in float64."""
+    leaves = [a.clone().requires_grad_() for a in args]
+    ref = [a.double().requires_grad_() for a in args]
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(fn(*leaves), weights)), leaves)
+    want = torch.autograd.grad(sum((o * w.double()).sum() for o, w in zip(f(*ref), weights)), ref)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r.to(g.dtype))
+
+
+def test_cat_backward_slices_from_symbolic_sizes(device):
+    # The gradient of cat([x, y]) is sliced at x's size: slice(g, 0, s0,
+    # s0 + s1), a start and end that are size expressions (they fell back:
+    # "slice bounds must be integers"), and g is [s0 + s1], so s0 and s1
+    # reach the partition only as SymInt arguments (size carriers).
+    def f(x, y):
+        return torch.cat([x, y], 0).tanh() * 2, x * 3, y.sin()
+
+    fn = compiled(f, dynamic=True)
+    opfuse.reset_stats()
+    for n, m in ((5, 7), (6, 9), (4, 4)):
+        x, y = torch.randn(n, 3, device=device), torch.randn(m, 3, device=device)
+        weights = [torch.randn(n + m, 3, device=device), torch.randn(n, 3, device=device), torch.randn(m, 3, device=device)]
+        _grads_match(fn, f, [x, y], weights)
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
+def test_mean_backward_over_a_dim_only_a_symint_carries(device):
+    # mean over dim 0 of [s0, s1]: the backward expands the [s1] gradient to
+    # [s0, s1] and divides by s0, which no tensor of the backward has as a
+    # dim ("size symbol s0 is not the size of any input dim").
+    f = lambda x: ((x * 0.5).mean(0).tanh(),)
+    fn = compiled(f, dynamic=True)
+    opfuse.reset_stats()
+    for rows, cols in ((3, 7), (5, 9), (6, 7)):
+        _grads_match(fn, f, [torch.randn(rows, cols, device=device)], [torch.randn(cols, device=device)])
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
 def test_long_float_sums_stay_within_eager_tolerance(device):
     # 36891 equal terms: a float accumulator a simd lane drifted 3.4e-4 off
     # on the CPU; sums in double stay within assert_close's float32

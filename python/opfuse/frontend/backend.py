@@ -23,7 +23,7 @@ from . import convert
 from .dump import from_env
 from .attention_pattern import fuse_attention
 from .route_layer_norm_backward import route_layer_norm_backward
-from .runtime import FusedPartition
+from .runtime import FusedPartition, size_carrier
 
 log = logging.getLogger("opfuse")
 aten = torch.ops.aten
@@ -203,6 +203,52 @@ class _FusedModule(torch.nn.Module):
         return self.fused(*args)
 
 
+def _add_size_carriers(gm: torch.fx.GraphModule, call: torch.fx.Node, sub: torch.fx.GraphModule) -> None:
+    """A size symbol that is no tensor input's dim (a cat's backward: the
+    gradient is [s0 + s1], and slicing it needs s0 itself; mean's backward
+    divides by the rows it summed, a SymInt argument) could not be bound
+    by the compiled graph from its inputs' shapes. Each such symbol that
+    the graph has as a SymInt input gets a carrier: an argument
+    size_carrier(s, device) of shape (s,) that the partition takes as one
+    more tensor input (never read)."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    tensors = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
+    if not tensors:
+        return
+    carried = {d.node.expr for n in tensors for d in n.meta["val"].shape
+               if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol}
+    needed = set()
+    for n in placeholders:
+        val = n.meta.get("val")
+        sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
+        for d in sizes:
+            if isinstance(d, torch.SymInt):
+                needed |= d.node.expr.free_symbols
+    # Where the graph has each symbol by itself: its SymInt inputs.
+    sources = {}
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+            sources.setdefault(val.node.expr, n)
+    first = tensors[0].meta["val"]
+    for symbol in sorted(needed - carried, key=str):
+        source = sources.get(symbol)
+        if source is None:
+            continue  # the compiled graph names the symbol it cannot bind, and the partition falls back
+        val = source.meta["val"]
+        with first.fake_mode:
+            fake = torch.empty_strided((val,), (0,), dtype=torch.bool, device=first.device)
+        with sub.graph.inserting_after(placeholders[-1]):
+            holder = sub.graph.placeholder(f"size_carrier_{symbol}")
+        holder.meta["val"] = fake
+        placeholders.append(holder)
+        with gm.graph.inserting_before(call):
+            arg = gm.graph.call_function(size_carrier, (source, first.device))
+        arg.meta["val"] = fake
+        call.args = (*call.args, arg)
+    sub.recompile()
+
+
 def _compile_partition(sub: torch.fx.GraphModule, name: str, dump):
     ir_text, tensor_nodes = convert.convert_graph(sub)
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -261,6 +307,7 @@ def _compile_aten_graph(gm: torch.fx.GraphModule, example_inputs, phase: str):
         sub = getattr(fused_gm, node.target)
         name = f"{tag}_{node.target}"
         try:
+            _add_size_carriers(fused_gm, node, sub)
             fused, compiled = _compile_partition(sub, name, dump)
         except Exception as e:  # any failure: this partition runs eagerly
             reason = f"{type(e).__name__}: {e}"

@@ -101,6 +101,28 @@ def zeroed_workspace(device: int, stream: int) -> torch.Tensor:
     return ws
 
 
+_carriers: dict = {}
+
+
+def size_carrier(n: int, device) -> torch.Tensor:
+    """A tensor of shape (n,) that nobody reads (one bool, stride 0): it
+    takes a size symbol that only a SymInt argument carries (the row count
+    of a mean's backward, whose gradient has no such dim) into a partition
+    as a tensor dim, where bind_symbols finds it and the launcher's layout
+    check tells one value from another. Kept per (n, device): a call makes
+    no tensor."""
+    key = (n, device)
+    t = _carriers.get(key)
+    if t is None:
+        if len(_carriers) >= 4096:  # sizes seen once in a long run: start again rather than grow
+            _carriers.clear()
+        t = _carriers[key] = torch.zeros(1, dtype=torch.bool, device=device).expand(n)
+    return t
+
+
+size_carrier.opfuse_op = True  # a view of a kept tensor: the backend counts no fallback
+
+
 def _empty_strided(device: torch.device):
     """(size, stride, dtype) -> a new tensor on `device`'s type, from PyTorch's
     allocator (CUDA: the current device's caching allocator, which the launch
