@@ -310,6 +310,33 @@ class Lowerer {
       in[static_cast<size_t>(d)] = start + idx[static_cast<size_t>(d)] * cst(n.get_int("step", 1));
       return value_at(x.id, in);
     }
+    if (n.op == "slice_scatter") {
+      // Element i along dim is src's (i - start) / step where that is a
+      // whole index of src, else base's: j = i - start is taken where
+      // miss = max(-j, 0) + max(j - (len - 1) * step, 0) + max(j, 0) % step
+      // is 0 (every term is >= 0, so miss < 1 says all three are 0).
+      int64_t d = normalize_dim(n.get_int("dim"), x.rank(), n);
+      size_t du = static_cast<size_t>(d);
+      const Node& src = g_.node(n.inputs[1]);
+      Expr step = cst(n.get_int("step", 1)), len = src.shape[du];
+      int64_t c;
+      if (is_const(len, &c) && c == 0) return convert(value_at(x.id, idx), compute_dtype(n.dtype));  // as cat skips empty parts
+      Expr j = idx[du] - slice_bounds(n, x.shape[du]).first;
+      Expr ahead = emax(j, cst(0));
+      Expr miss = (ahead - j) + emax(j - (len - cst(1)) * step, cst(0)) + mod(ahead, step);
+      std::vector<Expr> at = idx;
+      at[du] = emax(emin(floordiv(ahead, step), len - cst(1)), cst(0));  // clamped: every load stays inside src
+      int from_src = convert(value_at(src.id, at), compute_dtype(n.dtype));
+      int from_base = convert(value_at(x.id, idx), compute_dtype(n.dtype));
+      KStmt s;
+      s.kind = KStmt::Compute;
+      s.type = compute_dtype(n.dtype);
+      s.node.op = "select_lt";
+      s.index = {miss, cst(1)};
+      s.args = {from_src, from_base};
+      s.varying = any_varying(s.args) || varying_index(s.index);
+      return emit(s);
+    }
     if (n.op == "cat") {
       int64_t d = normalize_dim(n.get_int("dim"), x.rank(), n);
       Expr i = idx[static_cast<size_t>(d)];

@@ -238,6 +238,25 @@ void eval_layout(const Node& n, const std::vector<const HostTensor*>& in, HostTe
     int64_t base = start * strides[d];
     strides[d] *= step;
     store(out, gather(x.data, out.shape, strides, base));
+  } else if (op == "slice_scatter") {
+    // base's values, then src's at start, start + step, ... along dim.
+    const HostTensor& src = *in[1];
+    size_t d = static_cast<size_t>(normalize_dim(n.get_int("dim"), rank, n));
+    int64_t step = n.get_int("step", 1);
+    int64_t start = evaluate(slice_bounds(n, cst(x.shape[d])).first, syms);
+    std::vector<int64_t> strides = row_major_strides(x.shape);
+    Values result = x.data;
+    std::vector<int64_t> pos(src.shape.size(), 0);
+    for (int64_t k = 0; k < src.numel(); ++k) {
+      int64_t off = 0;
+      for (size_t a = 0; a < pos.size(); ++a) off += (a == d ? start + pos[a] * step : pos[a]) * strides[a];
+      result[static_cast<size_t>(off)] = src.data[static_cast<size_t>(k)];
+      for (size_t a = pos.size(); a-- > 0;) {  // the next index of src, row-major
+        if (++pos[a] < src.shape[a]) break;
+        pos[a] = 0;
+      }
+    }
+    store(out, std::move(result));
   } else if (op == "cat") {
     size_t d = static_cast<size_t>(normalize_dim(n.get_int("dim"), rank, n));
     int64_t outer = product(std::vector<int64_t>(out.shape.begin(), out.shape.begin() + static_cast<long>(d)));

@@ -492,6 +492,23 @@ void def_layout() {
     n.shape = x.shape;
     n.shape[static_cast<size_t>(d)] = floordiv(end - start + cst(step - 1), cst(step));
   });
+  // slice_scatter(base, src): base with the slice (dim, start, end, step)
+  // replaced by src, which has that slice's shape (a strided slice's
+  // backward; step 1 the frontend writes as a cat of base's parts).
+  def("slice_scatter", OpKind::Layout, 2, 2, [](const Graph& g, Node& n) {
+    const Node& base = g.node(n.inputs[0]);
+    const Node& src = g.node(n.inputs[1]);
+    int64_t d = normalize_dim(n.get_int("dim"), base.rank(), n);
+    int64_t step = n.get_int("step", 1);
+    if (step <= 0) throw GraphError(n.where() + ": step must be positive");
+    auto [start, end] = slice_bounds(n, base.shape[static_cast<size_t>(d)]);
+    Shape want = base.shape;
+    want[static_cast<size_t>(d)] = floordiv(end - start + cst(step - 1), cst(step));
+    if (!same_shape(src.shape, want))
+      throw GraphError(n.where() + ": src has shape " + shape_to_string(src.shape) + " but the slice is " +
+                       shape_to_string(want));
+    n.shape = base.shape;
+  });
   def("cat", OpKind::Layout, 1, -1, [](const Graph& g, Node& n) {
     const Node& x = g.node(n.inputs[0]);
     int64_t d = normalize_dim(n.get_int("dim"), x.rank(), n);

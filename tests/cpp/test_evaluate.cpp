@@ -575,6 +575,26 @@ TEST(Evaluate, SymbolicSliceBounds) {
                                  {"symbolic slice bound needs inbounds"}));
 }
 
+// slice_scatter puts src at start, start + step, ... of base along dim (a
+// strided slice's backward); src must have the slice's shape.
+TEST(Evaluate, SliceScatterWithAStep) {
+  Graph g;
+  int base = g.add_input("base", F64, {cst(2), cst(7)});
+  int src = g.add_input("src", F64, {cst(2), cst(2)});
+  int out = g.add("slice_scatter", {base, src}, {{"dim", int64_t{1}}, {"start", int64_t{1}}, {"end", int64_t{-2}},
+                                                 {"step", int64_t{3}}});
+  g.outputs = {out};
+  verify(g);
+  auto r = evaluate(g, {tensor(F64, {2, 7}, {0, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13, 14, 15, 16}),
+                        tensor(F64, {2, 2}, {-1, -2, -3, -4})});
+  EXPECT_TRUE(values_are(r[0], {0, -1, 2, 3, -2, 5, 6, 10, -3, 12, 13, -4, 15, 16}));
+  Graph h;
+  int b2 = h.add_input("base", F64, {cst(7)});
+  int s3 = h.add_input("src", F64, {cst(3)});
+  EXPECT_TRUE(throws_graph_error([&] { h.add("slice_scatter", {b2, s3}, {{"dim", int64_t{0}}, {"step", int64_t{2}}}); },
+                                 {"src has shape [3]", "the slice is [4]"}));
+}
+
 // A symbol no input dim is equal to, but one is linear in (a slice's
 // gradient [s0 - 3]), is solved for; a size that fits no whole value is an
 // error naming the dim.
@@ -767,7 +787,8 @@ TEST(Evaluate, EveryRegisteredOpHasARule) {
     if (name == "reshape") a["shape"] = Shape{cst(3), cst(2)};
     if (name == "permute") a["dims"] = Ints{1, 0};
     if (name == "expand") a["shape"] = Shape{cst(2), cst(3)};
-    if (name == "unsqueeze" || name == "slice" || name == "cat" || name.find("softmax") != std::string::npos)
+    if (name == "unsqueeze" || name == "slice" || name == "slice_scatter" || name == "cat" ||
+        name.find("softmax") != std::string::npos)
       a["dim"] = int64_t{1};
     if (name.find("norm") != std::string::npos) a["normalized_ndim"] = int64_t{1};
     if (name == "argmax" || name == "argmin") a["dims"] = Ints{1};

@@ -878,3 +878,22 @@ def test_slices_from_a_symbolic_start_take_its_symbol(arch):
     assert "_v4_args" in kernels and "opf_vload<4>(b0 + (s0 + " in kernels, kernels
     cubin, ptx, log = cg.compile_cuda(shapes, strides, arch, False)
     assert len(cubin) > 0
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_slice_scatter_with_a_step_compiles(arch):
+    # A strided slice's backward: g's elements at 1, 3, 5, ... of zeros
+    # (select_lt on how far an index is from the slice's elements).
+    nvrtc_or_skip()
+    ir = """graph {
+  %0 = input() {name="g"} : f32[s0, s1//2]
+  %1 = input() {name="z"} : f32[s0, s1]
+  %2 = slice_scatter(%1, %0) {dim=1, start=1, step=2, inbounds=1} : f32[s0, s1]
+  return (%2)
+}"""
+    cg = _C.CompiledGraph(ir, target="cuda")
+    shapes, strides = [[3, 4], [3, 9]], [[4, 1], [9, 1]]
+    src = cg.cuda_source(shapes, strides, arch)
+    assert " % 2LL" in src and " < 1LL)" in src, src
+    cubin, ptx, log = cg.compile_cuda(shapes, strides, arch, False)
+    assert len(cubin) > 0

@@ -267,6 +267,25 @@ def test_mean_backward_over_a_dim_only_a_symint_carries(device):
     assert opfuse.stats()["fallback_ops"] == 0
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_strided_slice_backward_and_slice_scatter_fuse(dynamic, device):
+    # x[1::2]'s backward is slice_scatter(zeros, grad, step=2): it fell back
+    # ("slice_scatter with a step is not supported"); now the IR's
+    # slice_scatter, src's elements at start, start + step, ... of base.
+    # (src of the slice's own size: a separate tensor's size is no
+    # expression of x's, and PyTorch guards nothing that says they agree)
+    def f(x):
+        return x[:, 1::2].tanh(), x[::3] * 2, torch.slice_scatter(x, x[:, 2:-1:3].cos(), 1, 2, -1, 3).sin()
+
+    fn = compiled(f, dynamic=dynamic)
+    opfuse.reset_stats()
+    for rows, cols in ((5, 9), (7, 11), (4, 16)):
+        x = torch.randn(rows, cols, device=device)
+        weights = [torch.randn(o.shape, device=device) for o in f(x)]
+        _grads_match(fn, f, [x], weights)
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
 def test_long_float_sums_stay_within_eager_tolerance(device):
     # 36891 equal terms: a float accumulator a simd lane drifted 3.4e-4 off
     # on the CPU; sums in double stay within assert_close's float32

@@ -347,22 +347,30 @@ def _slice(c, node, x, dim=0, start=None, end=None, step=1):
 
 
 def _slice_scatter(c, node, base, src, dim=0, start=None, end=None, step=1):
-    """slice_scatter(base, src) with step 1 (a slice's backward: src into
-    zeros) as base's parts before and after the slice around src, catted."""
-    for v in (start, end, step):
-        if v is not None and not isinstance(v, int):
-            raise Unsupported("slice_scatter bounds must be integers")
-    if step != 1:
-        raise Unsupported("slice_scatter with a step is not supported")
+    """slice_scatter(base, src) (a slice's backward: src into zeros). With
+    step 1: base's parts before and after the slice around src, catted;
+    with a step, the IR's slice_scatter (src's elements interleaved with
+    base's)."""
+    if not isinstance(step, int):
+        raise Unsupported("a slice_scatter's step must be an integer")
+    start, end = _slice_bound(start), _slice_bound(end)
     rank = len(meta_val(base).shape)
     dim = dim % rank
-    extra = {"inbounds": 1} if _symbolic_dim(base, dim) else {}
+    symbolic = isinstance(start, tuple) or isinstance(end, tuple)
+    extra = {"inbounds": 1} if _symbolic_dim(base, dim) or symbolic else {}
     b = c.val(base)
+    s = c.cast_to(c.val(src), meta_val(base).dtype)
+    bounded = isinstance(end, tuple) or (end is not None and end < (1 << 62))
+    if step != 1:
+        attrs = dict(dim=dim, start=start or 0, step=step, **extra)
+        if bounded:
+            attrs["end"] = end
+        return c.add("slice_scatter", [b, s], **attrs)
     parts = []
     if start:
         parts.append(c.add("slice", [b], dim=dim, start=0, end=start, step=1, **extra))
-    parts.append(c.cast_to(c.val(src), meta_val(base).dtype))
-    if end is not None and end < (1 << 62):
+    parts.append(s)
+    if bounded:
         parts.append(c.add("slice", [b], dim=dim, start=end, step=1, **extra))
     return parts[0] if len(parts) == 1 else c.add("cat", parts, dim=dim)
 
