@@ -286,6 +286,22 @@ def test_strided_slice_backward_and_slice_scatter_fuse(dynamic, device):
     assert opfuse.stats()["fallback_ops"] == 0
 
 
+def test_sizes_guarded_equal_are_one_size(device):
+    # x[1::2] * w guards Eq(s0//2, s1) and keeps both: the IR said "shapes
+    # cannot be broadcast: size s0//2 against s1" and fell back. The
+    # guarded equality makes w's size s0//2 as well (checked at bind).
+    def f(x, w, v):
+        return (x[1::2] * w).tanh(), F.layer_norm(x[::2], v.shape, v)
+
+    fn = compiled(f, dynamic=True)
+    opfuse.reset_stats()
+    for n in (9, 11, 14):
+        x, w, v = (torch.randn(k, device=device) for k in (n, n // 2, (n + 1) // 2))
+        for got, want in zip(fn(x, w, v), f(x, w, v)):
+            torch.testing.assert_close(got, want)
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
 def test_long_float_sums_stay_within_eager_tolerance(device):
     # 36891 equal terms: a float accumulator a simd lane drifted 3.4e-4 off
     # on the CPU; sums in double stay within assert_close's float32

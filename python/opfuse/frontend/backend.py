@@ -215,21 +215,22 @@ def _add_size_carriers(gm: torch.fx.GraphModule, call: torch.fx.Node, sub: torch
     tensors = [n for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)]
     if not tensors:
         return
-    carried = {d.node.expr for n in tensors for d in n.meta["val"].shape
-               if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol}
+    # (in the sizes conversion writes: guarded equalities applied)
+    expr = convert.canonical_expr
+    carried = {expr(d) for n in tensors for d in n.meta["val"].shape if isinstance(d, torch.SymInt) and expr(d).is_Symbol}
     needed = set()
     for n in placeholders:
         val = n.meta.get("val")
         sizes = list(val.shape) if isinstance(val, torch.Tensor) else [val]
         for d in sizes:
             if isinstance(d, torch.SymInt):
-                needed |= d.node.expr.free_symbols
+                needed |= expr(d).free_symbols
     # Where the graph has each symbol by itself: its SymInt inputs.
     sources = {}
     for n in gm.graph.nodes:
         val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
-            sources.setdefault(val.node.expr, n)
+        if n.op == "placeholder" and isinstance(val, torch.SymInt) and expr(val).is_Symbol:
+            sources.setdefault(expr(val), n)
     first = tensors[0].meta["val"]
     for symbol in sorted(needed - carried, key=str):
         source = sources.get(symbol)

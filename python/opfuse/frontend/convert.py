@@ -35,11 +35,55 @@ def dtype_name(dt: torch.dtype) -> str:
         raise Unsupported(f"dtype {dt} is not supported") from None
 
 
+_equalities_cache: dict = {}  # id(ShapeEnv) -> (ShapeEnv, guards seen, {symbol: expression})
+
+
+def _guarded_equalities(env) -> dict:
+    """{symbol: expression} from the ShapeEnv's guards Eq(a, b) where a side
+    is a plain symbol PyTorch kept (it replaces only what it can solve:
+    x[1::2] * w guards Eq(s0//2, s1) and keeps s1). The graph runs only
+    where Dynamo's guards hold, so the symbol may become the expression:
+    then w is [s0//2] in the IR like x[1::2], kernels and shape checks see
+    one size, and bind_symbols checks w against it."""
+    import sympy
+
+    cached = _equalities_cache.get(id(env))
+    if cached is not None and cached[0] is env and cached[1] == len(env.guards):
+        return cached[2]
+    subs: dict = {}
+    for guard in env.guards:
+        e = guard.expr
+        if not isinstance(e, sympy.Eq):
+            continue
+        a, b = e.lhs.xreplace(subs), e.rhs.xreplace(subs)
+        # Two symbols: the later name becomes the earlier, so the choice does not depend on the guards' order.
+        if a.is_Symbol and b.is_Symbol:
+            a, b = sorted((a, b), key=str)
+        for sym, other in ((b, a), (a, b)):
+            if sym.is_Symbol and sym not in other.free_symbols:
+                subs = {k: v.xreplace({sym: other}) for k, v in subs.items()}
+                subs[sym] = other
+                break
+    _equalities_cache[id(env)] = (env, len(env.guards), subs)
+    return subs
+
+
+def canonical_expr(s):
+    """A SymInt's or SymFloat's expression with guarded equalities applied
+    (_guarded_equalities)."""
+    expr = s.node.expr
+    env = getattr(s.node, "shape_env", None)
+    if env is None or expr.is_number:
+        return expr
+    subs = _guarded_equalities(env)
+    return expr.xreplace(subs) if subs else expr
+
+
 def size_text(s) -> str:
     if isinstance(s, int):
         return str(s)
     if isinstance(s, torch.SymInt):
-        expr = s.node.expr
+        expr = canonical_expr(s)
         if expr.is_number:
             return str(int(expr))
         text = str(expr)
@@ -105,7 +149,7 @@ class Converter:
                 return self.g.size_scalar(size_text(s))
             except Unsupported:
                 pass
-        return self._sympy_scalar(s.node.expr)
+        return self._sympy_scalar(canonical_expr(s))
 
     def _sympy_scalar(self, e):
         import sympy
