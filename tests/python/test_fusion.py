@@ -286,6 +286,33 @@ def test_strided_slice_backward_and_slice_scatter_fuse(dynamic, device):
     assert opfuse.stats()["fallback_ops"] == 0
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_slice_assignment_fuses(dynamic, device):
+    # Slice assignment functionalizes to aten.copy (dst.copy_(src): src's
+    # values in dst's dtype and shape) and a slice_scatter; the copy fell
+    # back, which cut the graph in two partitions around it.
+    def f(x, z, r, h):
+        y = x.clone()
+        y[1:3] = z                      # same shape
+        y2 = x * 1
+        y2[:, ::2] += z[:1, ::2]        # a strided slice, read and written
+        y3 = h.clone()
+        y3[:, 1:-1] = r                 # float32 row broadcast into bfloat16
+        return y * 2, y2.relu(), y3 + 1
+
+    fn = compiled(f, dynamic=dynamic)
+    opfuse.reset_stats()
+    for rows, cols in ((5, 7), (6, 9), (4, 12)):
+        x, z = torch.randn(rows, cols, device=device), torch.randn(2, cols, device=device)
+        r = torch.randn(cols - 2, device=device)
+        h = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+        out, n = launches(fn, x, z, r, h)
+        for got, want in zip(out, f(x, z, r, h)):
+            torch.testing.assert_close(got, want)
+        assert n == 2  # x and z's outputs in one kernel, h and r's (nothing shared) in another
+    assert opfuse.stats()["fallback_ops"] == 0
+
+
 def test_sizes_guarded_equal_are_one_size(device):
     # x[1::2] * w guards Eq(s0//2, s1) and keeps both: the IR said "shapes
     # cannot be broadcast: size s0//2 against s1" and fell back. The

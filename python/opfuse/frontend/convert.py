@@ -456,6 +456,20 @@ def _to_copy(c, node, x, dtype=None, device=None, **_):
     return c.cast_to(xi, dtype) if dtype is not None else c.add("copy", [xi])
 
 
+def _copy(c, node, dst, src, non_blocking=False):
+    """aten.copy, the functional `dst.copy_(src)` that slice assignment
+    becomes (`y[1:3] = z`, `y[:, ::2] += z`, then a slice_scatter): src's
+    values in dst's dtype, broadcast to dst's shape; dst's values are not
+    read."""
+    d, s = meta_val(dst), meta_val(src)
+    if s.device != d.device:
+        raise Unsupported("device transfer")
+    out = c.cast_to(c.val(src), d.dtype)
+    if list(s.shape) != list(d.shape):
+        return c.add("expand", [out], shape=c.shape_attr(meta_val(node)))
+    return out if out != c.val(src) else c.add("copy", [out])
+
+
 def _convert(c, node, x, dtype):
     return c.cast_to(c.val(x), dtype)
 
@@ -597,7 +611,7 @@ HANDLERS = {
     aten.logical_and: _binary("logical_and"), aten.logical_or: _binary("logical_or"),
     aten.logical_xor: _binary("logical_xor"), aten.logical_not: _logical_not,
     aten._to_copy: _to_copy, prims.convert_element_type: _convert, aten.clone: lambda c, n, x, **k: c.add("copy", [c.val(x)]),
-    aten.alias: _alias,
+    aten.alias: _alias, aten.copy: _copy,
     aten.full: _full, aten.full_like: _full_like, aten.scalar_tensor: _scalar_tensor,
     aten.sum: _reduce("sum"), aten.mean: _reduce("mean"), aten.amax: _reduce("amax"), aten.amin: _reduce("amin"),
     aten.var: _var, aten.var_mean: _var_mean, aten.argmax: _arg("argmax"), aten.argmin: _arg("argmin"),
