@@ -370,12 +370,18 @@ def _slice_bound(v):
     return v
 
 
+def _bounded(end) -> bool:
+    """Whether a converted end bound (_slice_bound) ends before the dim does
+    (PyTorch writes an open end as None or a huge int)."""
+    return isinstance(end, tuple) or (end is not None and end < (1 << 62))
+
+
 def _slice(c, node, x, dim=0, start=None, end=None, step=1):
     if not isinstance(step, int):
         raise Unsupported("a slice's step must be an integer")
     start, end = _slice_bound(start), _slice_bound(end)
     attrs = dict(dim=dim, start=start or 0, step=step)
-    if isinstance(end, tuple) or (end is not None and end < (1 << 62)):
+    if _bounded(end):
         attrs["end"] = end
     if _symbolic_dim(x, dim) or isinstance(start, tuple) or isinstance(end, tuple):
         # PyTorch's size for the result (x[1:] of [s0]: s0 - 1) holds under
@@ -404,7 +410,7 @@ def _slice_scatter(c, node, base, src, dim=0, start=None, end=None, step=1):
     extra = {"inbounds": 1} if _symbolic_dim(base, dim) or symbolic else {}
     b = c.val(base)
     s = c.cast_to(c.val(src), meta_val(base).dtype)
-    bounded = isinstance(end, tuple) or (end is not None and end < (1 << 62))
+    bounded = _bounded(end)
     if step != 1:
         attrs = dict(dim=dim, start=start or 0, step=step, **extra)
         if bounded:
@@ -464,10 +470,11 @@ def _copy(c, node, dst, src, non_blocking=False):
     d, s = meta_val(dst), meta_val(src)
     if s.device != d.device:
         raise Unsupported("device transfer")
-    out = c.cast_to(c.val(src), d.dtype)
+    src_i = c.val(src)
+    out = c.cast_to(src_i, d.dtype)
     if list(s.shape) != list(d.shape):
         return c.add("expand", [out], shape=c.shape_attr(meta_val(node)))
-    return out if out != c.val(src) else c.add("copy", [out])
+    return out if out != src_i else c.add("copy", [out])
 
 
 def _convert(c, node, x, dtype):
