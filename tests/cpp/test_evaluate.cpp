@@ -647,6 +647,25 @@ TEST(Evaluate, InputChecks) {
   EXPECT_TRUE(throws_graph_error([&] { evaluate_node(g, g.node(0), {}, {}); }, {"%0 (input)"}));
 }
 
+// Only what the outputs need is evaluated: a dead node that would throw (an
+// integer division by zero) is skipped, and an output another output reads
+// is still returned after its last reader dropped the intermediates.
+TEST(Evaluate, DeadNodesAreNotEvaluated) {
+  Graph g;
+  int a = g.add_input("a", I64, {cst(2)});
+  int b = g.add_input("b", I64, {cst(2)});
+  g.add("div", {a, b}, {{"rounding_mode", std::string("floor")}});  // dead
+  int twice = g.add("add", {a, a});
+  int sum = g.add("add", {twice, b});
+  g.outputs = {sum, twice};
+  verify(g);
+  auto r = evaluate(g, {vec(I64, {1, 2}), vec(I64, {0, 5})});
+  EXPECT_TRUE(values_are(r[0], {2, 9}));
+  EXPECT_TRUE(values_are(r[1], {2, 4}));
+  g.outputs.push_back(2);  // now the division is live, and it throws
+  EXPECT_TRUE(throws_graph_error([&] { evaluate(g, {vec(I64, {1, 2}), vec(I64, {0, 5})}); }, {"ZeroDivisionError"}));
+}
+
 // ---- composite ops -----------------------------------------------------------
 
 TEST(Evaluate, SoftmaxClosedForms) {
