@@ -111,6 +111,18 @@ CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target
   for (auto& s : all)
     if (!bound.count(s)) throw GraphError("size symbol " + s + " is not the size of any input dim");
   symbols_.assign(all.begin(), all.end());
+  for (auto& n : pg.nodes) {
+    if (n.op != "cat" && n.op != "slice_scatter") continue;
+    const size_t d = static_cast<size_t>(normalize_dim(n.get_int("dim"), n.rank(), n));
+    const size_t first = n.op == "cat" ? 0 : 1;  // slice_scatter: the source, not the base
+    for (size_t i = first; i < n.inputs.size(); ++i) {
+      const Expr& size = pg.node(n.inputs[i]).shape[d];
+      int64_t c = 0;
+      if (!is_const(size, &c))
+        part_sizes_.emplace_back(size, n.where() + (n.op == "cat" ? " part " + std::to_string(i) : " source") +
+                                           " (%" + std::to_string(n.inputs[i]) + ")");
+    }
+  }
 
   const char* gated_env = std::getenv("OPFUSE_GATED_GEMM");
   const bool gated_gemm = gated_env && std::string(gated_env) == "1";  // see gate_gemm_of_ below
@@ -175,6 +187,11 @@ std::vector<int64_t> CompiledGraph::bind(const std::vector<std::vector<int64_t>>
   if (shapes.size() != input_nodes_.size())
     throw std::invalid_argument("expected " + std::to_string(input_nodes_.size()) + " inputs, got " + std::to_string(shapes.size()));
   SymbolValues env = bind_symbols(plan_.graph, shapes);
+  for (auto& [size, what] : part_sizes_)
+    if (evaluate(size, env) == 0)
+      throw GraphError(what + " is empty at these input sizes (" + to_string(size) +
+                       " = 0): a cat part or slice_scatter source of symbolic size 0 is not supported by the "
+                       "compiled kernels; give a graph without that part (torch.compile specializes sizes 0 and 1)");
   std::vector<int64_t> v;
   for (auto& s : symbols_) v.push_back(env.at(s));
   return v;

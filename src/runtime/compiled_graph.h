@@ -242,6 +242,11 @@ class CompiledGraph {
   std::vector<std::pair<bool, int>> steps_;
   std::vector<int> input_nodes_;
   std::vector<std::string> symbols_;
+  // The symbolic sizes of cat parts and slice_scatter sources along their
+  // dim, with the node that reads them: the kernels read such a part at a
+  // clamped index without a guard (the select discards the value), which
+  // would touch memory an empty part does not have, so bind() refuses 0.
+  std::vector<std::pair<Expr, std::string>> part_sizes_;
   std::map<std::string, int> variant_index_;
   std::vector<std::unique_ptr<Variant>> variants_;
   mutable std::mutex mu_;

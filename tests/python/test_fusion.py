@@ -255,6 +255,42 @@ def test_cat_backward_slices_from_symbolic_sizes(device):
     assert opfuse.stats()["fallback_ops"] == 0
 
 
+def test_empty_symbolic_cat_parts_are_refused_or_recompiled(device):
+    # The kernels read every cat part (and a slice_scatter's source) at a
+    # clamped index and let a select discard the value; a part of symbolic
+    # size 0 has no element to read (its pointer may be null), so binding
+    # such sizes is a clear error. Through torch.compile a part that becomes
+    # empty (x[2:] at 2 rows) recompiles instead, and matches eager.
+    from opfuse import _C
+    from opfuse.testing import run_compiled
+    ir = """graph {
+  %0 = input() {name="x"} : f32[s0, 4]
+  %1 = input() {name="y"} : f32[s1, 4]
+  %2 = cat(%0, %1) {dim=0} : f32[s0 + s1, 4]
+  %3 = input() {name="z"} : f32[s0 + s1 + s2, 4]
+  %4 = slice_scatter(%3, %1) {dim=0, start=1, end=<s1 + 1>, inbounds=1} : f32[s0 + s1 + s2, 4]
+  return (%2, %4)
+}"""
+    cg = _C.CompiledGraph(ir, target="cuda") if device == "cuda" else _C.CompiledGraph(ir)
+    x, y, z = (torch.randn(n, 4, device=device) for n in (3, 2, 6))
+    got = run_compiled(cg, [x, y, z])
+    torch.testing.assert_close(got[0], torch.cat([x, y]))
+    torch.testing.assert_close(got[1], z.slice_scatter(y, 0, 1, 3))
+    empty = torch.empty(0, 4, device=device)
+    with pytest.raises(ValueError, match=r"%2 \(cat\) part 1 \(%1\) is empty at these input sizes \(s1 = 0\)"):
+        run_compiled(cg, [x, empty, torch.randn(4, 4, device=device)])
+    with pytest.raises(ValueError, match=r"%2 \(cat\) part 0 \(%0\) is empty"):
+        run_compiled(cg, [empty, y, torch.randn(4, 4, device=device)])
+
+    def f(x, y):
+        return torch.cat([x[2:], y]) * 2 + 1
+
+    fn = compiled(f, dynamic=True)
+    for n in (5, 7, 2, 3):
+        x, y = torch.randn(n, 4, device=device), torch.randn(3, 4, device=device)
+        torch.testing.assert_close(fn(x, y), f(x, y))
+
+
 def test_mean_backward_over_a_dim_only_a_symint_carries(device):
     # mean over dim 0 of [s0, s1]: the backward expands the [s1] gradient to
     # [s0, s1] and divides by s0, which no tensor of the backward has as a
