@@ -322,6 +322,33 @@ def test_strided_slice_backward_and_slice_scatter_fuse(dynamic, device):
     assert opfuse.stats()["fallback_ops"] == 0
 
 
+def test_slice_scatter_of_a_source_with_its_own_sizes_fuses(device):
+    # slice_scatter(x, y) with y a separate tensor: its sizes are symbols of
+    # their own (s1 where the slice is s0 - 2, s2 where it is 3), and PyTorch
+    # guards nothing that ties them to x's; eager checks them at every call.
+    # These fell back ("src has shape [s0, s2] but the slice is [s0, 3]").
+    # Now the IR declares y by the slice's sizes and every call's sizes are
+    # checked against them: a mismatch is an error naming the input and dim.
+    def f(x, y, z):
+        return (torch.slice_scatter(x * 2, y.sin(), 0, 2) + 1,
+                torch.slice_scatter(x, z.cos(), 1, 2, 8, 2) * 3)
+
+    fn = compiled(f, dynamic=True)
+    opfuse.reset_stats()
+    for rows in (9, 11, 6):
+        x = torch.randn(rows, 10, device=device)
+        y, z = torch.randn(rows - 2, 10, device=device), torch.randn(rows, 3, device=device)
+        for got, want in zip(fn(x, y, z), f(x, y, z)):
+            torch.testing.assert_close(got, want)
+    assert opfuse.stats()["fallback_ops"] == 0
+    assert opfuse.stats()["graphs_compiled"] <= 2  # the first call's static graph, then one dynamic one
+    x, z = torch.randn(9, 10, device=device), torch.randn(9, 3, device=device)
+    with pytest.raises(RuntimeError, match="expected src to have a size equal to the slice"):
+        f(x, torch.randn(5, 10, device=device), z)
+    with pytest.raises(ValueError, match=r"dim 0: size s\d+ \+ -2 = 7 but the given size is 5"):
+        fn(x, torch.randn(5, 10, device=device), z)
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_slice_assignment_fuses(dynamic, device):
     # Slice assignment functionalizes to aten.copy (dst.copy_(src): src's

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 
 import torch
 
@@ -68,15 +69,39 @@ def _guarded_equalities(env) -> dict:
     return subs
 
 
+# Sizes the graph itself requires equal, which PyTorch does not guard (a
+# slice_scatter's source against its slice: torch.slice_scatter(x, y, 0, 2)
+# with y of its own size s1 and x of s0 gives the IR y as [s0 - 2]); set by
+# convert_graph while it converts, {symbol: expression}. The IR then declares
+# the input by the expression and bind_symbols checks every call's sizes
+# against it, as eager checks them.
+_required = threading.local()
+
+
+def _required_equalities() -> dict:
+    return getattr(_required, "subs", None) or {}
+
+
 def canonical_expr(s):
     """A SymInt's or SymFloat's expression with guarded equalities applied
-    (_guarded_equalities)."""
+    (_guarded_equalities), and those the graph requires (_required)."""
     expr = s.node.expr
     env = getattr(s.node, "shape_env", None)
     if env is None or expr.is_number:
         return expr
     subs = _guarded_equalities(env)
-    return expr.xreplace(subs) if subs else expr
+    expr = expr.xreplace(subs) if subs else expr
+    required = _required_equalities()
+    return expr.xreplace(required) if required else expr
+
+
+class _Unify(Exception):
+    """Raised mid-conversion: {symbol: expression} the graph requires; the
+    conversion starts again with it (convert_graph)."""
+
+    def __init__(self, subs):
+        super().__init__(str(subs))
+        self.subs = subs
 
 
 def size_text(s) -> str:
@@ -222,6 +247,21 @@ class Converter:
 
 def convert_graph(gm: torch.fx.GraphModule):
     """Returns (IR text, [placeholder nodes that are tensors], [outputs])."""
+    _required.subs = {}
+    try:
+        for _ in range(16):  # one symbol more each time; a graph needs few
+            try:
+                return _convert_graph(gm)
+            except _Unify as u:
+                subs = {k: v.xreplace(u.subs) for k, v in _required.subs.items()}
+                subs.update(u.subs)
+                _required.subs = subs
+        raise Unsupported("too many sizes required equal")
+    finally:
+        _required.subs = {}
+
+
+def _convert_graph(gm: torch.fx.GraphModule):
     c = Converter()
     tensor_inputs = []
     outputs = []
@@ -403,9 +443,10 @@ def _slice_scatter(c, node, base, src, dim=0, start=None, end=None, step=1):
     base's)."""
     if not isinstance(step, int):
         raise Unsupported("a slice_scatter's step must be an integer")
-    start, end = _slice_bound(start), _slice_bound(end)
     rank = len(meta_val(base).shape)
     dim = dim % rank
+    _require_src_sizes(base, src, dim, start, end, step)
+    start, end = _slice_bound(start), _slice_bound(end)
     symbolic = isinstance(start, tuple) or isinstance(end, tuple)
     extra = {"inbounds": 1} if _symbolic_dim(base, dim) or symbolic else {}
     b = c.val(base)
@@ -423,6 +464,48 @@ def _slice_scatter(c, node, base, src, dim=0, start=None, end=None, step=1):
     if bounded:
         parts.append(c.add("slice", [b], dim=dim, start=end, step=1, **extra))
     return parts[0] if len(parts) == 1 else c.add("cat", parts, dim=dim)
+
+
+def _size_sympy(v):
+    """An int or SymInt as a sympy expression with the substitutions applied."""
+    import sympy
+
+    if isinstance(v, torch.fx.Node):
+        v = meta_val(v)
+    return canonical_expr(v) if isinstance(v, torch.SymInt) else sympy.Integer(int(v))
+
+
+def _require_src_sizes(base, src, dim, start, end, step):
+    """A slice_scatter's source has its slice's shape, which eager checks at
+    every call but Dynamo does not guard: where a source dim is a symbol of
+    its own (or the slice's length is one), the symbol becomes the other
+    side's expression (_Unify). The slice's length is counted as the IR's
+    inbounds slice counts it."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    bshape, sshape = meta_val(base).shape, meta_val(src).shape
+    if len(bshape) != len(sshape):
+        return
+    size = _size_sympy(bshape[dim])
+    lo = sympy.Integer(0) if start is None else _size_sympy(start)
+    hi = size if end is None or (isinstance(end, int) and end >= (1 << 62)) else _size_sympy(end)
+    if lo.is_number and lo < 0:
+        lo = size + lo
+    if hi.is_number and hi < 0:
+        hi = size + hi
+    if size.is_number:  # constant bounds on a constant dim: clamped as PyTorch clamps them
+        lo, hi = min(max(lo, 0), size), min(max(hi, 0), size)
+        hi = max(hi, lo)
+    length = hi - lo if step == 1 else FloorDiv(hi - lo + step - 1, step)
+    want = [length if d == dim else _size_sympy(b) for d, b in enumerate(bshape)]
+    for w, v in zip(want, sshape):
+        got = _size_sympy(v)
+        if sympy.expand(got - w) == 0:
+            continue
+        for sym, other in ((got, w), (w, got)):
+            if sym.is_Symbol and sym not in other.free_symbols:
+                raise _Unify({sym: other})
 
 
 def _select(c, node, x, dim, index):
