@@ -442,9 +442,14 @@ std::vector<HostTensor> evaluate(const Graph& g, const std::vector<HostTensor>& 
   // after its last reader: a dead branch (a fuzzer's, or one the planner has
   // not removed yet) costs nothing, and the float64 oracle holds the live
   // values only, not every intermediate of the graph at once.
+  // An output's last reader is past every node, so it is never dropped.
+  const int past_end = static_cast<int>(g.nodes.size());
   std::vector<bool> live(g.nodes.size(), false);
   std::vector<int> last_reader(g.nodes.size(), -1);
-  for (int o : g.outputs) live[static_cast<size_t>(o)] = true;
+  for (int o : g.outputs) {
+    live[static_cast<size_t>(o)] = true;
+    last_reader[static_cast<size_t>(o)] = past_end;
+  }
   for (size_t k = g.nodes.size(); k-- > 0;) {
     if (!live[k]) continue;
     for (int i : g.nodes[k].inputs) {
@@ -452,15 +457,13 @@ std::vector<HostTensor> evaluate(const Graph& g, const std::vector<HostTensor>& 
       last_reader[static_cast<size_t>(i)] = std::max(last_reader[static_cast<size_t>(i)], static_cast<int>(k));
     }
   }
-  std::vector<bool> is_output(g.nodes.size(), false);
-  for (int o : g.outputs) is_output[static_cast<size_t>(o)] = true;
   for (const Node& n : g.nodes) {
     if (n.op == "input" || !live[static_cast<size_t>(n.id)]) continue;
     std::vector<const HostTensor*> in;
     for (int i : n.inputs) in.push_back(&values[static_cast<size_t>(i)]);
     values[static_cast<size_t>(n.id)] = evaluate_node(g, n, in, syms);
     for (int i : n.inputs)
-      if (last_reader[static_cast<size_t>(i)] == n.id && !is_output[static_cast<size_t>(i)])
+      if (last_reader[static_cast<size_t>(i)] == n.id)
         values[static_cast<size_t>(i)] = HostTensor{};
   }
   std::vector<HostTensor> out;

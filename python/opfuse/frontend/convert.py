@@ -78,10 +78,6 @@ def _guarded_equalities(env) -> dict:
 _required = threading.local()
 
 
-def _required_equalities() -> dict:
-    return getattr(_required, "subs", None) or {}
-
-
 def canonical_expr(s):
     """A SymInt's or SymFloat's expression with guarded equalities applied
     (_guarded_equalities), and those the graph requires (_required)."""
@@ -91,7 +87,7 @@ def canonical_expr(s):
         return expr
     subs = _guarded_equalities(env)
     expr = expr.xreplace(subs) if subs else expr
-    required = _required_equalities()
+    required = getattr(_required, "subs", None)
     return expr.xreplace(required) if required else expr
 
 
