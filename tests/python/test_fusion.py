@@ -342,6 +342,7 @@ def test_slice_scatter_of_a_source_with_its_own_sizes_fuses(device):
             torch.testing.assert_close(got, want)
     assert opfuse.stats()["fallback_ops"] == 0
     assert opfuse.stats()["graphs_compiled"] <= 2  # the first call's static graph, then one dynamic one
+    assert launches(fn, x, y, z)[1] == 1  # both outputs, their sin and cos: one kernel
     x, z = torch.randn(9, 10, device=device), torch.randn(9, 3, device=device)
     with pytest.raises(RuntimeError, match="expected src to have a size equal to the slice"):
         f(x, torch.randn(5, 10, device=device), z)
