@@ -57,6 +57,7 @@ def run_compiled(compiled, inputs):
     if cuda:
         from .frontend.runtime import ensure_context, zeroed_workspace
         ensure_context(device)
+    compiled = compiled.for_sizes(shapes)  # itself, unless a cat part is empty at these sizes
     syms = compiled.bind(shapes)
     variant, _, _ = compiled.variant(shapes, strides)
     buffers = compiled.buffers()

@@ -98,30 +98,31 @@ std::string Compiled::plan() const { return impl->graph->plan().to_string(); }
 
 std::vector<std::vector<int64_t>> Compiled::output_shapes(const std::vector<std::vector<int64_t>>& input_shapes) const {
   return guarded([&] {
-    auto syms = impl->graph->bind(input_shapes);
+    CompiledGraph& g = impl->graph->for_sizes(input_shapes);  // itself, unless a cat part is empty at these sizes
+    auto syms = g.bind(input_shapes);
     std::vector<std::vector<int64_t>> r;
-    for (size_t o = 0; o < impl->graph->output_buffers().size(); ++o)
-      r.push_back(impl->graph->output_shape(static_cast<int>(o), syms));
+    for (size_t o = 0; o < g.output_buffers().size(); ++o) r.push_back(g.output_shape(static_cast<int>(o), syms));
     return r;
   });
 }
 
 void Compiled::run(const std::vector<TensorRef>& inputs, const std::vector<TensorRef>& outputs) {
   guarded([&] {
-    CompiledGraph& g = *impl->graph;
-    const auto& bufs = g.buffers();
+    const auto& given = impl->graph->buffers();  // the inputs: the same in every graph for_sizes() gives
     size_t n_in = 0;
-    while (n_in < bufs.size() && bufs[n_in].is_input) ++n_in;
+    while (n_in < given.size() && given[n_in].is_input) ++n_in;
     if (inputs.size() != n_in) throw Error("expected " + std::to_string(n_in) + " inputs, got " + std::to_string(inputs.size()));
     std::vector<std::vector<int64_t>> shapes, strides;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const TensorRef& t = inputs[i];
-      if (dtype_or_throw(t.dtype) != bufs[i].dtype)
-        throw Error("input " + std::to_string(i) + " is " + t.dtype + ", the graph expects " + dtype_name(bufs[i].dtype));
+      if (dtype_or_throw(t.dtype) != given[i].dtype)
+        throw Error("input " + std::to_string(i) + " is " + t.dtype + ", the graph expects " + dtype_name(given[i].dtype));
       if (t.strides.size() != t.shape.size()) throw Error("input " + std::to_string(i) + ": strides and shape differ in rank");
       shapes.push_back(t.shape);
       strides.push_back(t.strides);
     }
+    CompiledGraph& g = impl->graph->for_sizes(shapes);
+    const auto& bufs = g.buffers();
     auto syms = g.bind(shapes);
     int v = g.variant(shapes, strides);
     // Stored nodes: graph outputs come from the caller; intermediates are

@@ -355,6 +355,8 @@ class Lowerer {
         off = off + sz;
         ends.push_back(off);
       }
+      // Every part empty: so is the cat, whose elements no store reaches.
+      if (vals.empty()) return constant(0, n.dtype);
       int v = vals.back();
       for (size_t k = vals.size() - 1; k-- > 0;) {
         KStmt s;

@@ -244,6 +244,11 @@ void eval_layout(const Node& n, const std::vector<const HostTensor*>& in, HostTe
     size_t d = static_cast<size_t>(normalize_dim(n.get_int("dim"), rank, n));
     int64_t step = n.get_int("step", 1);
     int64_t start = evaluate(slice_bounds(n, cst(x.shape[d])).first, syms);
+    const int64_t len = src.shape.empty() ? 1 : src.shape[d];
+    if (src.numel() > 0 && (start < 0 || start + (len - 1) * step >= x.shape[d]))
+      throw GraphError(n.where() + ": the slice written (start " + std::to_string(start) + ", " + std::to_string(len) +
+                       " elements, step " + std::to_string(step) + ") is out of the base's " +
+                       std::to_string(x.shape[d]) + " at dim " + std::to_string(d));
     std::vector<int64_t> strides = row_major_strides(x.shape);
     Values result = x.data;
     std::vector<int64_t> pos(src.shape.size(), 0);
@@ -353,14 +358,15 @@ SymbolValues bind_symbols(const Graph& g, const std::vector<std::vector<int64_t>
 
 void check_slice_bounds(const Graph& g, const SymbolValues& syms) {
   for (const Node& n : g.nodes) {
-    if (n.op != "slice" || !n.get_int("inbounds", 0)) continue;
+    // A slice_scatter's bounds are those of the slice of its base it writes.
+    if ((n.op != "slice" && n.op != "slice_scatter") || !n.get_int("inbounds", 0)) continue;
     const Node& x = g.node(n.inputs[0]);
     size_t d = static_cast<size_t>(normalize_dim(n.get_int("dim"), x.rank(), n));
     const Expr& size = x.shape[d];
     auto [start, end] = slice_bounds(n, size);
     int64_t s = evaluate(size, syms), a = evaluate(start, syms), b = evaluate(end, syms);
     if (!(0 <= a && a <= b && b <= s))
-      throw GraphError(n.where() + ": slice [" + std::to_string(a) + ", " + std::to_string(b) +
+      throw GraphError(n.where() + ": " + (n.op == "slice" ? "slice [" : "the slice written [") + std::to_string(a) + ", " + std::to_string(b) +
                        ") is out of the bounds it was built for (size " + std::to_string(s) + " at dim " +
                        std::to_string(d) + ")");
   }

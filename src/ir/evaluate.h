@@ -23,8 +23,8 @@ using SymbolValues = std::map<std::string, int64_t>;
 // Binds each size symbol from the shapes of the inputs (in input_ids()
 // order); throws GraphError if a shape contradicts the graph.
 SymbolValues bind_symbols(const Graph& g, const std::vector<std::vector<int64_t>>& input_shapes);
-// Throws GraphError where a slice marked `inbounds` (its bounds checked by
-// the producer, so not clamped) is out of bounds at these sizes.
+// Throws GraphError where a slice or slice_scatter marked `inbounds` (its
+// bounds checked by the producer, so not clamped) is out of bounds at these sizes.
 void check_slice_bounds(const Graph& g, const SymbolValues& syms);
 
 // Evaluates one node given its inputs' values.

@@ -273,6 +273,10 @@ NB_MODULE(_C, m) {
       .def("paired_buffers", &CompiledGraph::paired_buffers)
       .def("pair_gates", &CompiledGraph::pair_gates)
       .def("symbols", &CompiledGraph::symbols)
+      // Itself, or the graph compiled with the symbols fixed that make a cat
+      // part or slice_scatter source empty at these sizes (kept by this one).
+      .def("for_sizes", &CompiledGraph::for_sizes, nb::arg("shapes"), nb::rv_policy::reference_internal)
+      .def("empty_part_symbols", &CompiledGraph::empty_part_symbols, nb::arg("shapes"))
       .def("bind", &CompiledGraph::bind)
       .def("buffer_shape", &CompiledGraph::buffer_shape)
       .def("output_shape", &CompiledGraph::output_shape)

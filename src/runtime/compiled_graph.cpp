@@ -1,4 +1,6 @@
 #include "runtime/compiled_graph.h"
+
+#include "ir/specialize.h"
 #include "runtime/huge_pages.h"
 
 #include <algorithm>
@@ -51,7 +53,7 @@ std::string kernel_name(size_t index, const std::vector<std::string>& ops) {
 
 }  // namespace
 
-CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : target_(opt.target) {
+CompiledGraph::CompiledGraph(const Graph& g, const CompileOptions& opt) : source_(g), options_(opt), target_(opt.target) {
   verify(g);
   plan_ = plan_fusion(g, opt.planner);
   const Graph& pg = plan_.graph;
@@ -190,11 +192,39 @@ std::vector<int64_t> CompiledGraph::bind(const std::vector<std::vector<int64_t>>
   for (auto& [size, what] : part_sizes_)
     if (evaluate(size, env) == 0)
       throw GraphError(what + " is empty at these input sizes (" + to_string(size) +
-                       " = 0): a cat part or slice_scatter source of symbolic size 0 is not supported by the "
-                       "compiled kernels; give a graph without that part (torch.compile specializes sizes 0 and 1)");
+                       " = 0): the kernels of this graph read every part; run these sizes on for_sizes(), which "
+                       "compiles the graph with that size fixed");
   std::vector<int64_t> v;
   for (auto& s : symbols_) v.push_back(env.at(s));
   return v;
+}
+
+std::map<std::string, int64_t> CompiledGraph::empty_part_symbols(const std::vector<std::vector<int64_t>>& shapes) const {
+  std::map<std::string, int64_t> fixed;
+  if (part_sizes_.empty()) return fixed;
+  if (shapes.size() != input_nodes_.size())
+    throw std::invalid_argument("expected " + std::to_string(input_nodes_.size()) + " inputs, got " + std::to_string(shapes.size()));
+  SymbolValues env = bind_symbols(plan_.graph, shapes);
+  for (auto& [size, what] : part_sizes_) {
+    if (evaluate(size, env) != 0) continue;
+    std::vector<std::string> names;
+    collect_symbols(size, &names);
+    for (auto& s : names) fixed[s] = env.at(s);
+  }
+  return fixed;
+}
+
+CompiledGraph& CompiledGraph::for_sizes(const std::vector<std::vector<int64_t>>& shapes) {
+  std::map<std::string, int64_t> fixed = empty_part_symbols(shapes);
+  if (fixed.empty()) return *this;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = fixed_.find(fixed);
+  if (it == fixed_.end()) {
+    // Only symbols whose sizes are 0 are fixed, so the copy's parts that are
+    // still symbolic are not empty at these sizes: its for_sizes() is itself.
+    it = fixed_.emplace(fixed, std::make_unique<CompiledGraph>(fix_symbols(source_, fixed), options_)).first;
+  }
+  return *it->second;
 }
 
 std::vector<int64_t> CompiledGraph::output_shape(int output, const std::vector<int64_t>& values) const {

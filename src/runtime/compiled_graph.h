@@ -157,8 +157,18 @@ class CompiledGraph {
   // The order of the work: (false, kernel index) or (true, gemm index).
   const std::vector<std::pair<bool, int>>& steps() const { return steps_; }
 
-  // Size symbols from the inputs' shapes (in symbols() order).
+  // Size symbols from the inputs' shapes (in symbols() order). Throws where
+  // those sizes make a cat part or slice_scatter source of symbolic size
+  // empty: run such sizes on for_sizes(input_shapes).
   std::vector<int64_t> bind(const std::vector<std::vector<int64_t>>& input_shapes) const;
+  // The graph to run these input sizes with: this one, or, where they make a
+  // cat part or slice_scatter source of symbolic size empty, this graph
+  // compiled with the symbols of those sizes fixed to their values (so the
+  // part is a constant 0 and no kernel reads it), kept for later calls. Its
+  // inputs are this graph's; its buffers and symbols may differ.
+  CompiledGraph& for_sizes(const std::vector<std::vector<int64_t>>& input_shapes);
+  // The symbols for_sizes fixes for these sizes, with their values (empty: none).
+  std::map<std::string, int64_t> empty_part_symbols(const std::vector<std::vector<int64_t>>& input_shapes) const;
   std::vector<int64_t> buffer_shape(int buffer, const std::vector<int64_t>& symbol_values) const;
   // A graph output's shape: its buffer's, or a reshape of it (plan().output_alias).
   std::vector<int64_t> output_shape(int output, const std::vector<int64_t>& symbol_values) const;
@@ -245,8 +255,12 @@ class CompiledGraph {
   // The symbolic sizes of cat parts and slice_scatter sources along their
   // dim, with the node that reads them: the kernels read such a part at a
   // clamped index without a guard (the select discards the value), which
-  // would touch memory an empty part does not have, so bind() refuses 0.
+  // would touch memory an empty part does not have, so bind() refuses 0 and
+  // for_sizes() compiles the graph with that size fixed.
   std::vector<std::pair<Expr, std::string>> part_sizes_;
+  Graph source_;            // the graph as given, and the options: for for_sizes()
+  CompileOptions options_;
+  std::map<std::map<std::string, int64_t>, std::unique_ptr<CompiledGraph>> fixed_;  // for_sizes(), under mu_
   std::map<std::string, int> variant_index_;
   std::vector<std::unique_ptr<Variant>> variants_;
   mutable std::mutex mu_;

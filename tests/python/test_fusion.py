@@ -255,12 +255,14 @@ def test_cat_backward_slices_from_symbolic_sizes(device):
     assert opfuse.stats()["fallback_ops"] == 0
 
 
-def test_empty_symbolic_cat_parts_are_refused_or_recompiled(device):
+def test_empty_symbolic_cat_parts_run_on_the_graph_with_their_size_fixed(device):
     # The kernels read every cat part (and a slice_scatter's source) at a
     # clamped index and let a select discard the value; a part of symbolic
-    # size 0 has no element to read (its pointer may be null), so binding
-    # such sizes is a clear error. Through torch.compile a part that becomes
-    # empty (x[2:] at 2 rows) recompiles instead, and matches eager.
+    # size 0 has no element to read (its pointer may be null). bind() refuses
+    # such sizes with a clear error; for_sizes() gives the graph compiled with
+    # that size fixed, where the part is a constant 0 that no kernel reads.
+    # Through torch.compile a part that becomes empty (x[2:] at 2 rows)
+    # recompiles, and matches eager.
     from opfuse import _C
     from opfuse.testing import run_compiled
     ir = """graph {
@@ -273,14 +275,25 @@ def test_empty_symbolic_cat_parts_are_refused_or_recompiled(device):
 }"""
     cg = _C.CompiledGraph(ir, target="cuda") if device == "cuda" else _C.CompiledGraph(ir)
     x, y, z = (torch.randn(n, 4, device=device) for n in (3, 2, 6))
+    assert cg.for_sizes([list(t.shape) for t in (x, y, z)]) is cg
     got = run_compiled(cg, [x, y, z])
     torch.testing.assert_close(got[0], torch.cat([x, y]))
     torch.testing.assert_close(got[1], z.slice_scatter(y, 0, 1, 3))
     empty = torch.empty(0, 4, device=device)
-    with pytest.raises(ValueError, match=r"%2 \(cat\) part 1 \(%1\) is empty at these input sizes \(s1 = 0\)"):
-        run_compiled(cg, [x, empty, torch.randn(4, 4, device=device)])
-    with pytest.raises(ValueError, match=r"%2 \(cat\) part 0 \(%0\) is empty"):
-        run_compiled(cg, [empty, y, torch.randn(4, 4, device=device)])
+    for x, y, fixed in ((x, empty, {"s1": 0}), (empty, y, {"s0": 0}), (empty, empty, {"s0": 0, "s1": 0})):
+        z = torch.randn(x.shape[0] + y.shape[0] + 2, 4, device=device)
+        shapes = [list(t.shape) for t in (x, y, z)]
+        with pytest.raises(ValueError, match=r"%2 \(cat\) part [01] \(%[01]\) is empty at these input sizes \(s[01] = 0\)"):
+            cg.bind(shapes)
+        assert cg.empty_part_symbols(shapes) == fixed
+        assert cg.for_sizes(shapes) is not cg
+        assert cg.for_sizes(shapes).num_kernels == cg.num_kernels
+        got = run_compiled(cg, [x, y, z])
+        torch.testing.assert_close(got[0], torch.cat([x, y]))
+        torch.testing.assert_close(got[1], z.slice_scatter(y, 0, 1, 1 + y.shape[0]))
+    # The rows y is written to must be inside z: [1, 3) of 2 rows is an error.
+    with pytest.raises(ValueError, match=r"the slice written \[1, 3\) is out of the bounds"):
+        run_compiled(cg, [empty, torch.randn(2, 4, device=device), torch.randn(2, 4, device=device)])
 
     def f(x, y):
         return torch.cat([x[2:], y]) * 2 + 1

@@ -260,29 +260,36 @@ class FusedPartition(_C.Launcher):
     def _prepare(self, tensors, key=None) -> _Layout:
         shapes = [list(t.shape) for t in tensors]
         strides = [list(t.stride()) for t in tensors]
-        syms = self.compiled.bind(shapes)
-        variant, compiled, hit = self.compiled.variant(shapes, strides)
+        # Itself, or (a cat part empty at these sizes) the graph compiled with
+        # that size fixed, whose written buffers may differ: taken from it.
+        cg = self.compiled.for_sizes(shapes)
+        out_dtypes, outputs = self.out_dtypes, self.outputs
+        if cg is not self.compiled:
+            out_dtypes = [TORCH_DTYPES[b[1]] for b in cg.buffers()[self.n_inputs:]]
+            outputs = cg.output_buffers()
+        syms = cg.bind(shapes)
+        variant, compiled, hit = cg.variant(shapes, strides)
         if compiled:
             bump("cache_hits" if hit else "cache_misses")
             if self.dump is not None:
-                self.dump.kernel_source(self.name, variant, self.compiled.source(variant))
+                self.dump.kernel_source(self.name, variant, cg.source(variant))
         device = None
         if self.cuda:
             device = tensors[0].device.index if tensors else None
             if device is None:
                 device = _current_device()
-        gemms = self.compiled.gemms(syms) if self.num_library_calls and not self.cuda else None
+        gemms = cg.gemms(syms) if self.num_library_calls and not self.cuda else None
         out_specs = []
-        for i, dt in enumerate(self.out_dtypes):
-            size = tuple(self.compiled.buffer_shape(self.n_inputs + i, syms))
+        for i, dt in enumerate(out_dtypes):
+            size = tuple(cg.buffer_shape(self.n_inputs + i, syms))
             out_specs.append((size, contiguous_strides(size), dt))
-        prepared = _C.PreparedRun(self.compiled, variant, syms, strides, -1 if device is None else device,
+        prepared = _C.PreparedRun(cg, variant, syms, strides, -1 if device is None else device,
                                   self._empty, out_specs)
         # Outputs that are reshapes of a buffer are views of it (no copy kernel).
         outs = []
-        for o, b in enumerate(self.outputs):
-            shape = self.compiled.output_shape(o, syms)
-            outs.append((b, None if b < self.n_inputs or shape == self.compiled.buffer_shape(b, syms) else tuple(shape)))
+        for o, b in enumerate(outputs):
+            shape = cg.output_shape(o, syms)
+            outs.append((b, None if b < self.n_inputs or shape == cg.buffer_shape(b, syms) else tuple(shape)))
         prepared.set_result(0 if self.single else 1, outs)
         if self.num_library_calls:
             prepared.set_library([_pair_block(first, second, out_specs) for first, second in self.paired],
@@ -326,6 +333,12 @@ class FusedPartition(_C.Launcher):
             if key in self._refused:
                 return _PLAIN
             if not self._check_inputs(tensors):
+                return _EAGER
+            if self.num_library_calls and self.compiled.empty_part_symbols([list(t.shape) for t in tensors]):
+                # _prepare's graph for these sizes (for_sizes) may pair its GEMM
+                # results otherwise than self.paired says: not taken here.
+                log.info("%s: a cat part is empty at these sizes in a graph with library calls; running eagerly",
+                         self.name)
                 return _EAGER
             if self.cuda and tensors:
                 ensure_context(tensors[0].device)  # variant() compiles for the current context's device
