@@ -101,9 +101,15 @@ void bind_skinny_gemm(nb::module_& m) {
   m.def("skinny_gemm_choose_tma_config", [](int64_t m_, int64_t n, int64_t k, int sms) {
     return skinny::choose_tma_config(m_, n, k, sms).tag();
   });
-  m.def("skinny_gemm_choose_gated_pair_config", [](int64_t m_, int64_t n, int64_t k, int sms) {
-    return skinny::choose_gated_pair_config(m_, n, k, sms).tag();
-  });
+  m.def(
+      "skinny_gemm_device_dram_tbps", [] { return small_m_current_device().dram_tbps; },
+      "The current context's device's peak DRAM bandwidth in TB/s as the skinny GEMM reads it (0: unknown).");
+  m.def(
+      "skinny_gemm_choose_gated_pair_config",
+      [](int64_t m_, int64_t n, int64_t k, int sms, double dram_tbps) {
+        return skinny::choose_gated_pair_config(m_, n, k, sms, dram_tbps).tag();
+      },
+      nb::arg("m"), nb::arg("n"), nb::arg("k"), nb::arg("sms"), nb::arg("dram_tbps") = 0.0);
   m.def(
       "skinny_gemm_set_trace_buffer", [](uintptr_t buffer) { skinny::set_trace_buffer(reinterpret_cast<uint64_t*>(buffer)); },
       nb::arg("buffer"),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -219,7 +220,14 @@ SkinnyConfig choose_tma_config(int64_t m, int64_t n, int64_t k, int sms) {
 // 168 rows (n7w3s8c1) against 47.7 with 115 of 192 (n6w4s7c1)
 // (docs/perf-notes.md, "H200, session 18"). N = 11008 on 132 SMs: H = 84,
 // n7w3s8c1xg, 132 CTAs.
-SkinnyConfig choose_gated_pair_config(int64_t m, int64_t n, int64_t k, int sms) {
+// Stages: as many as fit, at most 12, and at most 1.7 per TB/s of the
+// device's peak DRAM bandwidth (dram_tbps; 0: no such cap). Bytes in flight
+// need only cover bandwidth x latency, and past that more stages cost: on
+// two H100s (3.35 TB/s) the Llama block at M = 16 took 102.2 and 106.1 us
+// with n7w3s8c1xg against 98.6 and 102.3 with s6, s9 and s7 slower, s5 and
+// s4 no faster (bench/results/h100/session36-{sweep-1dc8fcb,stages-29469e7}).
+// The H200 (4.8 TB/s: 8.2) keeps its measured s8.
+SkinnyConfig choose_gated_pair_config(int64_t m, int64_t n, int64_t k, int sms, double dram_tbps) {
   (void)m;
   (void)k;
   SkinnyConfig c;
@@ -243,6 +251,7 @@ SkinnyConfig choose_gated_pair_config(int64_t m, int64_t n, int64_t k, int sms) 
   }
   const int bn = 8 * c.nt * c.warps;  // rows(), which needs stages set
   c.stages = std::min(12, (200 * 1024 - bn * 64) / (bn * 128 + 16 * 128));
+  if (dram_tbps > 0) c.stages = std::max(std::min(c.stages, 4), std::min(c.stages, static_cast<int>(std::lround(1.7 * dram_tbps))));
   return c;
 }
 
@@ -474,7 +483,7 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
     if (cfg.cluster > 1 && info.arch < 90) cfg.cluster = 1;
     cfg.gate = g.a_mul.ptr ? 1 : 0;  // the operand decides it, not the tuning
     if (gated_h) {  // one wave over h's columns, each CTA both weights' rows of them
-      if (!(forced && *forced && cfg.stages && cfg.cluster == 1)) cfg = choose_gated_pair_config(g.m, g.n, g.k, info.sms);
+      if (!(forced && *forced && cfg.stages && cfg.cluster == 1)) cfg = choose_gated_pair_config(g.m, g.n, g.k, info.sms, info.dram_tbps);
       cfg.pair = cfg.gated_pair = true;
     } else if (second) {  // one wave over both weights' rows
       if (!(forced && *forced && cfg.stages)) cfg = choose_tma_config(g.m, 2 * g.n, g.k, info.sms);
@@ -485,7 +494,7 @@ static bool run_impl(const GemmArgs& g, const GemmArgs* second, int64_t pair_byt
     }
     if (const int trigger = cfg.stages ? trigger_env() : -1; trigger >= 0) cfg.trigger_start = trigger == 1;
     // A forced config's partial tile, which parse did not count unless it was an "xg" tag.
-    if (cfg.gated_pair && cfg.dynamic_smem() > 227 * 1024) cfg = choose_gated_pair_config(g.m, g.n, g.k, info.sms);
+    if (cfg.gated_pair && cfg.dynamic_smem() > 227 * 1024) cfg = choose_gated_pair_config(g.m, g.n, g.k, info.sms, info.dram_tbps);
     LoadedFn& lf = functions[{ctx, g.dtype, cfg.nt, cfg.u, cfg.warps, cfg.min_blocks, cfg.cluster, cfg.pipe, cfg.gate,
                               (((cfg.stages * 32 + cfg.early) * 2 + (cfg.trace ? 1 : 0)) * 3 +
                                (cfg.gated_pair ? 2 : cfg.pair ? 1 : 0)) * 2 + (cfg.trigger_start ? 1 : 0)}];

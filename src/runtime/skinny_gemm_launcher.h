@@ -134,7 +134,7 @@ bool try_run_gated_pair(const GemmArgs& x, const GemmArgs& y, void* h, bool x_is
 
 // The gated pair's config: one wave of CTAs over h's columns (the chooser
 // behind try_run_gated_pair).
-SkinnyConfig choose_gated_pair_config(int64_t m, int64_t n, int64_t k, int sms);
+SkinnyConfig choose_gated_pair_config(int64_t m, int64_t n, int64_t k, int sms, double dram_tbps = 0);
 
 // Diagnosis: the buffer (device memory, 6 words per CTA) that the next
 // launches of a trace config ("...t", forced with OPFUSE_SKINNY_CONFIG)

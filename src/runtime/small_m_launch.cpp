@@ -35,6 +35,11 @@ SmallMDevice small_m_current_device() {
   check_cuda(c.CtxGetDevice(&dev), "cuCtxGetDevice");
   info.arch = current_device_arch();
   if (c.DeviceGetAttribute(&info.sms, kDevAttrMultiprocessorCount, dev) != 0 || info.sms <= 0) info.sms = 1;
+  constexpr int kDevAttrMemoryClockKhz = 36, kDevAttrBusWidthBits = 37;  // CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE, _GLOBAL_MEMORY_BUS_WIDTH
+  int khz = 0, bits = 0;
+  if (c.DeviceGetAttribute(&khz, kDevAttrMemoryClockKhz, dev) == 0 && c.DeviceGetAttribute(&bits, kDevAttrBusWidthBits, dev) == 0 &&
+      khz > 0 && bits > 0)
+    info.dram_tbps = 2.0 * khz * 1e3 * (bits / 8.0) / 1e12;  // double data rate
   return info;
 }
 

@@ -28,6 +28,10 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 // the driver does not say).
 struct SmallMDevice {
   int arch = 0, sms = 0;
+  // Peak DRAM bandwidth in TB/s from the memory clock and bus width (0:
+  // unknown): H100 SXM 3.35, H200 4.8. The skinny GEMM sizes its loads in
+  // flight by it.
+  double dram_tbps = 0;
 };
 SmallMDevice small_m_current_device();
 

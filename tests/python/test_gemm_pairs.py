@@ -123,6 +123,15 @@ def test_gated_pair_config_is_one_wave(n, tag):
     assert -(-n // (rows // 2)) <= 132 or rows == 256
 
 
+@pytest.mark.parametrize("tbps,tag", [(0.0, "n7w3s8c1xg"), (4.8, "n7w3s8c1xg"), (3.35, "n7w3s6c1xg"), (2.0, "n7w3s4c1xg"),
+                                      (9.0, "n7w3s8c1xg")])
+def test_gated_pair_stages_follow_the_dram_bandwidth(tbps, tag):
+    """At most 1.7 stages per TB/s of peak DRAM bandwidth (bytes in flight
+    cover bandwidth x latency; more cost on the H100), at least 4, at most
+    what shared memory holds: the H200 keeps s8, the H100 takes s6."""
+    assert _C.skinny_gemm_choose_gated_pair_config(16, 11008, 4096, 132, tbps) == tag
+
+
 PAIR_CASES = [(torch.bfloat16, m, k, h, w3_first) for m, k, h in [(1, 64, 88), (5, 72, 136), (16, 4096, 1000), (67, 29, 37)]
               for w3_first in (False, True)] + [(torch.float16, 16, 72, 136, True), (torch.float32, 5, 29, 37, False)]
 
