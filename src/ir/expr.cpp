@@ -32,6 +32,29 @@ std::pair<int64_t, Expr> split_coeff(const Expr& e) {
 
 bool less(const Expr& a, const Expr& b) { return to_string(a) < to_string(b); }
 
+// A sum whose every non-constant term has a coefficient that y divides:
+// sets *whole to the sum of those terms divided by y and *c to the
+// constant. Then, for integer leaves, (y*w + c) // y == w + c // y and
+// (y*w + c) % y == c % y: cat([x, x])[::2] has (2*s0 + 1)//2 = s0 rows.
+bool multiple_plus_constant(const Expr& a, int64_t y, Expr* whole, int64_t* c) {
+  if (a->kind != ExprNode::Add) return false;
+  Expr w = nullptr;
+  *c = 0;
+  for (const Expr& t : a->args) {
+    auto [k, rest] = split_coeff(t);
+    if (!rest) {
+      *c += k;
+      continue;
+    }
+    if (k % y != 0) return false;
+    Expr part = cst(k / y) * rest;
+    w = w ? w + part : part;
+  }
+  if (!w) return false;
+  *whole = w;
+  return true;
+}
+
 }  // namespace
 
 Expr cst(int64_t v) {
@@ -132,6 +155,10 @@ Expr floordiv(const Expr& a, const Expr& b) {
     if (rest && k % y == 0) return cst(k / y) * rest;
   }
   if (expr_equal(a, b)) return cst(1);
+  Expr whole;
+  int64_t c = 0;
+  if (is_const(b, &y) && y > 0 && multiple_plus_constant(a, y, &whole, &c))
+    return whole + cst(floordiv_int(c, y));
   // (x // p) // q == x // (p*q) for positive p and q (floor of a floor):
   // two slices by step 2 are s0//4, as PyTorch prints them, not s0//2//2.
   int64_t p;
@@ -146,6 +173,9 @@ Expr mod(const Expr& a, const Expr& b) {
   if (is_const(a, &x) && is_const(b, &y) && y != 0) return cst(x - floordiv_int(x, y) * y);
   if (is_const(a, &x) && x == 0) return a;
   if (expr_equal(a, b)) return cst(0);
+  Expr whole;
+  int64_t c = 0;
+  if (is_const(b, &y) && y > 0 && multiple_plus_constant(a, y, &whole, &c)) return cst(c - floordiv_int(c, y) * y);
   return make(ExprNode::Mod, {a, b});
 }
 
