@@ -32,7 +32,9 @@ struct Value {
 };
 
 // Attribute values; "dtype" attributes are dtype names ("f32", "bf16", ...).
-using Attribute = std::variant<int64_t, double, bool, std::string, std::vector<int64_t>>;
+// Shapes and bounds: integers, or strings that may name size symbols
+// ({"s0*4", "-1"} for a reshape; {"s0 - 1"} for a slice's end).
+using Attribute = std::variant<int64_t, double, bool, std::string, std::vector<int64_t>, std::vector<std::string>>;
 using Attributes = std::map<std::string, Attribute>;
 
 class Program {
@@ -72,7 +74,9 @@ class Compiled {
   std::string plan() const;  // the fusion plan, one kernel a line
   // Shapes of the outputs for these input shapes.
   std::vector<std::vector<int64_t>> output_shapes(const std::vector<std::vector<int64_t>>& input_shapes) const;
-  // Runs all kernels; outputs must be contiguous with the shapes above.
+  // Runs all kernels; outputs must be contiguous (row-major strides) with
+  // the shapes above, and may not overlap the inputs. An output that is a
+  // graph input is copied from it.
   void run(const std::vector<TensorRef>& inputs, const std::vector<TensorRef>& outputs);
 
   struct Impl;

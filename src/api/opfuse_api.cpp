@@ -2,6 +2,7 @@
 #include <opfuse/opfuse.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "ir/graph.h"
 #include "runtime/compiled_graph.h"
@@ -64,8 +65,22 @@ Value Program::op(const std::string& name, const std::vector<Value>& inputs, con
   return guarded([&] {
     Attrs a;
     for (auto& [k, v] : attrs) {
-      if (auto s = std::get_if<std::string>(&v); s && k == "dtype") a[k] = dtype_or_throw(*s);
-      else std::visit([&](auto&& x) { a[k] = x; }, v);
+      if (auto s = std::get_if<std::string>(&v); s && k == "dtype") {
+        a[k] = dtype_or_throw(*s);
+      } else if (auto dims = std::get_if<std::vector<std::string>>(&v)) {
+        Shape shape;
+        for (auto& d : *dims) {
+          std::string err;
+          Expr e = parse_expr(d, &err);
+          if (!e) throw Error(name + ": attribute '" + k + "': bad size '" + d + "': " + err);
+          shape.push_back(e);
+        }
+        a[k] = shape;
+      } else {
+        std::visit([&](auto&& x) {
+          if constexpr (!std::is_same_v<std::decay_t<decltype(x)>, std::vector<std::string>>) a[k] = x;
+        }, v);
+      }
     }
     std::vector<int> ids;
     for (auto v : inputs) ids.push_back(v.id);
@@ -125,41 +140,74 @@ void Compiled::run(const std::vector<TensorRef>& inputs, const std::vector<Tenso
     const auto& bufs = g.buffers();
     auto syms = g.bind(shapes);
     int v = g.variant(shapes, strides);
-    // Stored nodes: graph outputs come from the caller; intermediates are
-    // allocated here for the duration of the run.
-    std::vector<void*> ptrs;
-    for (auto& t : inputs) ptrs.push_back(t.data);
-    std::vector<std::vector<char>> scratch;
+    // Every output: the shape output_shapes() gives, the graph's dtype,
+    // row-major strides (a size-1 dim's stride is free).
     const auto& outs = g.output_buffers();
     if (outputs.size() != outs.size())
       throw Error("expected " + std::to_string(outs.size()) + " outputs, got " + std::to_string(outputs.size()));
+    for (size_t o = 0; o < outs.size(); ++o) {
+      const TensorRef& t = outputs[o];
+      const auto want = g.output_shape(static_cast<int>(o), syms);
+      if (t.shape != want) throw Error("output " + std::to_string(o) + " has the wrong shape");
+      if (dtype_or_throw(t.dtype) != bufs[static_cast<size_t>(outs[o])].dtype)
+        throw Error("output " + std::to_string(o) + " is " + t.dtype + ", the graph gives " +
+                    dtype_name(bufs[static_cast<size_t>(outs[o])].dtype));
+      if (t.strides.size() != t.shape.size()) throw Error("output " + std::to_string(o) + ": strides and shape differ in rank");
+      int64_t expect = 1;
+      for (size_t d = t.shape.size(); d-- > 0;) {
+        if (t.shape[d] != 1 && t.strides[d] != expect)
+          throw Error("output " + std::to_string(o) + " is not contiguous (stride " + std::to_string(t.strides[d]) +
+                      " at dim " + std::to_string(d) + ", row-major wants " + std::to_string(expect) + ")");
+        expect *= t.shape[d];
+      }
+    }
+    // Stored nodes: a graph output's buffer is the caller's memory (the
+    // first output it backs; an output that reshapes a buffer has the same
+    // elements in the same order); intermediates are allocated here for the
+    // duration of the run.
+    std::vector<void*> ptrs;
+    for (auto& t : inputs) ptrs.push_back(t.data);
+    std::vector<std::vector<char>> scratch;
     for (size_t b = n_in; b < bufs.size(); ++b) {
-      auto shape = g.buffer_shape(static_cast<int>(b), syms);
-      int64_t n = 1;
-      for (auto s : shape) n *= s;
       void* p = nullptr;
-      for (size_t o = 0; o < outs.size(); ++o)
-        if (outs[o] == static_cast<int>(b)) {
-          if (outputs[o].shape != shape) throw Error("output " + std::to_string(o) + " has the wrong shape");
-          if (dtype_or_throw(outputs[o].dtype) != bufs[b].dtype) throw Error("output " + std::to_string(o) + " has the wrong dtype");
-          p = outputs[o].data;
-        }
+      for (size_t o = 0; o < outs.size() && !p; ++o)
+        if (outs[o] == static_cast<int>(b)) p = outputs[o].data;
       if (!p) {
+        int64_t n = 1;
+        for (auto s : g.buffer_shape(static_cast<int>(b), syms)) n *= s;
         scratch.emplace_back(static_cast<size_t>(n * dtype_size(bufs[b].dtype)) + 1);
         p = scratch.back().data();
       }
       ptrs.push_back(p);
     }
     g.run(v, syms, ptrs, strides);
-    // Outputs that are graph inputs (or repeated) are copied into place.
-    for (size_t o = 0; o < outs.size(); ++o)
-      if (ptrs[static_cast<size_t>(outs[o])] != outputs[o].data) {
-        auto shape = g.buffer_shape(outs[o], syms);
-        int64_t n = 1;
-        for (auto s : shape) n *= s;
-        if (static_cast<size_t>(outs[o]) < n_in) throw Error("an output that is a graph input is not supported by run()");
-        std::memcpy(outputs[o].data, ptrs[static_cast<size_t>(outs[o])], static_cast<size_t>(n * dtype_size(bufs[static_cast<size_t>(outs[o])].dtype)));
+    // Outputs whose buffer is another output's (or a graph input) are copied into place.
+    for (size_t o = 0; o < outs.size(); ++o) {
+      const size_t b = static_cast<size_t>(outs[o]);
+      if (ptrs[b] == outputs[o].data) continue;
+      const size_t elem = static_cast<size_t>(dtype_size(bufs[b].dtype));
+      const auto shape = g.buffer_shape(static_cast<int>(b), syms);
+      int64_t n = 1;
+      for (auto s : shape) n *= s;
+      if (b >= n_in) {
+        std::memcpy(outputs[o].data, ptrs[b], static_cast<size_t>(n) * elem);
+        continue;
       }
+      // A graph input, at its own strides: element by element, row-major.
+      const auto& st = strides[b];
+      std::vector<int64_t> idx(shape.size(), 0);
+      char* dst = static_cast<char*>(outputs[o].data);
+      const char* src = static_cast<const char*>(ptrs[b]);
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t at = 0;
+        for (size_t d = 0; d < idx.size(); ++d) at += idx[d] * st[d];
+        std::memcpy(dst + static_cast<size_t>(i) * elem, src + at * static_cast<int64_t>(elem), elem);
+        for (size_t d = idx.size(); d-- > 0;) {
+          if (++idx[d] < shape[d]) break;
+          idx[d] = 0;
+        }
+      }
+    }
     return 0;
   });
 }

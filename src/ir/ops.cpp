@@ -432,9 +432,32 @@ void def_layout() {
     registry()[name] = d;
   };
   def("copy", OpKind::Layout, 1, 1, [](const Graph& g, Node& n) { n.shape = g.node(n.inputs[0]).shape; });
-  def("reshape", OpKind::Layout, 1, 1, [](const Graph& g, Node& n) {
+  // A negative constant left in a shape attribute (a -1 where none is allowed).
+  auto no_negative = [](const Node& n) {
+    for (const Expr& d : n.shape) {
+      int64_t c = 0;
+      if (is_const(d, &c) && c < 0) throw GraphError(n.where() + ": size " + std::to_string(c) + " in 'shape' " + shape_to_string(n.shape));
+    }
+  };
+  def("reshape", OpKind::Layout, 1, 1, [no_negative](const Graph& g, Node& n) {
     const Node& x = g.node(n.inputs[0]);
     n.shape = n.get_shape("shape");
+    // One -1 dim, as in PyTorch: the elements the others leave, where that
+    // quotient is exact for every size (4*s0 elements as [-1, 2]: 2*s0).
+    int inferred = -1;
+    for (size_t i = 0; i < n.shape.size(); ++i) {
+      int64_t c = 0;
+      if (!is_const(n.shape[i], &c) || c != -1) continue;
+      if (inferred >= 0) throw GraphError(n.where() + ": only one dim of 'shape' may be -1");
+      inferred = static_cast<int>(i);
+    }
+    if (inferred >= 0) {
+      Expr rest = cst(1);
+      for (size_t i = 0; i < n.shape.size(); ++i)
+        if (static_cast<int>(i) != inferred) rest = rest * n.shape[i];
+      n.shape[static_cast<size_t>(inferred)] = floordiv(numel(x.shape), rest);
+    }
+    no_negative(n);
     if (!expr_equal(numel(n.shape), numel(x.shape)))
       throw GraphError(n.where() + ": cannot reshape " + shape_to_string(x.shape) + " (" + to_string(numel(x.shape)) +
                        " elements) to " + shape_to_string(n.shape));
@@ -452,17 +475,19 @@ void def_layout() {
       n.shape.push_back(x.shape[static_cast<size_t>(d)]);
     }
   });
-  def("expand", OpKind::Broadcast, 1, 1, [](const Graph& g, Node& n) {
+  def("expand", OpKind::Broadcast, 1, 1, [no_negative](const Graph& g, Node& n) {
     const Node& x = g.node(n.inputs[0]);
     n.shape = n.get_shape("shape");
     if (n.shape.size() < x.shape.size()) throw GraphError(n.where() + ": cannot expand to fewer dims");
     size_t off = n.shape.size() - x.shape.size();
     for (size_t i = 0; i < x.shape.size(); ++i) {
       int64_t c;
+      if (is_const(n.shape[off + i], &c) && c == -1) n.shape[off + i] = x.shape[i];  // -1 keeps the size, as in PyTorch
       if (is_const(x.shape[i], &c) && c == 1) continue;
       if (!expr_equal(x.shape[i], n.shape[off + i]))
         throw GraphError(n.where() + ": cannot expand size " + to_string(x.shape[i]) + " to " + to_string(n.shape[off + i]));
     }
+    no_negative(n);
   });
   def("squeeze", OpKind::Layout, 1, 1, [](const Graph& g, Node& n) {
     const Node& x = g.node(n.inputs[0]);

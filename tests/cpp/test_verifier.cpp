@@ -34,6 +34,29 @@ TEST(Verifier, AcceptsAGoodGraph) {
   EXPECT_NO_THROW(verify(g));
 }
 
+TEST(Verifier, ReshapeAndExpandTakeMinusOneAsPyTorchDoes) {
+  // reshape: the one -1 is what the other dims leave, exactly for every
+  // size; expand: -1 keeps the input's size.
+  Graph g = parse_graph(
+      "graph {\n"
+      "  %0 = input() {name=\"x\"} : f32[s0, 6]\n"
+      "  %1 = reshape(%0) {shape=<-1, 3>} : f32[2*s0, 3]\n"
+      "  %2 = input() {name=\"y\"} : f32[1, 3]\n"
+      "  %3 = expand(%2) {shape=<2*s0, -1>} : f32[2*s0, 3]\n"
+      "  return (%1, %3)\n"
+      "}\n");
+  EXPECT_NO_THROW(verify(g));
+  EXPECT_TRUE(verify_fails("  %0 = input() {name=\"x\"} : f32[s0, 6]\n"
+                           "  %1 = reshape(%0) {shape=<-1, -1>} : f32[2*s0, 3]\n  return (%1)\n",
+                           {"%1 (reshape)", "only one dim", "-1"}));
+  EXPECT_TRUE(verify_fails("  %0 = input() {name=\"x\"} : f32[s0, 6]\n"
+                           "  %1 = reshape(%0) {shape=<-1, 4>} : f32[2*s0, 3]\n  return (%1)\n",
+                           {"%1 (reshape)", "cannot reshape"}));
+  EXPECT_TRUE(verify_fails("  %0 = input() {name=\"x\"} : f32[3]\n"
+                           "  %1 = expand(%0) {shape=<-1, 3>} : f32[2, 3]\n  return (%1)\n",
+                           {"%1 (expand)", "size -1"}));
+}
+
 TEST(Verifier, WrongDeclaredShape) {
   EXPECT_TRUE(verify_fails("  %0 = input() {name=\"x\"} : f32[3, 4]\n"
                            "  %1 = input() {name=\"y\"} : f32[4]\n"
