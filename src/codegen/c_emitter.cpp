@@ -139,6 +139,16 @@ void CEmitter::statement(const KStmt& s, const KStage& stage) {
     case KStmt::Cast: {
       std::string v = value(s.args[0]);
       DType to = s.node.dtype;
+      // An integer made float: a zero is +0.0 by a select. With
+      // -fno-trapping-math GCC turns (float)(int32_t)x into a truncation of
+      // x, which gives -0.0 for x in (-1, 0) where PyTorch's integer gives
+      // +0.0 (reciprocal: -inf against inf; IR fuzzer seed 3939, graph 115);
+      // it folds a + 0.0f away, not the select, which vectorises.
+      const DType from = k_->value_types.at(static_cast<size_t>(s.args[0]));
+      if (is_integral(from) && is_floating(to)) {
+        const std::string t = to == DType::Float64 ? "double" : "float";
+        v = "(" + v + " == 0 ? (" + t + ")0 : (" + t + ")" + v + ")";
+      }
       if (to == DType::Bool) def("(" + v + " != 0)");
       else if (to == DType::BFloat16) def("opf_round_bf16((float)" + v + ")");
       else if (to == DType::Float16) def("opf_round_half((float)" + v + ")");

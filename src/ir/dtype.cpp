@@ -90,7 +90,7 @@ double round_to_dtype(double v, DType t) {
       if (std::isnan(v)) return 0;
       return static_cast<double>(static_cast<int32_t>(static_cast<int64_t>(std::trunc(v))));
     }
-    case DType::Int64: return std::isnan(v) ? 0 : std::trunc(v);
+    case DType::Int64: return std::isnan(v) ? 0 : std::trunc(v) + 0.0;  // + 0.0: an integer has no -0 (trunc(-0.4) is -0.0)
     case DType::Float16: return round_f16(static_cast<float>(v));
     case DType::BFloat16: return round_bf16(static_cast<float>(v));
     case DType::Float32: return static_cast<float>(v);

@@ -976,6 +976,25 @@ def check_text(text, inputs):
         torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
 
 
+def test_regression_an_integer_zero_made_float_is_positive():
+    """(float)(int32_t)x became a truncation of x under -fno-trapping-math,
+    -0.0 for x in (-1, 0), so 1 / float(int(x)) was -inf where PyTorch gives
+    inf (seed 3939, graph 115)."""
+    text = """graph {
+  %0 = input() {name="x"} : bf16[8]
+  %1 = cast(%0) {dtype=i32} : i32[8]
+  %2 = cast(%1) {dtype=f16} : f16[8]
+  %3 = reciprocal(%2) : f16[8]
+  %4 = input() {name="y"} : f64[8]
+  %5 = cast(%4) {dtype=i64} : i64[8]
+  %6 = cast(%5) {dtype=f64} : f64[8]
+  %7 = reciprocal(%6) : f64[8]
+  return (%3, %7)
+}"""
+    x = torch.tensor([-0.4, 0.4, -1.5, 2.5, -0.0, 0.0, -3.7, 3.7], dtype=torch.bfloat16)
+    check_text(text, [x, x.double()])
+
+
 def test_regression_argmax_over_a_size_one_dim():
     """Emitted C++ used the loop variable of the size-1 axis, which has none (fixed in 3c0d046)."""
     text = """graph {
